@@ -1,0 +1,186 @@
+"""The plain training loop: the numerical reference every offloading mode is compared against.
+
+Read top to bottom it is one step of training: draw a batch, forward under the chosen
+precision, backward (accumulated over ``grad_accum`` micro-batches), unscale, clip,
+step, record. Everything else (config, checkpoints, metrics) lives in its own module.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from tiertrain.data import BatchSampler, load_tokens
+from tiertrain.engine.checkpoint import (TrainerState, checkpoint_root, find_checkpoint, load_checkpoint,
+                                         save_checkpoint)
+from tiertrain.engine.config import TrainConfig
+from tiertrain.engine.metrics import MetricsFile, Reporter, StepTimer, peak_bytes
+from tiertrain.engine.objective import causal_lm_pair, is_encoder, lm_loss, masked_lm_pair
+from tiertrain.engine.optimizer import make_adamw
+from tiertrain.engine.precision import Precision, choose_device, choose_precision
+from tiertrain.engine.schedule import lr_at
+from tiertrain.errors import ConfigError, OutputError
+from tiertrain.models import build, flops_per_token, resolve_config
+from tiertrain.models.config import ModelConfig
+
+
+@dataclass
+class RunSummary:
+    steps: int
+    first_loss: float
+    last_loss: float
+    tokens_per_s: float
+    tflops: float
+    seconds: float
+    checkpoint: Path | None
+    out: Path
+    losses: list[float] = field(default_factory=list)
+
+
+def prepare_out(out: Path) -> Path:
+    """Create the output directory and prove it is writable before any work starts."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise OutputError(f"output directory {out} is not writable ({exc.strerror}); choose another --out") from None
+    return out
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def model_vocab_and_len(model: nn.Module) -> tuple[int, int]:
+    cfg = model.config
+    if isinstance(cfg, ModelConfig):
+        return cfg.vocab_size, cfg.max_seq_len
+    return cfg.vocab_size, getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 1 << 30)
+
+
+def model_flops_per_token(model: nn.Module, seq_len: int) -> int:
+    """By formula for our models; 6 N + 12 L d s from the module for transformers models."""
+    if isinstance(model.config, ModelConfig):
+        return flops_per_token(model.config, seq_len)
+    n = sum(p.numel() for p in model.parameters())
+    cfg = model.config
+    layers = getattr(cfg, "num_hidden_layers", 0)
+    hidden = getattr(cfg, "hidden_size", 0)
+    return 6 * n + 12 * layers * hidden * seq_len
+
+
+class Trainer:
+    """Holds the objects of one run; ``run`` is the loop."""
+
+    def __init__(self, cfg: TrainConfig, reporter: Reporter | None = None) -> None:
+        self.cfg = cfg
+        self.out = prepare_out(Path(cfg.out))
+        self.device = choose_device(cfg.device)
+        self.precision: Precision = choose_precision(cfg.precision, self.device)
+        model_cfg = resolve_config(cfg.model)
+        seed_everything(cfg.seed)
+        self.model = build(model_cfg).to(self.device)
+        vocab, max_len = model_vocab_and_len(self.model)
+        if cfg.seq_len > max_len:
+            raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's maximum {max_len}; use a shorter --seq-len")
+        self.vocab = vocab
+        self.sampler = BatchSampler(load_tokens(cfg.data, vocab, cfg.tokenizer), cfg.batch_size, cfg.seq_len, cfg.seed)
+        self.opt, self.param_names = make_adamw(self.model, cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay)
+        self.scaler = self.precision.grad_scaler()
+        self.step = 0
+        self.flops_per_token = model_flops_per_token(self.model, cfg.seq_len)
+        self.reporter = reporter or Reporter(cfg.steps, cfg.log_every, quiet=True)
+        if cfg.resume:
+            self._resume(Path(cfg.resume))
+        self.metrics = MetricsFile(self.out / "metrics.jsonl", self.step if cfg.resume else None)
+
+    def _resume(self, path: Path) -> None:
+        ckpt = find_checkpoint(path)
+        state = load_checkpoint(ckpt, self.model, self.opt, self.param_names)
+        self.step = state.step
+        self.sampler.position = state.data_position
+        if state.scaler:
+            self.scaler.load_state_dict(state.scaler)
+        self.reporter.message(f"resumed from {ckpt} at step {self.step}")
+
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        k = self.sampler.position
+        tokens = self.sampler.next()
+        x, y = masked_lm_pair(tokens, self.vocab, self.cfg.seed, k) if is_encoder(self.model) else causal_lm_pair(tokens)
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def train_step(self) -> tuple[float, float]:
+        """One optimizer step over ``grad_accum`` micro-batches; returns (loss, grad norm)."""
+        cfg = self.cfg
+        lr = lr_at(self.step, cfg.lr, cfg.final_lr, cfg.warmup, cfg.steps)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        total = torch.zeros((), device=self.device)
+        for _ in range(cfg.grad_accum):
+            x, y = self.batch()
+            with self.precision.autocast():
+                loss = lm_loss(self.model, x, y) / cfg.grad_accum
+            self.scaler.scale(loss).backward()
+            total += loss.detach()
+        self.scaler.unscale_(self.opt)
+        norm = float("nan")
+        if cfg.grad_clip > 0:
+            norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        self.opt.zero_grad(set_to_none=True)
+        self.step += 1
+        return float(total), norm
+
+    def save(self) -> Path:
+        state = TrainerState(step=self.step, data_position=self.sampler.position,
+                             scaler=self.scaler.state_dict() if self.scaler.is_enabled() else {},
+                             run_config=self.cfg.to_dict())
+        return save_checkpoint(self.out, self.model, self.opt, self.param_names, state, self.cfg.keep_checkpoints)
+
+    def run(self) -> RunSummary:
+        cfg, losses, tokens_s, tflops, start_step = self.cfg, [], [], [], self.step
+        tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
+        checkpoint, began = None, StepTimer(self.device)
+        try:
+            while self.step < cfg.steps:
+                timer = StepTimer(self.device)
+                loss, norm = self.train_step()
+                dt = timer.elapsed()
+                row = {"step": self.step, "loss": loss, "lr": self.opt.param_groups[0]["lr"],
+                       "grad_norm": norm, "tokens_per_s": tokens_per_step / dt,
+                       "tflops": tokens_per_step * self.flops_per_token / dt / 1e12,
+                       "step_s": dt, "peak_bytes": peak_bytes(self.device)}
+                if self.precision.name == "fp16":
+                    row["loss_scale"] = self.scaler.get_scale()
+                self.metrics.write(row)
+                self.reporter.step(row)
+                losses.append(loss)
+                tokens_s.append(row["tokens_per_s"])
+                tflops.append(row["tflops"])
+                if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
+                    checkpoint = self.save()
+            if self.step > start_step or not (checkpoint_root(self.out)).exists():
+                checkpoint = self.save()
+        finally:
+            self.metrics.close()
+            self.reporter.close()
+        med = (lambda v: float(np.median(v)) if v else 0.0)
+        return RunSummary(steps=self.step, first_loss=losses[0] if losses else float("nan"),
+                          last_loss=losses[-1] if losses else float("nan"), tokens_per_s=med(tokens_s),
+                          tflops=med(tflops), seconds=began.elapsed(), checkpoint=checkpoint,
+                          out=self.out, losses=losses)
+
+
+def train(cfg: TrainConfig, reporter: Reporter | None = None) -> RunSummary:
+    return Trainer(cfg, reporter).run()

@@ -1,0 +1,44 @@
+"""Compute precision: autocast context and loss scaling, chosen once per run."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import ContextManager
+
+import torch
+
+from tiertrain.errors import ConfigError
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str
+    device_type: str
+
+    def autocast(self) -> ContextManager[None]:
+        """fp32 runs without autocast; bf16/fp16 autocast with fp32 weights (the master copy)."""
+        if self.name == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=_DTYPES[self.name])
+
+    def grad_scaler(self) -> torch.amp.GradScaler:
+        """Dynamic loss scaling for fp16; a disabled scaler (a no-op) otherwise."""
+        return torch.amp.GradScaler(self.device_type, enabled=self.name == "fp16")
+
+
+def choose_precision(requested: str | None, device: torch.device) -> Precision:
+    name = requested or ("bf16" if device.type == "cuda" else "fp32")
+    if name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError("this GPU does not support bf16; use --precision fp16")
+    return Precision(name=name, device_type=device.type)
+
+
+def choose_device(requested: str) -> torch.device:
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for but no CUDA device is visible; use --device cpu")
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(requested)

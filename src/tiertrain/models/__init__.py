@@ -1,0 +1,96 @@
+"""Reference models and the one entry point that builds any model tiertrain trains."""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from tiertrain.errors import ConfigError
+from tiertrain.models.accounting import flops_per_token, param_count, state_bytes
+from tiertrain.models.config import ModelConfig
+from tiertrain.models.configs import CONFIGS, DEFAULT_MODEL
+from tiertrain.models.gpt import GPT
+
+__all__ = ["CONFIGS", "DEFAULT_MODEL", "GPT", "ModelConfig", "build", "resolve_config",
+           "flops_per_token", "param_count", "state_bytes"]
+
+
+def resolve_config(spec: Any) -> Any:
+    """Turn a name, dict, file path or config object into a ModelConfig or a transformers config.
+
+    A JSON file with a ``model_type`` key is a Hugging Face config (built with
+    ``AutoModelForCausalLM.from_config``; nothing is fetched from a hub).
+    """
+    if isinstance(spec, ModelConfig):
+        return spec
+    if isinstance(spec, dict):
+        if "model_type" in spec:
+            return _hf_config(spec)
+        return ModelConfig.from_dict(spec)
+    if isinstance(spec, str):
+        if spec.lower() in CONFIGS:
+            return CONFIGS[spec.lower()]
+        path = Path(spec)
+        if path.suffix in (".json", ".yaml", ".yml") or path.is_dir():
+            return resolve_config(_read_model_file(path))
+        close = difflib.get_close_matches(spec.lower(), CONFIGS, n=3)
+        hint = f"did you mean {', '.join(close)}? " if close else ""
+        raise ConfigError(
+            f"unknown model {spec!r}; {hint}use one of: {', '.join(CONFIGS)}, "
+            "or a path to a model config JSON (ours or a Hugging Face config.json)"
+        )
+    if type(spec).__module__.startswith("transformers"):
+        return spec
+    raise ConfigError(f"cannot build a model from {type(spec).__name__}; give a name or a config")
+
+
+def _read_model_file(path: Path) -> dict[str, Any]:
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"model config file {path} does not exist; give a model name or an existing file")
+    try:
+        if path.suffix == ".json":
+            data = json.loads(path.read_text())
+        else:
+            import yaml
+
+            data = yaml.safe_load(path.read_text())
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"cannot read model config {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"model config {path} must hold a mapping of fields")
+    return data
+
+
+def _hf_config(data: dict[str, Any]) -> Any:
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise ConfigError(
+            "this model config is a Hugging Face config; install the extra: pip install 'tiertrain[hf]'"
+        ) from None
+    data = dict(data)
+    try:
+        return AutoConfig.for_model(data.pop("model_type"), **data)
+    except (ValueError, KeyError) as exc:
+        raise ConfigError(f"Hugging Face config not usable: {exc}") from None
+
+
+def build(spec: Any, device: torch.device | str | None = None) -> nn.Module:
+    """Build a model from a name in CONFIGS, a ModelConfig, a dict, a file, or a transformers config.
+
+    Use ``device="meta"`` to build a model of any size without allocating memory.
+    """
+    cfg = resolve_config(spec)
+    with torch.device(device or "cpu"):
+        if isinstance(cfg, ModelConfig):
+            return GPT(cfg)
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_config(cfg)

@@ -95,9 +95,14 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     text = path.read_text()
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        where = getattr(exc, "problem_mark", None) or getattr(exc, "lineno", None)
-        raise ConfigError(f"config file {path} is malformed (near {where}): fix the syntax") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"config file {path} is malformed (line {exc.lineno}, column {exc.colno}: {exc.msg}); "
+                          "fix the syntax") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown place"
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise ConfigError(f"config file {path} is malformed ({where}: {problem}); fix the syntax") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

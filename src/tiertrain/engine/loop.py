@@ -11,6 +11,7 @@ import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,9 +26,11 @@ from tiertrain.engine.objective import causal_lm_pair, is_encoder, lm_loss, mask
 from tiertrain.engine.optimizer import make_adamw
 from tiertrain.engine.precision import Precision, choose_device, choose_precision
 from tiertrain.engine.schedule import lr_at
+from tiertrain.engine.stop import StopFlag
 from tiertrain.errors import ConfigError, OutputError
 from tiertrain.models import build, flops_per_token, resolve_config
 from tiertrain.models.config import ModelConfig
+from tiertrain.units import format_count
 
 
 @dataclass
@@ -41,6 +44,7 @@ class RunSummary:
     checkpoint: Path | None
     out: Path
     losses: list[float] = field(default_factory=list)
+    stopped_early: bool = False
 
 
 def prepare_out(out: Path) -> Path:
@@ -104,9 +108,20 @@ class Trainer:
             self._resume(Path(cfg.resume))
         self.metrics = MetricsFile(self.out / "metrics.jsonl", self.step if cfg.resume else None)
 
+    def describe(self) -> str:
+        n = sum(p.numel() for p in self.model.parameters())
+        name = getattr(self.model.config, "name", "") or type(self.model).__name__
+        return (f"training {name} ({format_count(n)} params) on {self.device.type}, {self.precision.name}; "
+                f"{format_count(len(self.sampler.tokens))} tokens of data; "
+                f"{self.cfg.batch_size * self.cfg.seq_len * self.cfg.grad_accum} tokens/step; "
+                f"steps {self.step}->{self.cfg.steps}; out {self.out}")
+
     def _resume(self, path: Path) -> None:
         ckpt = find_checkpoint(path)
         state = load_checkpoint(ckpt, self.model, self.opt, self.param_names)
+        if state.step >= self.cfg.steps:
+            raise ConfigError(f"checkpoint {ckpt} is already at step {state.step}, so --steps {self.cfg.steps} "
+                              f"leaves nothing to do; pass --steps larger than {state.step}")
         self.step = state.step
         self.sampler.position = state.data_position
         if state.scaler:
@@ -150,27 +165,11 @@ class Trainer:
 
     def run(self) -> RunSummary:
         cfg, losses, tokens_s, tflops, start_step = self.cfg, [], [], [], self.step
-        tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
-        checkpoint, began = None, StepTimer(self.device)
+        checkpoint, began, stop = None, StepTimer(self.device), StopFlag()
         try:
-            while self.step < cfg.steps:
-                timer = StepTimer(self.device)
-                loss, norm = self.train_step()
-                dt = timer.elapsed()
-                row = {"step": self.step, "loss": loss, "lr": self.opt.param_groups[0]["lr"],
-                       "grad_norm": norm, "tokens_per_s": tokens_per_step / dt,
-                       "tflops": tokens_per_step * self.flops_per_token / dt / 1e12,
-                       "step_s": dt, "peak_bytes": peak_bytes(self.device)}
-                if self.precision.name == "fp16":
-                    row["loss_scale"] = self.scaler.get_scale()
-                self.metrics.write(row)
-                self.reporter.step(row)
-                losses.append(loss)
-                tokens_s.append(row["tokens_per_s"])
-                tflops.append(row["tflops"])
-                if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
-                    checkpoint = self.save()
-            if self.step > start_step or not (checkpoint_root(self.out)).exists():
+            with stop:
+                checkpoint = self._loop(stop, losses, tokens_s, tflops)
+            if self.step > start_step or not checkpoint_root(self.out).exists():
                 checkpoint = self.save()
         finally:
             self.metrics.close()
@@ -179,8 +178,33 @@ class Trainer:
         return RunSummary(steps=self.step, first_loss=losses[0] if losses else float("nan"),
                           last_loss=losses[-1] if losses else float("nan"), tokens_per_s=med(tokens_s),
                           tflops=med(tflops), seconds=began.elapsed(), checkpoint=checkpoint,
-                          out=self.out, losses=losses)
+                          out=self.out, losses=losses, stopped_early=self.step < cfg.steps)
 
+    def _loop(self, stop: StopFlag, losses: list[float], tokens_s: list[float], tflops: list[float]) -> Path | None:
+        cfg, checkpoint = self.cfg, None
+        while self.step < cfg.steps and not stop.requested:
+            timer = StepTimer(self.device)
+            loss, norm = self.train_step()
+            row = self._row(loss, norm, timer.elapsed())
+            self.metrics.write(row)
+            self.reporter.step(row)
+            losses.append(loss)
+            tokens_s.append(row["tokens_per_s"])
+            tflops.append(row["tflops"])
+            if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
+                checkpoint = self.save()
+        if stop.requested:
+            self.reporter.message(f"stopping at step {self.step} as asked; saving a checkpoint")
+        return checkpoint
+
+    def _row(self, loss: float, norm: float, seconds: float) -> dict[str, Any]:
+        tokens = self.cfg.batch_size * self.cfg.seq_len * self.cfg.grad_accum
+        row = {"step": self.step, "loss": loss, "lr": self.opt.param_groups[0]["lr"], "grad_norm": norm,
+               "tokens_per_s": tokens / seconds, "tflops": tokens * self.flops_per_token / seconds / 1e12,
+               "step_s": seconds, "peak_bytes": peak_bytes(self.device)}
+        if self.precision.name == "fp16":
+            row["loss_scale"] = self.scaler.get_scale()
+        return row
 
 def train(cfg: TrainConfig, reporter: Reporter | None = None) -> RunSummary:
     return Trainer(cfg, reporter).run()

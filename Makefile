@@ -1,0 +1,12 @@
+# The two commands of the README. Each sets up .venv (idempotent) and then runs.
+.PHONY: train test setup
+
+setup:
+	bash scripts/setup.sh
+
+train: setup
+	.venv/bin/tiertrain train
+
+test:
+	bash scripts/setup.sh test
+	.venv/bin/python -m pytest -q

@@ -1,0 +1,122 @@
+"""The ``tiertrain`` command. User errors print one line and exit 2; bugs keep their traceback."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+from rich.console import Console
+
+from tiertrain.errors import UserError
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+@click.group(context_settings=CONTEXT)
+@click.version_option(package_name="tiertrain")
+def cli() -> None:
+    """Train Transformer models whose training state does not fit in accelerator memory.
+
+    Start with `tiertrain train` (no arguments: a small GPT on a built-in corpus) and
+    `tiertrain info --model gpt3-13b` (what a model needs, before you build it).
+    """
+
+
+@cli.command(context_settings=CONTEXT)
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="YAML or JSON file of options; flags override it.")
+@click.option("--model", help="Model name (see `tiertrain info --list`), or a config JSON (ours or a transformers config.json).")
+@click.option("--data", help='"builtin" (default), a token file (.bin uint16, .u32.bin, .npy), a text file or a directory of text.')
+@click.option("--tokenizer", help="Local transformers tokenizer directory for text data (default: bytes).")
+@click.option("--steps", type=int, help="Optimizer steps to train to (default 200).")
+@click.option("--batch-size", type=int, help="Sequences per micro-batch (default 16).")
+@click.option("--seq-len", type=int, help="Tokens per sequence (default 128).")
+@click.option("--grad-accum", type=int, help="Micro-batches per optimizer step (default 1).")
+@click.option("--lr", type=float, help="Peak learning rate, after warm-up (default 2e-3).")
+@click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]), help="Compute precision (default: bf16 on GPU, fp32 on CPU).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), help="Where to compute (default auto).")
+@click.option("--seed", type=int, help="Seed for weights, data order and masking (default 0).")
+@click.option("--out", type=click.Path(file_okay=False), help="Run directory: metrics.jsonl and checkpoints/ (default runs/tiertrain).")
+@click.option("--resume", type=click.Path(), help="Continue from a run directory or a checkpoint directory.")
+@click.option("--save-every", type=int, help="Save a checkpoint every N steps (default: only at the end).")
+@click.option("--log-every", type=int, help="Print a line every N steps when not on a terminal (default 10).")
+@click.option("--quiet", is_flag=True, help="Print only the summary.")
+def train(config_file: str | None, quiet: bool, **flags: Any) -> None:
+    """Train a model. With no arguments: a small GPT on the built-in corpus, about a minute on CPU.
+
+    Ctrl-C (or SIGTERM) finishes the current step, saves a checkpoint and stops;
+    `--resume OUT` continues exactly where it stopped.
+    """
+    from tiertrain.cli.summary import print_summary
+    from tiertrain.engine.config import make_config, read_config_file
+    from tiertrain.engine.loop import Trainer
+    from tiertrain.engine.metrics import Reporter
+
+    file_values = read_config_file(config_file) if config_file else {}
+    if flags.get("resume") and not flags.get("out") and "out" not in file_values:
+        flags["out"] = _run_dir_of(flags["resume"])
+    cfg = make_config(file_values, flags)
+    console = Console()
+    reporter = Reporter(cfg.steps, cfg.log_every, quiet=quiet)
+    trainer = Trainer(cfg, reporter)
+    reporter.message(trainer.describe())
+    summary = trainer.run()
+    print_summary(summary, console)
+
+
+def _run_dir_of(resume: str) -> str:
+    """Resuming writes on into the run the checkpoint came from."""
+    from pathlib import Path
+
+    path = Path(resume)
+    if (path / "trainer.json").is_file() and path.parent.name == "checkpoints":
+        return str(path.parent.parent)
+    return str(path)
+
+
+@cli.command(context_settings=CONTEXT)
+@click.option("--model", default=None, help="Model name or config file.")
+@click.option("--batch-size", type=int, default=1, show_default=True, help="Sequences per micro-batch.")
+@click.option("--seq-len", type=int, default=None, help="Tokens per sequence (default: the model's maximum).")
+@click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]), default="bf16", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
+@click.option("--list", "list_models", is_flag=True, help="List the named models.")
+def info(model: str | None, batch_size: int, seq_len: int | None, precision: str, as_json: bool, list_models: bool) -> None:
+    """Parameters, FLOPs per token, and memory per state kind and per tier (ANGEL-PTM Table 1)."""
+    from tiertrain.cli.info import info_json, model_info, print_info
+    from tiertrain.models import CONFIGS, param_count
+    from tiertrain.units import format_count
+
+    if list_models:
+        for name, cfg in CONFIGS.items():
+            click.echo(f"{name:12s} {format_count(param_count(cfg)):>8s}  {cfg.n_layer} x {cfg.d_model}")
+        return
+    if model is None:
+        raise click.UsageError("give --model NAME (or --list to see the names)")
+    data = model_info(model, batch_size, seq_len, precision)
+    if as_json:
+        click.echo(info_json(data))
+    else:
+        print_info(data, Console())
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cli.main(args=argv, prog_name="tiertrain", standalone_mode=False)
+    except UserError as exc:
+        click.echo(f"error: {exc}", err=True)
+        return exc.exit_code
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        return 130
+    except click.ClickException as exc:
+        exc.show()
+        return exc.exit_code
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

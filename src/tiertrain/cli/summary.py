@@ -1,0 +1,18 @@
+"""The summary printed when a run ends."""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+from tiertrain.engine.loop import RunSummary
+
+
+def print_summary(s: RunSummary, console: Console) -> None:
+    state = "stopped early" if s.stopped_early else "done"
+    console.print(f"[bold]{state}[/]: {s.steps} steps in {s.seconds:.1f} s")
+    console.print(f"  loss            {s.first_loss:.4f} -> {s.last_loss:.4f}" if s.losses else "  loss            (no steps run)")
+    console.print(f"  throughput      {s.tokens_per_s:,.0f} tokens/s, {s.tflops:.3f} TFLOPS (median step)")
+    console.print(f"  metrics         {s.out / 'metrics.jsonl'}")
+    if s.checkpoint:
+        console.print(f"  checkpoint      {s.checkpoint}")
+        console.print(f"  resume with     tiertrain train --resume {s.out}" + (" --steps N" if not s.stopped_early else ""))

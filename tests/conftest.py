@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run the real ``tiertrain`` command in a subprocess, as a user would."""
+    return subprocess.run([sys.executable, "-m", "tiertrain.cli.main", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def read_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def tiny_config(out: Path, **kw):
+    from tiertrain.engine.config import TrainConfig
+
+    base = dict(model="tiny", steps=6, batch_size=4, seq_len=32, lr=3e-3, out=str(out), log_every=1000)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+@pytest.fixture
+def text_file(tmp_path: Path) -> Path:
+    path = tmp_path / "corpus.txt"
+    path.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    return path

@@ -1,0 +1,109 @@
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import read_metrics, tiny_config
+from tiertrain.engine.config import TrainConfig
+from tiertrain.engine.loop import Trainer, train
+from tiertrain.engine.schedule import lr_at
+from tiertrain.errors import ConfigError
+from tiertrain.models import GPT, CONFIGS
+
+
+def test_loss_falls_on_the_builtin_corpus(tmp_path):
+    s = train(tiny_config(tmp_path, steps=60, batch_size=8, seq_len=64, lr=1e-2))
+    early, late = np.mean(s.losses[:5]), np.mean(s.losses[-5:])
+    assert early > 5.0 and late < early - 1.5, (early, late)
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 61))
+    for key in ("loss", "tokens_per_s", "tflops", "peak_bytes", "lr", "grad_norm"):
+        assert key in rows[0]
+    assert rows[0]["tflops"] > 0 and rows[0]["peak_bytes"]["host"] > 0
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    lrs = [lr_at(s, 1.0, 0.1, 10, 100) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+    assert lrs[-1] == pytest.approx(0.1, abs=1e-3)
+
+
+def test_same_seed_same_losses_and_other_seed_differs(tmp_path):
+    a = train(tiny_config(tmp_path / "a", steps=3)).losses
+    b = train(tiny_config(tmp_path / "b", steps=3)).losses
+    c = train(tiny_config(tmp_path / "c", steps=3, seed=1)).losses
+    assert a == b and a != c
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-moe", "tiny-bert"])
+def test_resume_reproduces_the_uninterrupted_run_bitwise(tmp_path, model):
+    kw = dict(model=model, steps=8, grad_accum=2, grad_clip=0.5, save_every=4, keep_checkpoints=5)
+    full = train(tiny_config(tmp_path / "full", **kw))
+    mid = tmp_path / "full" / "checkpoints" / "step-00000004"
+    resumed = train(tiny_config(tmp_path / "resumed", resume=str(mid), **kw))
+    assert resumed.losses == full.losses[4:]
+    a = load_file(tmp_path / "full/checkpoints/step-00000008/model.safetensors")
+    b = load_file(tmp_path / "resumed/checkpoints/step-00000008/model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_into_the_same_run_keeps_one_metrics_row_per_step(tmp_path):
+    train(tiny_config(tmp_path, steps=8, save_every=3, keep_checkpoints=5))
+    train(tiny_config(tmp_path, steps=8, resume=str(tmp_path / "checkpoints" / "step-00000003")))
+    assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, 9))
+
+
+def test_resume_with_nothing_left_to_do_says_so(tmp_path):
+    train(tiny_config(tmp_path, steps=3))
+    with pytest.raises(ConfigError, match="already at step 3"):
+        Trainer(tiny_config(tmp_path, steps=3, resume=str(tmp_path)))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_trains_and_fp16_resumes_its_loss_scale(tmp_path, precision):
+    kw = dict(steps=6, precision=precision, save_every=3, keep_checkpoints=5, lr=1e-2)
+    full = train(tiny_config(tmp_path / "a", **kw))
+    assert all(np.isfinite(full.losses)) and full.losses[-1] < full.losses[0]
+    resumed = train(tiny_config(tmp_path / "b", resume=str(tmp_path / "a/checkpoints/step-00000003"), **kw))
+    assert resumed.losses == full.losses[3:]
+    if precision == "fp16":
+        assert "loss_scale" in read_metrics(tmp_path / "a")[0]
+        saved = json.loads((tmp_path / "a/checkpoints/step-00000003/trainer.json").read_text())
+        assert saved["scaler"]["scale"] > 0
+
+
+def test_weights_load_in_plain_pytorch(tmp_path):
+    train(tiny_config(tmp_path, steps=2))
+    ckpt = tmp_path / "checkpoints" / "step-00000002"
+    cfg = json.loads((ckpt / "config.json").read_text())["tiertrain_model"]
+    assert cfg == CONFIGS["tiny"].to_dict()
+    model = GPT(CONFIGS["tiny"])
+    missing, unexpected = model.load_state_dict(load_file(ckpt / "model.safetensors"), strict=False)
+    assert missing == ["lm_head.weight"] and unexpected == []  # tied to tok_emb.weight, stored once
+    assert torch.equal(model.lm_head.weight, load_file(ckpt / "model.safetensors")["tok_emb.weight"])
+
+
+HF_GPT2 = {"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 32, "n_positions": 64, "vocab_size": 256}
+
+
+def test_a_transformers_model_trains_unchanged_and_reloads_with_from_pretrained(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    s = train(tiny_config(tmp_path, model=HF_GPT2, steps=40, batch_size=8, lr=1e-2))
+    assert np.mean(s.losses[-5:]) < np.mean(s.losses[:5]) - 1.0
+    ckpt = tmp_path / "checkpoints" / "step-00000040"
+    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt)
+    saved = load_file(ckpt / "model.safetensors")
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+
+
+def test_config_file_and_flags_merge_with_flags_winning(tmp_path):
+    from tiertrain.engine.config import make_config
+
+    cfg = make_config({"steps": 5, "batch-size": 3, "betas": [0.8, 0.9]}, {"steps": 7, "lr": None})
+    assert (cfg.steps, cfg.batch_size, cfg.betas, cfg.lr) == (7, 3, (0.8, 0.9), TrainConfig().lr)
+    with pytest.raises(ConfigError, match="did you mean 'steps'"):
+        make_config({"step": 5}, {})

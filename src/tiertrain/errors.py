@@ -28,3 +28,20 @@ class CheckpointError(UserError):
 
 class OutputError(UserError):
     """An output directory that cannot be written."""
+
+
+class BudgetError(UserError):
+    """An allocation that would take a tier past the budget the user gave it."""
+
+    def __init__(self, tier: str, needed: int, budget: int, in_use: int) -> None:
+        from tiertrain.units import format_bytes
+
+        self.tier, self.needed, self.budget, self.in_use = tier, needed, budget, in_use
+        super().__init__(
+            f"{tier} tier cannot hold {format_bytes(needed)} more: budget {format_bytes(budget)}, "
+            f"{format_bytes(in_use)} in use; raise the {tier} budget or place these states elsewhere"
+        )
+
+
+class DiskError(UserError):
+    """A disk-tier read or write that failed or returned wrong data; never silent."""

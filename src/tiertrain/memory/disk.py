@@ -1,0 +1,173 @@
+"""The disk tier: one private page file per run, O_DIRECT where the filesystem allows it.
+
+Why by hand: no maintained Python package gives aligned, checksummed, page-addressed
+files with clean error reporting; ``os.pwrite``/``os.preadv`` release the GIL, so a few
+worker threads keep several requests in flight (BENCHMARKS.md: deeper queues than ~8
+were no faster on these disks).
+
+Integrity: a page's CRC-32 is recorded only after its write fully succeeded, and is
+checked on every read before a byte is handed back; a failed write forgets the page's
+old checksum, so half-written data can never be read as valid.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import shutil
+import tempfile
+import weakref
+import zlib
+from pathlib import Path
+
+from tiertrain.errors import ConfigError, DiskError
+from tiertrain.memory.pool import IO_ALIGN, Pool, host_buffer
+from tiertrain.memory.tiers import Tier
+from tiertrain.units import format_bytes
+
+log = logging.getLogger("tiertrain")
+RUN_PREFIX = "tiertrain-run-"
+OWNER_FILE = "owner.json"
+
+
+def _start_time(pid: int) -> int | None:
+    """Process start time in clock ticks since boot; tells a live owner from a reused pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def remove_stale(root: Path) -> list[Path]:
+    """Remove run directories under ``root`` whose owning process is gone (a crashed run)."""
+    removed = []
+    for path in root.glob(f"{RUN_PREFIX}*"):
+        try:
+            owner = json.loads((path / OWNER_FILE).read_text())
+            alive = _start_time(owner["pid"]) == owner["start"]
+        except (OSError, ValueError, KeyError):
+            alive = False  # no readable owner: a run that died while creating it
+        if not alive:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    if removed:
+        log.warning("removed %d stale disk-tier director%s left by crashed runs under %s",
+                    len(removed), "y" if len(removed) == 1 else "ies", root)
+    return removed
+
+
+class DiskDir:
+    """This run's private directory (0700) under the directory the user named."""
+
+    def __init__(self, root: str | Path) -> None:
+        root = Path(root)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"disk directory {root} cannot be created ({exc.strerror}); name another with --disk") from None
+        self.stale_removed = remove_stale(root)
+        self.path = Path(tempfile.mkdtemp(prefix=RUN_PREFIX, dir=root))  # mkdtemp: mode 0700
+        owner = {"pid": os.getpid(), "start": _start_time(os.getpid())}
+        fd = os.open(self.path / OWNER_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(owner, f)
+        self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.path), True)
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _errname(exc: OSError) -> str:
+    return errno.errorcode.get(exc.errno or 0, "error")
+
+
+class DiskPool(Pool):
+    """Pages in one file. Chunks start on page boundaries here (whole-page, aligned I/O)."""
+
+    def __init__(self, budget: int, page_size: int, directory: DiskDir, reserve: bool = True) -> None:
+        super().__init__(Tier.DISK, budget, page_size, share_pages=False)
+        self.dir = directory
+        self.file = directory.path / "pages.bin"
+        self._checksums: dict[int, tuple[int, int]] = {}
+        self.direct = self._open()
+        if reserve and self.capacity:
+            self._reserve()
+
+    def _open(self) -> bool:
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        try:
+            self.fd = os.open(self.file, flags | os.O_DIRECT, 0o600)
+            probe, _region = host_buffer(IO_ALIGN, pin=False)
+            os.pwrite(self.fd, memoryview(probe.numpy()), 0)
+            return True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise DiskError(f"cannot open disk-tier file {self.file}: {exc.strerror}") from None
+            if getattr(self, "fd", None) is not None:
+                os.close(self.fd)
+                os.unlink(self.file)
+            log.warning("the filesystem of %s does not support O_DIRECT; the disk tier uses buffered I/O "
+                        "(reads may be served from the page cache)", self.dir.path)
+            self.fd = os.open(self.file, flags, 0o600)
+            return False
+
+    def _reserve(self) -> None:
+        """Claim the whole budget on disk now, so a full disk is found at start, not mid-run."""
+        try:
+            os.posix_fallocate(self.fd, 0, self.capacity)
+        except OSError as exc:
+            free = shutil.disk_usage(self.dir.path).free
+            raise DiskError(
+                f"cannot reserve {format_bytes(self.capacity)} for the disk tier in {self.dir.path} "
+                f"({_errname(exc)}: {exc.strerror}; {format_bytes(free)} free); lower the disk budget "
+                "or name a directory on a larger disk"
+            ) from None
+
+    def write_page(self, page: int, data: memoryview) -> None:
+        """Write ``data`` (aligned, a multiple of 4 KiB) at the start of ``page``."""
+        offset = page * self.page_size
+        self._checksums.pop(page, None)  # a failed write must not leave old data looking valid
+        try:
+            written = os.pwrite(self.fd, data, offset)
+        except OSError as exc:
+            raise DiskError(f"writing {len(data)} bytes to {self.file} at offset {offset} failed: "
+                            f"{_errname(exc)} ({exc.strerror})") from None
+        if written != len(data):
+            raise DiskError(f"short write to {self.file} at offset {offset}: {written} of {len(data)} bytes")
+        self._checksums[page] = (zlib.crc32(data), len(data))
+
+    def written_length(self, page: int) -> int:
+        if page not in self._checksums:
+            raise DiskError(f"page at offset {page * self.page_size} of {self.file} was never written completely")
+        return self._checksums[page][1]
+
+    def read_page(self, page: int, out: memoryview) -> None:
+        """Read the page's written bytes into ``out`` and verify them; raise rather than return bad data."""
+        offset = page * self.page_size
+        n = self.written_length(page)
+        crc = self._checksums[page][0]
+        try:
+            got = os.preadv(self.fd, [out[:n]], offset)
+        except OSError as exc:
+            raise DiskError(f"reading {n} bytes from {self.file} at offset {offset} failed: "
+                            f"{_errname(exc)} ({exc.strerror})") from None
+        if got != n:
+            raise DiskError(f"short read from {self.file} at offset {offset}: {got} of {n} bytes")
+        if zlib.crc32(out[:n]) != crc:
+            raise DiskError(f"checksum mismatch in {self.file} at offset {offset} ({n} bytes): "
+                            "the disk returned different data than was written")
+
+    def release(self, extents: list) -> None:
+        super().release(extents)
+        for e in extents:
+            if self.table.owners(e.page) == 0:
+                self._checksums.pop(e.page, None)
+
+    def close(self) -> None:
+        if getattr(self, "fd", None) is not None:
+            os.close(self.fd)
+            self.fd = None
+        self.dir.close()

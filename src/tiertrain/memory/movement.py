@@ -1,0 +1,216 @@
+"""Asynchronous moves of chunks between tiers.
+
+``move`` allocates the destination at once (so a budget refusal is raised to the caller,
+with nothing changed), then hands the copying to worker threads and returns a Handle.
+Memory copies run on copy workers (numpy/torch copies release the GIL; with CUDA they are
+issued on a dedicated copy stream that first waits on an event recorded on the compute
+stream, so the compute stream is never synchronised). Disk moves are split into one
+request per page across the I/O workers, so several requests are in flight at once.
+A move that fails frees its destination and leaves the chunk whole where it was.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+import numpy as np
+import torch
+
+from tiertrain.memory.accounting import Accounting
+from tiertrain.memory.chunk import Chunk
+from tiertrain.memory.disk import DiskPool
+from tiertrain.memory.pages import Extent
+from tiertrain.memory.pool import IO_ALIGN, MemoryPool, Pool, host_buffer
+from tiertrain.memory.tiers import Tier
+
+
+class Handle:
+    """Something to wait on: ``wait()`` returns when the move is complete, or raises its error."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        if not self._done.wait(timeout):
+            raise TimeoutError("move did not finish in time")
+        if self._error is not None:
+            raise self._error
+
+    def _finish(self, error: BaseException | None) -> None:
+        self._error = error
+        self._done.set()
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """CPU: np.copyto (memmove speed, about 2x Tensor.copy_ here; BENCHMARKS.md). CUDA: copy_."""
+    if dst.device.type == "cpu" and src.device.type == "cpu":
+        np.copyto(dst.numpy(), src.numpy())
+    else:
+        dst.copy_(src, non_blocking=True)
+
+
+class _Join:
+    """Calls ``finish(first_error)`` once all ``n`` parts have completed."""
+
+    def __init__(self, n: int, finish: Callable[[BaseException | None], None]) -> None:
+        self._left, self._error, self._finish = n, None, finish
+        self._lock = threading.Lock()
+
+    def part_done(self, fut: Future) -> None:
+        with self._lock:
+            if fut.exception() is not None and self._error is None:
+                self._error = fut.exception()
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._finish(self._error)
+
+
+class Mover:
+    def __init__(self, pools: dict[Tier, Pool], accounting: Accounting, io_workers: int = 8,
+                 copy_workers: int = 2) -> None:
+        self.pools, self.accounting = pools, accounting
+        self._io = ThreadPoolExecutor(io_workers, thread_name_prefix="tiertrain-io")
+        self._copy = ThreadPoolExecutor(copy_workers, thread_name_prefix="tiertrain-copy")
+        self._local = threading.local()
+        self._cuda = torch.cuda.is_available() and any(
+            isinstance(p, MemoryPool) and p.device.type == "cuda" for p in pools.values())
+        self._streams = {"h2d": torch.cuda.Stream(), "d2h": torch.cuda.Stream()} if self._cuda else {}
+
+    def close(self) -> None:
+        self._io.shutdown(wait=True)
+        self._copy.shutdown(wait=True)
+
+    def move(self, chunk: Chunk, target: Tier) -> Handle:
+        with chunk.lock:
+            chunk.check_usable()
+            handle = Handle()
+            if chunk.tier is target:
+                handle._finish(None)
+                return handle
+            src, dst = chunk.pool, self.pools[target]
+            extents = dst.allocate(chunk.nbytes)  # BudgetError here leaves everything as it was
+            self.accounting.add(target, chunk.kind, chunk.nbytes)
+            chunk.pending = handle
+        parts = self._parts(chunk, src, dst, extents)
+        join = _Join(len(parts), lambda err: self._complete(chunk, handle, src, dst, extents, err))
+        if not parts:  # an empty chunk: nothing to copy
+            self._complete(chunk, handle, src, dst, extents, None)
+        for executor, fn in parts:
+            executor.submit(fn).add_done_callback(join.part_done)
+        return handle
+
+    def _complete(self, chunk: Chunk, handle: Handle, src: Pool, dst: Pool, extents: list[Extent],
+                  error: BaseException | None) -> None:
+        with chunk.lock:
+            if error is None:
+                src.release(chunk.extents)
+                self.accounting.sub(src.tier, chunk.kind, chunk.nbytes)
+                chunk.pool, chunk.extents = dst, extents
+            else:
+                dst.release(extents)
+                self.accounting.sub(dst.tier, chunk.kind, chunk.nbytes)
+            chunk.pending = None
+        handle._finish(error)
+
+    def _parts(self, chunk: Chunk, src: Pool, dst: Pool, extents: list[Extent]) -> list:
+        event = self._compute_event()
+        if isinstance(dst, DiskPool):
+            return [(self._io, self._writer(chunk, src, dst, e, i * dst.page_size, event))
+                    for i, e in enumerate(extents)]
+        target = Chunk(chunk.name, chunk.kind, chunk.nbytes, dst, extents)
+        if isinstance(src, DiskPool):
+            return [(self._io, self._reader(target, src, e, i * src.page_size))
+                    for i, e in enumerate(chunk.extents)]
+        return [(self._copy, lambda: self._on_copy_stream(dst.tier, event, lambda: self._scatter(
+            target, 0, chunk, 0, chunk.nbytes)))]
+
+    def _compute_event(self) -> "torch.cuda.Event | None":
+        if not self._cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())
+        return event
+
+    def _on_copy_stream(self, dst_tier: Tier, event: "torch.cuda.Event | None", copy: Callable[[], None]) -> None:
+        """Run ``copy`` on the h2d or d2h stream after ``event``; return when it is complete."""
+        stream = self._streams.get("h2d" if dst_tier is Tier.DEVICE else "d2h")
+        if stream is None:
+            copy()
+            return
+        with torch.cuda.stream(stream):
+            if event is not None:
+                stream.wait_event(event)
+            copy()
+        stream.synchronize()  # the copy worker waits, never the compute stream
+
+    @staticmethod
+    def _scatter(dst: Chunk, dst_start: int, src: Chunk, src_start: int, n: int) -> None:
+        """Copy src bytes [src_start, +n) to dst bytes [dst_start, +n) across both extent lists."""
+        pieces = [(pos - src_start, src.pool.view(e)) for pos, e in src.segments(src_start, src_start + n)]
+        for pos, e in dst.segments(dst_start, dst_start + n):
+            out = dst.pool.view(e)
+            rel = pos - dst_start
+            for s_rel, s_view in pieces:
+                lo, hi = max(rel, s_rel), min(rel + e.length, s_rel + s_view.numel())
+                if lo < hi:
+                    _copy(out[lo - rel : hi - rel], s_view[lo - s_rel : hi - s_rel])
+
+    def _staging(self, size: int) -> torch.Tensor:
+        """A per-worker aligned (pinned with CUDA) host buffer of one page."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.numel() < size:
+            buf, self._local.region = host_buffer(size, pin=self._cuda)
+            self._local.buf = buf
+        return buf
+
+    def _writer(self, chunk: Chunk, src: Pool, disk: DiskPool, e: Extent, start: int,
+                event: "torch.cuda.Event | None") -> Callable[[], None]:
+        def write() -> None:
+            n = e.length
+            padded = -(-n // IO_ALIGN) * IO_ALIGN
+            direct = self._direct_view(src, chunk, start, n, padded)
+            if direct is None:
+                stage = self._staging(disk.page_size)
+                self._on_copy_stream(Tier.HOST, event, lambda: self._gather(stage, chunk, start, n))
+                stage[n:padded].zero_()
+                direct = stage[:padded]
+            disk.write_page(e.page, memoryview(direct.numpy()))
+        return write
+
+    def _reader(self, target: Chunk, disk: DiskPool, e: Extent, start: int) -> Callable[[], None]:
+        def read() -> None:
+            stage = self._staging(disk.page_size)
+            disk.read_page(e.page, memoryview(stage.numpy()))  # verified before any byte is used
+            self._on_copy_stream(target.tier, None, lambda: self._scatter_from(target, start, stage[: e.length]))
+        return read
+
+    @staticmethod
+    def _direct_view(pool: Pool, chunk: Chunk, start: int, n: int, padded: int) -> torch.Tensor | None:
+        """The source bytes themselves when O_DIRECT can use them as they are (no staging copy)."""
+        if not isinstance(pool, MemoryPool) or pool.device.type != "cpu":
+            return None
+        segs = list(chunk.segments(start, start + n))
+        if len(segs) != 1:
+            return None
+        e = segs[0][1]
+        begin = e.page * pool.page_size + e.offset
+        if begin % IO_ALIGN or begin + padded > pool.capacity or e.offset + padded > pool.page_size:
+            return None
+        return pool.buffer[begin : begin + padded]
+
+    @staticmethod
+    def _gather(stage: torch.Tensor, chunk: Chunk, start: int, n: int) -> None:
+        for pos, e in chunk.segments(start, start + n):
+            _copy(stage[pos - start : pos - start + e.length], chunk.pool.view(e))
+
+    @staticmethod
+    def _scatter_from(target: Chunk, start: int, data: torch.Tensor) -> None:
+        for pos, e in target.segments(start, start + data.numel()):
+            _copy(target.pool.view(e), data[pos - start : pos - start + e.length])

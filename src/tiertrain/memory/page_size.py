@@ -1,0 +1,111 @@
+"""The default page size: measured, not guessed (ANGEL-PTM §4.1).
+
+We time copies of several page sizes over the slowest link a run uses (disk when it has
+a disk tier, else host<->device with CUDA, else a memory copy) with as many requests in
+flight as the mover uses, and take the smallest size reaching 95% of the plateau. The
+result is cached per machine and link, so only the first run pays for the measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tiertrain.memory.pool import IO_ALIGN, host_buffer
+
+KiB, MiB = 1024, 1024 * 1024
+CANDIDATES = [64 * KiB, 128 * KiB, 256 * KiB, 512 * KiB, 1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB, 16 * MiB]
+PLATEAU_FRACTION = 0.95
+
+
+def pick(curve: dict[int, float], fraction: float = PLATEAU_FRACTION) -> int:
+    """Smallest size whose bandwidth reaches ``fraction`` of the best measured."""
+    best = max(curve.values())
+    return min(size for size, bw in curve.items() if bw >= fraction * best)
+
+
+def _cache_file() -> Path:
+    base = os.environ.get("TIERTRAIN_CACHE_DIR") or os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "tiertrain" / "page_size.json"
+
+
+def disk_curve(directory: Path, total: int = 256 * MiB, workers: int = 8) -> dict[int, float]:
+    """Write-then-read bandwidth (bytes/s) of O_DIRECT page requests, ``workers`` in flight."""
+    path = directory / f".tiertrain-pagesize-{os.getpid()}"
+    flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
+    try:
+        fd = os.open(path, flags | os.O_DIRECT, 0o600)
+    except OSError:
+        fd = os.open(path, flags, 0o600)
+    curve = {}
+    try:
+        buffers = [host_buffer(max(CANDIDATES), pin=False) for _ in range(workers)]
+        with ThreadPoolExecutor(workers) as pool:
+            for size in CANDIDATES:
+                n = max(workers, total // size)
+                views = [memoryview(b[0].numpy()[:size]) for b in buffers]
+                t = time.perf_counter()
+                list(pool.map(lambda i: os.pwrite(fd, views[i % workers], i * size), range(n)))
+                list(pool.map(lambda i: os.preadv(fd, [views[i % workers]], i * size), range(n)))
+                curve[size] = 2 * n * size / (time.perf_counter() - t)
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+    return curve
+
+
+def memory_curve(device: torch.device, total: int = 256 * MiB) -> dict[int, float]:
+    """Host->device (pinned, with CUDA) or host->host copy bandwidth per page size."""
+    src, _r1 = host_buffer(total, pin=device.type == "cuda")
+    dst = torch.empty(total, dtype=torch.uint8, device=device)
+    curve = {}
+    for size in CANDIDATES:
+        t = time.perf_counter()
+        for off in range(0, total - size + 1, size):
+            if device.type == "cuda":
+                dst[off : off + size].copy_(src[off : off + size], non_blocking=True)
+            else:
+                np.copyto(dst[off : off + size].numpy(), src[off : off + size].numpy())
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        curve[size] = (total // size) * size / (time.perf_counter() - t)
+    return curve
+
+
+def measured_page_size(disk_dir: str | None, device: torch.device) -> int:
+    """The cached page size for this machine's slowest link in use, measuring it if needed."""
+    if disk_dir:
+        link = f"disk:{os.stat(disk_dir).st_dev}"
+    else:
+        link = "h2d:cuda" if device.type == "cuda" else "memcpy"
+    key = f"{socket.gethostname()}/{link}"
+    cache = _cache_file()
+    try:
+        known = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        return int(known[key]["page_size"])
+    curve = disk_curve(Path(disk_dir)) if disk_dir else memory_curve(device)
+    size = pick(curve)
+    known[key] = {"page_size": size, "curve": {str(k): v for k, v in curve.items()}}
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(known, indent=1))
+    os.replace(tmp, cache)
+    return size
+
+
+def check_page_size(size: int) -> int:
+    from tiertrain.errors import ConfigError
+
+    if size < IO_ALIGN or size % IO_ALIGN:
+        raise ConfigError(f"page size {size} must be a positive multiple of {IO_ALIGN} bytes (e.g. 4MiB)")
+    return size

@@ -1,0 +1,99 @@
+"""One tier's memory, reserved once at start and handed out in pages.
+
+The reservation is the budget rounded down to whole pages; the pool never grows, and
+an allocation past it raises a BudgetError naming the tier, the bytes needed and the
+budget. Nothing spills to another tier on its own: the caller decides where bytes live.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+
+import torch
+
+from tiertrain.errors import BudgetError
+from tiertrain.memory.pages import Extent, PagesExhausted, PageTable
+from tiertrain.memory.tiers import Tier
+
+IO_ALIGN = 4096  # O_DIRECT needs buffers, offsets and lengths aligned to the logical block size
+
+
+class Pool:
+    def __init__(self, tier: Tier, budget: int, page_size: int, share_pages: bool) -> None:
+        if page_size % IO_ALIGN:
+            raise ValueError(f"page size {page_size} must be a multiple of {IO_ALIGN}")
+        self.tier, self.budget, self.page_size = tier, budget, page_size
+        self.n_pages = budget // page_size
+        self.table = PageTable(self.n_pages, page_size, share_pages)
+        self._lock = threading.Lock()
+
+    @property
+    def capacity(self) -> int:
+        return self.n_pages * self.page_size
+
+    @property
+    def used_bytes(self) -> int:
+        return self.table.used_pages * self.page_size
+
+    def allocate(self, nbytes: int, contiguous: bool = False) -> list[Extent]:
+        with self._lock:
+            try:
+                return self.table.allocate(nbytes, contiguous)
+            except PagesExhausted as exc:
+                raise BudgetError(self.tier.value, exc.needed_pages * self.page_size, self.budget,
+                                  self.used_bytes) from None
+
+    def release(self, extents: list[Extent]) -> None:
+        with self._lock:
+            self.table.release(extents)
+
+    def close(self) -> None:
+        """Give the reservation back; the pool is unusable afterwards."""
+
+
+def host_buffer(nbytes: int, pin: bool) -> tuple[torch.Tensor, mmap.mmap | None]:
+    """Page-aligned host memory (so any page of it can be an O_DIRECT buffer), pinned with CUDA.
+
+    We map anonymous memory ourselves instead of ``torch.empty(pin_memory=True)``: the
+    caching pinned allocator rounds to powers of two (a 40 GiB budget would pin 64 GiB) and
+    does not promise the 4 KiB alignment O_DIRECT needs.
+    """
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8), None
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    tensor = torch.frombuffer(region, dtype=torch.uint8)
+    if pin:
+        err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(err)}")
+    return tensor, region
+
+
+class MemoryPool(Pool):
+    """Device or host memory: one buffer, pages are slices of it.
+
+    On a CPU-only machine the device tier is CPU memory under its own budget, so every
+    code path above runs and is tested without an accelerator.
+    """
+
+    def __init__(self, tier: Tier, budget: int, page_size: int, device: torch.device) -> None:
+        super().__init__(tier, budget, page_size, share_pages=True)
+        self.device = device
+        self.pinned = device.type == "cpu" and tier is Tier.HOST and torch.cuda.is_available()
+        if device.type == "cuda":
+            self.buffer, self._region = torch.empty(self.capacity, dtype=torch.uint8, device=device), None
+        else:
+            self.buffer, self._region = host_buffer(self.capacity, pin=self.pinned)
+
+    def view(self, e: Extent) -> torch.Tensor:
+        start = e.page * self.page_size + e.offset
+        return self.buffer[start : start + e.length]
+
+    def close(self) -> None:
+        if self.pinned and self.capacity:
+            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+        # The mmap is unmapped when the last view of it is gone; closing it here would
+        # fail while a caller still holds a view.
+        self._region = None

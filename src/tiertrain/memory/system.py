@@ -1,0 +1,110 @@
+"""The memory layer's one entry point: three pools, the mover and the accounting."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tiertrain.memory.accounting import Accounting
+from tiertrain.memory.budgets import Budgets
+from tiertrain.memory.chunk import Chunk
+from tiertrain.memory.disk import DiskDir, DiskPool
+from tiertrain.memory.movement import Handle, Mover
+from tiertrain.memory.page_size import check_page_size, measured_page_size
+from tiertrain.memory.pool import MemoryPool, Pool
+from tiertrain.memory.tiers import Kind, Tier
+
+
+def compute_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class MemorySystem:
+    """Pools reserved once from ``budgets``; chunks allocated, moved and released by the caller.
+
+    Use as a context manager (or call ``close``): disk files are removed at the end, and a
+    run killed before that has its files removed by the next run using the same directory.
+    """
+
+    def __init__(self, budgets: Budgets, page_size: int | None = None, io_workers: int = 8,
+                 device: torch.device | None = None, reserve_disk: bool = True) -> None:
+        self.device = device or compute_device()
+        self.page_size = check_page_size(page_size) if page_size else measured_page_size(
+            budgets.disk_dir if budgets.disk else None, self.device)
+        self.accounting = Accounting()
+        self.pools: dict[Tier, Pool] = {
+            Tier.DEVICE: MemoryPool(Tier.DEVICE, budgets.device, self.page_size, self.device),
+            Tier.HOST: MemoryPool(Tier.HOST, budgets.host, self.page_size, torch.device("cpu")),
+        }
+        if budgets.disk:
+            self.pools[Tier.DISK] = DiskPool(budgets.disk, self.page_size, DiskDir(budgets.disk_dir),
+                                             reserve=reserve_disk)
+        self.mover = Mover(self.pools, self.accounting, io_workers=io_workers)
+        self._chunks: set[Chunk] = set()
+
+    def __enter__(self) -> "MemorySystem":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def pool(self, tier: Tier) -> Pool:
+        if tier not in self.pools:
+            raise ValueError(f"no {tier.value} tier in this run; give it a budget (--disk DIR:SIZE)")
+        return self.pools[tier]
+
+    def allocate(self, name: str, nbytes: int, tier: Tier, kind: Kind = Kind.OTHER) -> Chunk:
+        pool = self.pool(tier)
+        chunk = Chunk(name, kind, nbytes, pool, pool.allocate(nbytes))
+        self.accounting.add(tier, kind, nbytes)
+        self._chunks.add(chunk)
+        return chunk
+
+    def from_tensor(self, name: str, tensor: torch.Tensor, tier: Tier, kind: Kind = Kind.OTHER) -> Chunk:
+        """A chunk holding ``tensor``'s bytes, on any tier (disk is written and waited for)."""
+        data = tensor.detach().contiguous().view(-1).view(torch.uint8).cpu()
+        first = Tier.HOST if tier is Tier.DISK else tier
+        chunk = self.allocate(name, data.numel(), first, kind)
+        offset = 0
+        for view in chunk.views():
+            view.copy_(data[offset : offset + view.numel()])
+            offset += view.numel()
+        if tier is Tier.DISK:
+            self.move(chunk, Tier.DISK).wait()
+        return chunk
+
+    def to_tensor(self, chunk: Chunk) -> torch.Tensor:
+        """A CPU copy of the chunk's bytes (uint8); from disk through a temporary host copy."""
+        if chunk.tier is Tier.DISK:
+            self.move(chunk, Tier.HOST).wait()
+            out = torch.cat([v.cpu() for v in chunk.views()]) if chunk.nbytes else torch.empty(0, dtype=torch.uint8)
+            self.move(chunk, Tier.DISK).wait()
+            return out
+        return torch.cat([v.cpu() for v in chunk.views()]) if chunk.nbytes else torch.empty(0, dtype=torch.uint8)
+
+    def move(self, chunk: Chunk, tier: Tier) -> Handle:
+        self.pool(tier)
+        return self.mover.move(chunk, tier)
+
+    def release(self, chunk: Chunk) -> None:
+        with chunk.lock:
+            chunk.check_usable()
+            chunk.pool.release(chunk.extents)
+            self.accounting.sub(chunk.tier, chunk.kind, chunk.nbytes)
+            chunk.released = True
+            chunk.extents = []
+        self._chunks.discard(chunk)
+
+    def stats(self) -> dict[str, Any]:
+        """Per tier: budget, page bytes in use, and live/peak bytes per state kind."""
+        report = self.accounting.report()
+        for tier, pool in self.pools.items():
+            report[tier.value].update(budget=pool.budget, pages_in_use_bytes=pool.used_bytes,
+                                      page_size=pool.page_size)
+        return report
+
+    def close(self) -> None:
+        self.mover.close()
+        for pool in self.pools.values():
+            pool.close()

@@ -1,0 +1,105 @@
+import itertools
+import random
+
+import pytest
+
+from tiertrain.memory import layout as L
+from tiertrain.memory import page_size as P
+from tiertrain.memory.budgets import Budgets
+from tiertrain.errors import ConfigError
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3, 4, 7, 8])
+def test_layout_is_parameter_order_and_splits_evenly_into_aligned_shards(shards):
+    model = __import__("tiertrain.models", fromlist=["build"]).build("tiny")
+    block = model.blocks[0]
+    tensors = [(n, tuple(p.shape)) for n, p in block.named_parameters()]
+    lay = L.ChunkLayout.build(tensors, shard_count=shards)
+    assert [s.name for s in lay.slots] == [n for n, _ in tensors]
+    assert all(b.offset == a.offset + a.numel for a, b in zip(lay.slots, lay.slots[1:]))
+    assert lay.used == sum(p.numel() for p in block.parameters())
+    assert lay.numel % (shards * L.DEFAULT_ALIGN) == 0 and 0 <= lay.padding < shards * L.DEFAULT_ALIGN
+    ranges = [lay.shard_range(r) for r in range(shards)]
+    assert ranges[0][0] == 0 and ranges[-1][1] == lay.numel
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert len({e - s for s, e in ranges}) == 1
+
+
+def test_pack_never_splits_a_tensor_and_keeps_order():
+    numels = [5, 3, 8, 1, 1, 7]
+    chunks = L.pack(numels, 8)
+    assert chunks == [[0, 1], [2], [3, 4], [5]]
+    assert [i for c in chunks for i in c] == list(range(len(numels)))
+
+
+def brute_force(groups, low, high, step, shards, align):
+    best = None
+    for c in range(low, high + 1, step):
+        cap = -(-c // (shards * align)) * (shards * align)
+        if cap < max(n for g in groups for n in g):
+            continue
+        # waste by explicit simulation of packing, independent of L.pack
+        w = 0
+        for g in groups:
+            used, opened = 0, False
+            for n in g:
+                if not opened or used + n > cap:
+                    w += cap - used if opened else 0
+                    used, opened = 0, True
+                used += n
+            w += cap - used
+        if best is None or (w, cap) < (best[1], best[0]):
+            best = (cap, w)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_chunk_size_search_equals_brute_force(seed):
+    rng = random.Random(seed)
+    groups = [[rng.randint(1, 500) for _ in range(rng.randint(1, 8))] for _ in range(rng.randint(1, 5))]
+    shards, align = rng.choice([1, 2, 4]), rng.choice([1, 8])
+    got = L.search_chunk_size(groups, 100, 3000, 37, shards, align)
+    assert got == brute_force(groups, 100, 3000, 37, shards, align)
+
+
+def test_chunk_size_search_refuses_a_range_too_small():
+    with pytest.raises(ValueError, match="holds the largest tensor"):
+        L.search_chunk_size([[1000]], 10, 100, 10)
+
+
+def test_page_size_is_the_smallest_reaching_95_percent_of_the_plateau():
+    curve = {64: 1.0, 128: 5.0, 256: 9.4, 512: 9.8, 1024: 10.0, 2048: 9.9}
+    assert P.pick(curve) == 512
+    assert P.pick(curve, fraction=0.9) == 256
+
+
+def test_measured_page_size_is_cached_per_machine_and_link(tmp_path, monkeypatch):
+    monkeypatch.setenv("TIERTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    calls = []
+
+    def fake_curve(directory, **kw):
+        calls.append(directory)
+        return {4096: 1.0, 8192: 2.0, 16384: 2.05}
+
+    monkeypatch.setattr(P, "disk_curve", fake_curve)
+    import torch
+
+    assert P.measured_page_size(str(tmp_path), torch.device("cpu")) == 8192
+    assert P.measured_page_size(str(tmp_path), torch.device("cpu")) == 8192
+    assert len(calls) == 1
+
+
+def test_real_disk_curve_rises_with_page_size(tmp_path):
+    curve = P.disk_curve(tmp_path, total=16 * P.MiB, workers=2)
+    assert set(curve) == set(P.CANDIDATES) and all(v > 0 for v in curve.values())
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_budgets_parse_sizes_and_disk_spec():
+    b = Budgets.parse("512MiB", "8GiB", "/mnt/nvme:1TiB")
+    assert (b.device, b.host, b.disk, b.disk_dir) == (512 << 20, 8 << 30, 1 << 40, "/mnt/nvme")
+    assert Budgets.parse("1GB", "2GB").disk == 0
+    with pytest.raises(ConfigError, match="cannot read size '8 gigs'"):
+        Budgets.parse("8 gigs", "1GiB")
+    with pytest.raises(ConfigError, match="page size 1000"):
+        P.check_page_size(1000)

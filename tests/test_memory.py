@@ -1,0 +1,220 @@
+import itertools
+import os
+import random
+import stat
+
+import pytest
+import torch
+
+from tiertrain.errors import BudgetError, DiskError
+from tiertrain.memory import Budgets, Kind, MemorySystem, Tier
+from tiertrain.memory.pages import PageTable
+
+PS = 64 * 1024  # small pages keep the tests fast; the layout rules do not depend on the size
+SIZES = [0, 1, PS - 1, PS, PS + 1, 7 * PS + 123]
+TIERS = [Tier.DEVICE, Tier.HOST, Tier.DISK]
+
+
+@pytest.fixture
+def mem(tmp_path):
+    with MemorySystem(Budgets(device=64 * PS, host=64 * PS, disk=64 * PS, disk_dir=str(tmp_path / "disk")),
+                      page_size=PS, io_workers=4) as m:
+        yield m
+
+
+def random_bytes(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("src,dst", [p for p in itertools.product(TIERS, TIERS) if p[0] != p[1]])
+def test_bitwise_round_trip_through_every_pair_of_tiers(mem, n, src, dst):
+    # A neighbour allocated first leaves a partly filled page, so large chunks start mid-page.
+    neighbour = mem.from_tensor("neighbour", random_bytes(PS + PS // 3, 1), src)
+    data = random_bytes(n, 2)
+    chunk = mem.from_tensor("c", data, src)
+    mem.move(chunk, dst).wait()
+    assert chunk.tier is dst
+    assert torch.equal(mem.to_tensor(chunk), data)
+    mem.move(chunk, src).wait()
+    assert torch.equal(mem.to_tensor(chunk), data)
+    assert torch.equal(mem.to_tensor(neighbour), random_bytes(PS + PS // 3, 1))
+
+
+def test_many_moves_in_flight_at_once(mem):
+    rng = random.Random(0)
+    data = [random_bytes(rng.randint(0, 3 * PS), i) for i in range(24)]
+    chunks = [mem.from_tensor(f"c{i}", d, Tier.HOST) for i, d in enumerate(data)]
+    for round_ in range(4):
+        targets = [rng.choice(TIERS) for _ in chunks]
+        handles = [mem.move(c, t) for c, t in zip(chunks, targets)]  # all issued before any wait
+        for h in handles:
+            h.wait()
+        assert [c.tier for c in chunks] == targets
+    for c, d in zip(chunks, data):
+        assert torch.equal(mem.to_tensor(c), d)
+
+
+def test_a_page_holds_parts_of_at_most_two_chunks():
+    table = PageTable(n_pages=200, page_size=1000, share_pages=True)
+    rng = random.Random(1)
+    owners_of = {}
+    for i in range(60):
+        for e in table.allocate(rng.choice([1, 999, 1000, 1001, 2500, 4321])):
+            owners_of.setdefault(e.page, set()).add(i)
+    assert max(len(o) for o in owners_of.values()) == 2
+    # A chunk smaller than a page gets a page of its own.
+    small = table.allocate(10)
+    assert len(small) == 1 and small[0].offset == 0 and table.owners(small[0].page) == 1
+
+
+def test_budget_refusal_names_tier_bytes_and_budget_and_changes_nothing(mem):
+    with pytest.raises(BudgetError, match=r"device tier cannot hold 4\.06 MiB more: budget 4\.00 MiB"):
+        mem.allocate("big", 64 * PS + 1, Tier.DEVICE)
+    data = random_bytes(40 * PS)
+    resident = mem.from_tensor("a", data, Tier.DEVICE)
+    moving = mem.from_tensor("b", data, Tier.HOST)
+    before = mem.stats()
+    with pytest.raises(BudgetError, match="device tier"):
+        mem.move(moving, Tier.DEVICE)
+    assert moving.tier is Tier.HOST and torch.equal(mem.to_tensor(moving), data)
+    assert mem.stats() == before
+    assert mem.pool(Tier.DEVICE).used_bytes <= mem.pool(Tier.DEVICE).budget
+    mem.release(resident)
+    mem.move(moving, Tier.DEVICE).wait()  # fits once the other chunk is gone
+
+
+def test_accounting_tracks_live_and_peak_per_tier_and_kind(mem):
+    a = mem.allocate("m", 3 * PS, Tier.HOST, Kind.MASTER)
+    b = mem.allocate("g", PS, Tier.HOST, Kind.GRAD)
+    mem.move(a, Tier.DISK).wait()
+    assert mem.accounting.live(Tier.HOST) == PS and mem.accounting.live(Tier.DISK, Kind.MASTER) == 3 * PS
+    assert mem.accounting.peak(Tier.HOST) == 4 * PS and mem.accounting.peak(Tier.HOST, Kind.MASTER) == 3 * PS
+    mem.release(b)
+    assert mem.stats()["host"]["live"] == 0 and mem.stats()["host"]["peak_by_kind"]["grad"] == PS
+
+
+def test_merge_makes_a_scattered_chunk_contiguous_within_the_tier(mem):
+    pins = [mem.allocate(f"p{i}", PS, Tier.HOST) for i in range(64)]
+    for p in pins[1:6:2]:
+        mem.release(p)  # the only free pages: 1, 3, 5
+    data = random_bytes(3 * PS)
+    chunk = mem.from_tensor("scattered", data, Tier.HOST)
+    assert [e.page for e in chunk.extents] == [1, 3, 5] and not chunk.is_contiguous()
+    with pytest.raises(BudgetError, match="host tier"):
+        chunk.merge()  # no free run of 3 pages: merging must not go past the budget
+    for p in pins[40:43]:
+        mem.release(p)
+    flat = chunk.merge()
+    assert [e.page for e in chunk.extents] == [40, 41, 42] and chunk.is_contiguous() and torch.equal(flat, data)
+    assert mem.pool(Tier.HOST).used_bytes == 64 * PS - 3 * PS  # the scattered pages went back
+    assert chunk.merge().data_ptr() == flat.data_ptr()  # contiguous: a view, no copy
+    floats = chunk.typed(torch.float32)
+    assert floats.numel() == 3 * PS // 4 and torch.equal(floats.view(torch.uint8), data)
+
+
+def _disk_page_offset(chunk) -> int:
+    return chunk.extents[0].page * chunk.pool.page_size
+
+
+def test_a_flipped_byte_in_a_page_file_is_detected(mem):
+    data = random_bytes(2 * PS)
+    chunk = mem.from_tensor("c", data, Tier.DISK)
+    pool = mem.pool(Tier.DISK)
+    offset = _disk_page_offset(chunk) + 1234
+    with open(pool.file, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x10]))
+    host_before = mem.accounting.live(Tier.HOST)
+    with pytest.raises(DiskError, match=rf"checksum mismatch in {pool.file} at offset {_disk_page_offset(chunk)}"):
+        mem.move(chunk, Tier.HOST).wait()
+    assert chunk.tier is Tier.DISK and mem.accounting.live(Tier.HOST) == host_before
+
+
+@pytest.mark.parametrize("fault", ["short", "eio"])
+def test_short_reads_and_eio_raise_with_file_and_offset(mem, monkeypatch, fault):
+    import errno
+
+    import tiertrain.memory.disk as disk
+
+    chunk = mem.from_tensor("c", random_bytes(PS), Tier.DISK)
+    real = os.preadv
+
+    def faulty(fd, buffers, offset):
+        if fault == "eio":
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, buffers, offset) - 512
+
+    monkeypatch.setattr(disk.os, "preadv", faulty)
+    pattern = "short read from .* at offset" if fault == "short" else "EIO"
+    with pytest.raises(DiskError, match=pattern):
+        mem.move(chunk, Tier.HOST).wait()
+    monkeypatch.setattr(disk.os, "preadv", real)
+    assert torch.equal(mem.to_tensor(chunk), random_bytes(PS))  # the data on disk is still good
+
+
+def test_disk_files_are_private_and_removed_on_close(tmp_path):
+    root = tmp_path / "disk"
+    m = MemorySystem(Budgets(device=PS, host=PS, disk=4 * PS, disk_dir=str(root)), page_size=PS)
+    pool = m.pool(Tier.DISK)
+    run_dir = pool.dir.path
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
+    for f in run_dir.iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
+    m.close()
+    assert not run_dir.exists() and list(root.iterdir()) == []
+
+
+def test_stale_files_of_a_sigkilled_run_are_removed_by_the_next(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    root = tmp_path / "disk"
+    code = (f"import sys, time\nfrom tiertrain.memory import *\n"
+            f"m = MemorySystem(Budgets(device={PS}, host={PS}, disk={8 * PS}, disk_dir={str(root)!r}), page_size={PS})\n"
+            "print(m.pool(Tier.DISK).dir.path, flush=True)\ntime.sleep(600)\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    stale = child.stdout.readline().strip()
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    assert os.path.isdir(stale)
+    with MemorySystem(Budgets(device=PS, host=PS, disk=4 * PS, disk_dir=str(root)), page_size=PS) as m:
+        assert [str(p) for p in m.pool(Tier.DISK).dir.stale_removed] == [stale]
+        assert not os.path.exists(stale)
+        # A live run's directory is never taken for stale.
+        with MemorySystem(Budgets(device=PS, host=PS, disk=4 * PS, disk_dir=str(root)), page_size=PS) as other:
+            assert other.pool(Tier.DISK).dir.stale_removed == []
+            assert m.pool(Tier.DISK).dir.path.exists()
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    import subprocess
+
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip() or 'mount failed'}); needs root")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_full_disk_is_refused_at_reservation(small_tmpfs):
+    with pytest.raises(DiskError, match=rf"cannot reserve 4\.00 MiB for the disk tier in {small_tmpfs}.*ENOSPC"):
+        MemorySystem(Budgets(device=PS, host=PS, disk=64 * PS, disk_dir=str(small_tmpfs)), page_size=PS)
+
+
+def test_enospc_mid_write_raises_cleanly_and_nothing_half_written_is_used(small_tmpfs):
+    with MemorySystem(Budgets(device=PS, host=64 * PS, disk=64 * PS, disk_dir=str(small_tmpfs)),
+                      page_size=PS, reserve_disk=False) as m:
+        data = random_bytes(32 * PS)  # 2 MiB onto a 1 MiB filesystem
+        chunk = m.from_tensor("c", data, Tier.HOST)
+        with pytest.raises(DiskError, match="ENOSPC"):
+            m.move(chunk, Tier.DISK).wait()
+        assert chunk.tier is Tier.HOST and torch.equal(m.to_tensor(chunk), data)
+        disk = m.pool(Tier.DISK)
+        assert m.accounting.live(Tier.DISK) == 0 and disk.used_bytes == 0 and not disk._checksums

@@ -103,3 +103,19 @@ def test_budgets_parse_sizes_and_disk_spec():
         Budgets.parse("8 gigs", "1GiB")
     with pytest.raises(ConfigError, match="page size 1000"):
         P.check_page_size(1000)
+
+
+def test_bench_memory_prints_tier_figures_beside_the_raw_disk(tmp_path):
+    import json
+
+    from conftest import run_cli
+
+    out = tmp_path / "bench.json"
+    r = run_cli("bench", "memory", "--disk", str(tmp_path / "d"), "--size", "8MiB", "--page-sizes", "256KiB",
+                "--chunk", "1MiB", "--repeats", "1", "--io-workers", "2", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "of the raw disk (target >= 0.85)" in r.stdout and "machine:" in r.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert any(row["page"] == 256 * 1024 for row in rows)
+    assert all(row["tier"]["write"] > 0 and row["raw_qd"]["read"] > 0 for row in rows)
+    assert list((tmp_path / "d").iterdir()) == []  # the benchmark leaves nothing behind

@@ -100,6 +100,34 @@ def info(model: str | None, batch_size: int, seq_len: int | None, precision: str
         print_info(data, Console())
 
 
+@cli.group(context_settings=CONTEXT)
+def bench() -> None:
+    """Benchmarks that print each figure next to the limit measured in the same run."""
+
+
+@bench.command("memory", context_settings=CONTEXT)
+@click.option("--disk", "disk_dir", type=click.Path(file_okay=False), help="Directory on the disk to measure (default: a temporary one here).")
+@click.option("--size", default="1GiB", show_default=True, help="Bytes moved per direction and repeat.")
+@click.option("--page-sizes", default="1MiB,4MiB,16MiB", show_default=True, help="Page sizes to compare; the picked size is added.")
+@click.option("--chunk", default="64MiB", show_default=True, help="Chunk size moved through the tier.")
+@click.option("--repeats", type=int, default=3, show_default=True)
+@click.option("--io-workers", type=int, default=8, show_default=True, help="Disk requests in flight.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Also write the figures to this JSON file.")
+def bench_memory(disk_dir: str | None, size: str, page_sizes: str, chunk: str, repeats: int, io_workers: int,
+                 json_out: str | None) -> None:
+    """Raw disk (and pinned PCIe) bandwidth next to what the memory tiers achieve moving chunks."""
+    import json as _json
+
+    from tiertrain.bench.memory import run_memory_bench
+    from tiertrain.units import parse_size
+
+    results = run_memory_bench(disk_dir, parse_size(size), [parse_size(p) for p in page_sizes.split(",")],
+                               parse_size(chunk), repeats, io_workers, click.echo)
+    if json_out:
+        with open(json_out, "w") as f:
+            _json.dump(results, f, indent=1)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         cli.main(args=argv, prog_name="tiertrain", standalone_mode=False)

@@ -1,0 +1,1 @@
+"""Benchmarks: figures printed next to the limit they are measured against, in the same run."""

@@ -11,6 +11,11 @@ import torch
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+# Measured page sizes are cached per machine; tests must not write into the user's cache.
+import tempfile  # noqa: E402
+
+os.environ.setdefault("TIERTRAIN_CACHE_DIR", tempfile.mkdtemp(prefix="tiertrain-test-cache-"))
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -3,4 +3,22 @@
 from tiertrain.errors import CheckpointError, ConfigError, DataError, OutputError, UserError
 
 __version__ = "0.1.0"
-__all__ = ["CheckpointError", "ConfigError", "DataError", "OutputError", "UserError", "__version__"]
+__all__ = ["Budgets", "CheckpointError", "ConfigError", "DataError", "OutputError", "Plan", "UserError",
+           "__version__", "setup"]
+
+
+def __getattr__(name: str):
+    """Lazy imports keep ``import tiertrain`` light for the CLI and the planner."""
+    if name == "setup":
+        from tiertrain.runtime.api import setup
+
+        return setup
+    if name == "Budgets":
+        from tiertrain.memory import Budgets
+
+        return Budgets
+    if name == "Plan":
+        from tiertrain.runtime.plan import Plan
+
+        return Plan
+    raise AttributeError(name)

@@ -106,6 +106,21 @@ class Mover:
             executor.submit(fn).add_done_callback(join.part_done)
         return handle
 
+    def copy(self, src: Chunk, dst: Chunk) -> Handle:
+        """Copy ``src``'s bytes into ``dst`` (both in memory tiers, same size), asynchronously.
+
+        Used to fill device slots from host homes: the destination keeps its pages."""
+        if src.nbytes != dst.nbytes or Tier.DISK in (src.tier, dst.tier):
+            raise ValueError(f"copy needs two memory chunks of one size, got {src!r} and {dst!r}")
+        handle = Handle()
+        event = self._compute_event()
+
+        def run() -> None:
+            self._on_copy_stream(dst.tier, event, lambda: self._scatter(dst, 0, src, 0, src.nbytes))
+
+        self._copy.submit(run).add_done_callback(lambda fut: handle._finish(fut.exception()))
+        return handle
+
     def _complete(self, chunk: Chunk, handle: Handle, src: Pool, dst: Pool, extents: list[Extent],
                   error: BaseException | None) -> None:
         with chunk.lock:

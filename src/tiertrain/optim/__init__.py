@@ -1,0 +1,1 @@
+"""CPU optimizer for tiered training: per-block AdamW on chunks, run on worker threads."""

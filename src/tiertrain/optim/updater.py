@@ -1,0 +1,73 @@
+"""Where block updates run: inline (``sync``) or on worker threads while the device computes
+(``overlap``, STRONGHOLD's concurrent CPU optimizers).
+
+An update reads the block's states home to the host when they live on disk, runs AdamW,
+writes the new compute params where the next forward reads them, and sends the states
+home again. Two workers let one block's disk I/O overlap another block's arithmetic.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+import torch
+
+from tiertrain.memory import MemorySystem, Tier
+from tiertrain.optim.adamw import adamw_block
+from tiertrain.runtime.block_state import F32, BlockState
+
+
+class Pending:
+    """An update in flight; ``wait`` re-raises its error in the waiting thread."""
+
+    def __init__(self, future: Future) -> None:
+        self.future = future
+
+    def wait(self) -> None:
+        self.future.result()
+
+    def done(self) -> bool:
+        return self.future.done()
+
+
+class Updater:
+    def __init__(self, mem: MemorySystem, groups: list[dict[str, Any]], on_params_written: Callable[[BlockState], None],
+                 workers: int = 2) -> None:
+        self.mem, self.groups, self.on_params_written = mem, groups, on_params_written
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="tiertrain-optim")
+        self._home_moves: dict[int, list] = {}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def update(self, st: BlockState, clip_coef: torch.Tensor | None) -> None:
+        """Update one block now, in this thread."""
+        for h in self._home_moves.pop(st.index, []):
+            h.wait()  # the last update's write-back must land before we read the states again
+        states = (st.master, st.exp_avg, st.exp_avg_sq)
+        for h in [self.mem.move(c, Tier.HOST) for c in states if c.tier is Tier.DISK]:
+            h.wait()
+        adamw_block(st, self.groups, clip_coef)
+        self._write_params(st)
+        if st.plan.home is Tier.DISK:
+            self._home_moves[st.index] = [self.mem.move(c, Tier.DISK) for c in states]
+
+    def submit(self, st: BlockState, clip_coef: torch.Tensor | None) -> Pending:
+        """Update one block on a worker; the block's next use waits on the returned Pending."""
+        pending = Pending(self._pool.submit(self.update, st, clip_coef))
+        st.pending_update = pending
+        return pending
+
+    def drain(self) -> None:
+        """Wait for every write-back to disk (before checkpoints or closing)."""
+        for moves in self._home_moves.values():
+            for h in moves:
+                h.wait()
+        self._home_moves.clear()
+
+    def _write_params(self, st: BlockState) -> None:
+        master = st.master.typed(F32)
+        target = st.param_home if st.param_home is not None else st.slot.chunk
+        target.typed(F32)[: master.numel()].copy_(master)
+        self.on_params_written(st)

@@ -1,0 +1,114 @@
+"""``tiertrain.setup``: the one call that puts a model's training state in tiers.
+
+It returns a model and an optimizer that a plain loop drives unchanged::
+
+    model, opt = tiertrain.setup(model, torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True),
+                                 memory=Budgets.parse("2GiB", "16GiB", "/nvme:200GiB"), plan="stream")
+    loss = model(x, y); loss.backward()
+    model.clip_grad_norm_(1.0)      # as torch.nn.utils.clip_grad_norm_, over the offloaded gradients
+    opt.step(); opt.zero_grad()
+
+Gradients leave the parameters as backward produces them, so clip through the model
+(``model.clip_grad_norm_``, FSDP's convention) rather than over ``model.parameters()``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from tiertrain.errors import ConfigError
+from tiertrain.memory import Budgets, MemorySystem
+from tiertrain.runtime.blocks import find_blocks
+from tiertrain.runtime.budget_check import check_fits
+from tiertrain.runtime.plan import Plan, load_plan
+from tiertrain.runtime.runtime import Runtime
+
+_HPARAMS = ("lr", "betas", "eps", "weight_decay")
+
+
+def _groups_from(optimizer: torch.optim.Optimizer, model: nn.Module) -> tuple[list[dict[str, Any]], dict[int, int]]:
+    if not isinstance(optimizer, torch.optim.AdamW):
+        raise ConfigError(f"tiertrain runs AdamW; got {type(optimizer).__name__}. Pass torch.optim.AdamW(...)")
+    if optimizer.state:
+        raise ConfigError("pass a fresh AdamW (no steps taken yet); resume through tiertrain's checkpoints instead")
+    groups, group_of = [], {}
+    for g, group in enumerate(optimizer.param_groups):
+        if group.get("amsgrad") or group.get("maximize"):
+            raise ConfigError("amsgrad and maximize are not supported by tiertrain's AdamW yet")
+        groups.append({k: group[k] for k in _HPARAMS})
+        for p in group["params"]:
+            group_of[id(p)] = g
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in group_of]
+    if missing:
+        raise ConfigError(f"the optimizer does not hold parameter(s) {missing[:3]}; build it over model.parameters()")
+    return groups, group_of
+
+
+class TieredModel(nn.Module):
+    """The user's model, with its parameters in device slots; call it as the model itself."""
+
+    def __init__(self, module: nn.Module, runtime: Runtime) -> None:
+        super().__init__()
+        self.module = module
+        self._rt = runtime
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        rest = self._rt.states[-1]
+        if rest.pending_update is not None:
+            rest.pending_update.wait()  # embeddings and head are used first and last
+        return self.module(*args, **kwargs)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the gradients of the current accumulation window."""
+        rt = self._rt
+        if rt.plan.update == "overlap":
+            if rt.max_grad_norm != max_norm:
+                raise ConfigError(
+                    f"in overlap mode updates start during backward, so clipping must be declared up front: "
+                    f"tiertrain.setup(..., max_grad_norm={max_norm})")
+            return rt.last_norm
+        return rt.clip_grad_norm_(max_norm, norm_type)
+
+    @property
+    def runtime(self) -> Runtime:
+        return self._rt
+
+
+class TieredOptimizer:
+    """AdamW over the tiered states; ``param_groups[i]["lr"]`` is read at each update."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._rt = runtime
+        self.param_groups = runtime.groups
+
+    def step(self) -> None:
+        self._rt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._rt.zero_grad()
+
+
+def setup(model: nn.Module, optimizer: torch.optim.Optimizer, memory: Budgets, plan: "str | Plan" = "resident", *,
+          grad_accum: int = 1, max_grad_norm: float | None = None, update: str | None = None,
+          blocks: str | None = None, page_size: int | None = None) -> tuple[TieredModel, TieredOptimizer]:
+    """Place ``model``'s training state in the tiers ``memory`` allows, as ``plan`` says.
+
+    ``grad_accum`` and ``max_grad_norm`` tell the ``overlap`` mode when a block's
+    gradients are final and whether to wait for the global norm before updating.
+    A plan that cannot fit the budgets is refused here, before anything is allocated.
+    """
+    if next(model.parameters()).dtype != torch.float32:
+        raise ConfigError("tiertrain keeps an fp32 model; build it in fp32 (mixed precision comes from the plan)")
+    groups, group_of = _groups_from(optimizer, model)
+    found = find_blocks(model, blocks)
+    chosen = load_plan(plan, len(found) - 1, disk=memory.disk > 0, update=update)
+    if chosen.uses_disk and not memory.disk:
+        raise ConfigError("this plan homes states on disk; give a disk budget: Budgets(..., disk=SIZE, disk_dir=DIR)")
+    page = page_size or 4 << 20
+    check_fits(found, chosen, memory, page)
+    mem = MemorySystem(memory, page_size=page)
+    runtime = Runtime(model, groups, group_of, mem, chosen, grad_accum, max_grad_norm, blocks)
+    return TieredModel(model, runtime), TieredOptimizer(runtime)

@@ -1,0 +1,120 @@
+"""One block's runtime state: its chunks in the memory tiers and its slot-backed parameters.
+
+Chunks per block (layout in parameter order, fp32 compute for now):
+  ``param``     compute params between uses, on the host (streamed blocks only: they are
+                fetched from here into a device slot before each use);
+  ``master``, ``exp_avg``, ``exp_avg_sq``  fp32 optimizer state at the block's home tier;
+  ``grad``      fp32 gradients accumulated on the host as backward finishes the block.
+
+The module's parameters are replaced once, at setup, by tensors that alias the block's
+device slot (``Tensor.set_`` onto the pool's storage). Refilling a slot writes the pool
+buffer, never these tensors, so no ``.data`` swap is needed and autograd's saved
+parameters stay valid as long as the slot holds this block when its backward runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from tiertrain.memory import ChunkLayout, Kind, MemorySystem, Tier
+from tiertrain.memory.chunk import Chunk
+from tiertrain.runtime.blocks import Block
+from tiertrain.runtime.plan import BlockPlan
+
+F32 = torch.float32
+
+
+@dataclass
+class Slot:
+    """A region of the device pool that holds one block's compute params at a time."""
+
+    chunk: Chunk
+    holder: int | None = None  # index of the block whose params are in it
+
+
+def alias(slot: Slot, layout: ChunkLayout, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Tensors of each parameter's shape living in the slot's memory, with their own version counters."""
+    flat = slot.chunk.merge()
+    storage, base = flat.untyped_storage(), flat.storage_offset()  # uint8 storage: offsets in bytes
+    out = []
+    for s in layout.slots:
+        t = torch.empty(0, dtype=dtype, device=flat.device)
+        t.set_(storage, (base + s.offset * dtype.itemsize) // dtype.itemsize, s.shape)
+        out.append(t)
+    return out
+
+
+@dataclass
+class BlockState:
+    index: int
+    block: Block
+    plan: BlockPlan
+    layout: ChunkLayout
+    params: list[nn.Parameter]                 # the slot-backed parameters the module now uses
+    master: Chunk
+    exp_avg: Chunk
+    exp_avg_sq: Chunk
+    grad: Chunk
+    param_home: Chunk | None                   # streamed blocks only
+    slot: Slot
+    steps: list[torch.Tensor]                  # AdamW step count per parameter (fused kernel's form)
+    group_of: list[int]                        # user's param group index per parameter
+    has_grad: list[bool] = field(default_factory=list)
+    grad_count: int = 0                        # grads accumulated in the current backward
+    pending_update: object = None              # Handle-like of an update in flight
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.numel * F32.itemsize
+
+    def views(self, chunk: Chunk) -> list[torch.Tensor]:
+        """Per-parameter fp32 views of a chunk (merged) in layout order."""
+        flat = chunk.typed(F32)
+        return [flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.layout.slots]
+
+
+def _fill(chunk: Chunk, tensors: list[torch.Tensor], layout: ChunkLayout) -> None:
+    flat = chunk.typed(F32)
+    flat.zero_()
+    for s, t in zip(layout.slots, tensors):
+        flat[s.offset : s.offset + s.numel].copy_(t.detach().reshape(-1))
+
+
+def build_state(mem: MemorySystem, index: int, block: Block, plan: BlockPlan, slot: Slot,
+                group_of: list[int]) -> BlockState:
+    """Allocate the block's chunks, copy its current weights in, and leave its slot filled."""
+    layout = ChunkLayout.build([(n, tuple(p.shape)) for n, p in block.params])
+    nbytes = layout.numel * F32.itemsize
+    originals = [p for _, p in block.params]
+    master = mem.allocate(f"{block.name}.master", nbytes, Tier.HOST, Kind.MASTER)
+    _fill(master, originals, layout)
+    moments = [mem.allocate(f"{block.name}.{k.value}", nbytes, Tier.HOST, k) for k in (Kind.EXP_AVG, Kind.EXP_AVG_SQ)]
+    for m in moments:
+        m.typed(F32).zero_()
+    param_home = None
+    if plan.stream:
+        param_home = mem.allocate(f"{block.name}.param", nbytes, Tier.HOST, Kind.PARAM)
+        _fill(param_home, originals, layout)
+    grad = mem.allocate(f"{block.name}.grad", nbytes, Tier.HOST, Kind.GRAD)
+    _fill(slot.chunk, originals, layout)
+    slot.holder = index
+    params = [nn.Parameter(t, requires_grad=True) for t in alias(slot, layout, F32)]
+    steps = [torch.zeros((), dtype=F32) for _ in params]
+    state = BlockState(index, block, plan, layout, params, master, moments[0], moments[1], grad, param_home,
+                       slot, steps, group_of, has_grad=[False] * len(params))
+    for chunk in (master, *moments):
+        if plan.home is not Tier.HOST:
+            mem.move(chunk, plan.home).wait()
+    return state
+
+
+def install_params(model: nn.Module, state: BlockState) -> None:
+    """Register the slot-backed parameters wherever the originals were registered (tied weights too)."""
+    replace = {id(old): new for (_, old), new in zip(state.block.params, state.params)}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and id(p) in replace:
+                module._parameters[name] = replace[id(p)]

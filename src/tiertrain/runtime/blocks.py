@@ -1,0 +1,66 @@
+"""Finding the blocks of a model: the units the runtime schedules.
+
+The repeated blocks are the ``nn.ModuleList`` of structurally equal modules (same
+parameter names, shapes and dtypes) that covers the most parameters, then the longest:
+our GPT's ``blocks``, a transformers model's ``layers``/``h``. (Plain "longest" would pick
+an MoE layer's experts when there are more experts than layers.) Everything else (embeddings, head, final norm) forms the
+"rest" block. A user can name the list instead (``blocks="model.layers"``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from tiertrain.errors import ConfigError
+
+
+@dataclass
+class Block:
+    name: str
+    module: nn.Module | None          # None for the rest block (no single module call)
+    params: list[tuple[str, nn.Parameter]]  # (fully qualified name, parameter), in model order
+
+
+def _signature(m: nn.Module) -> tuple:
+    return tuple((n, tuple(p.shape), p.dtype) for n, p in m.named_parameters())
+
+
+def find_block_list(model: nn.Module, path: str | None = None) -> tuple[str, nn.ModuleList]:
+    if path is not None:
+        try:
+            found = model.get_submodule(path)
+        except AttributeError:
+            raise ConfigError(f"the model has no submodule {path!r}; name its list of layers") from None
+        if not isinstance(found, nn.ModuleList):
+            raise ConfigError(f"{path!r} is a {type(found).__name__}, not an nn.ModuleList of layers")
+        return path, found
+    best: tuple[str, nn.ModuleList] | None = None
+    best_key = (0, 0)
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) > 0:
+            sig = _signature(mod[0])
+            if sig and all(_signature(m) == sig for m in mod):
+                key = (sum(p.numel() for p in mod.parameters()), len(mod))
+                if key > best_key:
+                    best, best_key = (name, mod), key
+    if best is None:
+        raise ConfigError("found no nn.ModuleList of identical layers in this model; pass blocks='path.to.layers'")
+    return best
+
+
+def find_blocks(model: nn.Module, path: str | None = None) -> list[Block]:
+    """The repeated blocks in order, then the rest block last."""
+    list_name, layers = find_block_list(model, path)
+    owner = {}
+    for i, layer in enumerate(layers):
+        for p in layer.parameters():
+            owner[id(p)] = i
+    blocks = [Block(f"{list_name}.{i}", layer, []) for i, layer in enumerate(layers)]
+    rest = Block("rest", None, [])
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (blocks[owner[id(p)]] if id(p) in owner else rest).params.append((name, p))
+    return blocks + [rest]

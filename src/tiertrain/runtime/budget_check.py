@@ -1,0 +1,58 @@
+"""Refuse a plan whose states cannot fit the budgets, before anything is allocated.
+
+Counts what the runtime will allocate, in whole pages per chunk, for each tier; and,
+when it does not fit, says the smallest budgets this plan and the max-offload plan need.
+"""
+
+from __future__ import annotations
+
+from tiertrain.errors import UserError
+from tiertrain.memory import Budgets, ChunkLayout, Tier
+from tiertrain.runtime.blocks import Block
+from tiertrain.runtime.plan import Plan, builtin_plan
+from tiertrain.units import format_bytes
+
+F32_BYTES = 4
+
+
+class PlanDoesNotFit(UserError):
+    """The model's states do not fit the budgets under the plan."""
+
+
+def _pages(nbytes: int, page: int) -> int:
+    return -(-nbytes // page) * page + page  # +1 page: a chunk may start in a shared page
+
+
+def needs(blocks: list[Block], plan: Plan, page: int, update_workers: int = 2) -> dict[Tier, int]:
+    sizes = [ChunkLayout.build([(n, tuple(p.shape)) for n, p in b.params]).numel * F32_BYTES for b in blocks]
+    plans = list(plan.blocks) + [plan.rest]
+    need = {Tier.DEVICE: 0, Tier.HOST: 0, Tier.DISK: 0}
+    streamed = [s for s, p in zip(sizes, plans) if p.stream]
+    if streamed:
+        need[Tier.DEVICE] += min(plan.window, len(streamed)) * _pages(max(streamed), page)
+    for size, bp in zip(sizes, plans):
+        if not bp.stream:
+            need[Tier.DEVICE] += _pages(size, page)
+        else:
+            need[Tier.HOST] += _pages(size, page)        # param home
+        need[Tier.HOST] += _pages(size, page)            # grads
+        need[bp.home] += 3 * _pages(size, page)          # master, exp_avg, exp_avg_sq
+    disk_sizes = sorted((s for s, p in zip(sizes, plans) if p.home is Tier.DISK), reverse=True)
+    need[Tier.HOST] += sum(3 * _pages(s, page) for s in disk_sizes[:update_workers])  # states read in to update
+    return need
+
+
+def check_fits(blocks: list[Block], plan: Plan, budgets: Budgets, page: int) -> None:
+    need = needs(blocks, plan, page)
+    have = {Tier.DEVICE: budgets.device, Tier.HOST: budgets.host, Tier.DISK: budgets.disk}
+    short = [t for t in need if need[t] > have[t]]
+    if not short:
+        return
+    best = needs(blocks, builtin_plan("max-offload", len(plan.blocks), disk=True), page)
+    detail = ", ".join(f"{t.value} needs {format_bytes(need[t])} (budget {format_bytes(have[t])})" for t in short)
+    raise PlanDoesNotFit(
+        f"plan {plan.name!r} does not fit: {detail}. Smallest budgets for this plan: "
+        f"device {format_bytes(need[Tier.DEVICE])}, host {format_bytes(need[Tier.HOST])}, disk {format_bytes(need[Tier.DISK])}; "
+        f"with plan 'max-offload' and a disk: device {format_bytes(best[Tier.DEVICE])}, host {format_bytes(best[Tier.HOST])}, "
+        f"disk {format_bytes(best[Tier.DISK])}"
+    )

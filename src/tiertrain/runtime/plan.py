@@ -1,0 +1,119 @@
+"""The plan: how a step runs, as data (JSON in and out). The runtime decides nothing itself.
+
+Per block: where its fp32 master and Adam moments live between steps (``home``), whether
+its compute parameters stream through the device window or keep a device slot of their
+own (``stream``), and the H3T activation switch implemented so far (``recompute``).
+For the whole step: the window size (STRONGHOLD: device slots shared by streamed
+blocks), how many blocks ahead to prefetch, and the update mode.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tiertrain.errors import ConfigError
+from tiertrain.memory.tiers import Tier
+
+UPDATE_MODES = ("sync", "overlap")
+BUILTIN_PLANS = ("resident", "stream", "max-offload")
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    home: Tier = Tier.HOST       # fp32 master + exp_avg + exp_avg_sq between steps
+    stream: bool = False         # compute params borrow a window slot instead of owning one
+    recompute: bool = False      # keep only the block input; recompute the rest in backward
+
+    def to_dict(self) -> dict:
+        return {"home": self.home.value, "stream": self.stream, "recompute": self.recompute}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BlockPlan":
+        unknown = set(d) - {"home", "stream", "recompute"}
+        if unknown:
+            raise ConfigError(f"unknown block plan field(s) {sorted(unknown)}; valid: home, stream, recompute")
+        try:
+            return cls(home=Tier(d.get("home", "host")), stream=bool(d.get("stream", False)),
+                       recompute=bool(d.get("recompute", False)))
+        except ValueError:
+            raise ConfigError(f"block home {d.get('home')!r} is not one of device, host, disk") from None
+
+
+@dataclass(frozen=True)
+class Plan:
+    blocks: tuple[BlockPlan, ...]          # one per repeated block, in order
+    rest: BlockPlan = BlockPlan()          # embeddings, head, final norm (never streamed)
+    window: int = 2                        # device slots shared by streamed blocks
+    prefetch: int = 1                      # streamed blocks fetched ahead of the one computing
+    update: str = "sync"
+    name: str = "custom"
+    notes: dict = field(default_factory=dict, compare=False)
+
+    def validate(self, n_blocks: int) -> "Plan":
+        if len(self.blocks) != n_blocks:
+            raise ConfigError(f"plan has {len(self.blocks)} block entries but the model has {n_blocks} blocks")
+        if self.rest.stream:
+            raise ConfigError("the rest block (embeddings, head) cannot stream; set its stream to false")
+        if self.update not in UPDATE_MODES:
+            raise ConfigError(f"update mode {self.update!r} is not one of {', '.join(UPDATE_MODES)}")
+        if any(b.stream for b in self.blocks) and not 1 <= self.window:
+            raise ConfigError(f"window must be at least 1 slot, got {self.window}")
+        if not 0 <= self.prefetch < max(1, self.window):
+            raise ConfigError(f"prefetch {self.prefetch} must be below the window {self.window}")
+        return self
+
+    @property
+    def uses_disk(self) -> bool:
+        return any(b.home is Tier.DISK for b in (*self.blocks, self.rest))
+
+    def to_json(self) -> str:
+        return json.dumps({"name": self.name, "window": self.window, "prefetch": self.prefetch,
+                           "update": self.update, "rest": self.rest.to_dict(),
+                           "blocks": [b.to_dict() for b in self.blocks]}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        try:
+            d = json.loads(text)
+            return cls(blocks=tuple(BlockPlan.from_dict(b) for b in d["blocks"]),
+                       rest=BlockPlan.from_dict(d.get("rest", {})), window=int(d.get("window", 2)),
+                       prefetch=int(d.get("prefetch", 1)), update=d.get("update", "sync"),
+                       name=d.get("name", "custom"))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"plan is not valid JSON of a plan: {exc}") from None
+
+
+def builtin_plan(name: str, n_blocks: int, disk: bool = False, update: str = "sync", window: int = 2) -> Plan:
+    """``resident``: plain, everything on the device. ``stream``: STRONGHOLD's window of
+    ``window`` slots, states on the host. ``max-offload``: a window of one slot plus one
+    prefetch, recompute everywhere, states on disk when there is one (else host)."""
+    if name == "resident":
+        return Plan(tuple(BlockPlan(home=Tier.DEVICE) for _ in range(n_blocks)), BlockPlan(home=Tier.DEVICE),
+                    window=1, prefetch=0, update=update, name=name)
+    if name == "stream":
+        return Plan(tuple(BlockPlan(home=Tier.HOST, stream=True) for _ in range(n_blocks)), BlockPlan(home=Tier.HOST),
+                    window=window, prefetch=min(1, window - 1), update=update, name=name)
+    if name == "max-offload":
+        home = Tier.DISK if disk else Tier.HOST
+        return Plan(tuple(BlockPlan(home=home, stream=True, recompute=True) for _ in range(n_blocks)),
+                    BlockPlan(home=home), window=2, prefetch=1, update=update, name=name)
+    raise ConfigError(f"unknown plan {name!r}; use one of {', '.join(BUILTIN_PLANS)}, auto, or a plan JSON file")
+
+
+def load_plan(spec: "str | Plan", n_blocks: int, disk: bool, update: str | None = None) -> Plan:
+    if isinstance(spec, Plan):
+        plan = spec
+    elif spec in BUILTIN_PLANS:
+        plan = builtin_plan(spec, n_blocks, disk, update or "sync")
+    elif spec == "auto":
+        raise ConfigError("plan 'auto' needs the planner, which is not built yet; use resident, stream or max-offload")
+    else:
+        path = Path(spec)
+        if not path.is_file():
+            raise ConfigError(f"plan {spec!r} is neither a built-in plan ({', '.join(BUILTIN_PLANS)}) nor a file")
+        plan = Plan.from_json(path.read_text())
+    if update is not None and update != plan.update:
+        plan = Plan(plan.blocks, plan.rest, plan.window, plan.prefetch, update, plan.name)
+    return plan.validate(n_blocks)

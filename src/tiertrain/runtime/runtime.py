@@ -1,0 +1,143 @@
+"""Wires one model to the memory layer under a plan: block states, the window, hooks, updates."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from tiertrain.memory import MemorySystem, Tier
+from tiertrain.optim.adamw import clip_coefficient, total_grad_norm
+from tiertrain.optim.updater import Updater
+from tiertrain.runtime.block_state import F32, BlockState, Slot, build_state, install_params
+from tiertrain.runtime.blocks import find_blocks
+from tiertrain.runtime.hooks import flush_grads, install_block_hooks, install_grad_hooks
+from tiertrain.runtime.plan import Plan
+from tiertrain.runtime.window import Window
+from tiertrain.memory.tiers import Kind
+
+
+class Runtime:
+    def __init__(self, model: nn.Module, groups: list[dict[str, Any]], group_of_param: dict[int, int],
+                 mem: MemorySystem, plan: Plan, grad_accum: int, max_grad_norm: float | None,
+                 blocks_path: str | None = None) -> None:
+        self.model, self.mem, self.plan = model, mem, plan
+        self.groups, self.grad_accum, self.max_grad_norm = groups, grad_accum, max_grad_norm
+        blocks = find_blocks(model, blocks_path)
+        plans = list(plan.blocks) + [plan.rest]
+        ring = self._ring_slots(blocks, plans)
+        self.states: list[BlockState] = []
+        streamed_seen = 0
+        for i, (block, bplan) in enumerate(zip(blocks, plans)):
+            if bplan.stream:
+                slot = ring[streamed_seen % len(ring)]
+                streamed_seen += 1
+            else:
+                slot = Slot(mem.allocate(f"{block.name}.slot", _nbytes(block), Tier.DEVICE, Kind.PARAM))
+            group_of = [group_of_param[id(p)] for _, p in block.params]
+            self.states.append(build_state(mem, i, block, bplan, slot, group_of))
+        for st in self.states:
+            install_params(model, st)
+            install_grad_hooks(self, st)
+            if st.block.module is not None:
+                install_block_hooks(self, st)
+        self.window = Window([s for s in self.states if s.plan.stream], mem.mover, plan.prefetch)
+        self.updater = Updater(mem, groups, self.window.invalidate)
+        self._order = self._model_order()
+        self._in_backward = False
+        self.micro = 0               # backward passes in the current accumulation window
+        self.last_norm: torch.Tensor | None = None
+        self.clip_coef: torch.Tensor | None = None
+        self.updates_started = False
+
+    def _ring_slots(self, blocks, plans) -> list[Slot]:
+        streamed = [b for b, p in zip(blocks, plans) if p.stream]
+        if not streamed:
+            return []
+        size = max(_nbytes(b) for b in streamed)
+        return [Slot(self.mem.allocate(f"window.{k}", size, Tier.DEVICE, Kind.PARAM))
+                for k in range(min(self.plan.window, len(streamed)))]
+
+    def _model_order(self) -> list[tuple[BlockState, int]]:
+        """(state, index) of every parameter in ``model.parameters()`` order, as clip_grad_norm_ sees them."""
+        where = {id(p): (st, i) for st in self.states for i, p in enumerate(st.params)}
+        return [where[id(p)] for p in self.model.parameters() if id(p) in where]
+
+    # -- backward ----------------------------------------------------------------------
+    def grad_arrived(self, st: BlockState) -> None:
+        if not self._in_backward:
+            if self.updates_started:
+                raise RuntimeError(
+                    f"backward ran again after the last of grad_accum={self.grad_accum} micro-batches, before "
+                    "optimizer.step(); pass the right grad_accum to tiertrain.setup or call step() first")
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        st.grad_count += 1
+        if st.grad_count == len(st.params):
+            flush_grads(st)
+            self._maybe_update_now(st)
+
+    def _final_micro(self) -> bool:
+        return self.micro + 1 >= self.grad_accum
+
+    def _maybe_update_now(self, st: BlockState) -> None:
+        """Overlap without clipping: a block's update starts as soon as its last gradient is in."""
+        if self.plan.update == "overlap" and self.max_grad_norm is None and self._final_micro():
+            self.updater.submit(st, None)
+            self.updates_started = True
+
+    def _backward_done(self) -> None:
+        for st in self.states:
+            if st.grad_count:
+                flush_grads(st)
+                self._maybe_update_now(st)
+        final = self._final_micro()
+        self.micro += 1
+        self._in_backward = False
+        if final and self.plan.update == "overlap" and self.max_grad_norm is not None:
+            self.clip_grad_norm_(self.max_grad_norm)
+            for st in self.states[-1:] + self.states[:-1]:  # rest (embeddings) first: the next forward starts there
+                self.updater.submit(st, self.clip_coef)
+            self.updates_started = True
+
+    # -- optimizer -----------------------------------------------------------------------
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        self.last_norm = total_grad_norm(self._order, norm_type)
+        self.clip_coef = clip_coefficient(max_norm, self.last_norm)
+        return self.last_norm
+
+    def step(self) -> None:
+        self.window.settle()
+        if not self.updates_started:
+            for st in self.states[-1:] + self.states[:-1]:
+                self.updater.update(st, self.clip_coef)
+        if self.plan.update == "sync":
+            self.wait_updates()
+        self.clip_coef, self.updates_started, self.micro = None, False, 0
+
+    def wait_updates(self) -> None:
+        for st in self.states:
+            if st.pending_update is not None:
+                st.pending_update.wait()
+                st.pending_update = None
+        self.updater.drain()
+
+    def zero_grad(self) -> None:
+        for st in self.states:
+            for p in st.params:
+                p.grad = None
+            if st.pending_update is None:  # a pending update resets the flags itself when done
+                st.has_grad = [False] * len(st.params)
+            st.grad_count = 0
+        self.micro = 0
+
+    def close(self) -> None:
+        self.wait_updates()
+        self.updater.close()
+
+
+def _nbytes(block) -> int:
+    from tiertrain.memory import ChunkLayout
+
+    return ChunkLayout.build([(n, tuple(p.shape)) for n, p in block.params]).numel * F32.itemsize

@@ -30,13 +30,19 @@ def masked_lm_pair(tokens: torch.Tensor, vocab_size: int, seed: int, k: int) -> 
     return x, y
 
 
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's model inside a tiertrain wrapper (which is called in its place)."""
+    return getattr(model, "module", model)
+
+
 def is_encoder(model: nn.Module) -> bool:
-    return isinstance(model, GPT) and not model.config.causal
+    inner = unwrap(model)
+    return isinstance(inner, GPT) and not inner.config.causal
 
 
 def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy for our GPT (which computes it itself) or any transformers causal LM."""
-    if isinstance(model, GPT):
+    if isinstance(unwrap(model), GPT):
         return model(x, y)
     logits = model(input_ids=x).logits
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1), ignore_index=IGNORE_INDEX)

@@ -1,0 +1,94 @@
+import random
+
+import pytest
+
+from tiered_harness import HF_GPT2, TINY4, train_plain, train_tiered
+from tiertrain.errors import ConfigError
+from tiertrain.memory import Budgets, Tier
+from tiertrain.runtime.budget_check import PlanDoesNotFit
+from tiertrain.runtime.plan import BlockPlan, Plan
+
+STEPS = 20
+DEVICE_BUDGET = 8 << 20
+
+
+def budgets(tmp_path) -> Budgets:
+    return Budgets(device=DEVICE_BUDGET, host=64 << 20, disk=64 << 20, disk_dir=str(tmp_path / "disk"))
+
+
+@pytest.fixture(scope="module")
+def references():
+    cache = {}
+
+    def get(model, accum, clip):
+        key = (str(model), accum, clip)
+        if key not in cache:
+            cache[key] = train_plain(model, STEPS, accum, clip)
+        return cache[key]
+
+    return get
+
+
+MODELS = {"gpt": TINY4, "moe": "tiny-moe", "transformers": HF_GPT2}  # 4 blocks: a 2-slot window turns
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("plan", ["resident", "stream", "max-offload"])
+@pytest.mark.parametrize("update", ["sync", "overlap"])
+@pytest.mark.parametrize("accum,clip", [(1, None), (2, 0.5)])
+def test_builtin_plans_equal_plain_pytorch_bitwise(tmp_path, references, model, plan, update, accum, clip):
+    if model == "transformers":
+        pytest.importorskip("transformers")
+    spec = MODELS[model]
+    got, stats = train_tiered(spec, STEPS, accum, clip, plan, budgets(tmp_path), update=update)
+    assert got == references(spec, accum, clip)
+    assert stats["device"]["peak"] <= DEVICE_BUDGET
+
+
+def random_plan(rng: random.Random, n_blocks: int) -> Plan:
+    blocks = tuple(BlockPlan(home=rng.choice(list(Tier)), stream=rng.random() < 0.5, recompute=rng.random() < 0.5)
+                   for _ in range(n_blocks))
+    window = rng.randint(1, 3)
+    return Plan(blocks, BlockPlan(home=rng.choice(list(Tier))), window=window, prefetch=rng.randint(0, window - 1),
+                update=rng.choice(["sync", "overlap"]), name="random")
+
+
+PLANS = [random_plan(random.Random(seed), 4) for seed in range(50)]
+
+
+def test_the_random_plans_cover_every_switch_and_tier_combination():
+    seen = {(b.home, b.stream, b.recompute) for p in PLANS for b in p.blocks}
+    assert len(seen) == len(Tier) * 2 * 2
+    assert {p.update for p in PLANS} == {"sync", "overlap"}
+    assert {p.window for p in PLANS} == {1, 2, 3} and {p.rest.home for p in PLANS} == set(Tier)
+
+
+@pytest.mark.parametrize("seed", range(50))
+def test_random_valid_plans_equal_plain_pytorch_bitwise(tmp_path, references, seed):
+    plan = PLANS[seed]
+    accum, clip = [(1, None), (2, None), (1, 0.5), (3, 0.5)][seed % 4]
+    got, stats = train_tiered(TINY4, STEPS, accum, clip, plan, budgets(tmp_path))
+    assert got == references(TINY4, accum, clip), plan.to_json()
+    assert stats["device"]["peak"] <= DEVICE_BUDGET and stats["device"]["pages_in_use_bytes"] <= DEVICE_BUDGET
+
+
+def test_plan_json_round_trips():
+    for plan in PLANS[:5]:
+        assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_a_plan_that_cannot_fit_is_refused_with_the_smallest_budgets(tmp_path):
+    tiny = Budgets(device=64 * 1024, host=64 << 20, disk=64 << 20, disk_dir=str(tmp_path / "d"))
+    with pytest.raises(PlanDoesNotFit, match=r"plan 'resident' does not fit: device needs .* Smallest budgets"
+                                             r" for this plan: device .*with plan 'max-offload'"):
+        train_tiered("tiny", 1, 1, None, "resident", tiny)
+    assert not (tmp_path / "d").exists()  # refused before anything was allocated
+
+
+def test_bad_plans_and_options_are_refused_clearly(tmp_path):
+    with pytest.raises(ConfigError, match="plan has 1 block entries but the model has 2"):
+        train_tiered("tiny", 1, 1, None, Plan((BlockPlan(),)), budgets(tmp_path))
+    with pytest.raises(ConfigError, match="plan 'fastest' is neither a built-in plan"):
+        train_tiered("tiny", 1, 1, None, "fastest", budgets(tmp_path))
+    with pytest.raises(ConfigError, match="give a disk budget"):
+        train_tiered("tiny", 1, 1, None, "max-offload", Budgets(device=8 << 20, host=64 << 20))

@@ -90,5 +90,8 @@ def test_bad_plans_and_options_are_refused_clearly(tmp_path):
         train_tiered("tiny", 1, 1, None, Plan((BlockPlan(),)), budgets(tmp_path))
     with pytest.raises(ConfigError, match="plan 'fastest' is neither a built-in plan"):
         train_tiered("tiny", 1, 1, None, "fastest", budgets(tmp_path))
+    no_disk = Budgets(device=8 << 20, host=64 << 20)
     with pytest.raises(ConfigError, match="give a disk budget"):
-        train_tiered("tiny", 1, 1, None, "max-offload", Budgets(device=8 << 20, host=64 << 20))
+        train_tiered("tiny", 1, 1, None, Plan((BlockPlan(home=Tier.DISK),) * 2), no_disk)
+    # Without a disk, max-offload homes the states on the host instead, and trains.
+    assert len(train_tiered("tiny", 2, 1, None, "max-offload", no_disk)[0]) == 2

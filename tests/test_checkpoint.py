@@ -67,7 +67,7 @@ def test_sigkill_during_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     assert ckpt.name == "step-00000003"
     assert tree_digest(ckpt) == before
     t = Trainer(tiny_config(out, steps=6))
-    state = load_checkpoint(ckpt, t.model, t.opt, t.param_names)
+    state = load_checkpoint(ckpt, t.state)
     assert state.step == 3
     # The next save cleans up what the crash left.
     train(tiny_config(out, steps=6, resume=str(out)))

@@ -40,6 +40,12 @@ def cli() -> None:
 @click.option("--resume", type=click.Path(), help="Continue from a run directory or a checkpoint directory.")
 @click.option("--save-every", type=int, help="Save a checkpoint every N steps (default: only at the end).")
 @click.option("--log-every", type=int, help="Print a line every N steps when not on a terminal (default 10).")
+@click.option("--plan", help="Put training state in tiers: resident, stream, max-offload, or a plan JSON file (default: plain PyTorch).")
+@click.option("--update", type=click.Choice(["sync", "overlap"]), help="With --plan: update after backward (sync) or during it (overlap).")
+@click.option("--device-memory", help='With --plan: device budget, e.g. "2GiB" (default 90% of the GPU; 4GiB on CPU).')
+@click.option("--host-memory", help='With --plan: host budget, e.g. "16GiB" (default half the RAM).')
+@click.option("--disk", help='With --plan: disk tier "DIR:SIZE", e.g. /nvme/tt:200GiB.')
+@click.option("--page-size", help='With --plan: memory page size, e.g. "4MiB" (default: measured and cached per machine).')
 @click.option("--quiet", is_flag=True, help="Print only the summary.")
 def train(config_file: str | None, quiet: bool, **flags: Any) -> None:
     """Train a model. With no arguments: a small GPT on the built-in corpus, about a minute on CPU.

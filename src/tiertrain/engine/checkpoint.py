@@ -33,6 +33,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from tiertrain.engine.atomic import publish_dir, write_atomic
+from tiertrain.engine.train_state import TrainState
 from tiertrain.errors import CheckpointError
 
 FORMAT_VERSION = 1
@@ -62,33 +63,12 @@ def model_config_dict(model: nn.Module) -> dict[str, Any]:
     raise CheckpointError(f"cannot describe {type(model).__name__}'s config for a checkpoint")
 
 
-def weights_to_save(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The state dict without aliases: tied weights are stored once (safetensors refuses shared storage)."""
-    seen: set[tuple[int, int]] = set()
-    out = {}
-    for name, t in model.state_dict().items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset())
-        if key in seen:
-            continue
-        seen.add(key)
-        out[name] = t.detach().contiguous().cpu()
-    return out
-
-
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def _optimizer_tensors(opt: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for idx, state in opt.state_dict()["state"].items():
-        for key, value in state.items():
-            tensors[f"{names[idx]}::{key}"] = torch.as_tensor(value).detach().contiguous().cpu()
-    return tensors
 
 
 def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -103,8 +83,7 @@ def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     return tensors, plain
 
 
-def save_checkpoint(out: Path, model: nn.Module, opt: torch.optim.Optimizer, names: dict[int, str],
-                    state: TrainerState, keep: int) -> Path:
+def save_checkpoint(out: Path, ts: TrainState, state: TrainerState, keep: int) -> Path:
     """Write a checkpoint for ``state.step`` atomically and prune to the ``keep`` newest."""
     root = checkpoint_root(out)
     root.mkdir(parents=True, exist_ok=True)
@@ -113,24 +92,19 @@ def save_checkpoint(out: Path, model: nn.Module, opt: torch.optim.Optimizer, nam
     tmp = root / f".{final.name}.tmp-{os.getpid()}"
     tmp.mkdir()
     rng_tensors, rng_plain = _rng_state()
-    save_file(weights_to_save(model), tmp / "model.safetensors", metadata={"format": "pt"})
-    save_file(_optimizer_tensors(opt, names), tmp / "optimizer.safetensors")
+    save_file(ts.weights(), tmp / "model.safetensors", metadata={"format": "pt"})
+    save_file(ts.optimizer_tensors(), tmp / "optimizer.safetensors")
     save_file(rng_tensors, tmp / "rng.safetensors")
-    (tmp / "config.json").write_text(json.dumps(model_config_dict(model), indent=2))
+    (tmp / "config.json").write_text(json.dumps(model_config_dict(ts.module), indent=2))
     manifest = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
     trainer = {"format_version": FORMAT_VERSION, "step": state.step, "data_position": state.data_position,
                "scaler": state.scaler, "run_config": state.run_config, "rng": rng_plain,
-               "param_groups": _group_hparams(opt), "files": manifest}
+               "param_groups": ts.group_hparams(), "files": manifest}
     (tmp / "trainer.json").write_text(json.dumps(trainer, indent=1))
     publish_dir(tmp, final)
     write_atomic(root / LATEST, final.name.encode())
     _prune(root, keep)
     return final
-
-
-def _group_hparams(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    return [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
-            for g in opt.state_dict()["param_groups"]]
 
 
 def remove_stale(root: Path) -> None:
@@ -200,32 +174,12 @@ def check_same_model(ckpt: Path, model: nn.Module) -> None:
         )
 
 
-def load_weights(ckpt: Path, model: nn.Module) -> None:
+def _checked_weights(ckpt: Path, ts: TrainState) -> dict[str, torch.Tensor]:
     tensors = _load_tensors(ckpt / "model.safetensors")
-    expected = weights_to_save(model)
-    if set(tensors) != set(expected) or any(tensors[k].shape != expected[k].shape for k in expected):
+    expected = ts.expected_weights()
+    if set(tensors) != set(expected) or any(tensors[k].shape != expected[k] for k in expected):
         raise CheckpointError(f"weights in {ckpt} do not match this model's parameters; resume the model they came from")
-    missing, _ = model.load_state_dict(tensors, strict=False)
-    if set(missing) - (set(model.state_dict()) - set(expected)):
-        raise CheckpointError(f"weights in {ckpt} lack {sorted(missing)[:3]}")
-
-
-def load_optimizer(ckpt: Path, opt: torch.optim.Optimizer, names: dict[int, str], groups: list[dict[str, Any]]) -> None:
-    tensors = _load_tensors(ckpt / "optimizer.safetensors")
-    sd = opt.state_dict()
-    index = {name: idx for idx, name in names.items()}
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for key, value in tensors.items():
-        name, _, kind = key.partition("::")
-        if name not in index:
-            raise CheckpointError(f"optimizer state in {ckpt} names parameter {name!r} that this model lacks")
-        state.setdefault(index[name], {})[kind] = value
-    sd["state"] = state
-    if len(groups) != len(sd["param_groups"]):
-        raise CheckpointError(f"optimizer in {ckpt} has {len(groups)} parameter groups, this run {len(sd['param_groups'])}")
-    for group, saved in zip(sd["param_groups"], groups):
-        group.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items()})
-    opt.load_state_dict(sd)
+    return tensors
 
 
 def _restore_rng(ckpt: Path, plain: dict[str, Any]) -> None:
@@ -241,15 +195,14 @@ def _restore_rng(ckpt: Path, plain: dict[str, Any]) -> None:
     random.setstate((py[0], tuple(py[1]), py[2]))
 
 
-def load_checkpoint(ckpt: Path, model: nn.Module, opt: torch.optim.Optimizer, names: dict[int, str]) -> TrainerState:
+def load_checkpoint(ckpt: Path, ts: TrainState) -> TrainerState:
     """Restore model, optimizer and RNG from ``ckpt`` after verifying it; return the rest."""
     trainer = _read_json(ckpt / "trainer.json")
     if trainer.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {ckpt} has format {trainer.get('format_version')}, this tiertrain reads {FORMAT_VERSION}")
     _verify_files(ckpt, trainer["files"])
-    check_same_model(ckpt, model)
-    load_weights(ckpt, model)
-    load_optimizer(ckpt, opt, names, trainer["param_groups"])
+    check_same_model(ckpt, ts.module)
+    ts.load(_checked_weights(ckpt, ts), _load_tensors(ckpt / "optimizer.safetensors"), trainer["param_groups"])
     _restore_rng(ckpt, trainer["rng"])
     return TrainerState(step=trainer["step"], data_position=trainer["data_position"],
                         scaler=trainer["scaler"], run_config=trainer["run_config"])

@@ -27,6 +27,8 @@ from tiertrain.engine.optimizer import make_adamw
 from tiertrain.engine.precision import Precision, choose_device, choose_precision
 from tiertrain.engine.schedule import lr_at
 from tiertrain.engine.stop import StopFlag
+from tiertrain.engine.tiered import setup_tiered
+from tiertrain.engine.train_state import PlainState, TieredState, TrainState
 from tiertrain.errors import ConfigError, OutputError
 from tiertrain.models import build, flops_per_token, resolve_config
 from tiertrain.models.config import ModelConfig
@@ -100,9 +102,14 @@ class Trainer:
         self.vocab = vocab
         self.sampler = BatchSampler(load_tokens(cfg.data, vocab, cfg.tokenizer), cfg.batch_size, cfg.seq_len, cfg.seed)
         self.opt, self.param_names = make_adamw(self.model, cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay)
+        self.state: TrainState = PlainState(self.model, self.opt, self.param_names)
+        self.tiered = cfg.plan is not None
+        if self.tiered:
+            self.model, self.opt = setup_tiered(self.model, self.opt, cfg, self.precision, self.device)
+            self.state = TieredState(self.model)
         self.scaler = self.precision.grad_scaler()
         self.step = 0
-        self.flops_per_token = model_flops_per_token(self.model, cfg.seq_len)
+        self.flops_per_token = model_flops_per_token(self.state.module, cfg.seq_len)
         self.reporter = reporter or Reporter(cfg.steps, cfg.log_every, quiet=True)
         if cfg.resume:
             self._resume(Path(cfg.resume))
@@ -110,15 +117,17 @@ class Trainer:
 
     def describe(self) -> str:
         n = sum(p.numel() for p in self.model.parameters())
-        name = getattr(self.model.config, "name", "") or type(self.model).__name__
+        inner = self.state.module
+        name = getattr(inner.config, "name", "") or type(inner).__name__
         return (f"training {name} ({format_count(n)} params) on {self.device.type}, {self.precision.name}; "
                 f"{format_count(len(self.sampler.tokens))} tokens of data; "
                 f"{self.cfg.batch_size * self.cfg.seq_len * self.cfg.grad_accum} tokens/step; "
-                f"steps {self.step}->{self.cfg.steps}; out {self.out}")
+                f"steps {self.step}->{self.cfg.steps}; out {self.out}"
+                + (f"; plan {self.model.runtime.plan.name} ({self.model.runtime.plan.update})" if self.tiered else ""))
 
     def _resume(self, path: Path) -> None:
         ckpt = find_checkpoint(path)
-        state = load_checkpoint(ckpt, self.model, self.opt, self.param_names)
+        state = load_checkpoint(ckpt, self.state)
         if state.step >= self.cfg.steps:
             raise ConfigError(f"checkpoint {ckpt} is already at step {state.step}, so --steps {self.cfg.steps} "
                               f"leaves nothing to do; pass --steps larger than {state.step}")
@@ -150,7 +159,9 @@ class Trainer:
         self.scaler.unscale_(self.opt)
         norm = float("nan")
         if cfg.grad_clip > 0:
-            norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
+            clip = self.model.clip_grad_norm_ if self.tiered else (
+                lambda m: torch.nn.utils.clip_grad_norm_(self.model.parameters(), m))
+            norm = float(clip(cfg.grad_clip))
         self.scaler.step(self.opt)
         self.scaler.update()
         self.opt.zero_grad(set_to_none=True)
@@ -161,7 +172,7 @@ class Trainer:
         state = TrainerState(step=self.step, data_position=self.sampler.position,
                              scaler=self.scaler.state_dict() if self.scaler.is_enabled() else {},
                              run_config=self.cfg.to_dict())
-        return save_checkpoint(self.out, self.model, self.opt, self.param_names, state, self.cfg.keep_checkpoints)
+        return save_checkpoint(self.out, self.state, state, self.cfg.keep_checkpoints)
 
     def run(self) -> RunSummary:
         cfg, losses, tokens_s, tflops, start_step = self.cfg, [], [], [], self.step
@@ -174,6 +185,9 @@ class Trainer:
         finally:
             self.metrics.close()
             self.reporter.close()
+            if self.tiered:
+                self.model.runtime.close()
+                self.model.runtime.mem.close()
         med = (lambda v: float(np.median(v)) if v else 0.0)
         return RunSummary(steps=self.step, first_loss=losses[0] if losses else float("nan"),
                           last_loss=losses[-1] if losses else float("nan"), tokens_per_s=med(tokens_s),
@@ -202,6 +216,10 @@ class Trainer:
         row = {"step": self.step, "loss": loss, "lr": self.opt.param_groups[0]["lr"], "grad_norm": norm,
                "tokens_per_s": tokens / seconds, "tflops": tokens * self.flops_per_token / seconds / 1e12,
                "step_s": seconds, "peak_bytes": peak_bytes(self.device)}
+        if self.tiered:
+            stats = self.model.runtime.mem.stats()
+            row["peak_bytes"] = {**{t: v["peak"] for t, v in stats.items() if "budget" in v},
+                                 "process_rss": row["peak_bytes"]["host"]}
         if self.precision.name == "fp16":
             row["loss_scale"] = self.scaler.get_scale()
         return row

@@ -130,13 +130,16 @@ class DiskPool(Pool):
         """Write ``data`` (aligned, a multiple of 4 KiB) at the start of ``page``."""
         offset = page * self.page_size
         self._checksums.pop(page, None)  # a failed write must not leave old data looking valid
-        try:
-            written = os.pwrite(self.fd, data, offset)
-        except OSError as exc:
-            raise DiskError(f"writing {len(data)} bytes to {self.file} at offset {offset} failed: "
-                            f"{_errname(exc)} ({exc.strerror})") from None
-        if written != len(data):
-            raise DiskError(f"short write to {self.file} at offset {offset}: {written} of {len(data)} bytes")
+        written = 0
+        while written < len(data):  # a short write is legal; the next call reports why (ENOSPC, EIO)
+            try:
+                n = os.pwrite(self.fd, data[written:], offset + written)
+            except OSError as exc:
+                raise DiskError(f"writing {len(data)} bytes to {self.file} at offset {offset} failed after "
+                                f"{written}: {_errname(exc)} ({exc.strerror})") from None
+            if n == 0:
+                raise DiskError(f"short write to {self.file} at offset {offset}: {written} of {len(data)} bytes")
+            written += n
         self._checksums[page] = (zlib.crc32(data), len(data))
 
     def written_length(self, page: int) -> int:
@@ -149,13 +152,16 @@ class DiskPool(Pool):
         offset = page * self.page_size
         n = self.written_length(page)
         crc = self._checksums[page][0]
-        try:
-            got = os.preadv(self.fd, [out[:n]], offset)
-        except OSError as exc:
-            raise DiskError(f"reading {n} bytes from {self.file} at offset {offset} failed: "
-                            f"{_errname(exc)} ({exc.strerror})") from None
-        if got != n:
-            raise DiskError(f"short read from {self.file} at offset {offset}: {got} of {n} bytes")
+        got = 0
+        while got < n:  # continue a short read; end of file before n bytes is an error
+            try:
+                k = os.preadv(self.fd, [out[got:n]], offset + got)
+            except OSError as exc:
+                raise DiskError(f"reading {n} bytes from {self.file} at offset {offset} failed: "
+                                f"{_errname(exc)} ({exc.strerror})") from None
+            if k <= 0:
+                raise DiskError(f"short read from {self.file} at offset {offset}: {got} of {n} bytes")
+            got += k
         if zlib.crc32(out[:n]) != crc:
             raise DiskError(f"checksum mismatch in {self.file} at offset {offset} ({n} bytes): "
                             "the disk returned different data than was written")

@@ -82,6 +82,12 @@ def memory_curve(device: torch.device, total: int = 256 * MiB) -> dict[int, floa
 def measured_page_size(disk_dir: str | None, device: torch.device) -> int:
     """The cached page size for this machine's slowest link in use, measuring it if needed."""
     if disk_dir:
+        from tiertrain.errors import ConfigError
+
+        try:
+            Path(disk_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"disk directory {disk_dir} cannot be created ({exc.strerror}); name another with --disk") from None
         link = f"disk:{os.stat(disk_dir).st_dev}"
     else:
         link = "h2d:cuda" if device.type == "cuda" else "memcpy"

@@ -41,21 +41,26 @@ class Updater:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def update(self, st: BlockState, clip_coef: torch.Tensor | None) -> None:
-        """Update one block now, in this thread."""
+    def update(self, st: BlockState, clip_coef: torch.Tensor | None,
+               groups: list[dict[str, Any]] | None = None) -> None:
+        """Update one block now, in this thread, with ``groups`` (default: the current hyperparameters)."""
         for h in self._home_moves.pop(st.index, []):
             h.wait()  # the last update's write-back must land before we read the states again
         states = (st.master, st.exp_avg, st.exp_avg_sq)
         for h in [self.mem.move(c, Tier.HOST) for c in states if c.tier is Tier.DISK]:
             h.wait()
-        adamw_block(st, self.groups, clip_coef)
+        adamw_block(st, groups or self.groups, clip_coef)
         self._write_params(st)
         if st.plan.home is Tier.DISK:
             self._home_moves[st.index] = [self.mem.move(c, Tier.DISK) for c in states]
 
     def submit(self, st: BlockState, clip_coef: torch.Tensor | None) -> Pending:
-        """Update one block on a worker; the block's next use waits on the returned Pending."""
-        pending = Pending(self._pool.submit(self.update, st, clip_coef))
+        """Update one block on a worker; the block's next use waits on the returned Pending.
+
+        The hyperparameters are copied now: by the time the worker runs, the training loop
+        may already have set the next step's learning rate."""
+        groups = [dict(g) for g in self.groups]
+        pending = Pending(self._pool.submit(self.update, st, clip_coef, groups))
         st.pending_update = pending
         return pending
 

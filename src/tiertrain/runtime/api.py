@@ -21,6 +21,8 @@ import torch.nn as nn
 
 from tiertrain.errors import ConfigError
 from tiertrain.memory import Budgets, MemorySystem
+from tiertrain.memory.page_size import check_page_size, measured_page_size
+from tiertrain.memory.system import compute_device
 from tiertrain.runtime.blocks import find_blocks
 from tiertrain.runtime.budget_check import check_fits
 from tiertrain.runtime.plan import Plan, load_plan
@@ -107,7 +109,9 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer, memory: Budgets, p
     chosen = load_plan(plan, len(found) - 1, disk=memory.disk > 0, update=update)
     if chosen.uses_disk and not memory.disk:
         raise ConfigError("this plan homes states on disk; give a disk budget: Budgets(..., disk=SIZE, disk_dir=DIR)")
-    page = page_size or 4 << 20
+    device = compute_device()
+    page = check_page_size(page_size) if page_size else measured_page_size(
+        memory.disk_dir if memory.disk else None, device)
     check_fits(found, chosen, memory, page)
     mem = MemorySystem(memory, page_size=page)
     runtime = Runtime(model, groups, group_of, mem, chosen, grad_accum, max_grad_norm, blocks)

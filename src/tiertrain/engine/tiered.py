@@ -1,0 +1,43 @@
+"""Turning a run's config into a ``tiertrain.setup`` call: budgets with sane defaults."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn as nn
+
+from tiertrain.engine.config import TrainConfig
+from tiertrain.engine.precision import Precision
+from tiertrain.errors import ConfigError
+from tiertrain.memory import Budgets
+from tiertrain.units import parse_size
+
+
+def default_budgets(cfg: TrainConfig, device: torch.device) -> Budgets:
+    if cfg.device_memory:
+        dev = parse_size(cfg.device_memory)
+    elif device.type == "cuda":
+        dev = int(torch.cuda.get_device_properties(device).total_memory * 0.9)
+    else:
+        dev = 4 << 30
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    host = parse_size(cfg.host_memory) if cfg.host_memory else ram // 2
+    disk_dir, disk = None, 0
+    if cfg.disk:
+        spec = Budgets.parse(0, 0, cfg.disk)
+        disk_dir, disk = spec.disk_dir, spec.disk
+        if not disk:
+            raise ConfigError(f"--disk {cfg.disk} gives no size; write DIR:SIZE, e.g. /nvme/tiertrain:200GiB")
+    return Budgets(dev, host, disk, disk_dir)
+
+
+def setup_tiered(model: nn.Module, opt: torch.optim.Optimizer, cfg: TrainConfig, precision: Precision,
+                 device: torch.device) -> tuple[nn.Module, object]:
+    from tiertrain.runtime.api import setup
+
+    if precision.name != "fp32":
+        raise ConfigError("plans run fp32 compute for now; use --precision fp32 with --plan")
+    return setup(model, opt, default_budgets(cfg, device), plan=cfg.plan, grad_accum=cfg.grad_accum,
+                 max_grad_norm=cfg.grad_clip if cfg.grad_clip > 0 else None, update=cfg.update,
+                 page_size=parse_size(cfg.page_size) if cfg.page_size else None)

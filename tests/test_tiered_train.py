@@ -1,0 +1,57 @@
+import pytest
+
+from conftest import read_metrics, tiny_config
+from tiered_harness import TINY4
+from tiertrain.engine.loop import Trainer, train
+from tiertrain.errors import ConfigError
+
+KW = dict(model=TINY4, steps=8, grad_accum=2, grad_clip=0.5, save_every=4, keep_checkpoints=5)
+
+
+def tiered(tmp_path, plan, update="sync"):
+    return dict(plan=plan, update=update, device_memory="16MiB", host_memory="64MiB",
+                disk=f"{tmp_path / 'disk'}:64MiB", page_size="64KiB")
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plain")
+    return out, train(tiny_config(out, **KW)).losses
+
+
+@pytest.mark.parametrize("plan,update", [("resident", "sync"), ("stream", "overlap"), ("max-offload", "overlap"),
+                                         ("max-offload", "sync")])
+def test_tiertrain_train_with_a_plan_equals_plain_bitwise(tmp_path, plain_run, plan, update):
+    s = train(tiny_config(tmp_path / "run", **KW, **tiered(tmp_path, plan, update)))
+    assert s.losses == plain_run[1]
+    peaks = read_metrics(tmp_path / "run")[-1]["peak_bytes"]
+    assert set(peaks) >= {"device", "host", "disk"} and peaks["device"] <= 16 << 20
+    assert list((tmp_path / "disk").iterdir()) == []  # disk-tier files removed at the end
+
+
+def test_checkpoints_move_between_plain_and_tiered_runs(tmp_path, plain_run):
+    plain_out, plain_losses = plain_run
+    # plain checkpoint at step 4 -> tiered run to 8
+    a = train(tiny_config(tmp_path / "a", resume=str(plain_out / "checkpoints" / "step-00000004"), **KW,
+                          **tiered(tmp_path, "max-offload", "overlap")))
+    assert a.losses == plain_losses[4:]
+    # tiered checkpoint at step 4 -> plain run to 8
+    train(tiny_config(tmp_path / "b", **KW, **tiered(tmp_path, "stream")))
+    b = train(tiny_config(tmp_path / "c", resume=str(tmp_path / "b/checkpoints/step-00000004"), **KW))
+    assert b.losses == plain_losses[4:]
+
+
+def test_tiered_resume_reproduces_the_uninterrupted_tiered_run(tmp_path, plain_run):
+    full = train(tiny_config(tmp_path / "full", **KW, **tiered(tmp_path, "max-offload")))
+    again = train(tiny_config(tmp_path / "again", resume=str(tmp_path / "full/checkpoints/step-00000004"), **KW,
+                              **tiered(tmp_path, "max-offload")))
+    assert again.losses == full.losses[4:]
+
+
+def test_plan_options_are_checked(tmp_path):
+    with pytest.raises(ConfigError, match="memory budgets apply to a plan"):
+        tiny_config(tmp_path, device_memory="1GiB")
+    with pytest.raises(ConfigError, match="plans run fp32 compute for now"):
+        Trainer(tiny_config(tmp_path, plan="stream", precision="bf16"))
+    with pytest.raises(ConfigError, match="gives no size"):
+        Trainer(tiny_config(tmp_path, plan="stream", disk=str(tmp_path / "d")))

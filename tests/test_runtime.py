@@ -95,3 +95,30 @@ def test_bad_plans_and_options_are_refused_clearly(tmp_path):
         train_tiered("tiny", 1, 1, None, Plan((BlockPlan(home=Tier.DISK),) * 2), no_disk)
     # Without a disk, max-offload homes the states on the host instead, and trains.
     assert len(train_tiered("tiny", 2, 1, None, "max-offload", no_disk)[0]) == 2
+
+
+@pytest.mark.parametrize("plan", ["stream", "max-offload"])
+def test_inference_only_streams_blocks_for_forward_and_keeps_no_optimizer_state(tmp_path, plan):
+    import torch
+
+    import tiertrain
+    from tiered_harness import batches
+    from tiertrain.models import build
+
+    torch.manual_seed(0)
+    reference = build(TINY4).eval()
+    x = batches(1)[0][:, :-1]
+    with torch.no_grad():
+        expected = reference(x)
+    torch.manual_seed(0)
+    model, opt = tiertrain.setup(build(TINY4).eval(), None, budgets(tmp_path), plan=plan, train=False,
+                                 page_size=64 * 1024)
+    try:
+        with torch.no_grad():
+            assert torch.equal(model(x), expected) and torch.equal(model(x), expected)  # and again
+        stats = model.runtime.mem.stats()
+        assert opt is None and not any(k in stats["host"]["live_by_kind"] for k in ("master", "exp_avg", "grad"))
+        assert stats["device"]["peak"] <= DEVICE_BUDGET
+    finally:
+        model.runtime.close()
+        model.runtime.mem.close()

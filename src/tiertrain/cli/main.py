@@ -134,6 +134,35 @@ def bench_memory(disk_dir: str | None, size: str, page_sizes: str, chunk: str, r
             _json.dump(results, f, indent=1)
 
 
+@bench.command("optimizer", context_settings=CONTEXT)
+@click.option("--d-model", type=int, default=768, show_default=True)
+@click.option("--layers", type=int, default=8, show_default=True)
+@click.option("--repeats", type=int, default=5, show_default=True)
+def bench_optimizer_cmd(d_model: int, layers: int, repeats: int) -> None:
+    """tiertrain's per-block AdamW against the memory-bandwidth bound and torch's fused AdamW."""
+    from tiertrain.bench.machine import describe
+    from tiertrain.bench.runtime import bench_optimizer
+
+    click.echo(f"machine: {describe()}")
+    bench_optimizer(d_model, layers, repeats, click.echo)
+
+
+@bench.command("offload", context_settings=CONTEXT)
+@click.option("--d-model", type=int, default=512, show_default=True)
+@click.option("--layers", type=int, default=8, show_default=True)
+@click.option("--batch-size", type=int, default=4, show_default=True)
+@click.option("--seq-len", type=int, default=128, show_default=True)
+@click.option("--disk", "disk_dir", type=click.Path(file_okay=False), help="Directory on the disk (default: a temporary one here).")
+@click.option("--repeats", type=int, default=5, show_default=True)
+def bench_offload_cmd(d_model: int, layers: int, batch_size: int, seq_len: int, disk_dir: str | None, repeats: int) -> None:
+    """Step time with states on disk against max(compute, disk I/O, optimizer) measured in the same run."""
+    from tiertrain.bench.machine import describe
+    from tiertrain.bench.runtime import bench_offload
+
+    click.echo(f"machine: {describe(disk_dir)}")
+    bench_offload(d_model, layers, batch_size, seq_len, disk_dir, repeats, click.echo)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         cli.main(args=argv, prog_name="tiertrain", standalone_mode=False)

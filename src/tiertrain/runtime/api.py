@@ -93,18 +93,26 @@ class TieredOptimizer:
         self._rt.zero_grad()
 
 
-def setup(model: nn.Module, optimizer: torch.optim.Optimizer, memory: Budgets, plan: "str | Plan" = "resident", *,
-          grad_accum: int = 1, max_grad_norm: float | None = None, update: str | None = None,
-          blocks: str | None = None, page_size: int | None = None) -> tuple[TieredModel, TieredOptimizer]:
+def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None, memory: Budgets, plan: "str | Plan" = "resident",
+          *, grad_accum: int = 1, max_grad_norm: float | None = None, update: str | None = None,
+          blocks: str | None = None, page_size: int | None = None,
+          train: bool = True) -> tuple[TieredModel, TieredOptimizer | None]:
     """Place ``model``'s training state in the tiers ``memory`` allows, as ``plan`` says.
 
     ``grad_accum`` and ``max_grad_norm`` tell the ``overlap`` mode when a block's
     gradients are final and whether to wait for the global norm before updating.
     A plan that cannot fit the budgets is refused here, before anything is allocated.
+    ``train=False`` streams the blocks for forward only (a teacher larger than the device,
+    STRONGHOLD's distillation case): no optimizer states, no gradients; pass ``optimizer=None``.
     """
     if next(model.parameters()).dtype != torch.float32:
         raise ConfigError("tiertrain keeps an fp32 model; build it in fp32 (mixed precision comes from the plan)")
-    groups, group_of = _groups_from(optimizer, model)
+    if train:
+        if optimizer is None:
+            raise ConfigError("training needs an optimizer: pass torch.optim.AdamW(model.parameters(), ...)")
+        groups, group_of = _groups_from(optimizer, model)
+    else:
+        groups, group_of = [], {}
     found = find_blocks(model, blocks)
     chosen = load_plan(plan, len(found) - 1, disk=memory.disk > 0, update=update)
     if chosen.uses_disk and not memory.disk:
@@ -112,7 +120,7 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer, memory: Budgets, p
     device = compute_device()
     page = check_page_size(page_size) if page_size else measured_page_size(
         memory.disk_dir if memory.disk else None, device)
-    check_fits(found, chosen, memory, page)
+    check_fits(found, chosen, memory, page, train)
     mem = MemorySystem(memory, page_size=page)
-    runtime = Runtime(model, groups, group_of, mem, chosen, grad_accum, max_grad_norm, blocks)
-    return TieredModel(model, runtime), TieredOptimizer(runtime)
+    runtime = Runtime(model, groups, group_of, mem, chosen, grad_accum, max_grad_norm, blocks, train)
+    return TieredModel(model, runtime), TieredOptimizer(runtime) if train else None

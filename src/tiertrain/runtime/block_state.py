@@ -54,10 +54,10 @@ class BlockState:
     plan: BlockPlan
     layout: ChunkLayout
     params: list[nn.Parameter]                 # the slot-backed parameters the module now uses
-    master: Chunk
-    exp_avg: Chunk
-    exp_avg_sq: Chunk
-    grad: Chunk
+    master: Chunk | None                       # None in inference-only runs (train=False), as below
+    exp_avg: Chunk | None
+    exp_avg_sq: Chunk | None
+    grad: Chunk | None
     param_home: Chunk | None                   # streamed blocks only
     slot: Slot
     steps: list[torch.Tensor]                  # AdamW step count per parameter (fused kernel's form)
@@ -83,32 +83,40 @@ def _fill(chunk: Chunk, tensors: list[torch.Tensor], layout: ChunkLayout) -> Non
         flat[s.offset : s.offset + s.numel].copy_(t.detach().reshape(-1))
 
 
-def build_state(mem: MemorySystem, index: int, block: Block, plan: BlockPlan, slot: Slot,
-                group_of: list[int]) -> BlockState:
-    """Allocate the block's chunks, copy its current weights in, and leave its slot filled."""
-    layout = ChunkLayout.build([(n, tuple(p.shape)) for n, p in block.params])
+def _optimizer_chunks(mem: MemorySystem, block: Block, plan: BlockPlan, layout: ChunkLayout,
+                      originals: list[torch.Tensor]) -> tuple[Chunk, Chunk, Chunk, Chunk]:
+    """fp32 master (a copy of the weights), zeroed moments at the block's home, a host grad chunk."""
     nbytes = layout.numel * F32.itemsize
-    originals = [p for _, p in block.params]
     master = mem.allocate(f"{block.name}.master", nbytes, Tier.HOST, Kind.MASTER)
     _fill(master, originals, layout)
     moments = [mem.allocate(f"{block.name}.{k.value}", nbytes, Tier.HOST, k) for k in (Kind.EXP_AVG, Kind.EXP_AVG_SQ)]
     for m in moments:
         m.typed(F32).zero_()
-    param_home = None
-    if plan.stream:
-        param_home = mem.allocate(f"{block.name}.param", nbytes, Tier.HOST, Kind.PARAM)
-        _fill(param_home, originals, layout)
-    grad = mem.allocate(f"{block.name}.grad", nbytes, Tier.HOST, Kind.GRAD)
-    _fill(slot.chunk, originals, layout)
-    slot.holder = index
-    params = [nn.Parameter(t, requires_grad=True) for t in alias(slot, layout, F32)]
-    steps = [torch.zeros((), dtype=F32) for _ in params]
-    state = BlockState(index, block, plan, layout, params, master, moments[0], moments[1], grad, param_home,
-                       slot, steps, group_of, has_grad=[False] * len(params))
     for chunk in (master, *moments):
         if plan.home is not Tier.HOST:
             mem.move(chunk, plan.home).wait()
-    return state
+    grad = mem.allocate(f"{block.name}.grad", nbytes, Tier.HOST, Kind.GRAD)
+    return master, moments[0], moments[1], grad
+
+
+def build_state(mem: MemorySystem, index: int, block: Block, plan: BlockPlan, slot: Slot,
+                group_of: list[int], train: bool = True) -> BlockState:
+    """Allocate the block's chunks, copy its current weights in, and leave its slot filled."""
+    layout = ChunkLayout.build([(n, tuple(p.shape)) for n, p in block.params])
+    originals = [p for _, p in block.params]
+    master = exp_avg = exp_avg_sq = grad = None
+    if train:
+        master, exp_avg, exp_avg_sq, grad = _optimizer_chunks(mem, block, plan, layout, originals)
+    param_home = None
+    if plan.stream:
+        param_home = mem.allocate(f"{block.name}.param", layout.numel * F32.itemsize, Tier.HOST, Kind.PARAM)
+        _fill(param_home, originals, layout)
+    _fill(slot.chunk, originals, layout)
+    slot.holder = index
+    params = [nn.Parameter(t, requires_grad=train) for t in alias(slot, layout, F32)]
+    steps = [torch.zeros((), dtype=F32) for _ in params]
+    return BlockState(index, block, plan, layout, params, master, exp_avg, exp_avg_sq, grad, param_home,
+                      slot, steps, group_of, has_grad=[False] * len(params))
 
 
 def install_params(model: nn.Module, state: BlockState) -> None:

@@ -23,7 +23,7 @@ def _pages(nbytes: int, page: int) -> int:
     return -(-nbytes // page) * page + page  # +1 page: a chunk may start in a shared page
 
 
-def needs(blocks: list[Block], plan: Plan, page: int, update_workers: int = 2) -> dict[Tier, int]:
+def needs(blocks: list[Block], plan: Plan, page: int, update_workers: int = 2, train: bool = True) -> dict[Tier, int]:
     sizes = [ChunkLayout.build([(n, tuple(p.shape)) for n, p in b.params]).numel * F32_BYTES for b in blocks]
     plans = list(plan.blocks) + [plan.rest]
     need = {Tier.DEVICE: 0, Tier.HOST: 0, Tier.DISK: 0}
@@ -35,20 +35,23 @@ def needs(blocks: list[Block], plan: Plan, page: int, update_workers: int = 2) -
             need[Tier.DEVICE] += _pages(size, page)
         else:
             need[Tier.HOST] += _pages(size, page)        # param home
-        need[Tier.HOST] += _pages(size, page)            # grads
-        need[bp.home] += 3 * _pages(size, page)          # master, exp_avg, exp_avg_sq
+        if train:
+            need[Tier.HOST] += _pages(size, page)        # grads
+            need[bp.home] += 3 * _pages(size, page)      # master, exp_avg, exp_avg_sq
+    if not train:
+        return need
     disk_sizes = sorted((s for s, p in zip(sizes, plans) if p.home is Tier.DISK), reverse=True)
     need[Tier.HOST] += sum(3 * _pages(s, page) for s in disk_sizes[:update_workers])  # states read in to update
     return need
 
 
-def check_fits(blocks: list[Block], plan: Plan, budgets: Budgets, page: int) -> None:
-    need = needs(blocks, plan, page)
+def check_fits(blocks: list[Block], plan: Plan, budgets: Budgets, page: int, train: bool = True) -> None:
+    need = needs(blocks, plan, page, train=train)
     have = {Tier.DEVICE: budgets.device, Tier.HOST: budgets.host, Tier.DISK: budgets.disk}
     short = [t for t in need if need[t] > have[t]]
     if not short:
         return
-    best = needs(blocks, builtin_plan("max-offload", len(plan.blocks), disk=True), page)
+    best = needs(blocks, builtin_plan("max-offload", len(plan.blocks), disk=True), page, train=train)
     detail = ", ".join(f"{t.value} needs {format_bytes(need[t])} (budget {format_bytes(have[t])})" for t in short)
     raise PlanDoesNotFit(
         f"plan {plan.name!r} does not fit: {detail}. Smallest budgets for this plan: "

@@ -21,7 +21,7 @@ from tiertrain.memory.tiers import Kind
 class Runtime:
     def __init__(self, model: nn.Module, groups: list[dict[str, Any]], group_of_param: dict[int, int],
                  mem: MemorySystem, plan: Plan, grad_accum: int, max_grad_norm: float | None,
-                 blocks_path: str | None = None) -> None:
+                 blocks_path: str | None = None, train: bool = True) -> None:
         self.model, self.mem, self.plan = model, mem, plan
         self.groups, self.grad_accum, self.max_grad_norm = groups, grad_accum, max_grad_norm
         blocks = find_blocks(model, blocks_path)
@@ -35,11 +35,12 @@ class Runtime:
                 streamed_seen += 1
             else:
                 slot = Slot(mem.allocate(f"{block.name}.slot", _nbytes(block), Tier.DEVICE, Kind.PARAM))
-            group_of = [group_of_param[id(p)] for _, p in block.params]
-            self.states.append(build_state(mem, i, block, bplan, slot, group_of))
+            group_of = [group_of_param.get(id(p), 0) for _, p in block.params]
+            self.states.append(build_state(mem, i, block, bplan, slot, group_of, train))
         for st in self.states:
             install_params(model, st)
-            install_grad_hooks(self, st)
+            if train:
+                install_grad_hooks(self, st)
             if st.block.module is not None:
                 install_block_hooks(self, st)
         self.window = Window([s for s in self.states if s.plan.stream], mem.mover, plan.prefetch)

@@ -1,0 +1,17 @@
+"""The benchmarks run and print their figures beside their limits (no timing is asserted)."""
+
+from conftest import run_cli
+
+
+def test_bench_optimizer_prints_throughput_beside_the_bound_and_the_peer():
+    r = run_cli("bench", "optimizer", "--d-model", "64", "--layers", "2", "--repeats", "1")
+    assert r.returncode == 0, r.stderr
+    assert "of the bandwidth bound (target >= 0.80)" in r.stdout and "of torch fused" in r.stdout
+
+
+def test_bench_offload_prints_step_time_beside_the_bound(tmp_path):
+    r = run_cli("bench", "offload", "--d-model", "64", "--layers", "2", "--batch-size", "2", "--seq-len", "16",
+                "--repeats", "1", "--disk", str(tmp_path / "d"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("overlap efficiency") == 2 and "raw O_DIRECT" in r.stdout
+    assert list((tmp_path / "d").iterdir()) == []

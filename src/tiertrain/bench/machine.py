@@ -45,5 +45,6 @@ def describe(disk_dir: str | None = None) -> str:
     else:
         parts.append("no GPU")
     if disk_dir:
+        os.makedirs(disk_dir, exist_ok=True)
         parts.append(f"disk {_disk_of(disk_dir)}")
     return "; ".join(parts)

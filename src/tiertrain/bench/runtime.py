@@ -75,7 +75,8 @@ def bench_optimizer(d: int, layers: int, repeats: int, out: Callable[[str], None
     bound = stream_copy(256 << 20, torch.get_num_threads()) / ADAMW_BYTES_PER_PARAM
     model = build(cfg)
     opt, _ = make_adamw(model, 1e-3, (0.9, 0.95), 1e-8, 0.1)
-    tm, _ = _tiered(cfg, Budgets(device=8 * n * 4, host=8 * n * 4), "stream", "sync", 1 << 20)
+    room = max(256 << 20, 40 * n)  # whole pages per chunk make small models need more than 24 B/param
+    tm, _ = _tiered(cfg, Budgets(device=room, host=room), "stream", "sync", 1 << 20)
     rt = tm.runtime
     for st in rt.states:
         st.grad.typed(F32).normal_(0, 1e-3)
@@ -132,7 +133,8 @@ def bench_offload(d: int, layers: int, batch: int, seq: int, disk_dir: str | Non
     io_s = state_bytes / raw.read + state_bytes / raw.write
     opt_s = n * ADAMW_BYTES_PER_PARAM / stream_copy(256 << 20, torch.get_num_threads())
     bound = max(compute_s, io_s, opt_s)
-    budgets = Budgets(device=64 * n, host=64 * n, disk=64 * n, disk_dir=str(directory))
+    room = max(256 << 20, 64 * n)
+    budgets = Budgets(device=room, host=room, disk=room, disk_dir=str(directory))
     results = {"params": n, "compute_s": compute_s, "disk_io_s": io_s, "optimizer_s": opt_s, "bound_s": bound}
     out(f"model {n / 1e6:.1f}M params, batch {batch} x {seq}; states on disk: {state_bytes / 2**20:.0f} MiB each way")
     out(f"limits measured here: compute {compute_s:.3f} s (plain fwd+bwd), disk I/O {io_s:.3f} s "

@@ -72,7 +72,8 @@ class Updater:
         self._home_moves.clear()
 
     def _write_params(self, st: BlockState) -> None:
-        master = st.master.typed(F32)
         target = st.param_home if st.param_home is not None else st.slot.chunk
-        target.typed(F32)[: master.numel()].copy_(master)
+        if target is not st.master:  # a host master doubles as the param home of a streamed block
+            master = st.master.typed(F32)
+            target.typed(F32)[: master.numel()].copy_(master)
         self.on_params_written(st)

@@ -108,7 +108,9 @@ def build_state(mem: MemorySystem, index: int, block: Block, plan: BlockPlan, sl
     if train:
         master, exp_avg, exp_avg_sq, grad = _optimizer_chunks(mem, block, plan, layout, originals)
     param_home = None
-    if plan.stream:
+    if plan.stream and master is not None and plan.home is Tier.HOST:
+        param_home = master  # fp32 compute: the host master is what the slot is filled from
+    elif plan.stream:
         param_home = mem.allocate(f"{block.name}.param", layout.numel * F32.itemsize, Tier.HOST, Kind.PARAM)
         _fill(param_home, originals, layout)
     _fill(slot.chunk, originals, layout)

@@ -33,7 +33,7 @@ def needs(blocks: list[Block], plan: Plan, page: int, update_workers: int = 2, t
     for size, bp in zip(sizes, plans):
         if not bp.stream:
             need[Tier.DEVICE] += _pages(size, page)
-        else:
+        elif not (train and bp.home is Tier.HOST):       # else the host master is the param home
             need[Tier.HOST] += _pages(size, page)        # param home
         if train:
             need[Tier.HOST] += _pages(size, page)        # grads

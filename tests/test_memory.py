@@ -218,3 +218,21 @@ def test_enospc_mid_write_raises_cleanly_and_nothing_half_written_is_used(small_
         assert chunk.tier is Tier.HOST and torch.equal(m.to_tensor(chunk), data)
         disk = m.pool(Tier.DISK)
         assert m.accounting.live(Tier.DISK) == 0 and disk.used_bytes == 0 and not disk._checksums
+
+
+def test_only_the_chunks_own_bytes_reach_the_disk(mem):
+    """A chunk ending mid-page shares that page with the next chunk; the disk write of its last,
+    partial page must be padded with zeros, never with the neighbour's bytes (which may change
+    while the write is in flight and would then fail the checksum)."""
+    a = mem.from_tensor("a", random_bytes(PS + 100, 3), Tier.HOST)
+    b = mem.from_tensor("b", torch.full((2 * PS,), 0xFF, dtype=torch.uint8), Tier.HOST)
+    assert b.extents[0].page == a.extents[-1].page  # b starts in a's last page
+    mem.move(a, Tier.DISK).wait()
+    pool = mem.pool(Tier.DISK)
+    last = a.extents[-1].page * PS
+    with open(pool.file, "rb") as f:
+        f.seek(last)
+        page = f.read(4096)
+    assert page[:100] == bytes(random_bytes(PS + 100, 3)[PS:].tolist())
+    assert page[100:] == bytes(4096 - 100)
+    assert torch.equal(mem.to_tensor(b), torch.full((2 * PS,), 0xFF, dtype=torch.uint8))

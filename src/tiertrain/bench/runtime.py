@@ -64,7 +64,17 @@ def _fill_grads(model: torch.nn.Module) -> None:
         p.grad = torch.randn_like(p) * 1e-3
 
 
-def _tiered(cfg: ModelConfig, budgets: Budgets, plan: str, update: str, page: int):
+def _disk_stream_plan(n_blocks: int, update: str):
+    """Blocks stream through a 2-slot window, all optimizer states homed on disk, no recompute:
+    its compute is exactly the plain forward+backward, so the bound below is fair."""
+    from tiertrain.memory import Tier
+    from tiertrain.runtime.plan import BlockPlan, Plan
+
+    return Plan(tuple(BlockPlan(home=Tier.DISK, stream=True) for _ in range(n_blocks)), BlockPlan(home=Tier.DISK),
+                window=2, prefetch=1, update=update, name="stream-disk")
+
+
+def _tiered(cfg: ModelConfig, budgets: Budgets, plan, update: str, page: int):
     import tiertrain
 
     model = build(cfg)
@@ -145,8 +155,11 @@ def bench_offload(d: int, layers: int, batch: int, seq: int, disk_dir: str | Non
     out(f"limits measured here: compute {compute_s:.3f} s (plain fwd+bwd), disk I/O {io_s:.3f} s "
         f"(raw O_DIRECT {raw.read / 1e9:.2f} GB/s read, {raw.write / 1e9:.2f} GB/s write), "
         f"optimizer {opt_s:.3f} s (bandwidth bound)")
-    for update in ("sync", "overlap"):
-        tm, topt = _tiered(cfg, budgets, "max-offload", update, 1 << 20)
+    runs = [("stream-disk", _disk_stream_plan(layers, "sync"), "sync"),
+            ("stream-disk", _disk_stream_plan(layers, "overlap"), "overlap"),
+            ("max-offload", "max-offload", "overlap")]
+    for name, plan, update in runs:
+        tm, topt = _tiered(cfg, budgets, plan, update, 1 << 20)
 
         def step() -> None:
             lm_loss(tm, x[:, :-1], x[:, 1:]).backward()
@@ -157,9 +170,10 @@ def bench_offload(d: int, layers: int, batch: int, seq: int, disk_dir: str | Non
         tm.runtime.close()
         tm.runtime.mem.close()
         med = _median(times)
-        results[update] = {"step_s": med, "min_s": min(times), "max_s": max(times), "efficiency": bound / med}
-        out(f"max-offload, {update:7s}: step {med:.3f} s (min {min(times):.3f}, max {max(times):.3f}); "
-            f"overlap efficiency {bound / med:.2f} (bound {bound:.3f} s, target >= 0.85)")
+        results[f"{name}/{update}"] = {"step_s": med, "min_s": min(times), "max_s": max(times), "efficiency": bound / med}
+        note = " (recomputes: its compute exceeds the bound by one forward)" if name == "max-offload" else ""
+        out(f"{name}, {update:7s}: step {med:.3f} s (min {min(times):.3f}, max {max(times):.3f}); "
+            f"overlap efficiency {bound / med:.2f} (bound {bound:.3f} s, target >= 0.85){note}")
     if disk_dir is None:
         import shutil
 

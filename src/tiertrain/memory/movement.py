@@ -208,8 +208,11 @@ class Mover:
 
     @staticmethod
     def _direct_view(pool: Pool, chunk: Chunk, start: int, n: int, padded: int) -> torch.Tensor | None:
-        """The source bytes themselves when O_DIRECT can use them as they are (no staging copy)."""
-        if not isinstance(pool, MemoryPool) or pool.device.type != "cpu":
+        """The source bytes themselves when O_DIRECT can use them as they are (no staging copy).
+
+        Only when the length is already aligned: rounding up would write (and checksum) bytes
+        past the chunk's end, which belong to whatever shares the page and may change meanwhile."""
+        if n != padded or not isinstance(pool, MemoryPool) or pool.device.type != "cpu":
             return None
         segs = list(chunk.segments(start, start + n))
         if len(segs) != 1:

@@ -8,6 +8,7 @@ home again. Two workers let one block's disk I/O overlap another block's arithme
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -37,22 +38,44 @@ class Updater:
         self.mem, self.groups, self.on_params_written = mem, groups, on_params_written
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="tiertrain-optim")
         self._home_moves: dict[int, list] = {}
+        self._reads: dict[int, list] = {}       # block index -> reads from disk in flight
+        self._lock = threading.Lock()
+        self.max_read_ahead = workers + 1       # blocks whose disk states may sit in host memory at once
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
+    def read_ahead(self, st: BlockState) -> None:
+        """Start reading a disk-homed block's states now (its backward begins), so the reads
+        overlap the backward of this and later blocks instead of following it (ANGEL-PTM's
+        trigger points). Skipped when ``max_read_ahead`` blocks are already read in."""
+        if st.plan.home is not Tier.DISK:
+            return
+        with self._lock:
+            if st.index in self._reads or len(self._reads) >= self.max_read_ahead:
+                return
+            self._reads[st.index] = []
+        for h in self._home_moves.pop(st.index, []):
+            h.wait()  # the last update's write-back must land before we read the states again
+        self._reads[st.index] = [self.mem.move(c, Tier.HOST) for c in (st.master, st.exp_avg, st.exp_avg_sq)]
+
     def update(self, st: BlockState, clip_coef: torch.Tensor | None,
                groups: list[dict[str, Any]] | None = None) -> None:
         """Update one block now, in this thread, with ``groups`` (default: the current hyperparameters)."""
-        for h in self._home_moves.pop(st.index, []):
-            h.wait()  # the last update's write-back must land before we read the states again
-        states = (st.master, st.exp_avg, st.exp_avg_sq)
-        for h in [self.mem.move(c, Tier.HOST) for c in states if c.tier is Tier.DISK]:
+        with self._lock:
+            reads = self._reads.get(st.index)
+        if reads is None:
+            for h in self._home_moves.pop(st.index, []):
+                h.wait()
+            reads = [self.mem.move(c, Tier.HOST) for c in (st.master, st.exp_avg, st.exp_avg_sq) if c.tier is Tier.DISK]
+        for h in reads:
             h.wait()
         adamw_block(st, groups or self.groups, clip_coef)
         self._write_params(st)
         if st.plan.home is Tier.DISK:
-            self._home_moves[st.index] = [self.mem.move(c, Tier.DISK) for c in states]
+            self._home_moves[st.index] = [self.mem.move(c, Tier.DISK) for c in (st.master, st.exp_avg, st.exp_avg_sq)]
+        with self._lock:
+            self._reads.pop(st.index, None)
 
     def submit(self, st: BlockState, clip_coef: torch.Tensor | None) -> Pending:
         """Update one block on a worker; the block's next use waits on the returned Pending.

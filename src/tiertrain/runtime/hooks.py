@@ -25,9 +25,9 @@ def install_block_hooks(rt: "Runtime", st: BlockState) -> None:
     module = st.block.module
     if st.plan.stream:
         module.register_forward_pre_hook(lambda m, a: rt.window.acquire(st, +1))
-        module.register_full_backward_pre_hook(lambda m, g: rt.window.acquire(st, -1))
     else:
         module.register_forward_pre_hook(lambda m, a: st.pending_update and st.pending_update.wait())
+    module.register_full_backward_pre_hook(lambda m, g: rt.backward_begins(st))
     if st.plan.recompute:
         forward = module.forward
 

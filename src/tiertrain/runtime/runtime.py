@@ -66,6 +66,13 @@ class Runtime:
         return [where[id(p)] for p in self.model.parameters() if id(p) in where]
 
     # -- backward ----------------------------------------------------------------------
+    def backward_begins(self, st: BlockState) -> None:
+        """A block's backward is about to run: bring its params back, start reading its states."""
+        if st.plan.stream:
+            self.window.acquire(st, -1)
+        if self._final_micro():
+            self.updater.read_ahead(st)
+
     def grad_arrived(self, st: BlockState) -> None:
         if not self._in_backward:
             if self.updates_started:

@@ -27,8 +27,7 @@ def _fresh(model_spec):
     return model, opt
 
 
-def train_plain(model_spec, steps: int, accum: int, clip: float | None) -> list[float]:
-    model, opt = _fresh(model_spec)
+def _loop(model, opt, clip_fn, steps: int, accum: int, clip: float | None) -> list[float]:
     data, losses = batches(steps * accum), []
     for s in range(steps):
         total = 0.0
@@ -38,11 +37,16 @@ def train_plain(model_spec, steps: int, accum: int, clip: float | None) -> list[
             loss.backward()
             total += loss.item()
         if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            clip_fn(clip)
         opt.step()
         opt.zero_grad()
         losses.append(total)
     return losses
+
+
+def train_plain(model_spec, steps: int, accum: int, clip: float | None) -> list[float]:
+    model, opt = _fresh(model_spec)
+    return _loop(model, opt, lambda c: torch.nn.utils.clip_grad_norm_(model.parameters(), c), steps, accum, clip)
 
 
 def train_tiered(model_spec, steps: int, accum: int, clip: float | None, plan, budgets: Budgets,
@@ -51,20 +55,8 @@ def train_tiered(model_spec, steps: int, accum: int, clip: float | None, plan, b
     overlap = (update or getattr(plan, "update", "sync")) == "overlap"
     tm, topt = tiertrain.setup(model, opt, budgets, plan=plan, grad_accum=accum, update=update,
                                max_grad_norm=clip if overlap else None, page_size=64 * 1024)
-    data, losses = batches(steps * accum), []
     try:
-        for s in range(steps):
-            total = 0.0
-            for a in range(accum):
-                b = data[s * accum + a]
-                loss = lm_loss(tm, b[:, :-1], b[:, 1:]) / accum
-                loss.backward()
-                total += loss.item()
-            if clip:
-                tm.clip_grad_norm_(clip)
-            topt.step()
-            topt.zero_grad()
-            losses.append(total)
+        losses = _loop(tm, topt, tm.clip_grad_norm_, steps, accum, clip)
     finally:
         tm.runtime.close()
         stats = tm.runtime.mem.stats()

@@ -14,23 +14,15 @@ import torch.nn.functional as F
 from tiertrain.models.config import ModelConfig
 
 
-class Expert(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.fc = nn.Linear(cfg.d_model, cfg.d_ffn, bias=cfg.bias)
-        self.proj = nn.Linear(cfg.d_ffn, cfg.d_model, bias=cfg.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
-
-
 class MoEFeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.top_k = cfg.top_k
         self.n_experts = cfg.n_experts
         self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
-        self.experts = nn.ModuleList(Expert(cfg) for _ in range(cfg.n_experts))
+        from tiertrain.models.gpt import MLP  # an expert is the dense model's MLP (gpt.py imports this file)
+
+        self.experts = nn.ModuleList(MLP(cfg) for _ in range(cfg.n_experts))
         self.last_aux_loss = torch.zeros(())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -83,6 +83,7 @@ def _tiered(cfg: ModelConfig, budgets: Budgets, plan, update: str, page: int):
 
 
 def bench_optimizer(d: int, layers: int, repeats: int, out: Callable[[str], None]) -> dict:
+    from tiertrain.memory import Kind, Tier
     from tiertrain.runtime.block_state import F32
 
     cfg = _model_cfg(d, layers)
@@ -93,15 +94,15 @@ def bench_optimizer(d: int, layers: int, repeats: int, out: Callable[[str], None
     room = max(256 << 20, 40 * n)  # whole pages per chunk make small models need more than 24 B/param
     tm, _ = _tiered(cfg, Budgets(device=room, host=room), "stream", "sync", 1 << 20)
     rt = tm.runtime
-    for st in rt.states:
-        st.grad.typed(F32).normal_(0, 1e-3)
     peer, ours = [], []
     for _ in range(repeats + 1):  # alternate the peer and ours; the first round warms up
         _fill_grads(model)
         t = time.perf_counter()
         opt.step()
         peer.append(n / (time.perf_counter() - t))
-        for st in rt.states:
+        for st in rt.states:  # gradients as backward would leave them (untimed)
+            st.grad = rt.mem.allocate(f"{st.block.name}.grad", st.nbytes, Tier.HOST, Kind.GRAD)
+            st.grad.typed(F32).normal_(0, 1e-3)
             st.has_grad = [True] * len(st.params)
         t = time.perf_counter()
         for st in rt.states:

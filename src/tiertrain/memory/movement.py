@@ -107,18 +107,25 @@ class Mover:
         return handle
 
     def copy(self, src: Chunk, dst: Chunk) -> Handle:
-        """Copy ``src``'s bytes into ``dst`` (both in memory tiers, same size), asynchronously.
+        """Copy ``src``'s bytes into ``dst`` (same size; ``dst`` in memory), asynchronously.
 
-        Used to fill device slots from host homes: the destination keeps its pages."""
-        if src.nbytes != dst.nbytes or Tier.DISK in (src.tier, dst.tier):
-            raise ValueError(f"copy needs two memory chunks of one size, got {src!r} and {dst!r}")
+        Fills device slots from their homes, on host or on disk: the destination keeps its
+        pages and ``src`` stays where it is. A disk source is read page by page and verified."""
+        if src.nbytes > dst.nbytes or dst.tier is Tier.DISK:
+            raise ValueError(f"copy needs a memory destination at least as large, got {src!r} and {dst!r}")
         handle = Handle()
-        event = self._compute_event()
-
-        def run() -> None:
-            self._on_copy_stream(dst.tier, event, lambda: self._scatter(dst, 0, src, 0, src.nbytes))
-
-        self._copy.submit(run).add_done_callback(lambda fut: handle._finish(fut.exception()))
+        if isinstance(src.pool, DiskPool):
+            parts = [(self._io, self._reader(dst, src.pool, e, i * src.pool.page_size))
+                     for i, e in enumerate(src.extents)]
+        else:
+            event = self._compute_event()
+            parts = [(self._copy, lambda: self._on_copy_stream(dst.tier, event, lambda: self._scatter(
+                dst, 0, src, 0, src.nbytes)))]
+        join = _Join(len(parts), handle._finish)
+        if not parts:
+            handle._finish(None)
+        for executor, fn in parts:
+            executor.submit(fn).add_done_callback(join.part_done)
         return handle
 
     def _complete(self, chunk: Chunk, handle: Handle, src: Pool, dst: Pool, extents: list[Extent],

@@ -34,13 +34,13 @@ class Pending:
 
 class Updater:
     def __init__(self, mem: MemorySystem, groups: list[dict[str, Any]], on_params_written: Callable[[BlockState], None],
-                 workers: int = 2) -> None:
+                 workers: int = 2, read_ahead: int = 2) -> None:
         self.mem, self.groups, self.on_params_written = mem, groups, on_params_written
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="tiertrain-optim")
         self._home_moves: dict[int, list] = {}
         self._reads: dict[int, list] = {}       # block index -> reads from disk in flight
         self._lock = threading.Lock()
-        self.max_read_ahead = workers + 1       # blocks whose disk states may sit in host memory at once
+        self.max_read_ahead = read_ahead        # blocks whose disk states are read in before their update
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -71,6 +71,9 @@ class Updater:
         for h in reads:
             h.wait()
         adamw_block(st, groups or self.groups, clip_coef)
+        if st.grad is not None:
+            self.mem.release(st.grad)  # gradients live from backward's flush to here
+            st.grad = None
         self._write_params(st)
         if st.plan.home is Tier.DISK:
             self._home_moves[st.index] = [self.mem.move(c, Tier.DISK) for c in (st.master, st.exp_avg, st.exp_avg_sq)]
@@ -86,6 +89,13 @@ class Updater:
         pending = Pending(self._pool.submit(self.update, st, clip_coef, groups))
         st.pending_update = pending
         return pending
+
+    def settle_block(self, st: BlockState) -> None:
+        """Return once the block's update and its write-back are complete (before reading its params)."""
+        if st.pending_update is not None:
+            st.pending_update.wait()
+        for h in self._home_moves.pop(st.index, []):
+            h.wait()
 
     def drain(self) -> None:
         """Wait for every write-back to disk (before checkpoints or closing)."""

@@ -57,7 +57,7 @@ class BlockState:
     master: Chunk | None                       # None in inference-only runs (train=False), as below
     exp_avg: Chunk | None
     exp_avg_sq: Chunk | None
-    grad: Chunk | None
+    grad: Chunk | None                         # exists from the first flush until the block's update
     param_home: Chunk | None                   # streamed blocks only
     slot: Slot
     steps: list[torch.Tensor]                  # AdamW step count per parameter (fused kernel's form)
@@ -83,9 +83,22 @@ def _fill(chunk: Chunk, tensors: list[torch.Tensor], layout: ChunkLayout) -> Non
         flat[s.offset : s.offset + s.numel].copy_(t.detach().reshape(-1))
 
 
+def materialize(name: str, p: torch.Tensor) -> torch.Tensor:
+    """A parameter's initial value. A model built on the meta device (to be larger than memory)
+    is initialised here one block at a time, GPT-2 style: matrices N(0, 0.02), 1-D ``*.weight``
+    (norm scales) ones, everything else zeros."""
+    if not p.is_meta:
+        return p.detach()
+    t = torch.empty(p.shape, dtype=F32)
+    if p.dim() >= 2:
+        return t.normal_(0.0, 0.02)
+    return t.fill_(1.0 if name.endswith("weight") else 0.0)
+
+
 def _optimizer_chunks(mem: MemorySystem, block: Block, plan: BlockPlan, layout: ChunkLayout,
-                      originals: list[torch.Tensor]) -> tuple[Chunk, Chunk, Chunk, Chunk]:
-    """fp32 master (a copy of the weights), zeroed moments at the block's home, a host grad chunk."""
+                      originals: list[torch.Tensor]) -> tuple[Chunk, Chunk, Chunk]:
+    """fp32 master (a copy of the weights) and zeroed moments, at the block's home.
+    (Gradient chunks are allocated when backward first flushes into them.)"""
     nbytes = layout.numel * F32.itemsize
     master = mem.allocate(f"{block.name}.master", nbytes, Tier.HOST, Kind.MASTER)
     _fill(master, originals, layout)
@@ -95,21 +108,20 @@ def _optimizer_chunks(mem: MemorySystem, block: Block, plan: BlockPlan, layout: 
     for chunk in (master, *moments):
         if plan.home is not Tier.HOST:
             mem.move(chunk, plan.home).wait()
-    grad = mem.allocate(f"{block.name}.grad", nbytes, Tier.HOST, Kind.GRAD)
-    return master, moments[0], moments[1], grad
+    return master, moments[0], moments[1]
 
 
 def build_state(mem: MemorySystem, index: int, block: Block, plan: BlockPlan, slot: Slot,
                 group_of: list[int], train: bool = True) -> BlockState:
     """Allocate the block's chunks, copy its current weights in, and leave its slot filled."""
     layout = ChunkLayout.build([(n, tuple(p.shape)) for n, p in block.params])
-    originals = [p for _, p in block.params]
-    master = exp_avg = exp_avg_sq = grad = None
+    originals = [materialize(n, p) for n, p in block.params]
+    master = exp_avg = exp_avg_sq = None
     if train:
-        master, exp_avg, exp_avg_sq, grad = _optimizer_chunks(mem, block, plan, layout, originals)
+        master, exp_avg, exp_avg_sq = _optimizer_chunks(mem, block, plan, layout, originals)
     param_home = None
-    if plan.stream and master is not None and plan.home is Tier.HOST:
-        param_home = master  # fp32 compute: the host master is what the slot is filled from
+    if plan.stream and master is not None:
+        param_home = master  # fp32 compute: the slot is filled from the master, wherever it lives
     elif plan.stream:
         param_home = mem.allocate(f"{block.name}.param", layout.numel * F32.itemsize, Tier.HOST, Kind.PARAM)
         _fill(param_home, originals, layout)
@@ -117,7 +129,7 @@ def build_state(mem: MemorySystem, index: int, block: Block, plan: BlockPlan, sl
     slot.holder = index
     params = [nn.Parameter(t, requires_grad=train) for t in alias(slot, layout, F32)]
     steps = [torch.zeros((), dtype=F32) for _ in params]
-    return BlockState(index, block, plan, layout, params, master, exp_avg, exp_avg_sq, grad, param_home,
+    return BlockState(index, block, plan, layout, params, master, exp_avg, exp_avg_sq, None, param_home,
                       slot, steps, group_of, has_grad=[False] * len(params))
 
 

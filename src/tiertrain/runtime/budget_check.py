@@ -23,7 +23,7 @@ def _pages(nbytes: int, page: int) -> int:
     return -(-nbytes // page) * page + page  # +1 page: a chunk may start in a shared page
 
 
-def needs(blocks: list[Block], plan: Plan, page: int, update_workers: int = 3, train: bool = True) -> dict[Tier, int]:
+def needs(blocks: list[Block], plan: Plan, page: int, train: bool = True) -> dict[Tier, int]:
     sizes = [ChunkLayout.build([(n, tuple(p.shape)) for n, p in b.params]).numel * F32_BYTES for b in blocks]
     plans = list(plan.blocks) + [plan.rest]
     need = {Tier.DEVICE: 0, Tier.HOST: 0, Tier.DISK: 0}
@@ -33,7 +33,7 @@ def needs(blocks: list[Block], plan: Plan, page: int, update_workers: int = 3, t
     for size, bp in zip(sizes, plans):
         if not bp.stream:
             need[Tier.DEVICE] += _pages(size, page)
-        elif not (train and bp.home is Tier.HOST):       # else the host master is the param home
+        elif not train:                                  # training: the master is the param home
             need[Tier.HOST] += _pages(size, page)        # param home
         if train:
             need[Tier.HOST] += _pages(size, page)        # grads
@@ -42,7 +42,7 @@ def needs(blocks: list[Block], plan: Plan, page: int, update_workers: int = 3, t
         return need
     disk_sizes = sorted((s for s, p in zip(sizes, plans) if p.home is Tier.DISK), reverse=True)
     # states read in to update: at most read-ahead + workers blocks at once
-    need[Tier.HOST] += sum(3 * _pages(s, page) for s in disk_sizes[: 2 * update_workers])
+    need[Tier.HOST] += sum(3 * _pages(s, page) for s in disk_sizes[: plan.read_ahead + plan.update_workers])
     return need
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.utils.checkpoint as ckpt
 
+from tiertrain.memory import Kind, MemorySystem, Tier
 from tiertrain.runtime.block_state import BlockState
 
 if TYPE_CHECKING:
@@ -44,8 +45,10 @@ def install_grad_hooks(rt: "Runtime", st: BlockState) -> None:
         p.register_post_accumulate_grad_hook(lambda param, st=st: rt.grad_arrived(st))
 
 
-def flush_grads(st: BlockState) -> None:
+def flush_grads(st: BlockState, mem: MemorySystem) -> None:
     """Move the block's fresh gradients into its host grad chunk (accumulating) and free them."""
+    if st.grad is None:
+        st.grad = mem.allocate(f"{st.block.name}.grad", st.nbytes, Tier.HOST, Kind.GRAD)
     views = st.views(st.grad)
     for i, p in enumerate(st.params):
         if p.grad is None:

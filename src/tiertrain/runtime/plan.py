@@ -9,8 +9,9 @@ blocks), how many blocks ahead to prefetch, and the update mode.
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tiertrain.errors import ConfigError
@@ -49,6 +50,8 @@ class Plan:
     prefetch: int = 1                      # streamed blocks fetched ahead of the one computing
     update: str = "sync"
     name: str = "custom"
+    read_ahead: int = 2                    # disk-homed blocks whose states are read in ahead of their update
+    update_workers: int = 2                # CPU optimizer threads (each holds one block's states in host)
     notes: dict = field(default_factory=dict, compare=False)
 
     def validate(self, n_blocks: int) -> "Plan":
@@ -62,6 +65,8 @@ class Plan:
             raise ConfigError(f"window must be at least 1 slot, got {self.window}")
         if not 0 <= self.prefetch < max(1, self.window):
             raise ConfigError(f"prefetch {self.prefetch} must be below the window {self.window}")
+        if self.read_ahead < 0 or self.update_workers < 1:
+            raise ConfigError("read_ahead must be >= 0 and update_workers >= 1")
         return self
 
     @property
@@ -70,7 +75,8 @@ class Plan:
 
     def to_json(self) -> str:
         return json.dumps({"name": self.name, "window": self.window, "prefetch": self.prefetch,
-                           "update": self.update, "rest": self.rest.to_dict(),
+                           "update": self.update, "read_ahead": self.read_ahead,
+                           "update_workers": self.update_workers, "rest": self.rest.to_dict(),
                            "blocks": [b.to_dict() for b in self.blocks]}, indent=1)
 
     @classmethod
@@ -80,7 +86,8 @@ class Plan:
             return cls(blocks=tuple(BlockPlan.from_dict(b) for b in d["blocks"]),
                        rest=BlockPlan.from_dict(d.get("rest", {})), window=int(d.get("window", 2)),
                        prefetch=int(d.get("prefetch", 1)), update=d.get("update", "sync"),
-                       name=d.get("name", "custom"))
+                       name=d.get("name", "custom"), read_ahead=int(d.get("read_ahead", 2)),
+                       update_workers=int(d.get("update_workers", 2)))
         except (ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"plan is not valid JSON of a plan: {exc}") from None
 
@@ -115,5 +122,5 @@ def load_plan(spec: "str | Plan", n_blocks: int, disk: bool, update: str | None 
             raise ConfigError(f"plan {spec!r} is neither a built-in plan ({', '.join(BUILTIN_PLANS)}) nor a file")
         plan = Plan.from_json(path.read_text())
     if update is not None and update != plan.update:
-        plan = Plan(plan.blocks, plan.rest, plan.window, plan.prefetch, update, plan.name)
+        plan = dataclasses.replace(plan, update=update)
     return plan.validate(n_blocks)

@@ -43,8 +43,10 @@ class Runtime:
                 install_grad_hooks(self, st)
             if st.block.module is not None:
                 install_block_hooks(self, st)
-        self.window = Window([s for s in self.states if s.plan.stream], mem.mover, plan.prefetch)
-        self.updater = Updater(mem, groups, self.window.invalidate)
+        self.updater = Updater(mem, groups, lambda st: self.window.invalidate(st), workers=plan.update_workers,
+                               read_ahead=plan.read_ahead)
+        self.window = Window([s for s in self.states if s.plan.stream], mem.mover, plan.prefetch,
+                             ready=self.updater.settle_block)
         self._order = self._model_order()
         self._in_backward = False
         self.micro = 0               # backward passes in the current accumulation window
@@ -83,7 +85,7 @@ class Runtime:
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
         st.grad_count += 1
         if st.grad_count == len(st.params):
-            flush_grads(st)
+            flush_grads(st, self.mem)
             self._maybe_update_now(st)
 
     def _final_micro(self) -> bool:
@@ -98,7 +100,7 @@ class Runtime:
     def _backward_done(self) -> None:
         for st in self.states:
             if st.grad_count:
-                flush_grads(st)
+                flush_grads(st, self.mem)
                 self._maybe_update_now(st)
         final = self._final_micro()
         self.micro += 1
@@ -137,6 +139,9 @@ class Runtime:
                 p.grad = None
             if st.pending_update is None:  # a pending update resets the flags itself when done
                 st.has_grad = [False] * len(st.params)
+                if st.grad is not None:
+                    self.mem.release(st.grad)
+                    st.grad = None
             st.grad_count = 0
         self.micro = 0
 

@@ -9,23 +9,26 @@ blocks in the direction of travel are copied in on worker threads.
 
 from __future__ import annotations
 
+from typing import Callable
+
 from tiertrain.memory.movement import Handle, Mover
 from tiertrain.runtime.block_state import BlockState
 
 
 class Window:
-    def __init__(self, streamed: list[BlockState], mover: Mover, prefetch: int) -> None:
+    def __init__(self, streamed: list[BlockState], mover: Mover, prefetch: int,
+                 ready: Callable[[BlockState], None]) -> None:
         self.streamed = streamed
         self.order = {st.index: j for j, st in enumerate(streamed)}
         self.mover, self.prefetch = mover, prefetch
+        self._ready = ready  # waits until a block's params are final (its update written back)
         self._inflight: dict[int, tuple[int, Handle]] = {}  # slot id -> (block index, copy)
 
     def _fetch(self, st: BlockState) -> Handle | None:
         """Start copying ``st`` into its slot unless it is there or on its way."""
         slot = st.slot
         key = id(slot)
-        if st.pending_update is not None:
-            st.pending_update.wait()  # an update may still rewrite this block's params (and unset holder)
+        self._ready(st)  # an update may still rewrite this block's params (and unset holder)
         if key in self._inflight and self._inflight[key][0] == st.index:
             return self._inflight[key][1]
         if key in self._inflight:

@@ -101,7 +101,7 @@ def bench_optimizer(d: int, layers: int, repeats: int, out: Callable[[str], None
         opt.step()
         peer.append(n / (time.perf_counter() - t))
         for st in rt.states:  # gradients as backward would leave them (untimed)
-            st.grad = rt.mem.allocate(f"{st.block.name}.grad", st.nbytes, Tier.HOST, Kind.GRAD)
+            st.grad = rt.mem.allocate(f"{st.block.name}.grad", st.nbytes, Tier.HOST, Kind.GRAD, contiguous=True)
             st.grad.typed(F32).normal_(0, 1e-3)
             st.has_grad = [True] * len(st.params)
         t = time.perf_counter()

@@ -87,7 +87,7 @@ class Mover:
         self._io.shutdown(wait=True)
         self._copy.shutdown(wait=True)
 
-    def move(self, chunk: Chunk, target: Tier) -> Handle:
+    def move(self, chunk: Chunk, target: Tier, contiguous: bool = False) -> Handle:
         with chunk.lock:
             chunk.check_usable()
             handle = Handle()
@@ -95,7 +95,8 @@ class Mover:
                 handle._finish(None)
                 return handle
             src, dst = chunk.pool, self.pools[target]
-            extents = dst.allocate(chunk.nbytes)  # BudgetError here leaves everything as it was
+            extents = dst.allocate(chunk.nbytes, contiguous and target is not Tier.DISK)  # a BudgetError
+            # here leaves everything as it was
             self.accounting.add(target, chunk.kind, chunk.nbytes)
             chunk.pending = handle
         parts = self._parts(chunk, src, dst, extents)

@@ -54,9 +54,11 @@ class MemorySystem:
             raise ValueError(f"no {tier.value} tier in this run; give it a budget (--disk DIR:SIZE)")
         return self.pools[tier]
 
-    def allocate(self, name: str, nbytes: int, tier: Tier, kind: Kind = Kind.OTHER) -> Chunk:
+    def allocate(self, name: str, nbytes: int, tier: Tier, kind: Kind = Kind.OTHER, contiguous: bool = False) -> Chunk:
+        """A chunk of ``nbytes`` on ``tier``. ``contiguous``: one run of whole pages, so typed views
+        need no merge (what the runtime wants for every state it computes on)."""
         pool = self.pool(tier)
-        chunk = Chunk(name, kind, nbytes, pool, pool.allocate(nbytes))
+        chunk = Chunk(name, kind, nbytes, pool, pool.allocate(nbytes, contiguous))
         self.accounting.add(tier, kind, nbytes)
         self._chunks.add(chunk)
         return chunk
@@ -83,9 +85,9 @@ class MemorySystem:
             return out
         return torch.cat([v.cpu() for v in chunk.views()]) if chunk.nbytes else torch.empty(0, dtype=torch.uint8)
 
-    def move(self, chunk: Chunk, tier: Tier) -> Handle:
+    def move(self, chunk: Chunk, tier: Tier, contiguous: bool = False) -> Handle:
         self.pool(tier)
-        return self.mover.move(chunk, tier)
+        return self.mover.move(chunk, tier, contiguous)
 
     def release(self, chunk: Chunk) -> None:
         with chunk.lock:

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import torch
 
+from tiertrain.errors import BudgetError
 from tiertrain.memory import MemorySystem, Tier
 from tiertrain.optim.adamw import adamw_block
 from tiertrain.runtime.block_state import F32, BlockState
@@ -39,6 +40,7 @@ class Updater:
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="tiertrain-optim")
         self._home_moves: dict[int, list] = {}
         self._reads: dict[int, list] = {}       # block index -> reads from disk in flight
+        self._local = threading.local()         # per worker: its last write-back to disk
         self._lock = threading.Lock()
         self.max_read_ahead = read_ahead        # blocks whose disk states are read in before their update
 
@@ -57,18 +59,31 @@ class Updater:
             self._reads[st.index] = []
         for h in self._home_moves.pop(st.index, []):
             h.wait()  # the last update's write-back must land before we read the states again
-        self._reads[st.index] = [self.mem.move(c, Tier.HOST) for c in (st.master, st.exp_avg, st.exp_avg_sq)]
+        reads = []
+        try:
+            for c in (st.master, st.exp_avg, st.exp_avg_sq):
+                reads.append(self.mem.move(c, Tier.HOST, contiguous=True))
+        except BudgetError:  # no room now: the update reads what is still on disk itself
+            pass
+        with self._lock:
+            self._reads[st.index] = reads
 
     def update(self, st: BlockState, clip_coef: torch.Tensor | None,
                groups: list[dict[str, Any]] | None = None) -> None:
         """Update one block now, in this thread, with ``groups`` (default: the current hyperparameters)."""
+        last = getattr(self._local, "writeback", None)
+        if last is not None:  # one write-back per worker in flight bounds the states held in host
+            for h in last:
+                h.wait()
         with self._lock:
-            reads = self._reads.get(st.index)
-        if reads is None:
+            reads = self._reads.get(st.index, [])
+        if not reads:
             for h in self._home_moves.pop(st.index, []):
                 h.wait()
-            reads = [self.mem.move(c, Tier.HOST) for c in (st.master, st.exp_avg, st.exp_avg_sq) if c.tier is Tier.DISK]
         for h in reads:
+            h.wait()
+        for h in [self.mem.move(c, Tier.HOST, contiguous=True)
+                  for c in (st.master, st.exp_avg, st.exp_avg_sq) if c.tier is Tier.DISK]:
             h.wait()
         adamw_block(st, groups or self.groups, clip_coef)
         if st.grad is not None:
@@ -76,7 +91,9 @@ class Updater:
             st.grad = None
         self._write_params(st)
         if st.plan.home is Tier.DISK:
-            self._home_moves[st.index] = [self.mem.move(c, Tier.DISK) for c in (st.master, st.exp_avg, st.exp_avg_sq)]
+            moves = [self.mem.move(c, Tier.DISK) for c in (st.master, st.exp_avg, st.exp_avg_sq)]
+            self._home_moves[st.index] = moves
+            self._local.writeback = moves
         with self._lock:
             self._reads.pop(st.index, None)
 

@@ -120,7 +120,8 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None, memory: Bud
     device = compute_device()
     page = check_page_size(page_size) if page_size else measured_page_size(
         memory.disk_dir if memory.disk else None, device)
-    check_fits(found, chosen, memory, page, train)
+    transient = chosen.update == "overlap" and max_grad_norm is None and grad_accum == 1
+    check_fits(found, chosen, memory, page, train, transient)
     mem = MemorySystem(memory, page_size=page)
     runtime = Runtime(model, groups, group_of, mem, chosen, grad_accum, max_grad_norm, blocks, train)
     return TieredModel(model, runtime), TieredOptimizer(runtime) if train else None

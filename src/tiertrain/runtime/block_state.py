@@ -76,38 +76,46 @@ class BlockState:
         return [flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.layout.slots]
 
 
-def _fill(chunk: Chunk, tensors: list[torch.Tensor], layout: ChunkLayout) -> None:
+def _fill(chunk: Chunk, params: list[tuple[str, torch.Tensor]], layout: ChunkLayout) -> None:
+    """Write the parameters' values into a chunk in layout order (initialising meta ones there)."""
     flat = chunk.typed(F32)
     flat.zero_()
-    for s, t in zip(layout.slots, tensors):
-        flat[s.offset : s.offset + s.numel].copy_(t.detach().reshape(-1))
+    for s, (name, p) in zip(layout.slots, params):
+        view = flat[s.offset : s.offset + s.numel]
+        if p.is_meta:
+            init_in_place(name, view.view(s.shape))
+        else:
+            view.copy_(p.detach().reshape(-1))
 
 
-def materialize(name: str, p: torch.Tensor) -> torch.Tensor:
-    """A parameter's initial value. A model built on the meta device (to be larger than memory)
-    is initialised here one block at a time, GPT-2 style: matrices N(0, 0.02), 1-D ``*.weight``
-    (norm scales) ones, everything else zeros."""
-    if not p.is_meta:
-        return p.detach()
-    t = torch.empty(p.shape, dtype=F32)
-    if p.dim() >= 2:
-        return t.normal_(0.0, 0.02)
-    return t.fill_(1.0 if name.endswith("weight") else 0.0)
+def _copy_chunk(src: Chunk, dst: Chunk, layout: ChunkLayout) -> None:
+    dst.typed(F32)[: layout.numel].copy_(src.typed(F32)[: layout.numel])
+
+
+def init_in_place(name: str, out: torch.Tensor) -> None:
+    """Initialise a parameter of a model built on the meta device (to be larger than memory),
+    GPT-2 style, directly in its chunk (no temporary tensor): matrices N(0, 0.02), 1-D
+    ``*.weight`` (norm scales) ones, everything else zeros."""
+    if out.dim() >= 2:
+        out.normal_(0.0, 0.02)
+    else:
+        out.fill_(1.0 if name.endswith("weight") else 0.0)
 
 
 def _optimizer_chunks(mem: MemorySystem, block: Block, plan: BlockPlan, layout: ChunkLayout,
-                      originals: list[torch.Tensor]) -> tuple[Chunk, Chunk, Chunk]:
+                      slot: Slot) -> tuple[Chunk, Chunk, Chunk]:
     """fp32 master (a copy of the weights) and zeroed moments, at the block's home.
     (Gradient chunks are allocated when backward first flushes into them.)"""
     nbytes = layout.numel * F32.itemsize
-    master = mem.allocate(f"{block.name}.master", nbytes, Tier.HOST, Kind.MASTER)
-    _fill(master, originals, layout)
-    moments = [mem.allocate(f"{block.name}.{k.value}", nbytes, Tier.HOST, k) for k in (Kind.EXP_AVG, Kind.EXP_AVG_SQ)]
+    master = mem.allocate(f"{block.name}.master", nbytes, Tier.HOST, Kind.MASTER, contiguous=True)
+    _copy_chunk(slot.chunk, master, layout)
+    moments = [mem.allocate(f"{block.name}.{k.value}", nbytes, Tier.HOST, k, contiguous=True)
+               for k in (Kind.EXP_AVG, Kind.EXP_AVG_SQ)]
     for m in moments:
         m.typed(F32).zero_()
     for chunk in (master, *moments):
         if plan.home is not Tier.HOST:
-            mem.move(chunk, plan.home).wait()
+            mem.move(chunk, plan.home, contiguous=True).wait()
     return master, moments[0], moments[1]
 
 
@@ -115,18 +123,18 @@ def build_state(mem: MemorySystem, index: int, block: Block, plan: BlockPlan, sl
                 group_of: list[int], train: bool = True) -> BlockState:
     """Allocate the block's chunks, copy its current weights in, and leave its slot filled."""
     layout = ChunkLayout.build([(n, tuple(p.shape)) for n, p in block.params])
-    originals = [materialize(n, p) for n, p in block.params]
+    _fill(slot.chunk, block.params, layout)  # the slot holds this block's weights first
+    slot.holder = index
     master = exp_avg = exp_avg_sq = None
     if train:
-        master, exp_avg, exp_avg_sq = _optimizer_chunks(mem, block, plan, layout, originals)
+        master, exp_avg, exp_avg_sq = _optimizer_chunks(mem, block, plan, layout, slot)
     param_home = None
     if plan.stream and master is not None:
         param_home = master  # fp32 compute: the slot is filled from the master, wherever it lives
     elif plan.stream:
-        param_home = mem.allocate(f"{block.name}.param", layout.numel * F32.itemsize, Tier.HOST, Kind.PARAM)
-        _fill(param_home, originals, layout)
-    _fill(slot.chunk, originals, layout)
-    slot.holder = index
+        param_home = mem.allocate(f"{block.name}.param", layout.numel * F32.itemsize, Tier.HOST, Kind.PARAM,
+                                  contiguous=True)
+        _copy_chunk(slot.chunk, param_home, layout)
     params = [nn.Parameter(t, requires_grad=train) for t in alias(slot, layout, F32)]
     steps = [torch.zeros((), dtype=F32) for _ in params]
     return BlockState(index, block, plan, layout, params, master, exp_avg, exp_avg_sq, None, param_home,

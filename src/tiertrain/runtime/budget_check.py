@@ -23,7 +23,9 @@ def _pages(nbytes: int, page: int) -> int:
     return -(-nbytes // page) * page + page  # +1 page: a chunk may start in a shared page
 
 
-def needs(blocks: list[Block], plan: Plan, page: int, train: bool = True) -> dict[Tier, int]:
+def needs(blocks: list[Block], plan: Plan, page: int, train: bool = True, transient_grads: bool = False) -> dict[Tier, int]:
+    """Bytes per tier. ``transient_grads``: each block's gradients are updated away right after
+    backward flushes them (overlap, no clipping, no accumulation), so only a few coexist."""
     sizes = [ChunkLayout.build([(n, tuple(p.shape)) for n, p in b.params]).numel * F32_BYTES for b in blocks]
     plans = list(plan.blocks) + [plan.rest]
     need = {Tier.DEVICE: 0, Tier.HOST: 0, Tier.DISK: 0}
@@ -36,18 +38,22 @@ def needs(blocks: list[Block], plan: Plan, page: int, train: bool = True) -> dic
         elif not train:                                  # training: the master is the param home
             need[Tier.HOST] += _pages(size, page)        # param home
         if train:
-            need[Tier.HOST] += _pages(size, page)        # grads
+            need[Tier.HOST] += 0 if transient_grads else _pages(size, page)  # grads
             need[bp.home] += 3 * _pages(size, page)      # master, exp_avg, exp_avg_sq
     if not train:
         return need
+    if transient_grads:  # one per optimizer worker, plus the one backward is filling
+        need[Tier.HOST] += (plan.update_workers + 1) * _pages(max(sizes), page)
     disk_sizes = sorted((s for s, p in zip(sizes, plans) if p.home is Tier.DISK), reverse=True)
-    # states read in to update: at most read-ahead + workers blocks at once
-    need[Tier.HOST] += sum(3 * _pages(s, page) for s in disk_sizes[: plan.read_ahead + plan.update_workers])
+    # states in host for updates: read ahead, being updated, being written back (one per worker)
+    held = plan.read_ahead + 2 * plan.update_workers
+    need[Tier.HOST] += sum(3 * _pages(s, page) for s in disk_sizes[:held])
     return need
 
 
-def check_fits(blocks: list[Block], plan: Plan, budgets: Budgets, page: int, train: bool = True) -> None:
-    need = needs(blocks, plan, page, train=train)
+def check_fits(blocks: list[Block], plan: Plan, budgets: Budgets, page: int, train: bool = True,
+               transient_grads: bool = False) -> None:
+    need = needs(blocks, plan, page, train=train, transient_grads=transient_grads)
     have = {Tier.DEVICE: budgets.device, Tier.HOST: budgets.host, Tier.DISK: budgets.disk}
     short = [t for t in need if need[t] > have[t]]
     if not short:

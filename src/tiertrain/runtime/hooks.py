@@ -10,7 +10,7 @@ backward ends (parameters that got no gradient, e.g. an idle expert).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.utils.checkpoint as ckpt
@@ -45,10 +45,14 @@ def install_grad_hooks(rt: "Runtime", st: BlockState) -> None:
         p.register_post_accumulate_grad_hook(lambda param, st=st: rt.grad_arrived(st))
 
 
-def flush_grads(st: BlockState, mem: MemorySystem) -> None:
-    """Move the block's fresh gradients into its host grad chunk (accumulating) and free them."""
+def flush_grads(st: BlockState, mem: MemorySystem, make_room: Callable[[], None]) -> None:
+    """Move the block's fresh gradients into its host grad chunk (accumulating) and free them.
+
+    ``make_room`` returns once a new grad chunk may be allocated: when gradients are updated
+    away as they come, backward waits for the optimizer rather than outgrow the host budget."""
     if st.grad is None:
-        st.grad = mem.allocate(f"{st.block.name}.grad", st.nbytes, Tier.HOST, Kind.GRAD)
+        make_room()
+        st.grad = mem.allocate(f"{st.block.name}.grad", st.nbytes, Tier.HOST, Kind.GRAD, contiguous=True)
     views = st.views(st.grad)
     for i, p in enumerate(st.params):
         if p.grad is None:

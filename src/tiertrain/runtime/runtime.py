@@ -34,7 +34,8 @@ class Runtime:
                 slot = ring[streamed_seen % len(ring)]
                 streamed_seen += 1
             else:
-                slot = Slot(mem.allocate(f"{block.name}.slot", _nbytes(block), Tier.DEVICE, Kind.PARAM))
+                slot = Slot(mem.allocate(f"{block.name}.slot", _nbytes(block), Tier.DEVICE, Kind.PARAM,
+                                         contiguous=True))
             group_of = [group_of_param.get(id(p), 0) for _, p in block.params]
             self.states.append(build_state(mem, i, block, bplan, slot, group_of, train))
         for st in self.states:
@@ -53,13 +54,14 @@ class Runtime:
         self.last_norm: torch.Tensor | None = None
         self.clip_coef: torch.Tensor | None = None
         self.updates_started = False
+        self.transient_grads = train and plan.update == "overlap" and max_grad_norm is None and grad_accum == 1
 
     def _ring_slots(self, blocks, plans) -> list[Slot]:
         streamed = [b for b, p in zip(blocks, plans) if p.stream]
         if not streamed:
             return []
         size = max(_nbytes(b) for b in streamed)
-        return [Slot(self.mem.allocate(f"window.{k}", size, Tier.DEVICE, Kind.PARAM))
+        return [Slot(self.mem.allocate(f"window.{k}", size, Tier.DEVICE, Kind.PARAM, contiguous=True))
                 for k in range(min(self.plan.window, len(streamed)))]
 
     def _model_order(self) -> list[tuple[BlockState, int]]:
@@ -85,8 +87,19 @@ class Runtime:
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
         st.grad_count += 1
         if st.grad_count == len(st.params):
-            flush_grads(st, self.mem)
+            flush_grads(st, self.mem, self._room_for_grads)
             self._maybe_update_now(st)
+
+    def _room_for_grads(self) -> None:
+        """With transient gradients, keep at most ``update_workers + 1`` grad chunks alive (what the
+        budget check reserved): wait for the oldest in-flight update to free one."""
+        if not self.transient_grads:
+            return
+        while sum(st.grad is not None for st in self.states) > self.plan.update_workers:
+            pending = [st.pending_update for st in self.states if st.pending_update and not st.pending_update.done()]
+            if not pending:
+                return
+            pending[0].wait()
 
     def _final_micro(self) -> bool:
         return self.micro + 1 >= self.grad_accum
@@ -100,7 +113,7 @@ class Runtime:
     def _backward_done(self) -> None:
         for st in self.states:
             if st.grad_count:
-                flush_grads(st, self.mem)
+                flush_grads(st, self.mem, self._room_for_grads)
                 self._maybe_update_now(st)
         final = self._final_micro()
         self.micro += 1

@@ -56,7 +56,7 @@ def _flat(st: BlockState, tensors: list[torch.Tensor | None]) -> torch.Tensor:
 def _write(rt: Runtime, chunk: Chunk, flat: torch.Tensor) -> None:
     home = chunk.tier
     if home is Tier.DISK:
-        rt.mem.move(chunk, Tier.HOST).wait()
+        rt.mem.move(chunk, Tier.HOST, contiguous=True).wait()
     chunk.typed(F32)[: flat.numel()].copy_(flat)
     if home is Tier.DISK:
         rt.mem.move(chunk, Tier.DISK).wait()

@@ -41,7 +41,10 @@ def cli() -> None:
 @click.option("--save-every", type=int, help="Save a checkpoint every N steps (default: only at the end).")
 @click.option("--log-every", type=int, help="Print a line every N steps when not on a terminal (default 10).")
 @click.option("--plan", help="Put training state in tiers: resident, stream, max-offload, or a plan JSON file (default: plain PyTorch).")
-@click.option("--update", type=click.Choice(["sync", "overlap"]), help="With --plan: update after backward (sync) or during it (overlap).")
+@click.option("--update", type=click.Choice(["sync", "overlap", "lockfree"]),
+              help="With --plan: update after backward (sync), during it (overlap), or never waiting for it (lockfree).")
+@click.option("--max-staleness", type=int, help="With --update lockfree: steps a block's params may lag (default 1).")
+@click.option("--grad-clip", type=float, help="Clip gradients to this global norm (default 1.0; 0 turns it off).")
 @click.option("--device-memory", help='With --plan: device budget, e.g. "2GiB" (default 90% of the GPU; 4GiB on CPU).')
 @click.option("--host-memory", help='With --plan: host budget, e.g. "16GiB" (default half the RAM).')
 @click.option("--disk", help='With --plan: disk tier "DIR:SIZE", e.g. /nvme/tt:200GiB.')

@@ -220,6 +220,8 @@ class Trainer:
             stats = self.model.runtime.mem.stats()
             row["peak_bytes"] = {**{t: v["peak"] for t, v in stats.items() if "budget" in v},
                                  "process_rss": row["peak_bytes"]["host"]}
+            if self.model.runtime.plan.update == "lockfree":
+                row["staleness"] = self.model.runtime.pop_staleness()
         if self.precision.name == "fp16":
             row["loss_scale"] = self.scaler.get_scale()
         return row

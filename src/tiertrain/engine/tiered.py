@@ -40,4 +40,4 @@ def setup_tiered(model: nn.Module, opt: torch.optim.Optimizer, cfg: TrainConfig,
         raise ConfigError("plans run fp32 compute for now; use --precision fp32 with --plan")
     return setup(model, opt, default_budgets(cfg, device), plan=cfg.plan, grad_accum=cfg.grad_accum,
                  max_grad_norm=cfg.grad_clip if cfg.grad_clip > 0 else None, update=cfg.update,
-                 page_size=parse_size(cfg.page_size) if cfg.page_size else None)
+                 page_size=parse_size(cfg.page_size) if cfg.page_size else None, max_staleness=cfg.max_staleness)

@@ -15,14 +15,17 @@ from typing import Any
 import torch
 from torch.optim.adamw import adamw
 
+from tiertrain.memory.chunk import Chunk
 from tiertrain.runtime.block_state import BlockState
 
 
-def adamw_block(st: BlockState, groups: list[dict[str, Any]], clip_coef: torch.Tensor | None) -> None:
-    live = [i for i, h in enumerate(st.has_grad) if h]
-    if not live:
+def adamw_block(st: BlockState, groups: list[dict[str, Any]], clip_coef: torch.Tensor | None,
+                grad: Chunk | None, has_grad: list[bool]) -> None:
+    """One AdamW step of the block's master and moments with the gradients in ``grad``."""
+    live = [i for i, h in enumerate(has_grad) if h]
+    if not live or grad is None:
         return
-    params, grads = st.views(st.master), st.views(st.grad)
+    params, grads = st.views(st.master), st.views(grad)
     exp_avgs, exp_avg_sqs = st.views(st.exp_avg), st.views(st.exp_avg_sq)
     if grads[0].device != params[0].device:
         grads = [g.to(params[0].device) for g in grads]
@@ -37,7 +40,6 @@ def adamw_block(st: BlockState, groups: list[dict[str, Any]], clip_coef: torch.T
               [exp_avg_sqs[i] for i in idx], [], [st.steps[i] for i in idx], fused=True, amsgrad=False,
               beta1=grp["betas"][0], beta2=grp["betas"][1], lr=grp["lr"], weight_decay=grp["weight_decay"],
               eps=grp["eps"], maximize=False)
-    st.has_grad = [False] * len(st.has_grad)
 
 
 def total_grad_norm(states_in_model_order: list[tuple[BlockState, int]], norm_type: float = 2.0) -> torch.Tensor:

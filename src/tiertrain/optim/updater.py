@@ -85,11 +85,12 @@ class Updater:
         for h in [self.mem.move(c, Tier.HOST, contiguous=True)
                   for c in (st.master, st.exp_avg, st.exp_avg_sq) if c.tier is Tier.DISK]:
             h.wait()
-        adamw_block(st, groups or self.groups, clip_coef)
-        if st.grad is not None:
-            self.mem.release(st.grad)  # gradients live from backward's flush to here
-            st.grad = None
+        grad, has_grad, grad_step = st.take_grads()
+        adamw_block(st, groups or self.groups, clip_coef, grad, has_grad)
+        if grad is not None:
+            self.mem.release(grad)  # gradients live from backward's flush to here
         self._write_params(st)
+        st.version = max(st.version, grad_step + 1)
         if st.plan.home is Tier.DISK:
             moves = [self.mem.move(c, Tier.DISK) for c in (st.master, st.exp_avg, st.exp_avg_sq)]
             self._home_moves[st.index] = moves
@@ -106,6 +107,24 @@ class Updater:
         pending = Pending(self._pool.submit(self.update, st, clip_coef, groups))
         st.pending_update = pending
         return pending
+
+    def submit_loop(self, st: BlockState) -> None:
+        """Lockfree (ANGEL-PTM Alg. 2): keep updating the block while new gradients arrive; start
+        a loop only if none runs. The device never waits here."""
+        with st.lock:
+            if st.running:
+                return
+            st.running = True
+
+        def loop() -> None:
+            while True:
+                self.update(st, None, [dict(g) for g in self.groups])
+                with st.lock:
+                    if st.grad is None:
+                        st.running = False
+                        return
+
+        st.pending_update = Pending(self._pool.submit(loop))
 
     def settle_block(self, st: BlockState) -> None:
         """Return once the block's update and its write-back are complete (before reading its params)."""

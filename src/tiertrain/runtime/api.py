@@ -14,6 +14,7 @@ Gradients leave the parameters as backward produces them, so clip through the mo
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -58,14 +59,15 @@ class TieredModel(nn.Module):
         self._rt = runtime
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        rest = self._rt.states[-1]
-        if rest.pending_update is not None:
-            rest.pending_update.wait()  # embeddings and head are used first and last
+        self._rt.params_ready(self._rt.states[-1])  # embeddings and head are used first and last
         return self.module(*args, **kwargs)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the gradients of the current accumulation window."""
         rt = self._rt
+        if rt.plan.update == "lockfree":
+            raise ConfigError("lockfree updates start before a global norm exists, so they cannot clip by it; "
+                              "train without clipping (grad_clip: 0) or use --update overlap")
         if rt.plan.update == "overlap":
             if rt.max_grad_norm != max_norm:
                 raise ConfigError(
@@ -95,7 +97,7 @@ class TieredOptimizer:
 
 def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None, memory: Budgets, plan: "str | Plan" = "resident",
           *, grad_accum: int = 1, max_grad_norm: float | None = None, update: str | None = None,
-          blocks: str | None = None, page_size: int | None = None,
+          blocks: str | None = None, page_size: int | None = None, max_staleness: int | None = None,
           train: bool = True) -> tuple[TieredModel, TieredOptimizer | None]:
     """Place ``model``'s training state in the tiers ``memory`` allows, as ``plan`` says.
 
@@ -115,6 +117,11 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None, memory: Bud
         groups, group_of = [], {}
     found = find_blocks(model, blocks)
     chosen = load_plan(plan, len(found) - 1, disk=memory.disk > 0, update=update)
+    if max_staleness is not None:
+        chosen = dataclasses.replace(chosen, max_staleness=max_staleness).validate(len(found) - 1)
+    if chosen.update == "lockfree" and (grad_accum != 1 or max_grad_norm is not None):
+        raise ConfigError("lockfree updates take gradients as they come: use grad_accum 1 and no clipping "
+                          "(grad_clip: 0), or --update overlap")
     if chosen.uses_disk and not memory.disk:
         raise ConfigError("this plan homes states on disk; give a disk budget: Budgets(..., disk=SIZE, disk_dir=DIR)")
     device = compute_device()

@@ -14,6 +14,7 @@ parameters stay valid as long as the slot holds this block when its backward run
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -65,6 +66,17 @@ class BlockState:
     has_grad: list[bool] = field(default_factory=list)
     grad_count: int = 0                        # grads accumulated in the current backward
     pending_update: object = None              # Handle-like of an update in flight
+    lock: threading.Lock = field(default_factory=threading.Lock)  # grads: backward fills, the optimizer takes
+    grad_step: int = -1                        # the latest step whose gradients are in ``grad``
+    version: int = 0                           # params include the updates of steps < version
+    running: bool = False                      # lockfree: an update loop is working on this block
+
+    def take_grads(self) -> tuple["Chunk | None", list[bool], int]:
+        """Hand the accumulated gradients to the optimizer; backward starts a fresh buffer."""
+        with self.lock:
+            taken = (self.grad, self.has_grad, self.grad_step)
+            self.grad, self.has_grad = None, [False] * len(self.params)
+            return taken
 
     @property
     def nbytes(self) -> int:
@@ -120,8 +132,11 @@ def _optimizer_chunks(mem: MemorySystem, block: Block, plan: BlockPlan, layout: 
 
 
 def build_state(mem: MemorySystem, index: int, block: Block, plan: BlockPlan, slot: Slot,
-                group_of: list[int], train: bool = True) -> BlockState:
-    """Allocate the block's chunks, copy its current weights in, and leave its slot filled."""
+                group_of: list[int], train: bool = True, publish_copy: bool = False) -> BlockState:
+    """Allocate the block's chunks, copy its current weights in, and leave its slot filled.
+
+    ``publish_copy``: a disk-homed streamed block also keeps a host copy of its params that the
+    optimizer publishes into (lockfree: reading params must never wait for disk)."""
     layout = ChunkLayout.build([(n, tuple(p.shape)) for n, p in block.params])
     _fill(slot.chunk, block.params, layout)  # the slot holds this block's weights first
     slot.holder = index
@@ -129,7 +144,7 @@ def build_state(mem: MemorySystem, index: int, block: Block, plan: BlockPlan, sl
     if train:
         master, exp_avg, exp_avg_sq = _optimizer_chunks(mem, block, plan, layout, slot)
     param_home = None
-    if plan.stream and master is not None:
+    if plan.stream and master is not None and not (publish_copy and plan.home is Tier.DISK):
         param_home = master  # fp32 compute: the slot is filled from the master, wherever it lives
     elif plan.stream:
         param_home = mem.allocate(f"{block.name}.param", layout.numel * F32.itemsize, Tier.HOST, Kind.PARAM,

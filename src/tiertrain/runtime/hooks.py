@@ -27,7 +27,7 @@ def install_block_hooks(rt: "Runtime", st: BlockState) -> None:
     if st.plan.stream:
         module.register_forward_pre_hook(lambda m, a: rt.window.acquire(st, +1))
     else:
-        module.register_forward_pre_hook(lambda m, a: st.pending_update and st.pending_update.wait())
+        module.register_forward_pre_hook(lambda m, a: rt.params_ready(st))
     module.register_full_backward_pre_hook(lambda m, g: rt.backward_begins(st))
     if st.plan.recompute:
         forward = module.forward
@@ -45,22 +45,29 @@ def install_grad_hooks(rt: "Runtime", st: BlockState) -> None:
         p.register_post_accumulate_grad_hook(lambda param, st=st: rt.grad_arrived(st))
 
 
-def flush_grads(st: BlockState, mem: MemorySystem, make_room: Callable[[], None]) -> None:
+def flush_grads(st: BlockState, mem: MemorySystem, make_room: Callable[[], None], step: int) -> None:
     """Move the block's fresh gradients into its host grad chunk (accumulating) and free them.
 
     ``make_room`` returns once a new grad chunk may be allocated: when gradients are updated
     away as they come, backward waits for the optimizer rather than outgrow the host budget."""
+    fresh = None
     if st.grad is None:
-        make_room()
-        st.grad = mem.allocate(f"{st.block.name}.grad", st.nbytes, Tier.HOST, Kind.GRAD, contiguous=True)
-    views = st.views(st.grad)
-    for i, p in enumerate(st.params):
-        if p.grad is None:
-            continue
-        if st.has_grad[i]:
-            views[i].add_(p.grad)
-        else:
-            views[i].copy_(p.grad)
-            st.has_grad[i] = True
-        p.grad = None
+        make_room()  # outside the lock: it may wait for this block's own update
+        fresh = mem.allocate(f"{st.block.name}.grad", st.nbytes, Tier.HOST, Kind.GRAD, contiguous=True)
+    with st.lock:
+        if st.grad is None:
+            st.grad, fresh = fresh, None
+        views = st.views(st.grad)
+        for i, p in enumerate(st.params):
+            if p.grad is None:
+                continue
+            if st.has_grad[i]:
+                views[i].add_(p.grad)
+            else:
+                views[i].copy_(p.grad)
+                st.has_grad[i] = True
+            p.grad = None
+        st.grad_step = step
+    if fresh is not None:
+        mem.release(fresh)
     st.grad_count = 0

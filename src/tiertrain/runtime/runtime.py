@@ -37,7 +37,8 @@ class Runtime:
                 slot = Slot(mem.allocate(f"{block.name}.slot", _nbytes(block), Tier.DEVICE, Kind.PARAM,
                                          contiguous=True))
             group_of = [group_of_param.get(id(p), 0) for _, p in block.params]
-            self.states.append(build_state(mem, i, block, bplan, slot, group_of, train))
+            self.states.append(build_state(mem, i, block, bplan, slot, group_of, train,
+                                           publish_copy=plan.update == "lockfree"))
         for st in self.states:
             install_params(model, st)
             if train:
@@ -47,7 +48,9 @@ class Runtime:
         self.updater = Updater(mem, groups, lambda st: self.window.invalidate(st), workers=plan.update_workers,
                                read_ahead=plan.read_ahead)
         self.window = Window([s for s in self.states if s.plan.stream], mem.mover, plan.prefetch,
-                             ready=self.updater.settle_block)
+                             ready=self.params_ready)
+        self.steps_taken = 0         # optimizer steps the user has taken
+        self.staleness_seen = 0      # lockfree: the most steps a block's params lagged since last asked
         self._order = self._model_order()
         self._in_backward = False
         self.micro = 0               # backward passes in the current accumulation window
@@ -87,7 +90,7 @@ class Runtime:
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
         st.grad_count += 1
         if st.grad_count == len(st.params):
-            flush_grads(st, self.mem, self._room_for_grads)
+            flush_grads(st, self.mem, self._room_for_grads, self.steps_taken)
             self._maybe_update_now(st)
 
     def _room_for_grads(self) -> None:
@@ -104,8 +107,31 @@ class Runtime:
     def _final_micro(self) -> bool:
         return self.micro + 1 >= self.grad_accum
 
+    def params_ready(self, st: BlockState) -> None:
+        """Return when the block's params may be used: after its update is written back, or in
+        lockfree mode once they are at most ``max_staleness`` steps old (the staleness is recorded)."""
+        if self.plan.update != "lockfree":
+            self.updater.settle_block(st)
+            return
+        while self.steps_taken - st.version > self.plan.max_staleness:
+            pending = st.pending_update
+            if pending is None:
+                break
+            pending.wait()
+            if pending is st.pending_update and self.steps_taken - st.version > self.plan.max_staleness:
+                break  # its loop ended without the missing step's gradients (none were produced)
+        self.staleness_seen = max(self.staleness_seen, self.steps_taken - st.version)
+
+    def pop_staleness(self) -> int:
+        seen, self.staleness_seen = self.staleness_seen, 0
+        return seen
+
     def _maybe_update_now(self, st: BlockState) -> None:
-        """Overlap without clipping: a block's update starts as soon as its last gradient is in."""
+        """Overlap without clipping: a block's update starts as soon as its last gradient is in.
+        Lockfree: an update loop takes whatever gradients have gathered, never blocking backward."""
+        if self.plan.update == "lockfree":
+            self.updater.submit_loop(st)
+            return
         if self.plan.update == "overlap" and self.max_grad_norm is None and self._final_micro():
             self.updater.submit(st, None)
             self.updates_started = True
@@ -113,7 +139,7 @@ class Runtime:
     def _backward_done(self) -> None:
         for st in self.states:
             if st.grad_count:
-                flush_grads(st, self.mem, self._room_for_grads)
+                flush_grads(st, self.mem, self._room_for_grads, self.steps_taken)
                 self._maybe_update_now(st)
         final = self._final_micro()
         self.micro += 1
@@ -131,6 +157,10 @@ class Runtime:
         return self.last_norm
 
     def step(self) -> None:
+        self.steps_taken += 1
+        if self.plan.update == "lockfree":  # updates are already running; the device does not wait
+            self.micro = 0
+            return
         self.window.settle()
         if not self.updates_started:
             for st in self.states[-1:] + self.states[:-1]:
@@ -150,6 +180,8 @@ class Runtime:
         for st in self.states:
             for p in st.params:
                 p.grad = None
+            if self.plan.update == "lockfree":
+                continue  # flushed gradients belong to the optimizer's loop now
             if st.pending_update is None:  # a pending update resets the flags itself when done
                 st.has_grad = [False] * len(st.params)
                 if st.grad is not None:

@@ -209,6 +209,10 @@ class Mover:
 
     def _reader(self, target: Chunk, disk: DiskPool, e: Extent, start: int) -> Callable[[], None]:
         def read() -> None:
+            direct = self._direct_view(target.pool, target, start, e.length, disk.written_length(e.page))
+            if direct is not None:  # straight into place; a bad checksum fails the whole move/copy
+                disk.read_page(e.page, memoryview(direct.numpy()))
+                return
             stage = self._staging(disk.page_size)
             disk.read_page(e.page, memoryview(stage.numpy()))  # verified before any byte is used
             self._on_copy_stream(target.tier, None, lambda: self._scatter_from(target, start, stage[: e.length]))

@@ -65,13 +65,15 @@ def _fill_grads(model: torch.nn.Module) -> None:
 
 
 def _disk_stream_plan(n_blocks: int, update: str):
-    """Blocks stream through a 2-slot window, all optimizer states homed on disk, no recompute:
-    its compute is exactly the plain forward+backward, so the bound below is fair."""
+    """Blocks stream through a 2-slot window, fp32 master and moments homed on disk, compute
+    params kept on the host too (ANGEL-PTM's layout), no recompute: its compute is exactly the
+    plain forward+backward and its disk traffic exactly the states', so the bound below is fair."""
     from tiertrain.memory import Tier
     from tiertrain.runtime.plan import BlockPlan, Plan
 
-    return Plan(tuple(BlockPlan(home=Tier.DISK, stream=True) for _ in range(n_blocks)), BlockPlan(home=Tier.DISK),
-                window=2, prefetch=1, update=update, name="stream-disk")
+    block = BlockPlan(home=Tier.DISK, stream=True, param_copy=True)
+    return Plan((block,) * n_blocks, BlockPlan(home=Tier.DISK), window=2, prefetch=1, update=update,
+                name="stream-disk")
 
 
 def _tiered(cfg: ModelConfig, budgets: Budgets, plan, update: str, page: int):

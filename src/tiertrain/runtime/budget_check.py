@@ -35,8 +35,8 @@ def needs(blocks: list[Block], plan: Plan, page: int, train: bool = True, transi
     for size, bp in zip(sizes, plans):
         if not bp.stream:
             need[Tier.DEVICE] += _pages(size, page)
-        elif not train:                                  # training: the master is the param home
-            need[Tier.HOST] += _pages(size, page)        # param home
+        elif not train or (bp.home is Tier.DISK and (bp.param_copy or plan.update == "lockfree")):
+            need[Tier.HOST] += _pages(size, page)        # a host param home (else the master is it)
         if train:
             need[Tier.HOST] += 0 if transient_grads else _pages(size, page)  # grads
             need[bp.home] += 3 * _pages(size, page)      # master, exp_avg, exp_avg_sq

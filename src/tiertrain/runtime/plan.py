@@ -26,18 +26,22 @@ class BlockPlan:
     home: Tier = Tier.HOST       # fp32 master + exp_avg + exp_avg_sq between steps
     stream: bool = False         # compute params borrow a window slot instead of owning one
     recompute: bool = False      # keep only the block input; recompute the rest in backward
+    param_copy: bool = False     # disk home: keep the compute params on the host too (4 B/param of host
+    #                              buys not reading them from disk twice a step; ANGEL-PTM's layout)
 
     def to_dict(self) -> dict:
-        return {"home": self.home.value, "stream": self.stream, "recompute": self.recompute}
+        return {"home": self.home.value, "stream": self.stream, "recompute": self.recompute,
+                "param_copy": self.param_copy}
 
     @classmethod
     def from_dict(cls, d: dict) -> "BlockPlan":
-        unknown = set(d) - {"home", "stream", "recompute"}
+        unknown = set(d) - {"home", "stream", "recompute", "param_copy"}
         if unknown:
-            raise ConfigError(f"unknown block plan field(s) {sorted(unknown)}; valid: home, stream, recompute")
+            raise ConfigError(f"unknown block plan field(s) {sorted(unknown)}; valid: home, stream, recompute, "
+                              "param_copy")
         try:
             return cls(home=Tier(d.get("home", "host")), stream=bool(d.get("stream", False)),
-                       recompute=bool(d.get("recompute", False)))
+                       recompute=bool(d.get("recompute", False)), param_copy=bool(d.get("param_copy", False)))
         except ValueError:
             raise ConfigError(f"block home {d.get('home')!r} is not one of device, host, disk") from None
 

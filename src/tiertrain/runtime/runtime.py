@@ -38,7 +38,7 @@ class Runtime:
                                          contiguous=True))
             group_of = [group_of_param.get(id(p), 0) for _, p in block.params]
             self.states.append(build_state(mem, i, block, bplan, slot, group_of, train,
-                                           publish_copy=plan.update == "lockfree"))
+                                           publish_copy=bplan.param_copy or plan.update == "lockfree"))
         for st in self.states:
             install_params(model, st)
             if train:

@@ -119,3 +119,26 @@ def test_info_table_and_help_read_well():
     for flag in ("--config", "--model", "--data", "--steps", "--batch-size", "--seq-len", "--grad-accum", "--lr",
                  "--precision", "--seed", "--out", "--resume", "--save-every"):
         assert flag in helptext.stdout
+
+
+PLAN = ["--plan", "stream", "--device-memory", "8MiB", "--host-memory", "64MiB", "--page-size", "64KiB"]
+
+
+def test_train_with_a_lockfree_plan_from_the_command_line(tmp_path):
+    r = run_cli("train", *TINY, "--steps", "4", "--out", str(tmp_path), *PLAN, "--update", "lockfree",
+                "--max-staleness", "1", "--grad-clip", "0")
+    assert r.returncode == 0, r.stderr
+    assert "plan stream (lockfree)" in r.stdout
+    rows = read_metrics(tmp_path)
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    assert all(0 <= row["staleness"] <= 1 and "disk" not in row["peak_bytes"] for row in rows)
+
+
+def test_a_plan_that_does_not_fit_and_bad_plan_flags(tmp_path):
+    small = ["--plan", "resident", "--device-memory", "64KiB", "--page-size", "64KiB"]
+    assert_user_error(run_cli("train", *TINY, "--out", str(tmp_path), *small), "does not fit", "Smallest budgets")
+    assert_user_error(run_cli("train", *TINY, "--out", str(tmp_path), "--device-memory", "1GiB"),
+                      "memory budgets apply to a plan")
+    assert_user_error(run_cli("train", *TINY, "--out", str(tmp_path), *PLAN, "--update", "lockfree"),
+                      "lockfree updates take gradients as they come")
+    assert not (tmp_path / "checkpoints").exists()

@@ -1,12 +1,9 @@
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
 
-import numpy as np
-import pytest
 
 from conftest import read_metrics, run_cli
 

@@ -17,7 +17,7 @@ import torch
 from tiertrain.errors import BudgetError
 from tiertrain.memory import MemorySystem, Tier
 from tiertrain.optim.adamw import adamw_block
-from tiertrain.runtime.block_state import F32, BlockState
+from tiertrain.runtime.block_state import BlockState, publish
 
 
 class Pending:
@@ -142,7 +142,6 @@ class Updater:
 
     def _write_params(self, st: BlockState) -> None:
         target = st.param_home if st.param_home is not None else st.slot.chunk
-        if target is not st.master:  # a host master doubles as the param home of a streamed block
-            master = st.master.typed(F32)
-            target.typed(F32)[: master.numel()].copy_(master)
+        if target is not st.master:  # an fp32 master doubles as the param home of a streamed block
+            publish(st.master, target, st.layout, st.compute)
         self.on_params_written(st)

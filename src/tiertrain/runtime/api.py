@@ -98,7 +98,7 @@ class TieredOptimizer:
 def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None, memory: Budgets, plan: "str | Plan" = "resident",
           *, grad_accum: int = 1, max_grad_norm: float | None = None, update: str | None = None,
           blocks: str | None = None, page_size: int | None = None, max_staleness: int | None = None,
-          train: bool = True) -> tuple[TieredModel, TieredOptimizer | None]:
+          compute_dtype: str | None = None, train: bool = True) -> tuple[TieredModel, TieredOptimizer | None]:
     """Place ``model``'s training state in the tiers ``memory`` allows, as ``plan`` says.
 
     ``grad_accum`` and ``max_grad_norm`` tell the ``overlap`` mode when a block's
@@ -119,6 +119,8 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None, memory: Bud
     chosen = load_plan(plan, len(found) - 1, disk=memory.disk > 0, update=update)
     if max_staleness is not None:
         chosen = dataclasses.replace(chosen, max_staleness=max_staleness).validate(len(found) - 1)
+    if compute_dtype is not None:
+        chosen = dataclasses.replace(chosen, compute_dtype=compute_dtype).validate(len(found) - 1)
     if chosen.update == "lockfree" and (grad_accum != 1 or max_grad_norm is not None):
         raise ConfigError("lockfree updates take gradients as they come: use grad_accum 1 and no clipping "
                           "(grad_clip: 0), or --update overlap")

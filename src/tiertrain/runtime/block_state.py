@@ -70,6 +70,7 @@ class BlockState:
     grad_step: int = -1                        # the latest step whose gradients are in ``grad``
     version: int = 0                           # params include the updates of steps < version
     running: bool = False                      # lockfree: an update loop is working on this block
+    compute: torch.dtype = F32                 # dtype of the slot and param home
 
     def take_grads(self) -> tuple["Chunk | None", list[bool], int]:
         """Hand the accumulated gradients to the optimizer; backward starts a fresh buffer."""
@@ -88,9 +89,9 @@ class BlockState:
         return [flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.layout.slots]
 
 
-def _fill(chunk: Chunk, params: list[tuple[str, torch.Tensor]], layout: ChunkLayout) -> None:
+def _fill(chunk: Chunk, params: list[tuple[str, torch.Tensor]], layout: ChunkLayout, dtype: torch.dtype) -> None:
     """Write the parameters' values into a chunk in layout order (initialising meta ones there)."""
-    flat = chunk.typed(F32)
+    flat = chunk.typed(dtype)
     flat.zero_()
     for s, (name, p) in zip(layout.slots, params):
         view = flat[s.offset : s.offset + s.numel]
@@ -100,60 +101,55 @@ def _fill(chunk: Chunk, params: list[tuple[str, torch.Tensor]], layout: ChunkLay
             view.copy_(p.detach().reshape(-1))
 
 
-def _copy_chunk(src: Chunk, dst: Chunk, layout: ChunkLayout) -> None:
-    dst.typed(F32)[: layout.numel].copy_(src.typed(F32)[: layout.numel])
+def publish(master: Chunk, dst: Chunk, layout: ChunkLayout, dtype: torch.dtype) -> None:
+    """Write the fp32 master into a compute copy (rounded to ``dtype`` when that is not fp32)."""
+    dst.typed(dtype)[: layout.numel].copy_(master.typed(F32)[: layout.numel])
 
 
-def init_in_place(name: str, out: torch.Tensor) -> None:
-    """Initialise a parameter of a model built on the meta device (to be larger than memory),
-    GPT-2 style, directly in its chunk (no temporary tensor): matrices N(0, 0.02), 1-D
-    ``*.weight`` (norm scales) ones, everything else zeros."""
-    if out.dim() >= 2:
-        out.normal_(0.0, 0.02)
-    else:
-        out.fill_(1.0 if name.endswith("weight") else 0.0)
-
-
-def _optimizer_chunks(mem: MemorySystem, block: Block, plan: BlockPlan, layout: ChunkLayout,
-                      slot: Slot) -> tuple[Chunk, Chunk, Chunk]:
-    """fp32 master (a copy of the weights) and zeroed moments, at the block's home.
+def _optimizer_chunks(mem: MemorySystem, block: Block, layout: ChunkLayout) -> tuple[Chunk, Chunk, Chunk]:
+    """fp32 master (the weights) and zeroed moments, on the host; the caller sends them home.
     (Gradient chunks are allocated when backward first flushes into them.)"""
     nbytes = layout.numel * F32.itemsize
     master = mem.allocate(f"{block.name}.master", nbytes, Tier.HOST, Kind.MASTER, contiguous=True)
-    _copy_chunk(slot.chunk, master, layout)
+    _fill(master, block.params, layout, F32)
     moments = [mem.allocate(f"{block.name}.{k.value}", nbytes, Tier.HOST, k, contiguous=True)
                for k in (Kind.EXP_AVG, Kind.EXP_AVG_SQ)]
     for m in moments:
         m.typed(F32).zero_()
-    for chunk in (master, *moments):
-        if plan.home is not Tier.HOST:
-            mem.move(chunk, plan.home, contiguous=True).wait()
     return master, moments[0], moments[1]
 
 
 def build_state(mem: MemorySystem, index: int, block: Block, plan: BlockPlan, slot: Slot,
-                group_of: list[int], train: bool = True, publish_copy: bool = False) -> BlockState:
+                group_of: list[int], train: bool = True, publish_copy: bool = False,
+                compute: torch.dtype = F32) -> BlockState:
     """Allocate the block's chunks, copy its current weights in, and leave its slot filled.
 
+    The fp32 master is written first and the compute copies (slot, param home) from it.
     ``publish_copy``: a disk-homed streamed block also keeps a host copy of its params that the
-    optimizer publishes into (lockfree: reading params must never wait for disk)."""
+    optimizer publishes into (lockfree: reading params must never wait for disk). A compute
+    dtype other than fp32 always needs its own param home (the master cannot double as it)."""
     layout = ChunkLayout.build([(n, tuple(p.shape)) for n, p in block.params])
-    _fill(slot.chunk, block.params, layout)  # the slot holds this block's weights first
-    slot.holder = index
     master = exp_avg = exp_avg_sq = None
     if train:
-        master, exp_avg, exp_avg_sq = _optimizer_chunks(mem, block, plan, layout, slot)
+        master, exp_avg, exp_avg_sq = _optimizer_chunks(mem, block, layout)
+        publish(master, slot.chunk, layout, compute)
+    else:
+        _fill(slot.chunk, block.params, layout, compute)
+    slot.holder = index
     param_home = None
-    if plan.stream and master is not None and not (publish_copy and plan.home is Tier.DISK):
+    if plan.stream and master is not None and compute is F32 and not (publish_copy and plan.home is Tier.DISK):
         param_home = master  # fp32 compute: the slot is filled from the master, wherever it lives
     elif plan.stream:
-        param_home = mem.allocate(f"{block.name}.param", layout.numel * F32.itemsize, Tier.HOST, Kind.PARAM,
+        param_home = mem.allocate(f"{block.name}.param", layout.numel * compute.itemsize, Tier.HOST, Kind.PARAM,
                                   contiguous=True)
-        _copy_chunk(slot.chunk, param_home, layout)
-    params = [nn.Parameter(t, requires_grad=train) for t in alias(slot, layout, F32)]
+        param_home.typed(compute)[: layout.numel].copy_(slot.chunk.typed(compute)[: layout.numel])
+    for chunk in (master, exp_avg, exp_avg_sq):
+        if chunk is not None and plan.home is not Tier.HOST:
+            mem.move(chunk, plan.home, contiguous=True).wait()
+    params = [nn.Parameter(t, requires_grad=train) for t in alias(slot, layout, compute)]
     steps = [torch.zeros((), dtype=F32) for _ in params]
     return BlockState(index, block, plan, layout, params, master, exp_avg, exp_avg_sq, None, param_home,
-                      slot, steps, group_of, has_grad=[False] * len(params))
+                      slot, steps, group_of, has_grad=[False] * len(params), compute=compute)
 
 
 def install_params(model: nn.Module, state: BlockState) -> None:

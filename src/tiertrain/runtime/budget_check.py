@@ -26,17 +26,20 @@ def _pages(nbytes: int, page: int) -> int:
 def needs(blocks: list[Block], plan: Plan, page: int, train: bool = True, transient_grads: bool = False) -> dict[Tier, int]:
     """Bytes per tier. ``transient_grads``: each block's gradients are updated away right after
     backward flushes them (overlap, no clipping, no accumulation), so only a few coexist."""
-    sizes = [ChunkLayout.build([(n, tuple(p.shape)) for n, p in b.params]).numel * F32_BYTES for b in blocks]
+    numels = [ChunkLayout.build([(n, tuple(p.shape)) for n, p in b.params]).numel for b in blocks]
+    sizes = [n * F32_BYTES for n in numels]                        # master, moments, grads: fp32
+    compute = [n * plan.compute.itemsize for n in numels]          # slots and param homes
     plans = list(plan.blocks) + [plan.rest]
     need = {Tier.DEVICE: 0, Tier.HOST: 0, Tier.DISK: 0}
-    streamed = [s for s, p in zip(sizes, plans) if p.stream]
+    streamed = [c for c, p in zip(compute, plans) if p.stream]
     if streamed:
         need[Tier.DEVICE] += min(plan.window, len(streamed)) * _pages(max(streamed), page)
-    for size, bp in zip(sizes, plans):
+    for size, csize, bp in zip(sizes, compute, plans):
         if not bp.stream:
-            need[Tier.DEVICE] += _pages(size, page)
-        elif not train or (bp.home is Tier.DISK and (bp.param_copy or plan.update == "lockfree")):
-            need[Tier.HOST] += _pages(size, page)        # a host param home (else the master is it)
+            need[Tier.DEVICE] += _pages(csize, page)
+        elif (not train or plan.compute_dtype != "fp32"
+              or (bp.home is Tier.DISK and (bp.param_copy or plan.update == "lockfree"))):
+            need[Tier.HOST] += _pages(csize, page)       # a host param home (else the master is it)
         if train:
             need[Tier.HOST] += 0 if transient_grads else _pages(size, page)  # grads
             need[bp.home] += 3 * _pages(size, page)      # master, exp_avg, exp_avg_sq

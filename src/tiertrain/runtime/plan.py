@@ -57,6 +57,7 @@ class Plan:
     read_ahead: int = 2                    # disk-homed blocks whose states are read in ahead of their update
     update_workers: int = 2                # CPU optimizer threads (each holds one block's states in host)
     max_staleness: int = 1                 # lockfree: steps a block's params may lag behind
+    compute_dtype: str = "fp32"            # fp32 | bf16: the dtype of device params (master stays fp32)
     notes: dict = field(default_factory=dict, compare=False)
 
     def validate(self, n_blocks: int) -> "Plan":
@@ -70,9 +71,18 @@ class Plan:
             raise ConfigError(f"window must be at least 1 slot, got {self.window}")
         if not 0 <= self.prefetch < max(1, self.window):
             raise ConfigError(f"prefetch {self.prefetch} must be below the window {self.window}")
+        if self.compute_dtype not in ("fp32", "bf16"):
+            raise ConfigError(f"compute_dtype {self.compute_dtype!r} is not fp32 or bf16 (fp16 needs loss scaling, "
+                              "not built for plans yet)")
         if self.read_ahead < 0 or self.update_workers < 1 or self.max_staleness < 0:
             raise ConfigError("read_ahead and max_staleness must be >= 0 and update_workers >= 1")
         return self
+
+    @property
+    def compute(self) -> "torch.dtype":
+        import torch
+
+        return {"fp32": torch.float32, "bf16": torch.bfloat16}[self.compute_dtype]
 
     @property
     def uses_disk(self) -> bool:
@@ -81,6 +91,7 @@ class Plan:
     def to_json(self) -> str:
         return json.dumps({"name": self.name, "window": self.window, "prefetch": self.prefetch,
                            "update": self.update, "read_ahead": self.read_ahead, "max_staleness": self.max_staleness,
+                           "compute_dtype": self.compute_dtype,
                            "update_workers": self.update_workers, "rest": self.rest.to_dict(),
                            "blocks": [b.to_dict() for b in self.blocks]}, indent=1)
 
@@ -92,7 +103,8 @@ class Plan:
                        rest=BlockPlan.from_dict(d.get("rest", {})), window=int(d.get("window", 2)),
                        prefetch=int(d.get("prefetch", 1)), update=d.get("update", "sync"),
                        name=d.get("name", "custom"), read_ahead=int(d.get("read_ahead", 2)),
-                       update_workers=int(d.get("update_workers", 2)), max_staleness=int(d.get("max_staleness", 1)))
+                       update_workers=int(d.get("update_workers", 2)), max_staleness=int(d.get("max_staleness", 1)),
+                       compute_dtype=d.get("compute_dtype", "fp32"))
         except (ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"plan is not valid JSON of a plan: {exc}") from None
 

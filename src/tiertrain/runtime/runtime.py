@@ -10,7 +10,7 @@ import torch.nn as nn
 from tiertrain.memory import MemorySystem, Tier
 from tiertrain.optim.adamw import clip_coefficient, total_grad_norm
 from tiertrain.optim.updater import Updater
-from tiertrain.runtime.block_state import F32, BlockState, Slot, build_state, install_params
+from tiertrain.runtime.block_state import BlockState, Slot, build_state, install_params
 from tiertrain.runtime.blocks import find_blocks
 from tiertrain.runtime.hooks import flush_grads, install_block_hooks, install_grad_hooks
 from tiertrain.runtime.plan import Plan
@@ -34,11 +34,12 @@ class Runtime:
                 slot = ring[streamed_seen % len(ring)]
                 streamed_seen += 1
             else:
-                slot = Slot(mem.allocate(f"{block.name}.slot", _nbytes(block), Tier.DEVICE, Kind.PARAM,
+                slot = Slot(mem.allocate(f"{block.name}.slot", _nbytes(block, plan.compute), Tier.DEVICE, Kind.PARAM,
                                          contiguous=True))
             group_of = [group_of_param.get(id(p), 0) for _, p in block.params]
             self.states.append(build_state(mem, i, block, bplan, slot, group_of, train,
-                                           publish_copy=bplan.param_copy or plan.update == "lockfree"))
+                                           publish_copy=bplan.param_copy or plan.update == "lockfree",
+                                           compute=plan.compute))
         for st in self.states:
             install_params(model, st)
             if train:
@@ -63,7 +64,7 @@ class Runtime:
         streamed = [b for b, p in zip(blocks, plans) if p.stream]
         if not streamed:
             return []
-        size = max(_nbytes(b) for b in streamed)
+        size = max(_nbytes(b, self.plan.compute) for b in streamed)
         return [Slot(self.mem.allocate(f"window.{k}", size, Tier.DEVICE, Kind.PARAM, contiguous=True))
                 for k in range(min(self.plan.window, len(streamed)))]
 
@@ -195,7 +196,7 @@ class Runtime:
         self.updater.close()
 
 
-def _nbytes(block) -> int:
+def _nbytes(block, dtype: torch.dtype) -> int:
     from tiertrain.memory import ChunkLayout
 
-    return ChunkLayout.build([(n, tuple(p.shape)) for n, p in block.params]).numel * F32.itemsize
+    return ChunkLayout.build([(n, tuple(p.shape)) for n, p in block.params]).numel * dtype.itemsize

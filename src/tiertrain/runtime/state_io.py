@@ -53,11 +53,11 @@ def _flat(st: BlockState, tensors: list[torch.Tensor | None]) -> torch.Tensor:
     return flat
 
 
-def _write(rt: Runtime, chunk: Chunk, flat: torch.Tensor) -> None:
+def _write(rt: Runtime, chunk: Chunk, flat: torch.Tensor, dtype: torch.dtype = F32) -> None:
     home = chunk.tier
     if home is Tier.DISK:
         rt.mem.move(chunk, Tier.HOST, contiguous=True).wait()
-    chunk.typed(F32)[: flat.numel()].copy_(flat)
+    chunk.typed(dtype)[: flat.numel()].copy_(flat)
     if home is Tier.DISK:
         rt.mem.move(chunk, Tier.DISK).wait()
 
@@ -69,7 +69,8 @@ def import_state(rt: Runtime, weights: dict[str, torch.Tensor], optim: dict[str,
         names = [n for n, _ in st.block.params]
         master = _flat(st, [weights[n] for n in names])
         _write(rt, st.master, master)
-        _write(rt, st.param_home if st.param_home is not None else st.slot.chunk, master)
+        target = st.param_home if st.param_home is not None else st.slot.chunk
+        _write(rt, target, master, F32 if target is st.master else st.compute)
         for k in _MOMENTS:
             _write(rt, getattr(st, k), _flat(st, [optim.get(f"{n}::{k}") for n in names]))
         for i, n in enumerate(names):

@@ -89,6 +89,16 @@ class BlockState:
         return [flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.layout.slots]
 
 
+def init_in_place(name: str, out: torch.Tensor) -> None:
+    """Initialise a parameter of a model built on the meta device (to be larger than memory),
+    GPT-2 style, directly in its chunk (no temporary tensor): matrices N(0, 0.02), 1-D
+    ``*.weight`` (norm scales) ones, everything else zeros."""
+    if out.dim() >= 2:
+        out.normal_(0.0, 0.02)
+    else:
+        out.fill_(1.0 if name.endswith("weight") else 0.0)
+
+
 def _fill(chunk: Chunk, params: list[tuple[str, torch.Tensor]], layout: ChunkLayout, dtype: torch.dtype) -> None:
     """Write the parameters' values into a chunk in layout order (initialising meta ones there)."""
     flat = chunk.typed(dtype)

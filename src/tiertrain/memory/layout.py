@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_ALIGN = 64  # elements; 256 B of fp32 per shard boundary, enough for any SIMD width
+TENSOR_ALIGN = 32   # elements: each tensor starts 64-byte aligned even in bf16, as torch's allocator
+#                     aligns plain tensors, so vectorised kernels take the same paths on our views
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class ChunkLayout:
             n = 1
             for d in shape:
                 n *= d
+            offset = -(-offset // TENSOR_ALIGN) * TENSOR_ALIGN
             slots.append(Slot(name, tuple(shape), offset, n))
             offset += n
         unit = shard_count * align

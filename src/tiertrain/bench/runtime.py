@@ -51,10 +51,6 @@ def stream_inplace_add(nbytes: int, threads: int) -> float:
     return best
 
 
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs)
-
-
 def _model_cfg(d: int, layers: int) -> ModelConfig:
     return ModelConfig(n_layer=layers, n_head=8, d_model=d, d_ffn=4 * d, vocab_size=256, max_seq_len=256, name="bench")
 
@@ -112,7 +108,7 @@ def bench_optimizer(d: int, layers: int, repeats: int, out: Callable[[str], None
         ours.append(n / (time.perf_counter() - t))
     rt.close()
     rt.mem.close()
-    p, o = _median(peer[1:]), _median(ours[1:])
+    p, o = statistics.median(peer[1:]), statistics.median(ours[1:])
     out(f"AdamW on {n / 1e6:.1f}M params in {layers + 1} block chunks, {torch.get_num_threads()} threads: "
         f"tiertrain {o / 1e6:.0f} M params/s (min {min(ours[1:]) / 1e6:.0f}, max {max(ours[1:]) / 1e6:.0f}), "
         f"torch fused AdamW {p / 1e6:.0f} M params/s, memory-bandwidth bound {bound / 1e6:.0f} M params/s")
@@ -147,7 +143,7 @@ def bench_offload(d: int, layers: int, batch: int, seq: int, disk_dir: str | Non
 
     state_bytes = 12 * n  # fp32 master + two moments, read and written each step
     raw = raw_disk(directory, max(state_bytes, 64 << 20), 1 << 20, 8)
-    compute_s = _median(_step_times(compute, repeats))
+    compute_s = statistics.median(_step_times(compute, repeats))
     io_s = state_bytes / raw.read + state_bytes / raw.write
     opt_s = n * ADAMW_BYTES_PER_PARAM / stream_inplace_add(512 << 20, torch.get_num_threads())
     bound = max(compute_s, io_s, opt_s)
@@ -173,7 +169,7 @@ def bench_offload(d: int, layers: int, batch: int, seq: int, disk_dir: str | Non
         times = _step_times(step, repeats)
         tm.runtime.close()
         tm.runtime.mem.close()
-        med = _median(times)
+        med = statistics.median(times)
         results[f"{name}/{update}"] = {"step_s": med, "min_s": min(times), "max_s": max(times), "efficiency": bound / med}
         note = " (recomputes: its compute exceeds the bound by one forward)" if name == "max-offload" else ""
         out(f"{name}, {update:8s}: step {med:.3f} s (min {min(times):.3f}, max {max(times):.3f}); "

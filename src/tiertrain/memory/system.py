@@ -41,7 +41,6 @@ class MemorySystem:
             self.pools[Tier.DISK] = DiskPool(budgets.disk, self.page_size, DiskDir(budgets.disk_dir),
                                              reserve=reserve_disk)
         self.mover = Mover(self.pools, self.accounting, io_workers=io_workers)
-        self._chunks: set[Chunk] = set()
 
     def __enter__(self) -> "MemorySystem":
         return self
@@ -60,7 +59,6 @@ class MemorySystem:
         pool = self.pool(tier)
         chunk = Chunk(name, kind, nbytes, pool, pool.allocate(nbytes, contiguous))
         self.accounting.add(tier, kind, nbytes)
-        self._chunks.add(chunk)
         return chunk
 
     def from_tensor(self, name: str, tensor: torch.Tensor, tier: Tier, kind: Kind = Kind.OTHER) -> Chunk:
@@ -96,7 +94,6 @@ class MemorySystem:
             self.accounting.sub(chunk.tier, chunk.kind, chunk.nbytes)
             chunk.released = True
             chunk.extents = []
-        self._chunks.discard(chunk)
 
     def stats(self) -> dict[str, Any]:
         """Per tier: budget, page bytes in use, and live/peak bytes per state kind."""

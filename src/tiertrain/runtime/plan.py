@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tiertrain.errors import ConfigError
 from tiertrain.memory.tiers import Tier
+
+if TYPE_CHECKING:
+    import torch
 
 UPDATE_MODES = ("sync", "overlap", "lockfree")
 BUILTIN_PLANS = ("resident", "stream", "max-offload")
@@ -58,7 +62,6 @@ class Plan:
     update_workers: int = 2                # CPU optimizer threads (each holds one block's states in host)
     max_staleness: int = 1                 # lockfree: steps a block's params may lag behind
     compute_dtype: str = "fp32"            # fp32 | bf16: the dtype of device params (master stays fp32)
-    notes: dict = field(default_factory=dict, compare=False)
 
     def validate(self, n_blocks: int) -> "Plan":
         if len(self.blocks) != n_blocks:

@@ -188,3 +188,57 @@ def test_a_model_built_on_the_meta_device_is_initialised_block_by_block_and_trai
     finally:
         tm.runtime.close()
         tm.runtime.mem.close()
+
+
+@pytest.mark.parametrize("plan,update", [("resident", "sync"), ("max-offload", "overlap")])
+def test_fp16_overflow_skips_the_step_and_backs_off_as_gradscaler_does(tmp_path, plan, update):
+    """A scale of 2**24 overflows fp16 gradients: the step is skipped (weights and AdamW step
+    counts untouched), the scale halves, and training resumes once it fits; plain PyTorch's
+    autocast + GradScaler from the same scale skips as many steps."""
+    import torch
+
+    import tiertrain
+    from tiered_harness import _fresh, batches
+    from tiertrain.engine.objective import lm_loss
+    from tiertrain.runtime.state_io import export_state
+
+    data = batches(1) * 24
+    model, opt = _fresh(TINY4)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+    plain_scales = []
+    for b in data:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = lm_loss(model, b[:, :-1], b[:, 1:])
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        plain_scales.append(scaler.get_scale())
+
+    model, opt = _fresh(TINY4)
+    tm, topt = tiertrain.setup(model, opt, budgets(tmp_path), plan=plan, update=update, compute_dtype="fp16",
+                               page_size=64 * 1024)
+    try:
+        topt.loss_scaler.load_state_dict({"scale": 2.0**24})
+        before = export_state(tm.runtime)[0]
+        scales, losses = [], []
+        for b in data:
+            loss = lm_loss(tm, b[:, :-1], b[:, 1:])
+            loss.backward()
+            topt.step()
+            topt.zero_grad()
+            scales.append(topt.loss_scaler.get_scale())
+            losses.append(loss.item())
+            if len(scales) == 1:
+                tm.runtime.wait_updates()
+                weights, moments = export_state(tm.runtime)
+                assert all(torch.equal(weights[k], before[k]) for k in before)
+                assert all(float(v) == 0 for k, v in moments.items() if k.endswith("::step"))
+        skipped = topt.loss_scaler.skipped
+        assert skipped >= 1 and scales[:skipped] == [2.0**24 / 2**k for k in range(1, skipped + 1)]
+        assert scales[skipped:] == [scales[skipped - 1]] * (len(scales) - skipped)  # no more overflows
+        assert skipped == sum(1 for a, b in zip([2.0**24] + plain_scales, plain_scales) if b < a)
+        assert losses[-1] < losses[skipped] - 0.5  # it trains once the scale fits
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()

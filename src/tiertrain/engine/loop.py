@@ -107,7 +107,9 @@ class Trainer:
         if self.tiered:
             self.model, self.opt = setup_tiered(self.model, self.opt, cfg, self.precision, self.device)
             self.state = TieredState(self.model)
-        self.scaler = self.precision.grad_scaler()
+        self.scaler = self.precision.grad_scaler(tiered=self.tiered)
+        # whichever keeps the fp16 loss scale: GradScaler in a plain run, the runtime's in a tiered one
+        self.loss_scaler = self.opt.loss_scaler if self.tiered else (self.scaler if self.scaler.is_enabled() else None)
         self.step = 0
         self.flops_per_token = model_flops_per_token(self.state.module, cfg.seq_len)
         self.reporter = reporter or Reporter(cfg.steps, cfg.log_every, quiet=True)
@@ -133,8 +135,8 @@ class Trainer:
                               f"leaves nothing to do; pass --steps larger than {state.step}")
         self.step = state.step
         self.sampler.position = state.data_position
-        if state.scaler:
-            self.scaler.load_state_dict(state.scaler)
+        if state.scaler and self.loss_scaler is not None:
+            self.loss_scaler.load_state_dict(state.scaler)
         self.reporter.message(f"resumed from {ckpt} at step {self.step}")
 
     def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,7 +172,7 @@ class Trainer:
 
     def save(self) -> Path:
         state = TrainerState(step=self.step, data_position=self.sampler.position,
-                             scaler=self.scaler.state_dict() if self.scaler.is_enabled() else {},
+                             scaler=self.loss_scaler.state_dict() if self.loss_scaler is not None else {},
                              run_config=self.cfg.to_dict())
         return save_checkpoint(self.out, self.state, state, self.cfg.keep_checkpoints)
 
@@ -222,8 +224,8 @@ class Trainer:
                                  "process_rss": row["peak_bytes"]["host"]}
             if self.model.runtime.plan.update == "lockfree":
                 row["staleness"] = self.model.runtime.pop_staleness()
-        if self.precision.name == "fp16":
-            row["loss_scale"] = self.scaler.get_scale()
+        if self.loss_scaler is not None:
+            row["loss_scale"] = self.loss_scaler.get_scale()
         return row
 
 def train(cfg: TrainConfig, reporter: Reporter | None = None) -> RunSummary:

@@ -24,9 +24,10 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=_DTYPES[self.name])
 
-    def grad_scaler(self) -> torch.amp.GradScaler:
-        """Dynamic loss scaling for fp16; a disabled scaler (a no-op) otherwise."""
-        return torch.amp.GradScaler(self.device_type, enabled=self.name == "fp16")
+    def grad_scaler(self, tiered: bool = False) -> torch.amp.GradScaler:
+        """Dynamic loss scaling for plain fp16; a disabled scaler (a no-op) otherwise. A tiered run
+        scales inside the runtime (its gradients leave the parameters), so it gets a disabled one."""
+        return torch.amp.GradScaler(self.device_type, enabled=self.name == "fp16" and not tiered)
 
 
 def choose_precision(requested: str | None, device: torch.device) -> Precision:

@@ -36,9 +36,6 @@ def setup_tiered(model: nn.Module, opt: torch.optim.Optimizer, cfg: TrainConfig,
                  device: torch.device) -> tuple[nn.Module, object]:
     from tiertrain.runtime.api import setup
 
-    if precision.name == "fp16":
-        raise ConfigError("fp16 with a plan needs loss scaling over offloaded gradients, not built yet; "
-                          "use --precision bf16 or fp32 with --plan")
     return setup(model, opt, default_budgets(cfg, device), plan=cfg.plan, grad_accum=cfg.grad_accum,
                  max_grad_norm=cfg.grad_clip if cfg.grad_clip > 0 else None, update=cfg.update,
                  page_size=parse_size(cfg.page_size) if cfg.page_size else None, max_staleness=cfg.max_staleness,

@@ -60,7 +60,9 @@ class TieredModel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._rt.params_ready(self._rt.states[-1])  # embeddings and head are used first and last
-        return self.module(*args, **kwargs)
+        out = self.module(*args, **kwargs)
+        scaler = self._rt.scaler
+        return scaler.wrap_outputs(out) if scaler is not None and torch.is_grad_enabled() else out
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the gradients of the current accumulation window."""
@@ -87,6 +89,11 @@ class TieredOptimizer:
     def __init__(self, runtime: Runtime) -> None:
         self._rt = runtime
         self.param_groups = runtime.groups
+
+    @property
+    def loss_scaler(self):
+        """fp16 plans: the dynamic loss scaler (GradScaler's rule and state dict); None otherwise."""
+        return self._rt.scaler
 
     def step(self) -> None:
         self._rt.step()
@@ -121,6 +128,9 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None, memory: Bud
         chosen = dataclasses.replace(chosen, max_staleness=max_staleness).validate(len(found) - 1)
     if compute_dtype is not None:
         chosen = dataclasses.replace(chosen, compute_dtype=compute_dtype).validate(len(found) - 1)
+    if chosen.update == "lockfree" and chosen.compute_dtype == "fp16":
+        raise ConfigError("lockfree updates start before the step's gradients can be checked for fp16 overflow; "
+                          "use --precision bf16 with lockfree, or --update overlap with fp16")
     if chosen.update == "lockfree" and (grad_accum != 1 or max_grad_norm is not None):
         raise ConfigError("lockfree updates take gradients as they come: use grad_accum 1 and no clipping "
                           "(grad_clip: 0), or --update overlap")
@@ -129,7 +139,8 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None, memory: Bud
     device = compute_device()
     page = check_page_size(page_size) if page_size else measured_page_size(
         memory.disk_dir if memory.disk else None, device)
-    transient = chosen.update == "overlap" and max_grad_norm is None and grad_accum == 1
+    transient = (chosen.update == "overlap" and max_grad_norm is None and grad_accum == 1
+                 and not (train and chosen.compute_dtype == "fp16"))
     check_fits(found, chosen, memory, page, train, transient)
     mem = MemorySystem(memory, page_size=page)
     runtime = Runtime(model, groups, group_of, mem, chosen, grad_accum, max_grad_norm, blocks, train)

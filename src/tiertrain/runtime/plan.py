@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 UPDATE_MODES = ("sync", "overlap", "lockfree")
 BUILTIN_PLANS = ("resident", "stream", "max-offload")
+COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,8 @@ class Plan:
     read_ahead: int = 2                    # disk-homed blocks whose states are read in ahead of their update
     update_workers: int = 2                # CPU optimizer threads (each holds one block's states in host)
     max_staleness: int = 1                 # lockfree: steps a block's params may lag behind
-    compute_dtype: str = "fp32"            # fp32 | bf16: the dtype of device params (master stays fp32)
+    compute_dtype: str = "fp32"            # fp32 | bf16 | fp16: the dtype of device params (master stays fp32;
+    #                                        fp16 brings dynamic loss scaling)
 
     def validate(self, n_blocks: int) -> "Plan":
         if len(self.blocks) != n_blocks:
@@ -74,9 +76,8 @@ class Plan:
             raise ConfigError(f"window must be at least 1 slot, got {self.window}")
         if not 0 <= self.prefetch < max(1, self.window):
             raise ConfigError(f"prefetch {self.prefetch} must be below the window {self.window}")
-        if self.compute_dtype not in ("fp32", "bf16"):
-            raise ConfigError(f"compute_dtype {self.compute_dtype!r} is not fp32 or bf16 (fp16 needs loss scaling, "
-                              "not built for plans yet)")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ConfigError(f"compute_dtype {self.compute_dtype!r} is not one of {', '.join(COMPUTE_DTYPES)}")
         if self.read_ahead < 0 or self.update_workers < 1 or self.max_staleness < 0:
             raise ConfigError("read_ahead and max_staleness must be >= 0 and update_workers >= 1")
         return self
@@ -85,7 +86,7 @@ class Plan:
     def compute(self) -> "torch.dtype":
         import torch
 
-        return {"fp32": torch.float32, "bf16": torch.bfloat16}[self.compute_dtype]
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.compute_dtype]
 
     @property
     def uses_disk(self) -> bool:

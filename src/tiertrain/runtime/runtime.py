@@ -13,6 +13,7 @@ from tiertrain.optim.updater import Updater
 from tiertrain.runtime.block_state import BlockState, Slot, build_state, install_params
 from tiertrain.runtime.blocks import find_blocks
 from tiertrain.runtime.hooks import flush_grads, install_block_hooks, install_grad_hooks
+from tiertrain.runtime.loss_scale import LossScaler
 from tiertrain.runtime.plan import Plan
 from tiertrain.runtime.window import Window
 from tiertrain.memory.tiers import Kind
@@ -58,7 +59,11 @@ class Runtime:
         self.last_norm: torch.Tensor | None = None
         self.clip_coef: torch.Tensor | None = None
         self.updates_started = False
-        self.transient_grads = train and plan.update == "overlap" and max_grad_norm is None and grad_accum == 1
+        self.skip_step = False       # fp16: this step's gradients overflowed; no block is updated
+        self.scaler = LossScaler() if train and plan.compute_dtype == "fp16" else None
+        # clipping and fp16 overflow checks need every gradient of the step before any update
+        self.needs_all_grads = max_grad_norm is not None or self.scaler is not None
+        self.transient_grads = train and plan.update == "overlap" and not self.needs_all_grads and grad_accum == 1
 
     def _ring_slots(self, blocks, plans) -> list[Slot]:
         streamed = [b for b, p in zip(blocks, plans) if p.stream]
@@ -133,7 +138,7 @@ class Runtime:
         if self.plan.update == "lockfree":
             self.updater.submit_loop(st)
             return
-        if self.plan.update == "overlap" and self.max_grad_norm is None and self._final_micro():
+        if self.plan.update == "overlap" and not self.needs_all_grads and self._final_micro():
             self.updater.submit(st, None)
             self.updates_started = True
 
@@ -145,17 +150,42 @@ class Runtime:
         final = self._final_micro()
         self.micro += 1
         self._in_backward = False
-        if final and self.plan.update == "overlap" and self.max_grad_norm is not None:
-            self.clip_grad_norm_(self.max_grad_norm)
-            for st in self.states[-1:] + self.states[:-1]:  # rest (embeddings) first: the next forward starts there
-                self.updater.submit(st, self.clip_coef)
+        if final and self.plan.update == "overlap" and self.needs_all_grads:
+            if self.max_grad_norm is not None:
+                self.clip_grad_norm_(self.max_grad_norm)
+            coef = self._grad_coefficient()
+            if not self.skip_step:
+                for st in self.states[-1:] + self.states[:-1]:  # rest (embeddings) first: the next forward starts there
+                    self.updater.submit(st, coef)
             self.updates_started = True
 
     # -- optimizer -----------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """The norm of the true (unscaled) gradients, and the clip coefficient that follows from it."""
         self.last_norm = total_grad_norm(self._order, norm_type)
+        if self.scaler is not None:
+            self.last_norm = self.last_norm / self.scaler.scale
         self.clip_coef = clip_coefficient(max_norm, self.last_norm)
         return self.last_norm
+
+    def _grad_coefficient(self) -> torch.Tensor | None:
+        """What every gradient is multiplied by in the update: the clip coefficient, times 1/scale in
+        fp16 (a power of two, so the product rounds exactly as unscaling then clipping would). An fp16
+        step whose gradients are not all finite is skipped, as GradScaler skips it, and its scale backs off."""
+        if self.scaler is None:
+            return self.clip_coef
+        if self.clip_coef is None:
+            self.last_norm = total_grad_norm(self._order) / self.scaler.scale
+        self.skip_step = not bool(torch.isfinite(self.last_norm))
+        inv = torch.tensor(1.0 / self.scaler.scale)
+        self.scaler.update(self.skip_step)
+        if self.skip_step:
+            for st in self.states:  # the overflowed gradients are dropped, not carried into the next step
+                grad, _, _ = st.take_grads()
+                if grad is not None:
+                    self.mem.release(grad)
+            return None
+        return inv if self.clip_coef is None else self.clip_coef * inv
 
     def step(self) -> None:
         self.steps_taken += 1
@@ -164,11 +194,13 @@ class Runtime:
             return
         self.window.settle()
         if not self.updates_started:
+            coef = self._grad_coefficient()
             for st in self.states[-1:] + self.states[:-1]:
-                self.updater.update(st, self.clip_coef)
+                if not self.skip_step:
+                    self.updater.update(st, coef)
         if self.plan.update == "sync":
             self.wait_updates()
-        self.clip_coef, self.updates_started, self.micro = None, False, 0
+        self.clip_coef, self.updates_started, self.skip_step, self.micro = None, False, False, 0
 
     def wait_updates(self) -> None:
         for st in self.states:

@@ -82,22 +82,24 @@ def hf_runs(tmp_path_factory):
 
 def random_plan(rng: random.Random, n_blocks: int) -> Plan:
     blocks = tuple(BlockPlan(home=rng.choice(list(Tier)), stream=rng.random() < 0.5, recompute=rng.random() < 0.5,
-                             param_copy=rng.random() < 0.5) for _ in range(n_blocks))
+                             param_copy=rng.random() < 0.5, offload_hidden=rng.random() < 0.5)
+                   for _ in range(n_blocks))
     window = rng.randint(1, 3)
     return Plan(blocks, BlockPlan(home=rng.choice(list(Tier))), window=window, prefetch=rng.randint(0, window - 1),
-                update=rng.choice(["sync", "overlap"]), name="random")
+                update=rng.choice(["sync", "overlap"]), name="random", cache=rng.randint(0, 2))
 
 
 PLANS = [random_plan(random.Random(seed), 4) for seed in range(50)]
 
 
 def test_the_random_plans_cover_every_switch_and_tier_combination():
-    seen = {(b.home, b.stream, b.recompute) for p in PLANS for b in p.blocks}
-    assert len(seen) == len(Tier) * 2 * 2
+    seen = {(b.home, b.stream, b.recompute, b.offload_hidden) for p in PLANS for b in p.blocks}
+    assert len(seen) == len(Tier) * 2 * 2 * 2
     assert {(b.home, b.stream, b.param_copy) for p in PLANS for b in p.blocks if b.home is Tier.DISK} == {
         (Tier.DISK, s, c) for s in (True, False) for c in (True, False)}
     assert {p.update for p in PLANS} == {"sync", "overlap"}
     assert {p.window for p in PLANS} == {1, 2, 3} and {p.rest.home for p in PLANS} == set(Tier)
+    assert {p.cache for p in PLANS} == {0, 1, 2}
 
 
 @pytest.mark.parametrize("seed", range(50))
@@ -242,3 +244,155 @@ def test_fp16_overflow_skips_the_step_and_backs_off_as_gradscaler_does(tmp_path,
     finally:
         tm.runtime.close()
         tm.runtime.mem.close()
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_offload_hidden_moves_saved_activations_to_the_host_and_brings_them_back(tmp_path, recompute):
+    """With recompute, exactly each block's input (the hidden state, 4 x 16 x 32 fp32) waits on the
+    host; without, everything the block saves except its parameters; the gradients are unchanged."""
+    import torch
+
+    import tiertrain
+    from tiered_harness import _fresh, batches
+    from tiertrain.engine.objective import lm_loss
+
+    b = batches(1)[0]
+    model, opt = _fresh(TINY4)
+    lm_loss(model, b[:, :-1], b[:, 1:]).backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model, opt = _fresh(TINY4)
+    plan = Plan(tuple(BlockPlan(stream=True, recompute=recompute, offload_hidden=True) for _ in range(4)), window=2)
+    tm, topt = tiertrain.setup(model, opt, budgets(tmp_path), plan=plan, page_size=64 * 1024)
+    try:
+        names = [n for n, _ in tm.module.named_parameters()]
+        host_grads = {}
+        tm.runtime.updater.update = lambda st, coef, groups=None: host_grads.update(
+            {n: v.clone() for (n, _), v in zip(st.block.params, st.views(st.grad))})
+        loss = lm_loss(tm, b[:, :-1], b[:, 1:])
+        stashes = [st.stash for st in tm.runtime.states[:4]]
+        hidden = 4 * 16 * 32 * 4
+        stashed = [s.stashed_bytes for s in stashes]
+        if recompute:
+            assert stashed == [hidden] * 4
+        else:
+            assert all(n > 4 * hidden for n in stashed)
+        assert tm.runtime.mem.stats()["host"]["live_by_kind"].get("activation", 0) >= sum(stashed)
+        loss.backward()
+        topt.step()
+        assert "activation" not in tm.runtime.mem.stats()["host"]["live_by_kind"]  # freed with the graph
+        assert set(host_grads) == set(names) and all(torch.equal(host_grads[n], expected[n]) for n in names)
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()
+
+
+def belady_misses(trace: list[int], slots: int) -> int:
+    """Offline MIN from a cold cache: on a miss with no free slot, evict what is needed furthest ahead."""
+    held: set[int] = set()
+    misses = 0
+    for t, b in enumerate(trace):
+        if b in held:
+            continue
+        misses += 1
+        if len(held) == slots:
+            ahead = trace[t + 1:]
+            held.remove(max(held, key=lambda h: ahead.index(h) if h in ahead else len(trace)))
+        held.add(b)
+    return misses
+
+
+def fewest_misses(trace: list[int], slots: int) -> int:
+    """Every eviction choice tried: the true minimum, to check belady_misses against."""
+    def go(t: int, held: frozenset) -> int:
+        if t == len(trace):
+            return 0
+        b = trace[t]
+        if b in held:
+            return go(t + 1, held)
+        if len(held) < slots:
+            return 1 + go(t + 1, held | {b})
+        return 1 + min(go(t + 1, (held - {h}) | {b}) for h in held)
+    return go(0, frozenset())
+
+
+def lru_misses(trace: list[int], slots: int) -> int:
+    held: list[int] = []
+    misses = 0
+    for b in trace:
+        if b in held:
+            held.remove(b)
+        else:
+            misses += 1
+            if len(held) == slots:
+                held.pop(0)
+        held.append(b)
+    return misses
+
+
+def test_belady_reference_is_optimal_on_random_traces():
+    rng = random.Random(0)
+    for _ in range(30):
+        trace = [rng.randrange(5) for _ in range(rng.randint(4, 11))]
+        slots = rng.randint(1, 3)
+        assert belady_misses(trace, slots) == fewest_misses(trace, slots), (trace, slots)
+
+
+ORDER = (0, 1, 2, 3, 1, 2)  # blocks 1 and 2 are used twice (shared weights, as in a Universal Transformer)
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_the_device_cache_follows_the_recorded_order_with_belady_eviction(tmp_path, prefetch):
+    """A model calling its blocks out of order: after the warm-up pass the cache fetches exactly
+    Belady's minimum for the recorded accesses (fewer than LRU would), and stays bitwise plain."""
+    import torch
+
+    import tiertrain
+    from tiered_harness import batches
+    from tiertrain.engine.objective import lm_loss
+    from tiertrain.engine.optimizer import make_adamw
+    from tiertrain.models import GPT, resolve_config
+
+    class Shared(GPT):
+        def forward(self, idx, targets):
+            x = self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1]))
+            for i in ORDER:
+                x = self.blocks[i](x)
+            logits = self.lm_head(self.ln_f(x))
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+    def fresh():
+        torch.manual_seed(0)
+        model = Shared(resolve_config(TINY4))
+        return model, make_adamw(model, 1e-2, (0.9, 0.95), 1e-8, 0.1)[0]
+
+    def run(model, opt, after_step=lambda: None):
+        losses = []
+        for b in batches(5):
+            loss = lm_loss(model, b[:, :-1], b[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            after_step()
+        return losses
+
+    expected = run(*fresh())
+    model, opt = fresh()
+    plan = Plan(tuple(BlockPlan(stream=True) for _ in range(4)), window=2, prefetch=prefetch)
+    tm, topt = tiertrain.setup(model, opt, budgets(tmp_path), plan=plan, page_size=64 * 1024)
+    fetches = []
+    try:
+        got = run(tm, topt, lambda: fetches.append(tm.runtime.cache.pop_fetches()))
+        trace, prefetched = tm.runtime.cache.trace, tm.runtime.cache.prefetched
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()
+    assert got == expected
+    forward = list(ORDER)
+    assert trace == forward + forward[::-1]  # recorded: forward pre hooks, then backward pre hooks in reverse
+    best = belady_misses(trace, 2)
+    assert best < lru_misses(trace, 2)
+    if prefetch == 0:
+        assert fetches[1:] == [best] * 4
+    else:  # a prefetch never costs an extra fetch
+        assert all(f <= best for f in fetches[1:]) and prefetched >= 5

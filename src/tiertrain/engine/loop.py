@@ -222,6 +222,7 @@ class Trainer:
             stats = self.model.runtime.mem.stats()
             row["peak_bytes"] = {**{t: v["peak"] for t, v in stats.items() if "budget" in v},
                                  "process_rss": row["peak_bytes"]["host"]}
+            row["slot_fetches"] = self.model.runtime.cache.pop_fetches()  # streamed blocks copied onto the device
             if self.model.runtime.plan.update == "lockfree":
                 row["staleness"] = self.model.runtime.pop_staleness()
         if self.loss_scaler is not None:

@@ -60,6 +60,7 @@ class TieredModel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._rt.params_ready(self._rt.states[-1])  # embeddings and head are used first and last
+        self._rt.cache.new_pass()
         out = self.module(*args, **kwargs)
         scaler = self._rt.scaler
         return scaler.wrap_outputs(out) if scaler is not None and torch.is_grad_enabled() else out

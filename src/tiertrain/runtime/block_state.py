@@ -36,16 +36,37 @@ class Slot:
     holder: int | None = None  # index of the block whose params are in it
 
 
+def slot_base(slot: Slot) -> tuple[torch.UntypedStorage, int]:
+    """The device pool's storage and the slot's byte offset in it."""
+    flat = slot.chunk.merge()
+    return flat.untyped_storage(), flat.storage_offset()  # uint8 storage: offsets in bytes
+
+
 def alias(slot: Slot, layout: ChunkLayout, dtype: torch.dtype) -> list[torch.Tensor]:
     """Tensors of each parameter's shape living in the slot's memory, with their own version counters."""
-    flat = slot.chunk.merge()
-    storage, base = flat.untyped_storage(), flat.storage_offset()  # uint8 storage: offsets in bytes
+    storage, base = slot_base(slot)
     out = []
     for s in layout.slots:
-        t = torch.empty(0, dtype=dtype, device=flat.device)
+        t = torch.empty(0, dtype=dtype, device=storage.device)
         t.set_(storage, (base + s.offset * dtype.itemsize) // dtype.itemsize, s.shape)
         out.append(t)
     return out
+
+
+def rebind(st: "BlockState", slot: Slot) -> None:
+    """Point the block's parameters at another slot (the device cache moved it).
+
+    ``set_`` counts as an in-place change, which would make autograd refuse the parameters it
+    saved in forward; the values are the same block's, so the version counters are put back
+    (torch's ``_unsafe_set_version_counter``, made for exactly this kind of storage swap).
+    Saved *views* of the parameters are rebuilt from the new slot at unpack time instead."""
+    storage, base = slot_base(slot)
+    versions = tuple(p._version for p in st.params)
+    with torch.no_grad():
+        for p, s in zip(st.params, st.layout.slots):
+            p.set_(storage, (base + s.offset * st.compute.itemsize) // st.compute.itemsize, s.shape)
+    torch._C._autograd._unsafe_set_version_counter(tuple(st.params), versions)
+    st.slot = slot
 
 
 @dataclass
@@ -71,6 +92,7 @@ class BlockState:
     version: int = 0                           # params include the updates of steps < version
     running: bool = False                      # lockfree: an update loop is working on this block
     compute: torch.dtype = F32                 # dtype of the slot and param home
+    stash: object = None                       # offload_hidden: the HostStash holding saved activations
 
     def take_grads(self) -> tuple["Chunk | None", list[bool], int]:
         """Hand the accumulated gradients to the optimizer; backward starts a fresh buffer."""

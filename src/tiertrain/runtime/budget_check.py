@@ -33,7 +33,7 @@ def needs(blocks: list[Block], plan: Plan, page: int, train: bool = True, transi
     need = {Tier.DEVICE: 0, Tier.HOST: 0, Tier.DISK: 0}
     streamed = [c for c, p in zip(compute, plans) if p.stream]
     if streamed:
-        need[Tier.DEVICE] += min(plan.window, len(streamed)) * _pages(max(streamed), page)
+        need[Tier.DEVICE] += min(plan.window + plan.cache, len(streamed)) * _pages(max(streamed), page)
     for size, csize, bp in zip(sizes, compute, plans):
         if not bp.stream:
             need[Tier.DEVICE] += _pages(csize, page)

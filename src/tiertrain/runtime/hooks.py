@@ -1,9 +1,8 @@
 """The module and autograd hooks that drive a step; each reads like the step it implements.
 
-Forward: a streamed block acquires its slot (waiting only if the copy has not landed)
-and prefetches the next ones; a resident block waits for its pending update.
-Backward: a streamed block re-acquires its slot before its backward and prefetches the
-previous ones. Every parameter's gradient leaves for the host chunk as soon as it is
+Forward: a streamed block acquires a device slot (waiting only if the copy has not landed)
+and triggers the next prefetches; a resident block waits for its pending update.
+Backward: a streamed block is acquired again before its backward, with its prefetches. Every parameter's gradient leaves for the host chunk as soon as it is
 accumulated; a block whose gradients are all in is flushed at once, the rest when
 backward ends (parameters that got no gradient, e.g. an idle expert).
 """
@@ -12,11 +11,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-import torch
-import torch.utils.checkpoint as ckpt
-
 from tiertrain.memory import Kind, MemorySystem, Tier
 from tiertrain.runtime.block_state import BlockState
+from tiertrain.runtime.switches import HostStash, SavedTensors, wrap_forward
 
 if TYPE_CHECKING:
     from tiertrain.runtime.runtime import Runtime
@@ -25,19 +22,14 @@ if TYPE_CHECKING:
 def install_block_hooks(rt: "Runtime", st: BlockState) -> None:
     module = st.block.module
     if st.plan.stream:
-        module.register_forward_pre_hook(lambda m, a: rt.window.acquire(st, +1))
+        module.register_forward_pre_hook(lambda m, a: rt.cache.acquire(st))
     else:
         module.register_forward_pre_hook(lambda m, a: rt.params_ready(st))
     module.register_full_backward_pre_hook(lambda m, g: rt.backward_begins(st))
-    if st.plan.recompute:
-        forward = module.forward
-
-        def recomputed(*args, **kwargs):  # H3T's rematerialisation: keep the input only
-            if not torch.is_grad_enabled():
-                return forward(*args, **kwargs)
-            return ckpt.checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-        module.forward = recomputed
+    if st.plan.recompute or st.plan.offload_hidden or st.plan.stream:
+        st.stash = HostStash(rt.mem, st.block.name) if st.plan.offload_hidden else None
+        hooks = SavedTensors(st, rt.mem, st.stash) if st.plan.offload_hidden or st.plan.stream else None
+        module.forward = wrap_forward(module.forward, st.plan.recompute, hooks)
 
 
 def install_grad_hooks(rt: "Runtime", st: BlockState) -> None:

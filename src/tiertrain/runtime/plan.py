@@ -2,9 +2,12 @@
 
 Per block: where its fp32 master and Adam moments live between steps (``home``), whether
 its compute parameters stream through the device window or keep a device slot of their
-own (``stream``), and the H3T activation switch implemented so far (``recompute``).
+own (``stream``: released between forward and backward unless the cache keeps them), and
+H3T's activation switches (``recompute``, ``offload_hidden``).
 For the whole step: the window size (STRONGHOLD: device slots shared by streamed
-blocks), how many blocks ahead to prefetch, and the update mode.
+blocks) and the device cache (more slots, Belady eviction over the recorded access
+order), how many accesses ahead a prefetch is triggered (0: lazy, fetched on use), the
+update mode and the compute dtype.
 """
 
 from __future__ import annotations
@@ -33,29 +36,32 @@ class BlockPlan:
     recompute: bool = False      # keep only the block input; recompute the rest in backward
     param_copy: bool = False     # disk home: keep the compute params on the host too (4 B/param of host
     #                              buys not reading them from disk twice a step; ANGEL-PTM's layout)
+    offload_hidden: bool = False  # saved activations (with recompute: the block's input) wait on the host
 
     def to_dict(self) -> dict:
-        return {"home": self.home.value, "stream": self.stream, "recompute": self.recompute,
-                "param_copy": self.param_copy}
+        return {f: (getattr(self, f).value if f == "home" else getattr(self, f)) for f in _BLOCK_FIELDS}
 
     @classmethod
     def from_dict(cls, d: dict) -> "BlockPlan":
-        unknown = set(d) - {"home", "stream", "recompute", "param_copy"}
+        unknown = set(d) - set(_BLOCK_FIELDS)
         if unknown:
-            raise ConfigError(f"unknown block plan field(s) {sorted(unknown)}; valid: home, stream, recompute, "
-                              "param_copy")
+            raise ConfigError(f"unknown block plan field(s) {sorted(unknown)}; valid: {', '.join(_BLOCK_FIELDS)}")
         try:
-            return cls(home=Tier(d.get("home", "host")), stream=bool(d.get("stream", False)),
-                       recompute=bool(d.get("recompute", False)), param_copy=bool(d.get("param_copy", False)))
+            return cls(home=Tier(d.get("home", "host")),
+                       **{f: bool(d.get(f, False)) for f in _BLOCK_FIELDS if f != "home"})
         except ValueError:
             raise ConfigError(f"block home {d.get('home')!r} is not one of device, host, disk") from None
+
+
+_BLOCK_FIELDS = tuple(f.name for f in dataclasses.fields(BlockPlan))
 
 
 @dataclass(frozen=True)
 class Plan:
     blocks: tuple[BlockPlan, ...]          # one per repeated block, in order
     rest: BlockPlan = BlockPlan()          # embeddings, head, final norm (never streamed)
-    window: int = 2                        # device slots shared by streamed blocks
+    window: int = 2                        # device slots shared by streamed blocks (STRONGHOLD)
+    cache: int = 0                         # more such slots, keeping blocks for reuse (Elixir; Belady eviction)
     prefetch: int = 1                      # streamed blocks fetched ahead of the one computing
     update: str = "sync"
     name: str = "custom"
@@ -78,8 +84,8 @@ class Plan:
             raise ConfigError(f"prefetch {self.prefetch} must be below the window {self.window}")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ConfigError(f"compute_dtype {self.compute_dtype!r} is not one of {', '.join(COMPUTE_DTYPES)}")
-        if self.read_ahead < 0 or self.update_workers < 1 or self.max_staleness < 0:
-            raise ConfigError("read_ahead and max_staleness must be >= 0 and update_workers >= 1")
+        if self.read_ahead < 0 or self.update_workers < 1 or self.max_staleness < 0 or self.cache < 0:
+            raise ConfigError("cache, read_ahead and max_staleness must be >= 0 and update_workers >= 1")
         return self
 
     @property
@@ -93,7 +99,7 @@ class Plan:
         return any(b.home is Tier.DISK for b in (*self.blocks, self.rest))
 
     def to_json(self) -> str:
-        return json.dumps({"name": self.name, "window": self.window, "prefetch": self.prefetch,
+        return json.dumps({"name": self.name, "window": self.window, "cache": self.cache, "prefetch": self.prefetch,
                            "update": self.update, "read_ahead": self.read_ahead, "max_staleness": self.max_staleness,
                            "compute_dtype": self.compute_dtype,
                            "update_workers": self.update_workers, "rest": self.rest.to_dict(),
@@ -105,6 +111,7 @@ class Plan:
             d = json.loads(text)
             return cls(blocks=tuple(BlockPlan.from_dict(b) for b in d["blocks"]),
                        rest=BlockPlan.from_dict(d.get("rest", {})), window=int(d.get("window", 2)),
+                       cache=int(d.get("cache", 0)),
                        prefetch=int(d.get("prefetch", 1)), update=d.get("update", "sync"),
                        name=d.get("name", "custom"), read_ahead=int(d.get("read_ahead", 2)),
                        update_workers=int(d.get("update_workers", 2)), max_staleness=int(d.get("max_staleness", 1)),

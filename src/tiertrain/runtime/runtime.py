@@ -1,4 +1,4 @@
-"""Wires one model to the memory layer under a plan: block states, the window, hooks, updates."""
+"""Wires one model to the memory layer under a plan: block states, the device cache, hooks, updates."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from tiertrain.runtime.blocks import find_blocks
 from tiertrain.runtime.hooks import flush_grads, install_block_hooks, install_grad_hooks
 from tiertrain.runtime.loss_scale import LossScaler
 from tiertrain.runtime.plan import Plan
-from tiertrain.runtime.window import Window
+from tiertrain.runtime.cache import DeviceCache
 from tiertrain.memory.tiers import Kind
 
 
@@ -47,10 +47,10 @@ class Runtime:
                 install_grad_hooks(self, st)
             if st.block.module is not None:
                 install_block_hooks(self, st)
-        self.updater = Updater(mem, groups, lambda st: self.window.invalidate(st), workers=plan.update_workers,
+        self.updater = Updater(mem, groups, lambda st: self.cache.invalidate(st), workers=plan.update_workers,
                                read_ahead=plan.read_ahead)
-        self.window = Window([s for s in self.states if s.plan.stream], mem.mover, plan.prefetch,
-                             ready=self.params_ready)
+        self.cache = DeviceCache([s for s in self.states if s.plan.stream], ring, mem.mover, plan.prefetch,
+                                 ready=self.params_ready)
         self.steps_taken = 0         # optimizer steps the user has taken
         self.staleness_seen = 0      # lockfree: the most steps a block's params lagged since last asked
         self._order = self._model_order()
@@ -70,8 +70,8 @@ class Runtime:
         if not streamed:
             return []
         size = max(_nbytes(b, self.plan.compute) for b in streamed)
-        return [Slot(self.mem.allocate(f"window.{k}", size, Tier.DEVICE, Kind.PARAM, contiguous=True))
-                for k in range(min(self.plan.window, len(streamed)))]
+        return [Slot(self.mem.allocate(f"slot.{k}", size, Tier.DEVICE, Kind.PARAM, contiguous=True))
+                for k in range(min(self.plan.window + self.plan.cache, len(streamed)))]
 
     def _model_order(self) -> list[tuple[BlockState, int]]:
         """(state, index) of every parameter in ``model.parameters()`` order, as clip_grad_norm_ sees them."""
@@ -82,7 +82,7 @@ class Runtime:
     def backward_begins(self, st: BlockState) -> None:
         """A block's backward is about to run: bring its params back, start reading its states."""
         if st.plan.stream:
-            self.window.acquire(st, -1)
+            self.cache.acquire(st)
         if self._final_micro():
             self.updater.read_ahead(st)
 
@@ -192,7 +192,7 @@ class Runtime:
         if self.plan.update == "lockfree":  # updates are already running; the device does not wait
             self.micro = 0
             return
-        self.window.settle()
+        self.cache.settle()
         if not self.updates_started:
             coef = self._grad_coefficient()
             for st in self.states[-1:] + self.states[:-1]:

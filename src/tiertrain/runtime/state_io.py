@@ -64,7 +64,7 @@ def _write(rt: Runtime, chunk: Chunk, flat: torch.Tensor, dtype: torch.dtype = F
 
 def import_state(rt: Runtime, weights: dict[str, torch.Tensor], optim: dict[str, torch.Tensor]) -> None:
     rt.wait_updates()
-    rt.window.settle()
+    rt.cache.settle()
     for st in rt.states:
         names = [n for n, _ in st.block.params]
         master = _flat(st, [weights[n] for n in names])
@@ -75,5 +75,5 @@ def import_state(rt: Runtime, weights: dict[str, torch.Tensor], optim: dict[str,
             _write(rt, getattr(st, k), _flat(st, [optim.get(f"{n}::{k}") for n in names]))
         for i, n in enumerate(names):
             st.steps[i].copy_(optim.get(f"{n}::step", torch.zeros((), dtype=F32)))
-        rt.window.invalidate(st)
+        rt.cache.invalidate(st)
         st.has_grad = [False] * len(st.params)

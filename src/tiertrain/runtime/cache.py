@@ -1,0 +1,150 @@
+"""The device slots streamed blocks take turns in: STRONGHOLD's window plus Elixir's cache.
+
+``window + cache`` slots hold the compute params of streamed blocks. A block that is
+needed and not resident takes a free slot or evicts one: the holder whose next use lies
+furthest ahead (Belady) in the access order. That order is predicted for the first pass
+(forward in block order, backward in reverse) and from then on is the order the previous
+pass recorded, so recompute, shared blocks or a model calling its blocks out of order are
+all served from what really happened (Elixir's warm-up step).
+
+Prefetch is a task queue with trigger points (ANGEL-PTM): when access ``p`` begins, the
+blocks of accesses ``p+1 .. p+prefetch`` are copied in on worker threads, provided the slot
+Belady would free for each is not needed before it (else it is fetched on demand).
+
+Blocks move between slots, so their parameters are re-pointed (``Tensor.set_``) at the new
+slot; autograd's saved views of them are rebuilt at unpack time (``switches.SavedTensors``).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from typing import Callable
+
+from tiertrain.memory.movement import Handle, Mover
+from tiertrain.runtime.block_state import BlockState, Slot, rebind
+
+NEVER = float("inf")
+
+
+class DeviceCache:
+    def __init__(self, streamed: list[BlockState], slots: list[Slot], mover: Mover, prefetch: int,
+                 ready: Callable[[BlockState], None]) -> None:
+        self.blocks = {st.index: st for st in streamed}
+        self.slots, self.mover, self.prefetch = slots, mover, prefetch
+        self._ready = ready  # waits until a block's params are final (its update written back)
+        self._inflight: dict[int, Handle] = {}  # block index -> copy into its slot
+        predicted = [st.index for st in streamed]
+        self._set_order(predicted + predicted[::-1])
+        self.trace: list[int] = []   # this pass's accesses
+        self.pos = -1                # position of the current access in ``order``
+        self.lost = False            # this pass left the recorded order: evict least recently used
+        self.current: int | None = None
+        self._last_use: dict[int, int] = {}
+        self.fetches = 0             # copies into slots since the last ``pop_fetches``
+        self.prefetched = 0          # of those over the run, how many a trigger started ahead of use
+
+    # -- order -------------------------------------------------------------------------
+    def _set_order(self, order: list[int]) -> None:
+        self.order = order
+        self._uses: dict[int, list[int]] = {}
+        for q, b in enumerate(order):
+            self._uses.setdefault(b, []).append(q)
+
+    def next_use(self, block: int, after: int) -> float:
+        uses = self._uses.get(block, [])
+        k = bisect_right(uses, after)
+        return uses[k] if k < len(uses) else NEVER
+
+    def new_pass(self) -> None:
+        """A forward pass begins: the previous pass's accesses become the order to plan by."""
+        if self.trace:
+            self._set_order(self.trace)
+        self.trace, self.pos, self.lost = [], -1, False
+
+    def _advance(self, block: int) -> None:
+        nxt = self.next_use(block, self.pos)
+        if self.lost or nxt == NEVER:
+            self.lost = True
+        else:
+            self.pos = int(nxt)
+
+    # -- residency ---------------------------------------------------------------------
+    def acquire(self, st: BlockState) -> None:
+        """Make sure ``st`` sits in a slot now, then start the prefetches this access triggers."""
+        self.trace.append(st.index)
+        self._last_use[st.index] = len(self.trace)
+        self._advance(st.index)
+        self.current = st.index
+        handle = self._fetch(st, self.pos, demand=True)
+        if handle is not None:
+            handle.wait()
+            self._inflight.pop(st.index, None)
+        if self.lost:
+            return
+        for q in range(self.pos + 1, min(len(self.order), self.pos + 1 + self.prefetch)):
+            self._fetch(self.blocks[self.order[q]], q, demand=False)
+
+    def _resident(self, st: BlockState) -> bool:
+        return st.slot.holder == st.index
+
+    def _fetch(self, st: BlockState, at: int, demand: bool) -> Handle | None:
+        """Start copying ``st`` into a slot unless it is there or on its way; None when it is there
+        (or, for a prefetch, when no slot may be taken for it yet)."""
+        self._ready(st)  # an update may still rewrite this block's params (and invalidate its copy)
+        if st.index in self._inflight:
+            return self._inflight[st.index]
+        if self._resident(st):
+            return None
+        slot = self._take_slot(st, at, demand)
+        if slot is None:
+            return None
+        if st.slot is not slot:
+            rebind(st, slot)
+        slot.holder = st.index
+        handle = self.mover.copy(st.param_home, slot.chunk)
+        self._inflight[st.index] = handle
+        self.fetches += 1
+        self.prefetched += not demand
+        return handle
+
+    def _take_slot(self, st: BlockState, at: int, demand: bool) -> Slot | None:
+        """A slot for ``st``'s access at ``at``: a free one, else Belady's victim at that access. A
+        prefetch takes it now only if that victim is not needed before ``at`` (nor computing now),
+        so prefetching never adds a fetch to what demand fetching would do."""
+        free = [s for s in self.slots if s.holder is None]
+        if free:
+            return st.slot if st.slot in free else free[0]
+        pinned = (st.index, self.current) if demand else (st.index,)
+        candidates = [s for s in self.slots if s.holder not in pinned]
+        if not candidates:
+            if demand:
+                raise RuntimeError("no device slot can be freed for a streamed block; the plan needs window >= 1")
+            return None
+        victim = max(candidates, key=lambda s: self._eviction_key(s, at))
+        if not demand and (victim.holder == self.current or self.next_use(victim.holder, self.pos) < at):
+            return None
+        old = victim.holder
+        if old in self._inflight:
+            self._inflight.pop(old).wait()  # its copy must land before the slot is written again
+        victim.holder = None
+        return victim
+
+    def _eviction_key(self, slot: Slot, at: int) -> float:
+        if self.lost:
+            return -self._last_use.get(slot.holder, 0)  # least recently used first
+        return self.next_use(slot.holder, at)           # Belady: needed furthest ahead first
+
+    def settle(self) -> None:
+        """Wait for every copy in flight (end of a step, before updates rewrite homes)."""
+        for handle in self._inflight.values():
+            handle.wait()
+        self._inflight.clear()
+
+    def invalidate(self, st: BlockState) -> None:
+        """After an update, a slot holding the old params must be refilled before use."""
+        if st.plan.stream and st.slot.holder == st.index:
+            st.slot.holder = None
+
+    def pop_fetches(self) -> int:
+        n, self.fetches = self.fetches, 0
+        return n

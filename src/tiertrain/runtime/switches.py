@@ -1,0 +1,135 @@
+"""What a block's forward leaves for backward: H3T's activation switches (§3.2), and views of
+parameters that must survive the block moving between device slots.
+
+``recompute``: keep only the block's input and rerun its forward inside backward
+(``torch.utils.checkpoint``, non-reentrant, so the block's hooks fire again as they should).
+``offload_hidden``: what autograd saves inside the block (with ``recompute``: just the
+hidden state entering it) goes to a host chunk as soon as it is saved and comes back
+when backward unpacks it. The tensors are whatever autograd saves (``saved_tensors_hooks``),
+so no model code changes; parameters are never copied (they live in device slots already).
+A streamed block may come back for backward in another slot (``cache.DeviceCache``): a saved
+view of its parameters (a transposed weight) is kept as its place in the block's slot and
+rebuilt on the slot the block holds when backward unpacks it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.utils.checkpoint as ckpt
+
+from tiertrain.errors import BudgetError
+from tiertrain.memory import Kind, MemorySystem, Tier
+from tiertrain.memory.chunk import Chunk
+from tiertrain.runtime.block_state import BlockState, slot_base
+
+
+class _Stashed:
+    """A saved tensor's bytes in a host chunk; the chunk is freed with the autograd node that holds this."""
+
+    __slots__ = ("mem", "chunk", "shape", "stride", "dtype", "device", "event")
+
+    def __init__(self, mem: MemorySystem, chunk: Chunk, t: torch.Tensor) -> None:
+        self.mem, self.chunk = mem, chunk
+        self.shape, self.stride, self.dtype, self.device = t.shape, t.stride(), t.dtype, t.device
+        self.host_view().copy_(t.reshape(-1), non_blocking=t.device.type == "cuda")
+        self.event = None
+
+    def host_view(self) -> torch.Tensor:
+        return self.chunk.typed(self.dtype)[: self.shape.numel()]
+
+    def restore(self) -> torch.Tensor:
+        out = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
+        out.view(-1).copy_(self.host_view(), non_blocking=self.device.type == "cuda")
+        if self.device.type == "cuda":  # the host chunk may be reused only once this copy has read it
+            self.event = torch.cuda.Event()
+            self.event.record()
+        return out
+
+    def __del__(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+        if not self.chunk.released:
+            self.mem.release(self.chunk)
+
+
+class HostStash:
+    """pack/unpack hooks that keep one block's saved activations on the host."""
+
+    def __init__(self, mem: MemorySystem, name: str) -> None:
+        self.mem, self.name = mem, name
+        self.stashed_bytes = 0   # over the run: bytes moved to the host
+        self.kept = 0            # tensors left where they were (host budget full, or not dense)
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if not t.is_contiguous():
+            return t
+        nbytes = t.numel() * t.element_size()
+        try:
+            chunk = self.mem.allocate(f"{self.name}.act", max(nbytes, 1), Tier.HOST, Kind.ACTIVATION, contiguous=True)
+        except BudgetError:  # no host room now: keeping it on the device is slower to free, never wrong
+            self.kept += 1
+            return t
+        self.stashed_bytes += nbytes
+        return _Stashed(self.mem, chunk, t)
+
+    @staticmethod
+    def unpack(packed: Any) -> torch.Tensor:
+        return packed.restore() if isinstance(packed, _Stashed) else packed
+
+
+class _SlotView:
+    """A saved view of a streamed block's parameters, as its place in whatever slot holds the block."""
+
+    __slots__ = ("st", "offset", "shape", "stride", "dtype")
+
+    def __init__(self, st: BlockState, offset: int, t: torch.Tensor) -> None:
+        self.st, self.offset, self.shape, self.stride, self.dtype = st, offset, t.shape, t.stride(), t.dtype
+
+    def restore(self) -> torch.Tensor:
+        if self.st.slot.holder != self.st.index:
+            raise RuntimeError(f"internal: block {self.st.block.name} is not in a device slot when its backward runs")
+        storage, base = slot_base(self.st.slot)
+        t = torch.empty(0, dtype=self.dtype, device=storage.device)
+        return t.set_(storage, (base + self.offset) // self.dtype.itemsize, self.shape, self.stride)
+
+
+class SavedTensors:
+    """The pack/unpack hooks of one block's forward."""
+
+    def __init__(self, st: BlockState, mem: MemorySystem, stash: HostStash | None) -> None:
+        self.st, self.stash = st, stash
+        self.slots_ptr = mem.pool(Tier.DEVICE).buffer.untyped_storage().data_ptr()
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if t.untyped_storage().data_ptr() == self.slots_ptr:
+            if self.st.plan.stream and not isinstance(t, torch.nn.Parameter):  # parameters are re-pointed
+                storage, base = slot_base(self.st.slot)
+                offset = t.storage_offset() * t.element_size() - base
+                if 0 <= offset < self.st.slot.chunk.nbytes:
+                    return _SlotView(self.st, offset, t)
+            return t
+        return self.stash.pack(t) if self.stash is not None else t
+
+    @staticmethod
+    def unpack(packed: Any) -> torch.Tensor:
+        if isinstance(packed, _SlotView):
+            return packed.restore()
+        return HostStash.unpack(packed)
+
+
+def wrap_forward(forward: Callable[..., Any], recompute: bool, hooks: SavedTensors | None) -> Callable[..., Any]:
+    """The block's forward with its switches on (only while autograd records: inference is untouched)."""
+
+    def switched(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        if hooks is None:
+            return ckpt.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+            if recompute:
+                return ckpt.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+            return forward(*args, **kwargs)
+
+    return switched

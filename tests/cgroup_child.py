@@ -14,7 +14,7 @@ import tiertrain
 from tiertrain.engine.objective import lm_loss
 from tiertrain.memory import Budgets, Tier
 from tiertrain.models import ModelConfig, build, param_count
-from tiertrain.runtime.plan import BlockPlan, Plan
+from tiertrain.plan import BlockPlan, Plan
 
 
 def config(layers: int) -> ModelConfig:

@@ -8,7 +8,7 @@ from tiered_harness import TINY4, train_plain, train_tiered
 from tiertrain.engine.loop import train
 from tiertrain.errors import ConfigError
 from tiertrain.memory import Budgets, Tier
-from tiertrain.runtime.plan import BlockPlan, Plan
+from tiertrain.plan import BlockPlan, Plan
 
 
 def plan(home: Tier, staleness: int) -> Plan:

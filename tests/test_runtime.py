@@ -6,7 +6,7 @@ from tiered_harness import HF_GPT2, TINY4, train_plain, train_tiered
 from tiertrain.errors import ConfigError
 from tiertrain.memory import Budgets, Tier
 from tiertrain.runtime.budget_check import PlanDoesNotFit
-from tiertrain.runtime.plan import BlockPlan, Plan
+from tiertrain.plan import BlockPlan, Plan
 
 STEPS = 20
 DEVICE_BUDGET = 8 << 20

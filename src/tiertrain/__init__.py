@@ -10,7 +10,7 @@ __all__ = ["Budgets", "CheckpointError", "ConfigError", "DataError", "OutputErro
 def __getattr__(name: str):
     """Lazy imports keep ``import tiertrain`` light for the CLI and the planner."""
     if name == "setup":
-        from tiertrain.runtime.api import setup
+        from tiertrain.engine.setup import setup
 
         return setup
     if name == "Budgets":
@@ -18,7 +18,7 @@ def __getattr__(name: str):
 
         return Budgets
     if name == "Plan":
-        from tiertrain.runtime.plan import Plan
+        from tiertrain.plan import Plan
 
         return Plan
     raise AttributeError(name)

@@ -65,7 +65,7 @@ def _disk_stream_plan(n_blocks: int, update: str):
     params kept on the host too (ANGEL-PTM's layout), no recompute: its compute is exactly the
     plain forward+backward and its disk traffic exactly the states', so the bound below is fair."""
     from tiertrain.memory import Tier
-    from tiertrain.runtime.plan import BlockPlan, Plan
+    from tiertrain.plan import BlockPlan, Plan
 
     block = BlockPlan(home=Tier.DISK, stream=True, param_copy=True)
     return Plan((block,) * n_blocks, BlockPlan(home=Tier.DISK), window=2, prefetch=1, update=update,

@@ -34,7 +34,7 @@ def default_budgets(cfg: TrainConfig, device: torch.device) -> Budgets:
 
 def setup_tiered(model: nn.Module, opt: torch.optim.Optimizer, cfg: TrainConfig, precision: Precision,
                  device: torch.device) -> tuple[nn.Module, object]:
-    from tiertrain.runtime.api import setup
+    from tiertrain.engine.setup import setup
 
     return setup(model, opt, default_budgets(cfg, device), plan=cfg.plan, grad_accum=cfg.grad_accum,
                  max_grad_norm=cfg.grad_clip if cfg.grad_clip > 0 else None, update=cfg.update,

@@ -23,7 +23,7 @@ import torch.nn as nn
 from tiertrain.memory import ChunkLayout, Kind, MemorySystem, Tier
 from tiertrain.memory.chunk import Chunk
 from tiertrain.runtime.blocks import Block
-from tiertrain.runtime.plan import BlockPlan
+from tiertrain.plan import BlockPlan
 
 F32 = torch.float32
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from tiertrain.errors import UserError
 from tiertrain.memory import Budgets, ChunkLayout, Tier
 from tiertrain.runtime.blocks import Block
-from tiertrain.runtime.plan import Plan, builtin_plan
+from tiertrain.plan import Plan, builtin_plan
 from tiertrain.units import format_bytes
 
 F32_BYTES = 4

@@ -14,7 +14,7 @@ from tiertrain.runtime.block_state import BlockState, Slot, build_state, install
 from tiertrain.runtime.blocks import find_blocks
 from tiertrain.runtime.hooks import flush_grads, install_block_hooks, install_grad_hooks
 from tiertrain.runtime.loss_scale import LossScaler
-from tiertrain.runtime.plan import Plan
+from tiertrain.plan import Plan
 from tiertrain.runtime.cache import DeviceCache
 from tiertrain.memory.tiers import Kind
 

@@ -143,7 +143,8 @@ def load_plan(spec: "str | Plan", n_blocks: int, disk: bool, update: str | None 
     elif spec in BUILTIN_PLANS:
         plan = builtin_plan(spec, n_blocks, disk, update or "sync")
     elif spec == "auto":
-        raise ConfigError("plan 'auto' needs the planner, which is not built yet; use resident, stream or max-offload")
+        raise ConfigError("plan 'auto' inside training is not wired yet; run `tiertrain plan --model ... --device-memory "
+                          "... --host-memory ...` and pass the plan file it writes (--plan plan.json)")
     else:
         path = Path(spec)
         if not path.is_file():

@@ -26,7 +26,7 @@ from tiertrain.memory.page_size import check_page_size, measured_page_size
 from tiertrain.memory.system import compute_device
 from tiertrain.runtime.blocks import find_blocks
 from tiertrain.runtime.budget_check import check_fits
-from tiertrain.runtime.plan import Plan, load_plan
+from tiertrain.plan import Plan, load_plan
 from tiertrain.runtime.runtime import Runtime
 
 _HPARAMS = ("lr", "betas", "eps", "weight_decay")

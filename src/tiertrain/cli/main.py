@@ -166,6 +166,53 @@ def bench_offload_cmd(d_model: int, layers: int, batch_size: int, seq_len: int, 
     bench_offload(d_model, layers, batch_size, seq_len, disk_dir, repeats, click.echo)
 
 
+@cli.command("plan", context_settings=CONTEXT)
+@click.option("--model", help="Model name or config file (profiled from its config at this machine's measured speeds).")
+@click.option("--batch", "batch", type=int, default=1, show_default=True, help="Sequences per micro-batch.")
+@click.option("--seq", "seq", type=int, default=None, help="Tokens per sequence (default: the model's maximum).")
+@click.option("--precision", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
+@click.option("--device-memory", required=True, help='Device budget, e.g. "8GiB".')
+@click.option("--host-memory", required=True, help='Host budget, e.g. "64GiB".')
+@click.option("--disk", help='Disk tier "DIR:SIZE" (its speed is measured in DIR).')
+@click.option("--profile", "profile_file", type=click.Path(dir_okay=False), help="Plan from this profile JSON instead.")
+@click.option("--solver", "solvers", multiple=True, type=click.Choice(["dp", "greedy", "random", "stronghold"]),
+              help="Solvers to run (default: all); the best predicted plan is chosen.")
+@click.option("--levels", type=int, default=128, show_default=True, help="Device memory discretisation of the DP.")
+@click.option("--out", type=click.Path(dir_okay=False), default="plan.json", show_default=True, help="Write the plan JSON here.")
+@click.option("--png", type=click.Path(dir_okay=False), help="Write the resource timelines and tier memory here.")
+def plan_cmd(model: str | None, batch: int, seq: int | None, precision: str, device_memory: str, host_memory: str,
+             disk: str | None, profile_file: str | None, solvers: tuple[str, ...], levels: int, out: str,
+             png: str | None) -> None:
+    """Choose a plan for a model under budgets, print it with its predicted step, and save it
+    for `tiertrain train --plan FILE`."""
+    from pathlib import Path
+
+    from tiertrain.cli.plan import choose, print_plan, write_png
+    from tiertrain.memory import Budgets
+    from tiertrain.planner.profile import Profile
+    from tiertrain.planner.profiler import analytic_profile
+    from tiertrain.planner.solvers import SOLVERS, Problem
+
+    budgets = Budgets.parse(device_memory, host_memory, disk)
+    if profile_file:
+        profile = Profile.load(Path(profile_file))
+    elif model:
+        from tiertrain.models import resolve_config
+
+        cfg = resolve_config(model)
+        profile = analytic_profile(cfg, batch, seq or cfg.max_seq_len, precision, budgets.disk_dir)
+    else:
+        raise click.UsageError("give --model NAME or --profile FILE")
+    pb = Problem(profile, budgets.device, budgets.host, budgets.disk, levels=levels)
+    chosen, cands = choose(pb, solvers or tuple(SOLVERS))
+    print_plan(chosen, cands, profile, Console())
+    Path(out).write_text(chosen.plan.to_json())
+    click.echo(f"plan written to {out}")
+    if png:
+        write_png(chosen.sim, Path(png))
+        click.echo(f"timelines written to {png}")
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         cli.main(args=argv, prog_name="tiertrain", standalone_mode=False)

@@ -1,0 +1,55 @@
+"""From solver answers to a runtime Plan, and the choice among them by simulated step time."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tiertrain.memory.tiers import Tier
+from tiertrain.plan import BlockPlan, Plan
+from tiertrain.planner.profile import Profile
+from tiertrain.planner.simulator import Simulation, simulate
+from tiertrain.planner.solvers import SOLVERS, Problem, Solution
+
+
+def lifetime_prefetch(p: Profile, window: int) -> int:
+    """ANGEL-PTM's trigger point: issue a block's copy as many accesses ahead as its copy takes
+    computes to hide, within the slots the window leaves free."""
+    if window < 2:
+        return 0
+    b = max(p.blocks, key=lambda b: b.params)
+    ahead = math.ceil(b.params * p.compute_bytes / p.machine.h2d_bps / max(b.forward_s, 1e-12))
+    return max(1, min(window - 1, ahead))
+
+
+def to_plan(s: Solution, p: Profile, update: str = "overlap") -> Plan:
+    blocks = tuple(BlockPlan(home=Tier.DEVICE if c.device_home else Tier.DISK if disk else Tier.HOST,
+                             stream=c.stream, recompute=c.recompute, offload_hidden=c.offload_hidden)
+                   for c, disk in zip(s.choices, s.disk_home))
+    streams = any(c.stream for c in s.choices)
+    return Plan(blocks, BlockPlan(home=Tier.HOST), window=s.window if streams else 1,
+                prefetch=lifetime_prefetch(p, s.window) if streams else 0, update=update, name=f"auto/{s.solver}",
+                compute_dtype={4: "fp32", 2: "bf16"}.get(p.compute_bytes, "fp32"))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    solver: str
+    plan: Plan | None
+    sim: Simulation | None
+
+
+def candidates(pb: Problem, update: str = "overlap", solvers: tuple[str, ...] = tuple(SOLVERS),
+               needs_all_grads: bool = False) -> list[Candidate]:
+    """Each solver's plan and its simulation (None where the solver found nothing that fits)."""
+    out = []
+    for name in solvers:
+        s = SOLVERS[name](pb)
+        plan = to_plan(s, pb.profile, update) if s is not None else None
+        out.append(Candidate(name, plan, simulate(plan, pb.profile, needs_all_grads) if plan else None))
+    return out
+
+
+def best(cands: list[Candidate]) -> Candidate | None:
+    found = [c for c in cands if c.sim is not None]
+    return min(found, key=lambda c: c.sim.step_s) if found else None

@@ -1,0 +1,167 @@
+"""One training step of a plan, replayed on a timeline per resource (DESIGN: simulator).
+
+Each task (a copy, a compute, an update) starts when its inputs are ready, its trigger
+has fired and its resource is free, and holds that resource for bytes/bandwidth or the
+profiled seconds. Resources: compute, h2d, d2h, disk_read, disk_write, cpu (the AdamW
+workers). Memory per tier is tracked over the same time. The result names the step time,
+the per-tier peaks and the bottleneck (the busiest resource).
+
+Approximations, stated so a mismatch can be traced: the embeddings and head are one
+compute task at each end of forward and backward; the update workers are one lane at
+the measured AdamW rate; across steps, ``overlap`` and ``lockfree`` hide updates behind
+the next step's compute as far as the busiest resource allows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tiertrain.memory.tiers import Tier
+from tiertrain.plan import Plan
+from tiertrain.planner.costs import GRAD_BYTES, STATE_BYTES
+from tiertrain.planner.profile import Profile
+
+RESOURCES = ("compute", "h2d", "d2h", "disk_read", "disk_write", "cpu")
+
+
+@dataclass
+class Timeline:
+    free: dict[str, float] = field(default_factory=lambda: {r: 0.0 for r in RESOURCES})
+    tasks: list[tuple[str, float, float, str]] = field(default_factory=list)   # resource, start, end, label
+
+    def run(self, resource: str, ready: float, seconds: float, label: str) -> tuple[float, float]:
+        start = max(ready, self.free[resource])
+        end = start + seconds
+        self.free[resource] = end
+        if seconds > 0:
+            self.tasks.append((resource, start, end, label))
+        return start, end
+
+    def busy(self, resource: str) -> float:
+        return sum(e - s for r, s, e, _ in self.tasks if r == resource)
+
+
+@dataclass
+class Simulation:
+    step_s: float
+    peaks: dict[str, int]                       # tier -> bytes
+    bottleneck: str
+    timeline: Timeline
+    memory: list[tuple[float, str, int]]        # (time, tier, bytes in use from then on)
+
+
+def _fixed_memory(plan: Plan, p: Profile) -> dict[str, int]:
+    dev = host = disk = 0
+    streamed = [b for b, bp in zip(p.blocks, plan.blocks) if bp.stream]
+    if streamed:
+        dev += min(plan.window + plan.cache, len(streamed)) * max(b.params for b in streamed) * p.compute_bytes
+    for b, bp in zip((*p.blocks, p.rest), (*plan.blocks, plan.rest)):
+        if not bp.stream:
+            dev += b.params * p.compute_bytes
+        elif p.compute_bytes != 4 or (bp.home is Tier.DISK and (bp.param_copy or plan.update == "lockfree")):
+            host += b.params * p.compute_bytes
+        home = {Tier.DEVICE: "device", Tier.HOST: "host", Tier.DISK: "disk"}[bp.home]
+        if home == "device":
+            dev += b.params * STATE_BYTES
+        elif home == "host":
+            host += b.params * STATE_BYTES
+        else:
+            disk += b.params * STATE_BYTES
+    return {"device": dev, "host": host, "disk": disk}
+
+
+def simulate(plan: Plan, p: Profile, needs_all_grads: bool = False) -> Simulation:
+    """Replay one step of ``plan`` on ``p``. ``needs_all_grads``: clipping or fp16 makes overlapped
+    updates wait for the end of backward."""
+    m, tl = p.machine, Timeline()
+    mem = _fixed_memory(plan, p)
+    curve: list[tuple[float, str, int]] = [(0.0, t, v) for t, v in mem.items()]
+    live = dict(mem)
+
+    def change(t: float, tier: str, delta: int) -> None:
+        live[tier] += delta
+        curve.append((t, tier, live[tier]))
+
+    slots = plan.window + plan.cache
+    n = len(p.blocks)
+    _, rest_end = tl.run("compute", 0.0, p.rest.forward_s / 2, "embed")
+    starts, ends = [], []
+    last_done = rest_end
+    for k, (b, bp) in enumerate(zip(p.blocks, plan.blocks)):
+        ready = last_done
+        if bp.stream:
+            trigger = starts[k - plan.prefetch] if plan.prefetch and k >= plan.prefetch else last_done
+            slot_free = ends[k - slots] if k >= slots else 0.0
+            _, ready = tl.run("h2d", max(trigger, slot_free), b.params * p.compute_bytes / m.h2d_bps, f"fetch {b.name}")
+            ready = max(ready, last_done)
+        s, e = tl.run("compute", ready, b.forward_s, f"fwd {b.name}")
+        starts.append(s)
+        ends.append(e)
+        last_done = e
+        saved = b.hidden_bytes if bp.recompute else b.act_bytes
+        change(e, "device", saved)
+        if bp.offload_hidden:
+            _, off = tl.run("d2h", e, saved / m.d2h_bps, f"stash {b.name}")
+            change(off, "device", -saved)
+            change(off, "host", saved)
+    _, last_done = tl.run("compute", last_done, p.rest.forward_s / 2 + p.rest.backward_s / 2, "head")
+    grads_done, bstarts, bends = {}, [], []
+    order = list(range(n - 1, -1, -1))
+    streamed = [i for i in range(n) if plan.blocks[i].stream]
+    resident_after_forward = set(streamed[-slots:]) if streamed else set()  # still in their slots
+    for j, i in enumerate(order):
+        b, bp = p.blocks[i], plan.blocks[i]
+        ready = last_done
+        saved = b.hidden_bytes if bp.recompute else b.act_bytes
+        copy_in = (b.params * p.compute_bytes if bp.stream and i not in resident_after_forward else 0) + (
+            saved if bp.offload_hidden else 0)
+        if copy_in:
+            trigger = bstarts[j - plan.prefetch] if plan.prefetch and j >= plan.prefetch else last_done
+            slot_free = bends[j - slots] if j >= slots else 0.0
+            _, arrived = tl.run("h2d", max(trigger, slot_free), copy_in / m.h2d_bps, f"fetch {b.name} (bwd)")
+            ready = max(ready, arrived)
+            if bp.offload_hidden:
+                change(arrived, "host", -saved)
+                change(arrived, "device", saved)
+        work = b.backward_s + (b.forward_s if bp.recompute else 0.0)
+        s, e = tl.run("compute", ready, work, f"bwd {b.name}")
+        bstarts.append(s)
+        bends.append(e)
+        last_done = e
+        change(e, "device", -saved)
+        _, grads_done[i] = tl.run("d2h", e, b.params * GRAD_BYTES / m.d2h_bps, f"grads {b.name}")
+        change(grads_done[i], "host", b.params * GRAD_BYTES)
+    _, device_end = tl.run("compute", last_done, p.rest.backward_s / 2, "embed bwd")
+    _updates(plan, p, tl, grads_done, bstarts, order, device_end, needs_all_grads, change)
+    step = _step_time(plan, tl, device_end, needs_all_grads)
+    peaks = {t: max(v for _, tier, v in curve if tier == t) for t in ("device", "host", "disk")}
+    working = max(b.act_bytes for b in p.blocks)   # one block's activations while it computes
+    peaks["device"] += working
+    bottleneck = max(RESOURCES, key=tl.busy)
+    return Simulation(step, peaks, bottleneck, tl, curve)
+
+
+def _updates(plan, p, tl, grads_done, bstarts, order, device_end, needs_all_grads, change) -> None:
+    m = p.machine
+    for j, i in enumerate(order):
+        b, bp = p.blocks[i], plan.blocks[i]
+        ready = grads_done[i] if plan.update != "sync" and not needs_all_grads else device_end
+        if bp.home is Tier.DISK:
+            _, read = tl.run("disk_read", bstarts[j], b.params * STATE_BYTES / m.disk_read_bps, f"read {b.name}")
+            ready = max(ready, read)
+        _, done = tl.run("cpu", ready, b.params / m.adam_params_per_s, f"adam {b.name}")
+        change(done, "host", -b.params * GRAD_BYTES)
+        if bp.home is Tier.DISK:
+            tl.run("disk_write", done, b.params * STATE_BYTES / m.disk_write_bps, f"write {b.name}")
+    tl.run("cpu", device_end if plan.update == "sync" or needs_all_grads else 0.0,
+           p.rest.params / m.adam_params_per_s, "adam rest")
+
+
+def _step_time(plan: Plan, tl: Timeline, device_end: float, needs_all_grads: bool) -> float:
+    """Sync: the step ends with its last update. Otherwise updates hide behind the next step's
+    compute as far as the busiest resource allows."""
+    last = max(e for _, _, e, _ in tl.tasks)
+    if plan.update == "sync":
+        return last
+    bound = max(tl.busy(r) for r in RESOURCES)
+    return max(device_end, bound, last - device_end if needs_all_grads else 0.0)

@@ -8,5 +8,5 @@ train: setup
 	.venv/bin/tiertrain train
 
 test:
-	bash scripts/setup.sh test
+	bash scripts/setup.sh test,plot
 	.venv/bin/python -m pytest -q

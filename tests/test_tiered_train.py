@@ -78,9 +78,16 @@ def test_low_precision_compute_with_fp32_master_stays_within_tolerance_of_plain_
         assert scales[0] == 2.0**16 and scales == sorted(scales, reverse=True) and scales[-1] >= 2.0**14
 
 
-def test_fp16_tiered_resume_restores_the_loss_scale(tmp_path):
+def test_fp16_tiered_resume_restores_the_loss_scale(tmp_path, monkeypatch):
+    from tiertrain.runtime.loss_scale import LossScaler
+
+    # start so high that the first steps overflow: the scale at the checkpoint is not the default
+    monkeypatch.setattr(LossScaler.__init__, "__defaults__", (2.0**20, 2.0, 0.5, 2000))
     kw = dict(KW, precision="fp16")
     full = train(tiny_config(tmp_path / "full", **kw, **tiered(tmp_path, "stream", "overlap")))
     again = train(tiny_config(tmp_path / "again", resume=str(tmp_path / "full/checkpoints/step-00000004"), **kw,
                               **tiered(tmp_path, "stream", "overlap")))
     assert again.losses == full.losses[4:]
+    scales = [r["loss_scale"] for r in read_metrics(tmp_path / "full")]
+    assert scales[3] < 2.0**20  # the checkpoint's scale differs from a fresh run's
+    assert [r["loss_scale"] for r in read_metrics(tmp_path / "again")] == scales[4:]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from rich.console import Console
@@ -11,7 +12,7 @@ from tiertrain.errors import ConfigError, UserError
 from tiertrain.planner.auto import Candidate, best, candidates
 from tiertrain.planner.profile import Profile
 from tiertrain.planner.simulator import RESOURCES, Simulation
-from tiertrain.planner.solvers import Problem
+from tiertrain.planner.solvers import Problem, dynamic_programming
 from tiertrain.units import format_bytes
 
 
@@ -23,7 +24,7 @@ def choose(pb: Problem, solvers: tuple[str, ...]) -> tuple[Candidate, list[Candi
     cands = candidates(pb, solvers=solvers)
     chosen = best(cands)
     if chosen is None:
-        smallest = _smallest_device(pb, solvers)
+        smallest = _smallest_device(pb)
         hint = f"a device budget of {format_bytes(smallest)} would" if smallest else "no device budget up to 1 TiB would"
         raise NoPlanFits(f"no plan fits device {format_bytes(pb.device)}, host {format_bytes(pb.host)}, disk "
                          f"{format_bytes(pb.disk)} with solvers {', '.join(solvers)}; {hint} (with this host and "
@@ -31,14 +32,17 @@ def choose(pb: Problem, solvers: tuple[str, ...]) -> tuple[Candidate, list[Candi
     return chosen, cands
 
 
-def _smallest_device(pb: Problem, solvers: tuple[str, ...]) -> int | None:
+def _smallest_device(pb: Problem) -> int | None:
+    """The smallest device budget (to 1%) the DP finds a plan for, keeping host and disk; None if even 1 TiB fails."""
+    def fits(device: int) -> bool:
+        return dynamic_programming(dataclasses.replace(pb, device=device)) is not None
+
     lo, hi = pb.device, 1 << 40
-    if best(candidates(Problem(pb.profile, hi, pb.host, pb.disk, pb.levels), solvers=("dp",))) is None:
+    if not fits(hi):
         return None
     while hi - lo > max(lo // 100, 1 << 20):
         mid = (lo + hi) // 2
-        ok = best(candidates(Problem(pb.profile, mid, pb.host, pb.disk, pb.levels), solvers=("dp",))) is not None
-        lo, hi = (lo, mid) if ok else (mid, hi)
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
     return hi
 
 

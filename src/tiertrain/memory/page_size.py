@@ -31,9 +31,14 @@ def pick(curve: dict[int, float], fraction: float = PLATEAU_FRACTION) -> int:
     return min(size for size, bw in curve.items() if bw >= fraction * best)
 
 
-def _cache_file() -> Path:
+def cache_dir() -> Path:
+    """Where per-machine measurements are kept (page size here, the planner's machine probe)."""
     base = os.environ.get("TIERTRAIN_CACHE_DIR") or os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "tiertrain" / "page_size.json"
+    return Path(base) / "tiertrain"
+
+
+def _cache_file() -> Path:
+    return cache_dir() / "page_size.json"
 
 
 def disk_curve(directory: Path, total: int = 256 * MiB, workers: int = 8) -> dict[int, float]:

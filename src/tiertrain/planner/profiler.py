@@ -19,16 +19,12 @@ from pathlib import Path
 
 import torch
 
+from tiertrain.memory.page_size import cache_dir
 from tiertrain.models.accounting import PRECISION_BYTES, block_params, embedding_params
 from tiertrain.models.config import ModelConfig
 from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
 
 MiB = 1 << 20
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("TIERTRAIN_CACHE_DIR") or os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "tiertrain"
 
 
 def _rate(fn, nbytes: int, repeat: int = 3) -> float:
@@ -61,8 +57,11 @@ def _disk_rates(directory: Path, nbytes: int = 64 * MiB) -> tuple[float, float]:
 def probe_machine(disk_dir: str | None = None, use_cache: bool = True) -> tuple[MachineProfile, float]:
     """(link and optimizer speeds, device matmul FLOP/s), measured in about two seconds."""
     key = f"{socket.gethostname()}:{'cuda' if torch.cuda.is_available() else 'cpu'}:{disk_dir or '-'}"
-    cache = _cache_dir() / "machine_profile.json"
-    known = json.loads(cache.read_text()) if use_cache and cache.is_file() else {}
+    cache = cache_dir() / "machine_profile.json"
+    try:
+        known = json.loads(cache.read_text()) if use_cache else {}
+    except (OSError, ValueError):  # none yet, or a damaged one: measure again
+        known = {}
     if key in known:
         d = known[key]
         return MachineProfile(**d["machine"]), d["flops"]

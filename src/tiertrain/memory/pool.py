@@ -27,6 +27,7 @@ class Pool:
         self.n_pages = budget // page_size
         self.table = PageTable(self.n_pages, page_size, share_pages)
         self._lock = threading.Lock()
+        self.peak_bytes = 0  # most page bytes ever in use: what the budget bounds
 
     @property
     def capacity(self) -> int:
@@ -39,10 +40,12 @@ class Pool:
     def allocate(self, nbytes: int, contiguous: bool = False) -> list[Extent]:
         with self._lock:
             try:
-                return self.table.allocate(nbytes, contiguous)
+                extents = self.table.allocate(nbytes, contiguous)
             except PagesExhausted as exc:
                 raise BudgetError(self.tier.value, exc.needed_pages * self.page_size, self.budget,
                                   self.used_bytes) from None
+            self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+            return extents
 
     def release(self, extents: list[Extent]) -> None:
         with self._lock:

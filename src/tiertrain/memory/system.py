@@ -100,7 +100,7 @@ class MemorySystem:
         report = self.accounting.report()
         for tier, pool in self.pools.items():
             report[tier.value].update(budget=pool.budget, pages_in_use_bytes=pool.used_bytes,
-                                      page_size=pool.page_size)
+                                      pages_peak_bytes=pool.peak_bytes, page_size=pool.page_size)
         return report
 
     def close(self) -> None:

@@ -14,10 +14,14 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from tiertrain.plan import Plan
+from tiertrain.plan_bytes import pages
 from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
 
 STATE_BYTES = 12      # fp32 master + exp_avg + exp_avg_sq per parameter
 GRAD_BYTES = 4        # fp32 gradients accumulate on the host
+_DEFAULTS = Plan(blocks=())
+DISK_STATES_HELD = _DEFAULTS.read_ahead + 2 * _DEFAULTS.update_workers  # as plan_bytes: read ahead + 2 per worker
 SWITCH_S = 1e-6       # what a switch costs beyond the model (hooks, allocations): breaks ties towards fewer
 
 
@@ -37,10 +41,13 @@ def saved_bytes(b: BlockProfile, c: Choice) -> int:
     return b.hidden_bytes if c.recompute else b.act_bytes
 
 
-def device_bytes(b: BlockProfile, c: Choice, compute_bytes: int) -> int:
-    own = 0 if c.stream else b.params * compute_bytes
-    states = b.params * STATE_BYTES if c.device_home else 0
-    acts = 0 if c.offload_hidden else saved_bytes(b, c)
+def device_bytes(p: Profile, b: BlockProfile, c: Choice) -> int:
+    """A block's own device bytes, in whole pages. Saved activations count only where they
+    take device memory: on a CPU-only machine the device tier's pool holds params and states,
+    and torch allocates activations outside it."""
+    own = 0 if c.stream else pages(b.params * p.compute_bytes, p.page)
+    states = 3 * pages(b.params * GRAD_BYTES, p.page) if c.device_home else 0
+    acts = saved_bytes(b, c) if p.acts_on_device and not c.offload_hidden else 0
     return own + states + acts
 
 
@@ -72,33 +79,44 @@ def block_seconds(b: BlockProfile, c: Choice, m: MachineProfile, compute_bytes: 
 def fixed_device_bytes(p: Profile, window: int, any_stream: bool) -> int:
     """Device bytes no switch removes: the rest block, the streaming slots, and one block's
     activations in flight (a recomputed block rebuilds all of them during its backward)."""
-    biggest = max(b.params for b in p.blocks) * p.compute_bytes
-    working = max(b.act_bytes for b in p.blocks)
-    return p.rest.params * p.compute_bytes + (window * biggest if any_stream else 0) + working
+    biggest = pages(max(b.params for b in p.blocks) * p.compute_bytes, p.page)
+    working = max(b.act_bytes for b in p.blocks) if p.acts_on_device else 0
+    return pages(p.rest.params * p.compute_bytes, p.page) + (window * biggest if any_stream else 0) + working
 
 
-def switch_host_bytes(b: BlockProfile, c: Choice, compute_bytes: int) -> int:
+def switch_host_bytes(p: Profile, b: BlockProfile, c: Choice) -> int:
     """Host bytes a block's switches add (its stash, its params' host copy); states are placed later."""
-    return (saved_bytes(b, c) if c.offload_hidden else 0) + (b.params * compute_bytes if c.stream and compute_bytes != 4 else 0)
+    stash = saved_bytes(b, c) if c.offload_hidden else 0
+    return stash + (pages(b.params * p.compute_bytes, p.page) if c.stream and p.compute_bytes != 4 else 0)
+
+
+def _states(p: Profile, b: BlockProfile) -> int:
+    return 3 * pages(b.params * GRAD_BYTES, p.page)
+
+
+def _grads(p: Profile, b: BlockProfile) -> int:
+    return pages(b.params * GRAD_BYTES, p.page)
 
 
 def base_host_bytes(p: Profile, disk_budget: int) -> int:
     """Host bytes no switch removes: every gradient, the rest block's states, and whatever states
     the disk cannot take."""
-    states = sum(b.params for b in p.blocks) * STATE_BYTES
-    return (sum(b.params for b in p.blocks) * GRAD_BYTES + p.rest.params * (STATE_BYTES + GRAD_BYTES)
+    states = sum(_states(p, b) for b in p.blocks)
+    return (sum(_grads(p, b) for b in p.blocks) + _states(p, p.rest) + _grads(p, p.rest)
             + max(0, states - disk_budget))
 
 
 def host_bytes(p: Profile, choices: tuple[Choice, ...], disk_home: tuple[bool, ...]) -> int:
-    """Host bytes: grads of every block, host-homed states, streamed params' host copies, stashes."""
-    total = (p.rest.params) * (STATE_BYTES + GRAD_BYTES)
+    """Host bytes: grads of every block, host-homed states, streamed params' host copies, stashes,
+    and the disk-homed states the update workers hold while they read, update and write them."""
+    total = _states(p, p.rest) + _grads(p, p.rest)
     for b, c, disk in zip(p.blocks, choices, disk_home):
-        total += b.params * GRAD_BYTES
+        total += _grads(p, b)
         if not c.device_home and not disk:
-            total += b.params * STATE_BYTES
-        total += switch_host_bytes(b, c, p.compute_bytes)
-    return total
+            total += _states(p, b)
+        total += switch_host_bytes(p, b, c)
+    on_disk = sorted((_states(p, b) for b, d in zip(p.blocks, disk_home) if d), reverse=True)
+    return total + sum(on_disk[:DISK_STATES_HELD])
 
 
 def homes(p: Profile, choices: tuple[Choice, ...], host_budget: int, disk_budget: int) -> tuple[bool, ...] | None:
@@ -110,7 +128,7 @@ def homes(p: Profile, choices: tuple[Choice, ...], host_budget: int, disk_budget
             break
         if not c.device_home:
             disk[i] = True
-    on_disk = sum(b.params * STATE_BYTES for b, d in zip(p.blocks, disk) if d)
+    on_disk = sum(_states(p, b) for b, d in zip(p.blocks, disk) if d)
     if host_bytes(p, choices, tuple(disk)) > host_budget or on_disk > disk_budget:
         return None
     return tuple(disk)

@@ -45,6 +45,14 @@ class Profile:
     machine: MachineProfile
     compute_bytes: int = 4             # bytes per compute param (fp32 4, bf16/fp16 2)
     key: str = ""                      # machine + model + batch shape it was measured for
+    page: int = 0                      # the runtime's page size: chunks take whole pages (0: unpaged)
+    order: tuple[int, ...] = ()        # blocks in the order one forward called them (measured profiles)
+
+    @property
+    def acts_on_device(self) -> bool:
+        """Whether saved activations take device-tier memory (not on CPU, where the tier is a pool
+        of params and states and torch allocates activations outside it)."""
+        return not self.machine.device_is_host
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1)
@@ -55,7 +63,8 @@ class Profile:
             d = json.loads(text)
             return cls(blocks=tuple(BlockProfile(**b) for b in d["blocks"]), rest=BlockProfile(**d["rest"]),
                        machine=MachineProfile(**d["machine"]), compute_bytes=int(d.get("compute_bytes", 4)),
-                       key=d.get("key", ""))
+                       key=d.get("key", ""), page=int(d.get("page", 0)),
+                       order=tuple(int(i) for i in d.get("order", ())))
         except (ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"not a tiertrain profile: {exc}") from None
 

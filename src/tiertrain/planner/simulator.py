@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from tiertrain.memory.tiers import Tier
 from tiertrain.plan import Plan
+from tiertrain.plan_bytes import pages, tier_bytes
 from tiertrain.planner.costs import GRAD_BYTES, STATE_BYTES
 from tiertrain.planner.profile import Profile
 
@@ -51,23 +52,10 @@ class Simulation:
 
 
 def _fixed_memory(plan: Plan, p: Profile) -> dict[str, int]:
-    dev = host = disk = 0
-    streamed = [b for b, bp in zip(p.blocks, plan.blocks) if bp.stream]
-    if streamed:
-        dev += min(plan.window + plan.cache, len(streamed)) * max(b.params for b in streamed) * p.compute_bytes
-    for b, bp in zip((*p.blocks, p.rest), (*plan.blocks, plan.rest)):
-        if not bp.stream:
-            dev += b.params * p.compute_bytes
-        elif p.compute_bytes != 4 or (bp.home is Tier.DISK and (bp.param_copy or plan.update == "lockfree")):
-            host += b.params * p.compute_bytes
-        home = {Tier.DEVICE: "device", Tier.HOST: "host", Tier.DISK: "disk"}[bp.home]
-        if home == "device":
-            dev += b.params * STATE_BYTES
-        elif home == "host":
-            host += b.params * STATE_BYTES
-        else:
-            disk += b.params * STATE_BYTES
-    return {"device": dev, "host": host, "disk": disk}
+    """What the plan holds throughout the step (plan_bytes, as the runtime counts it); gradients,
+    stashes and activations come and go on the timeline."""
+    need = tier_bytes([b.params for b in (*p.blocks, p.rest)], plan, p.page, grads="none", bound=False)
+    return {t.value: v for t, v in need.items()}
 
 
 def simulate(plan: Plan, p: Profile, needs_all_grads: bool = False) -> Simulation:
@@ -84,6 +72,7 @@ def simulate(plan: Plan, p: Profile, needs_all_grads: bool = False) -> Simulatio
 
     slots = plan.window + plan.cache
     n = len(p.blocks)
+    acts = int(p.acts_on_device)    # on CPU, activations are outside the device tier's pool
     _, rest_end = tl.run("compute", 0.0, p.rest.forward_s / 2, "embed")
     starts, ends = [], []
     last_done = rest_end
@@ -99,10 +88,10 @@ def simulate(plan: Plan, p: Profile, needs_all_grads: bool = False) -> Simulatio
         ends.append(e)
         last_done = e
         saved = b.hidden_bytes if bp.recompute else b.act_bytes
-        change(e, "device", saved)
+        change(e, "device", saved * acts)
         if bp.offload_hidden:
             _, off = tl.run("d2h", e, saved / m.d2h_bps, f"stash {b.name}")
-            change(off, "device", -saved)
+            change(off, "device", -saved * acts)
             change(off, "host", saved)
     _, last_done = tl.run("compute", last_done, p.rest.forward_s / 2 + p.rest.backward_s / 2, "head")
     grads_done, bstarts, bends = {}, [], []
@@ -122,21 +111,20 @@ def simulate(plan: Plan, p: Profile, needs_all_grads: bool = False) -> Simulatio
             ready = max(ready, arrived)
             if bp.offload_hidden:
                 change(arrived, "host", -saved)
-                change(arrived, "device", saved)
+                change(arrived, "device", saved * acts)
         work = b.backward_s + (b.forward_s if bp.recompute else 0.0)
         s, e = tl.run("compute", ready, work, f"bwd {b.name}")
         bstarts.append(s)
         bends.append(e)
         last_done = e
-        change(e, "device", -saved)
+        change(e, "device", -saved * acts)
         _, grads_done[i] = tl.run("d2h", e, b.params * GRAD_BYTES / m.d2h_bps, f"grads {b.name}")
-        change(grads_done[i], "host", b.params * GRAD_BYTES)
+        change(grads_done[i], "host", pages(b.params * GRAD_BYTES, p.page, bound=False))
     _, device_end = tl.run("compute", last_done, p.rest.backward_s / 2, "embed bwd")
     _updates(plan, p, tl, grads_done, bstarts, order, device_end, needs_all_grads, change)
     step = _step_time(plan, tl, device_end, needs_all_grads)
     peaks = {t: max(v for _, tier, v in curve if tier == t) for t in ("device", "host", "disk")}
-    working = max(b.act_bytes for b in p.blocks)   # one block's activations while it computes
-    peaks["device"] += working
+    peaks["device"] += max(b.act_bytes for b in p.blocks) * acts   # one block's activations while it computes
     bottleneck = max(RESOURCES, key=tl.busy)
     return Simulation(step, peaks, bottleneck, tl, curve)
 
@@ -150,7 +138,7 @@ def _updates(plan, p, tl, grads_done, bstarts, order, device_end, needs_all_grad
             _, read = tl.run("disk_read", bstarts[j], b.params * STATE_BYTES / m.disk_read_bps, f"read {b.name}")
             ready = max(ready, read)
         _, done = tl.run("cpu", ready, b.params / m.adam_params_per_s, f"adam {b.name}")
-        change(done, "host", -b.params * GRAD_BYTES)
+        change(done, "host", -pages(b.params * GRAD_BYTES, p.page, bound=False))
         if bp.home is Tier.DISK:
             tl.run("disk_write", done, b.params * STATE_BYTES / m.disk_write_bps, f"write {b.name}")
     tl.run("cpu", device_end if plan.update == "sync" or needs_all_grads else 0.0,

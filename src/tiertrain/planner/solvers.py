@@ -41,7 +41,7 @@ class Problem:
         return math.floor(free / self.unit) if free >= 0 else -1
 
     def level(self, i: int, c: Choice) -> int:
-        return math.ceil(costs.device_bytes(self.profile.blocks[i], c, self.profile.compute_bytes) / self.unit)
+        return math.ceil(costs.device_bytes(self.profile, self.profile.blocks[i], c) / self.unit)
 
     @property
     def host_unit(self) -> float:
@@ -52,7 +52,7 @@ class Problem:
         return math.floor(free / self.host_unit) if free >= 0 else -1
 
     def host_level(self, i: int, c: Choice) -> int:
-        return math.ceil(costs.switch_host_bytes(self.profile.blocks[i], c, self.profile.compute_bytes) / self.host_unit)
+        return math.ceil(costs.switch_host_bytes(self.profile, self.profile.blocks[i], c) / self.host_unit)
 
     def seconds(self, i: int, c: Choice, window: int, disk_home: bool = False) -> float:
         p = self.profile

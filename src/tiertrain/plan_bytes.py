@@ -1,0 +1,70 @@
+"""What a plan holds in each tier, from its chunks' sizes alone.
+
+One accounting used on both sides of the plan: the runtime refuses a plan that does
+not fit before it allocates anything (``runtime.budget_check``), and the planner's
+simulator starts its memory curves from the same figures (``planner.simulator``), so a
+plan the planner predicts to fit is a plan the runtime accepts. Chunks are allocated in
+whole pages, plus one page because a chunk may start inside a page another one shares.
+Imports nothing from the runtime or the planner.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from tiertrain.memory.tiers import Tier
+from tiertrain.plan import Plan
+
+F32_BYTES = 4
+GRAD_MODES = ("all", "transient", "none")
+
+
+def pages(nbytes: int, page: int, bound: bool = True) -> int:
+    """Bytes a chunk of ``nbytes`` occupies in a pool of ``page``-byte pages (0: unpaged). The
+    bound adds the page a chunk may share with the one before it; without it, the likely figure
+    (a chunk's share of a shared page is as often zero as not)."""
+    if page <= 0:
+        return nbytes
+    return -(-nbytes // page) * page + (page if bound else 0)
+
+
+def tier_bytes(numels: Sequence[int], plan: Plan, page: int, train: bool = True, grads: str = "all",
+               bound: bool = True) -> dict[Tier, int]:
+    """Bytes per tier for blocks of ``numels`` elements (the repeated blocks, then the rest).
+
+    ``grads``: ``all`` holds every block's gradient chunk on the host; ``transient`` only one
+    per update worker plus the one backward fills (overlap without clipping or accumulation
+    updates each block's gradients away at once); ``none`` leaves gradients out (the
+    simulator adds them on its timeline).
+    """
+    if len(numels) != len(plan.blocks) + 1:
+        raise ValueError(f"{len(numels)} chunk sizes for a plan of {len(plan.blocks)} blocks + rest")
+    sizes = [n * F32_BYTES for n in numels]                        # master, moments, grads: fp32
+    compute = [n * plan.compute.itemsize for n in numels]          # slots and param homes
+    plans = list(plan.blocks) + [plan.rest]
+
+    def chunk(nbytes: int) -> int:
+        return pages(nbytes, page, bound)
+
+    need = {Tier.DEVICE: 0, Tier.HOST: 0, Tier.DISK: 0}
+    streamed = [c for c, p in zip(compute, plans) if p.stream]
+    if streamed:
+        need[Tier.DEVICE] += min(plan.window + plan.cache, len(streamed)) * chunk(max(streamed))
+    for size, csize, bp in zip(sizes, compute, plans):
+        if not bp.stream:
+            need[Tier.DEVICE] += chunk(csize)
+        elif (not train or plan.compute_dtype != "fp32"
+              or (bp.home is Tier.DISK and (bp.param_copy or plan.update == "lockfree"))):
+            need[Tier.HOST] += chunk(csize)       # a host param home (else the master is it)
+        if train:
+            need[Tier.HOST] += chunk(size) if grads == "all" else 0
+            need[bp.home] += 3 * chunk(size)      # master, exp_avg, exp_avg_sq
+    if not train:
+        return need
+    if grads == "transient":  # one per optimizer worker, plus the one backward is filling
+        need[Tier.HOST] += (plan.update_workers + 1) * chunk(max(sizes))
+    disk_sizes = sorted((s for s, p in zip(sizes, plans) if p.home is Tier.DISK), reverse=True)
+    # states in host for updates: read ahead, being updated, being written back (one per worker)
+    held = plan.read_ahead + 2 * plan.update_workers
+    need[Tier.HOST] += sum(3 * chunk(s) for s in disk_sizes[:held])
+    return need

@@ -143,8 +143,9 @@ def load_plan(spec: "str | Plan", n_blocks: int, disk: bool, update: str | None 
     elif spec in BUILTIN_PLANS:
         plan = builtin_plan(spec, n_blocks, disk, update or "sync")
     elif spec == "auto":
-        raise ConfigError("plan 'auto' inside training is not wired yet; run `tiertrain plan --model ... --device-memory "
-                          "... --host-memory ...` and pass the plan file it writes (--plan plan.json)")
+        raise ConfigError("plan 'auto' measures the model first: call tiertrain.setup(..., plan='auto', profile_step=fn) "
+                          "with fn running one forward+backward at the training batch shape, or make a plan file with "
+                          "`tiertrain plan` and pass it")
     else:
         path = Path(spec)
         if not path.is_file():

@@ -40,7 +40,7 @@ def cli() -> None:
 @click.option("--resume", type=click.Path(), help="Continue from a run directory or a checkpoint directory.")
 @click.option("--save-every", type=int, help="Save a checkpoint every N steps (default: only at the end).")
 @click.option("--log-every", type=int, help="Print a line every N steps when not on a terminal (default 10).")
-@click.option("--plan", help="Put training state in tiers: resident, stream, max-offload, or a plan JSON file (default: plain PyTorch).")
+@click.option("--plan", help="Put training state in tiers: resident, stream, max-offload, auto (profile and solve for the budgets), or a plan JSON file (default: plain PyTorch).")
 @click.option("--update", type=click.Choice(["sync", "overlap", "lockfree"]),
               help="With --plan: update after backward (sync), during it (overlap), or never waiting for it (lockfree).")
 @click.option("--max-staleness", type=int, help="With --update lockfree: steps a block's params may lag (default 1).")
@@ -187,7 +187,8 @@ def plan_cmd(model: str | None, batch: int, seq: int | None, precision: str, dev
     for `tiertrain train --plan FILE`."""
     from pathlib import Path
 
-    from tiertrain.cli.plan import choose, print_plan, write_png
+    from tiertrain.cli.plan import print_plan, write_png
+    from tiertrain.planner.auto import choose
     from tiertrain.memory import Budgets
     from tiertrain.planner.profile import Profile
     from tiertrain.planner.profiler import analytic_profile

@@ -2,48 +2,16 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from tiertrain.errors import ConfigError, UserError
-from tiertrain.planner.auto import Candidate, best, candidates
+from tiertrain.errors import ConfigError
+from tiertrain.planner.auto import Candidate
 from tiertrain.planner.profile import Profile
 from tiertrain.planner.simulator import RESOURCES, Simulation
-from tiertrain.planner.solvers import Problem, dynamic_programming
 from tiertrain.units import format_bytes
-
-
-class NoPlanFits(UserError):
-    """No solver found a plan within the budgets."""
-
-
-def choose(pb: Problem, solvers: tuple[str, ...]) -> tuple[Candidate, list[Candidate]]:
-    cands = candidates(pb, solvers=solvers)
-    chosen = best(cands)
-    if chosen is None:
-        smallest = _smallest_device(pb)
-        hint = f"a device budget of {format_bytes(smallest)} would" if smallest else "no device budget up to 1 TiB would"
-        raise NoPlanFits(f"no plan fits device {format_bytes(pb.device)}, host {format_bytes(pb.host)}, disk "
-                         f"{format_bytes(pb.disk)} with solvers {', '.join(solvers)}; {hint} (with this host and "
-                         "disk); or give more host memory or a disk")
-    return chosen, cands
-
-
-def _smallest_device(pb: Problem) -> int | None:
-    """The smallest device budget (to 1%) the DP finds a plan for, keeping host and disk; None if even 1 TiB fails."""
-    def fits(device: int) -> bool:
-        return dynamic_programming(dataclasses.replace(pb, device=device)) is not None
-
-    lo, hi = pb.device, 1 << 40
-    if not fits(hi):
-        return None
-    while hi - lo > max(lo // 100, 1 << 20):
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
-    return hi
 
 
 def print_plan(chosen: Candidate, cands: list[Candidate], profile: Profile, console: Console) -> None:

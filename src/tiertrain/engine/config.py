@@ -43,7 +43,7 @@ class TrainConfig:
     save_every: int = 0               # 0: save only at the end
     keep_checkpoints: int = 2
     log_every: int = 10               # printed lines; metrics.jsonl gets every step
-    plan: str | None = None           # None: plain PyTorch; resident | stream | max-offload | a plan JSON file
+    plan: str | None = None           # None: plain PyTorch; resident | stream | max-offload | auto | a plan JSON file
     update: str = "sync"              # sync | overlap | lockfree (with a plan)
     max_staleness: int = 1            # lockfree: steps a block's params may lag
     device_memory: str | None = None  # device budget with a plan, e.g. "2GiB" (default: 90% of the GPU, 4GiB on CPU)
@@ -71,7 +71,7 @@ class TrainConfig:
         if self.update not in ("sync", "overlap", "lockfree"):
             raise ConfigError(f"update {self.update!r} is not one of sync, overlap, lockfree")
         if self.plan is None and any((self.device_memory, self.host_memory, self.disk)):
-            raise ConfigError("memory budgets apply to a plan; add --plan resident|stream|max-offload|FILE")
+            raise ConfigError("memory budgets apply to a plan; add --plan resident|stream|max-offload|auto|FILE")
         if self.device not in DEVICES:
             raise ConfigError(f"device {self.device!r} is not one of {', '.join(DEVICES)}")
         self.betas = tuple(self.betas)  # YAML/JSON give lists

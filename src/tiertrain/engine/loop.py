@@ -18,6 +18,8 @@ import torch
 import torch.nn as nn
 
 from tiertrain.data import BatchSampler, load_tokens
+from tiertrain.engine.atomic import write_atomic
+from tiertrain.engine.auto_plan import AutoPlan, ProfileStep
 from tiertrain.engine.checkpoint import (TrainerState, checkpoint_root, find_checkpoint, load_checkpoint,
                                          save_checkpoint)
 from tiertrain.engine.config import TrainConfig
@@ -33,6 +35,9 @@ from tiertrain.errors import ConfigError, OutputError
 from tiertrain.models import build, flops_per_token, resolve_config
 from tiertrain.models.config import ModelConfig
 from tiertrain.units import format_count
+
+
+WARMUP_STEPS = 2  # steps before a run's timings settle (allocations, the cache's recorded access order)
 
 
 @dataclass
@@ -103,19 +108,34 @@ class Trainer:
         self.sampler = BatchSampler(load_tokens(cfg.data, vocab, cfg.tokenizer), cfg.batch_size, cfg.seq_len, cfg.seed)
         self.opt, self.param_names = make_adamw(self.model, cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay)
         self.state: TrainState = PlainState(self.model, self.opt, self.param_names)
+        self.reporter = reporter or Reporter(cfg.steps, cfg.log_every, quiet=True)
         self.tiered = cfg.plan is not None
+        self.auto: AutoPlan | None = None
         if self.tiered:
-            self.model, self.opt = setup_tiered(self.model, self.opt, cfg, self.precision, self.device)
-            self.state = TieredState(self.model)
+            self._setup_tiered()
         self.scaler = self.precision.grad_scaler(tiered=self.tiered)
         # whichever keeps the fp16 loss scale: GradScaler in a plain run, the runtime's in a tiered one
         self.loss_scaler = self.opt.loss_scaler if self.tiered else (self.scaler if self.scaler.is_enabled() else None)
         self.step = 0
+        self.step_seconds: list[float] = []
         self.flops_per_token = model_flops_per_token(self.state.module, cfg.seq_len)
-        self.reporter = reporter or Reporter(cfg.steps, cfg.log_every, quiet=True)
         if cfg.resume:
             self._resume(Path(cfg.resume))
         self.metrics = MetricsFile(self.out / "metrics.jsonl", self.step if cfg.resume else None)
+
+    def _setup_tiered(self) -> None:
+        cfg = self.cfg
+        step = None
+        if cfg.plan == "auto":
+            self.reporter.message("plan auto: profiling the model and solving for the budgets")
+            step = ProfileStep(self.model, lm_loss, self.vocab, cfg.batch_size, cfg.seq_len,
+                               self.precision.autocast, self.device)
+        self.model, self.opt = setup_tiered(self.model, self.opt, cfg, self.precision, self.device, step)
+        self.state = TieredState(self.model)
+        self.auto = self.model.auto_plan
+        if self.auto is not None:
+            self.reporter.message(self.auto.describe())
+        write_atomic(self.out / "plan.json", self.model.runtime.plan.to_json().encode())
 
     def describe(self) -> str:
         n = sum(p.numel() for p in self.model.parameters())
@@ -205,13 +225,24 @@ class Trainer:
             self.metrics.write(row)
             self.reporter.step(row)
             losses.append(loss)
+            self.step_seconds.append(row["step_s"])
             tokens_s.append(row["tokens_per_s"])
             tflops.append(row["tflops"])
             if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
                 checkpoint = self.save()
         if stop.requested:
             self.reporter.message(f"stopping at step {self.step} as asked; saving a checkpoint")
+        self._report_prediction()
         return checkpoint
+
+    def _report_prediction(self) -> None:
+        """The auto plan's predicted step time against the median measured after warm-up."""
+        measured = self.step_seconds[WARMUP_STEPS:]
+        if self.auto is None or not measured:
+            return
+        med, pred = float(np.median(measured)), self.auto.prediction.step_s
+        self.reporter.message(f"auto plan: predicted step {pred * 1e3:.1f} ms, measured {med * 1e3:.1f} ms "
+                              f"(median of {len(measured)} steps after warm-up, {(pred / med - 1) * 100:+.0f}%)")
 
     def _row(self, loss: float, norm: float, seconds: float) -> dict[str, Any]:
         tokens = self.cfg.batch_size * self.cfg.seq_len * self.cfg.grad_accum
@@ -220,11 +251,16 @@ class Trainer:
                "step_s": seconds, "peak_bytes": peak_bytes(self.device)}
         if self.tiered:
             stats = self.model.runtime.mem.stats()
-            row["peak_bytes"] = {**{t: v["peak"] for t, v in stats.items() if "budget" in v},
+            # per tier, the most page bytes its pool had in use: what its budget bounds
+            row["peak_bytes"] = {**{t: v["pages_peak_bytes"] for t, v in stats.items() if "budget" in v},
                                  "process_rss": row["peak_bytes"]["host"]}
             row["slot_fetches"] = self.model.runtime.cache.pop_fetches()  # streamed blocks copied onto the device
             if self.model.runtime.plan.update == "lockfree":
                 row["staleness"] = self.model.runtime.pop_staleness()
+            if self.auto is not None and self.step > WARMUP_STEPS:  # beside the measured step_s and device peak
+                sim = self.auto.prediction
+                row["predicted"] = {"step_s": sim.step_s, "device_peak": sim.peaks["device"],
+                                    "bottleneck": sim.bottleneck}
         if self.loss_scaler is not None:
             row["loss_scale"] = self.loss_scaler.get_scale()
         return row

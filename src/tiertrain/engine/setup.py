@@ -15,7 +15,7 @@ Gradients leave the parameters as backward produces them, so clip through the mo
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn as nn
@@ -28,6 +28,9 @@ from tiertrain.runtime.blocks import find_blocks
 from tiertrain.runtime.budget_check import check_fits
 from tiertrain.plan import Plan, load_plan
 from tiertrain.runtime.runtime import Runtime
+
+if TYPE_CHECKING:
+    from tiertrain.engine.auto_plan import AutoPlan
 
 _HPARAMS = ("lr", "betas", "eps", "weight_decay")
 
@@ -53,10 +56,11 @@ def _groups_from(optimizer: torch.optim.Optimizer, model: nn.Module) -> tuple[li
 class TieredModel(nn.Module):
     """The user's model, with its parameters in device slots; call it as the model itself."""
 
-    def __init__(self, module: nn.Module, runtime: Runtime) -> None:
+    def __init__(self, module: nn.Module, runtime: Runtime, auto: AutoPlan | None = None) -> None:
         super().__init__()
         self.module = module
         self._rt = runtime
+        self.auto_plan = auto  # plan="auto": the profile, the solver chosen and its prediction
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._rt.params_ready(self._rt.states[-1])  # embeddings and head are used first and last
@@ -106,7 +110,8 @@ class TieredOptimizer:
 def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None, memory: Budgets, plan: "str | Plan" = "resident",
           *, grad_accum: int = 1, max_grad_norm: float | None = None, update: str | None = None,
           blocks: str | None = None, page_size: int | None = None, max_staleness: int | None = None,
-          compute_dtype: str | None = None, train: bool = True) -> tuple[TieredModel, TieredOptimizer | None]:
+          compute_dtype: str | None = None, train: bool = True,
+          profile_step: Callable[[], None] | None = None) -> tuple[TieredModel, TieredOptimizer | None]:
     """Place ``model``'s training state in the tiers ``memory`` allows, as ``plan`` says.
 
     ``grad_accum`` and ``max_grad_norm`` tell the ``overlap`` mode when a block's
@@ -114,6 +119,8 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None, memory: Bud
     A plan that cannot fit the budgets is refused here, before anything is allocated.
     ``train=False`` streams the blocks for forward only (a teacher larger than the device,
     STRONGHOLD's distillation case): no optimizer states, no gradients; pass ``optimizer=None``.
+    ``plan="auto"`` profiles the model with ``profile_step`` (one forward+backward at the
+    training batch shape; cached per machine, model and shape) and takes the planner's best plan.
     """
     if next(model.parameters()).dtype != torch.float32:
         raise ConfigError("tiertrain keeps an fp32 model; build it in fp32 (mixed precision comes from the plan)")
@@ -124,6 +131,15 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None, memory: Bud
     else:
         groups, group_of = [], {}
     found = find_blocks(model, blocks)
+    device = compute_device()
+    page = check_page_size(page_size) if page_size else measured_page_size(
+        memory.disk_dir if memory.disk else None, device)
+    auto = None
+    if isinstance(plan, str) and plan == "auto" and profile_step is not None:
+        auto = _auto(model, profile_step, memory, page, compute_dtype or "fp32", update or "sync",
+                     needs_all_grads=max_grad_norm is not None or grad_accum > 1 or compute_dtype == "fp16",
+                     blocks=blocks)
+        plan = auto.plan
     chosen = load_plan(plan, len(found) - 1, disk=memory.disk > 0, update=update)
     if max_staleness is not None:
         chosen = dataclasses.replace(chosen, max_staleness=max_staleness).validate(len(found) - 1)
@@ -137,12 +153,19 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None, memory: Bud
                           "(grad_clip: 0), or --update overlap")
     if chosen.uses_disk and not memory.disk:
         raise ConfigError("this plan homes states on disk; give a disk budget: Budgets(..., disk=SIZE, disk_dir=DIR)")
-    device = compute_device()
-    page = check_page_size(page_size) if page_size else measured_page_size(
-        memory.disk_dir if memory.disk else None, device)
     transient = (chosen.update == "overlap" and max_grad_norm is None and grad_accum == 1
                  and not (train and chosen.compute_dtype == "fp16"))
     check_fits(found, chosen, memory, page, train, transient)
     mem = MemorySystem(memory, page_size=page)
     runtime = Runtime(model, groups, group_of, mem, chosen, grad_accum, max_grad_norm, blocks, train)
-    return TieredModel(model, runtime), TieredOptimizer(runtime) if train else None
+    return TieredModel(model, runtime, auto), TieredOptimizer(runtime) if train else None
+
+
+def _auto(model: nn.Module, step: Callable[[], None], memory: Budgets, page: int, precision: str, update: str,
+          needs_all_grads: bool, blocks: str | None) -> AutoPlan:
+    """Profile outside the run's random stream, so an auto run trains as the same plan from a file would."""
+    from tiertrain.engine.auto_plan import auto_plan
+
+    cuda = next(model.parameters()).is_cuda
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
+        return auto_plan(model, step, memory, page, precision, update, needs_all_grads, blocks)

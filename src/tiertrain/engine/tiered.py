@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -33,10 +34,11 @@ def default_budgets(cfg: TrainConfig, device: torch.device) -> Budgets:
 
 
 def setup_tiered(model: nn.Module, opt: torch.optim.Optimizer, cfg: TrainConfig, precision: Precision,
-                 device: torch.device) -> tuple[nn.Module, object]:
+                 device: torch.device, profile_step: Callable[[], None] | None = None) -> tuple[nn.Module, object]:
+    """``profile_step``: one plain forward+backward at the run's batch shape, for ``--plan auto``."""
     from tiertrain.engine.setup import setup
 
     return setup(model, opt, default_budgets(cfg, device), plan=cfg.plan, grad_accum=cfg.grad_accum,
                  max_grad_norm=cfg.grad_clip if cfg.grad_clip > 0 else None, update=cfg.update,
                  page_size=parse_size(cfg.page_size) if cfg.page_size else None, max_staleness=cfg.max_staleness,
-                 compute_dtype=precision.name)
+                 compute_dtype=precision.name, profile_step=profile_step)

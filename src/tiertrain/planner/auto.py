@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
+from tiertrain.errors import UserError
 from tiertrain.memory.tiers import Tier
 from tiertrain.plan import BlockPlan, Plan
 from tiertrain.planner.profile import Profile
 from tiertrain.planner.simulator import Simulation, simulate
-from tiertrain.planner.solvers import SOLVERS, Problem, Solution
+from tiertrain.planner.solvers import SOLVERS, Problem, Solution, dynamic_programming
+from tiertrain.units import format_bytes
 
 
 def lifetime_prefetch(p: Profile, window: int) -> int:
@@ -53,3 +56,36 @@ def candidates(pb: Problem, update: str = "overlap", solvers: tuple[str, ...] = 
 def best(cands: list[Candidate]) -> Candidate | None:
     found = [c for c in cands if c.sim is not None]
     return min(found, key=lambda c: c.sim.step_s) if found else None
+
+
+class NoPlanFits(UserError):
+    """No solver found a plan within the budgets."""
+
+
+def choose(pb: Problem, solvers: tuple[str, ...] = tuple(SOLVERS), update: str = "overlap",
+           needs_all_grads: bool = False) -> tuple[Candidate, list[Candidate]]:
+    """The best predicted plan and every solver's candidate; NoPlanFits, with the smallest device
+    budget that would work, when none fits."""
+    cands = candidates(pb, update, solvers, needs_all_grads)
+    chosen = best(cands)
+    if chosen is None:
+        smallest = _smallest_device(pb)
+        hint = f"a device budget of {format_bytes(smallest)} would" if smallest else "no device budget up to 1 TiB would"
+        raise NoPlanFits(f"no plan fits device {format_bytes(pb.device)}, host {format_bytes(pb.host)}, disk "
+                         f"{format_bytes(pb.disk)} with solvers {', '.join(solvers)}; {hint} (with this host and "
+                         "disk); or give more host memory or a disk")
+    return chosen, cands
+
+
+def _smallest_device(pb: Problem) -> int | None:
+    """The smallest device budget (to 1%) the DP finds a plan for, keeping host and disk; None if even 1 TiB fails."""
+    def fits(device: int) -> bool:
+        return dynamic_programming(dataclasses.replace(pb, device=device)) is not None
+
+    lo, hi = pb.device, 1 << 40
+    if not fits(hi):
+        return None
+    while hi - lo > max(lo // 100, 1 << 20):
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi

@@ -1,0 +1,79 @@
+"""``--plan auto``: profile the model on this machine, run the solvers, take the best prediction.
+
+The profile is measured once per machine + model + batch shape (``engine.profiling``) and
+cached; the solvers and the simulator are the planner's, the same ones ``tiertrain plan``
+runs, so what this logs is what ``tiertrain plan --profile`` would explain.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from tiertrain.engine.profiling import cached_profile, measure_profile, profile_key
+from tiertrain.memory import Budgets
+from tiertrain.plan import Plan
+from tiertrain.planner.auto import choose
+from tiertrain.planner.profile import Profile
+from tiertrain.planner.profiler import probe_machine
+from tiertrain.planner.simulator import Simulation
+from tiertrain.planner.solvers import Problem
+from tiertrain.runtime.blocks import find_blocks
+from tiertrain.units import format_bytes
+
+
+@dataclass(frozen=True)
+class AutoPlan:
+    plan: Plan
+    prediction: Simulation
+    solver: str
+    profile: Profile
+    profile_cached: bool
+
+    def describe(self) -> str:
+        streamed = sum(b.stream for b in self.plan.blocks)
+        recomputed = sum(b.recompute for b in self.plan.blocks)
+        homes = {t: sum(b.home.value == t for b in self.plan.blocks) for t in ("device", "host", "disk")}
+        sim = self.prediction
+        return (f"auto plan from the {self.solver} solver ({'cached' if self.profile_cached else 'measured'} profile): "
+                f"{streamed}/{len(self.plan.blocks)} blocks stream through {self.plan.window} slot(s), "
+                f"{recomputed} recompute, states on " + ", ".join(f"{t} {n}" for t, n in homes.items() if n)
+                + f"; predicted step {sim.step_s * 1e3:.1f} ms, device peak {format_bytes(sim.peaks['device'])}, "
+                f"bottleneck {sim.bottleneck}")
+
+
+def auto_plan(model: nn.Module, step: Callable[[], None], budgets: Budgets, page: int, precision: str,
+              update: str, needs_all_grads: bool, blocks: str | None = None, use_cache: bool = True) -> AutoPlan:
+    """``step`` runs one plain forward+backward at the run's batch shape (the profile's warm-up)."""
+    found = find_blocks(model, blocks)
+    machine, _ = probe_machine(budgets.disk_dir if budgets.disk else None)
+    device = next(model.parameters()).device
+    shape = getattr(step, "shape", ())
+    key = profile_key(model, shape, precision, device)
+    profile, cached = cached_profile(
+        key, lambda: measure_profile(model, found, step, machine, precision, key, page), use_cache)
+    profile = dataclasses.replace(profile, machine=machine, page=page)
+    chosen, _ = choose(Problem(profile, budgets.device, budgets.host, budgets.disk), update=update,
+                       needs_all_grads=needs_all_grads)
+    plan = dataclasses.replace(chosen.plan, compute_dtype=precision)
+    return AutoPlan(plan, chosen.sim, chosen.solver, profile, cached)
+
+
+class ProfileStep:
+    """One plain forward+backward on random tokens of the run's shape (no optimizer, grads dropped)."""
+
+    def __init__(self, model: nn.Module, loss: Callable, vocab: int, batch: int, seq: int,
+                 autocast: Callable, device: torch.device) -> None:
+        self.model, self.loss, self.autocast = model, loss, autocast
+        self.tokens = torch.randint(0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(0)).to(device)
+        self.shape = (batch, seq)
+
+    def __call__(self) -> None:
+        with self.autocast():
+            loss = self.loss(self.model, self.tokens[:, :-1], self.tokens[:, 1:])
+        loss.backward()
+        self.model.zero_grad(set_to_none=True)

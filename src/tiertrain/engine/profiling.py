@@ -1,0 +1,157 @@
+"""Measured profiles: a few plain forward+backward passes of the real model, timed per block.
+
+This runs the model, so it lives in the engine; the planner only reads the ``Profile``
+it produces (DESIGN: the planner imports no runtime code). Hooks on each block record its
+forward and backward time, the bytes autograd saves inside it (counted once per storage,
+parameters excluded), its input's bytes (all that recompute keeps) and the order blocks are
+called in. The embeddings and head are what is left of the step. Profiles are cached per
+machine + model + batch shape + precision, so only the first ``--plan auto`` run pays.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import statistics
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from tiertrain.errors import ConfigError
+from tiertrain.memory import ChunkLayout
+from tiertrain.memory.page_size import cache_dir
+from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
+from tiertrain.runtime.blocks import Block
+
+COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def profile_key(model: nn.Module, shape: tuple[int, ...], precision: str, device: torch.device) -> str:
+    """Which cached profile a run may reuse: same host, device kind, model structure, batch shape, dtype."""
+    structure = hashlib.sha256(repr([(n, tuple(p.shape)) for n, p in model.named_parameters()]).encode()).hexdigest()
+    name = getattr(getattr(model, "config", None), "name", "") or type(model).__name__
+    return f"{socket.gethostname()}/{device.type}/{name}-{structure[:12]}/{'x'.join(map(str, shape))}/{precision}"
+
+
+def _cache_path(key: str) -> Path:
+    return cache_dir() / "profiles" / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
+
+
+class _SavedBytes:
+    """A saved-tensor hook pair that adds up what autograd keeps, once per storage, parameters aside."""
+
+    def __init__(self, params: set[int]) -> None:
+        self.params, self.seen, self.bytes = params, set(), 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in self.params and ptr not in self.seen:
+            self.seen.add(ptr)
+            self.bytes += t.untyped_storage().nbytes()
+        return t
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+
+class _BlockTimer:
+    """Per-block hooks: wall time of forward and backward, saved bytes, input bytes, call order."""
+
+    def __init__(self, blocks: list[Block], params: set[int], sync: Callable[[], None]) -> None:
+        self.blocks, self.sync = blocks, sync
+        self.params = params
+        n = len(blocks)
+        self.fwd: list[list[float]] = [[] for _ in range(n)]
+        self.bwd: list[list[float]] = [[] for _ in range(n)]
+        self.saved, self.hidden = [0] * n, [0] * n
+        self.order: list[int] = []
+        self._t0, self._counter, self._ctx = 0.0, _SavedBytes(params), ExitStack()
+
+    def attach(self) -> list:
+        handles = []
+        for i, b in enumerate(self.blocks):
+            handles += [b.module.register_forward_pre_hook(lambda m, a, i=i: self._pre(i, a)),
+                        b.module.register_forward_hook(lambda m, a, o, i=i: self._post(i)),
+                        b.module.register_full_backward_pre_hook(lambda m, g, i=i: self._bpre()),
+                        b.module.register_full_backward_hook(lambda m, gi, go, i=i: self._bpost(i))]
+        return handles
+
+    def _pre(self, i: int, args: tuple) -> None:
+        self.order.append(i)
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        self.hidden[i] = first.numel() * first.element_size() if first is not None else 0
+        self._counter = _SavedBytes(self.params)
+        self._ctx.enter_context(self._counter.hooks())
+        self.sync()
+        self._t0 = time.perf_counter()
+
+    def _post(self, i: int) -> None:
+        self.sync()
+        self.fwd[i].append(time.perf_counter() - self._t0)
+        self._ctx.close()
+        self.saved[i] = max(self.saved[i], self._counter.bytes)
+
+    def _bpre(self) -> None:
+        self.sync()
+        self._t0 = time.perf_counter()
+
+    def _bpost(self, i: int) -> None:
+        self.sync()
+        self.bwd[i].append(time.perf_counter() - self._t0)
+
+
+def measure_profile(model: nn.Module, blocks: list[Block], step: Callable[[], None], machine: MachineProfile,
+                    precision: str, key: str, page: int, steps: int = 3) -> Profile:
+    """Run ``step`` (one forward+backward on a batch of the run's shape) once to warm up and
+    ``steps`` times with the hooks on; median times per block. Gradients are dropped after."""
+    repeated, rest = blocks[:-1], blocks[-1]
+    cuda = next(model.parameters()).is_cuda
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    step()
+    params = {p.untyped_storage().data_ptr() for b in blocks for _, p in b.params}
+    timer = _BlockTimer(repeated, params, sync)
+    handles = timer.attach()
+    totals, outside = [], _SavedBytes(params)   # what the embeddings and head save
+    try:
+        for _ in range(steps):
+            timer.order.clear()
+            outside = _SavedBytes(params)
+            sync()
+            t = time.perf_counter()
+            with outside.hooks():      # the blocks' own hooks, entered later, take their tensors
+                step()
+            sync()
+            totals.append(time.perf_counter() - t)
+    finally:
+        for h in handles:
+            h.remove()
+        model.zero_grad(set_to_none=True)
+    med = statistics.median
+    numel = [ChunkLayout.build([(n, tuple(p.shape)) for n, p in b.params]).numel for b in blocks]
+    out = tuple(BlockProfile(b.name, med(timer.fwd[i]) / max(1, timer.order.count(i)),
+                             med(timer.bwd[i]) / max(1, timer.order.count(i)), numel[i], timer.saved[i],
+                             timer.hidden[i]) for i, b in enumerate(repeated))
+    left = max(med(totals) - sum(b.forward_s + b.backward_s for b in out), 0.0)
+    rest_profile = BlockProfile(rest.name, left / 3, 2 * left / 3, numel[-1], outside.bytes, 0)
+    return Profile(out, rest_profile, machine, compute_bytes=COMPUTE_BYTES[precision], key=key, page=page,
+                   order=tuple(timer.order))
+
+
+def cached_profile(key: str, measure: Callable[[], Profile], use_cache: bool = True) -> tuple[Profile, bool]:
+    """(profile, whether it came from the cache). A damaged cache file is measured again."""
+    path = _cache_path(key)
+    if use_cache and path.is_file():
+        try:
+            found = Profile.from_json(path.read_text())
+            if found.key == key:
+                return found, True
+        except (ConfigError, OSError):  # a damaged file: measure again and overwrite it
+            pass
+    profile = measure()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    profile.save(path)
+    return profile, False

@@ -92,7 +92,7 @@ def test_tiertrain_plan_writes_a_plan_that_trains_within_its_budgets(tmp_path):
 
     plan_file, png = tmp_path / "plan.json", tmp_path / "step.png"
     r = run_cli("plan", "--model", "tiny", "--batch", "4", "--seq", "32", "--device-memory", "4MiB",
-                "--host-memory", "256MiB", "--out", str(plan_file), "--png", str(png))
+                "--host-memory", "256MiB", "--page-size", "64KiB", "--out", str(plan_file), "--png", str(png))
     assert r.returncode == 0, r.stderr
     assert "predicted step" in r.stdout and "bottleneck" in r.stdout and "greedy" in r.stdout
     plan = Plan.from_json(plan_file.read_text()).validate(2)
@@ -109,3 +109,169 @@ def test_tiertrain_plan_writes_a_plan_that_trains_within_its_budgets(tmp_path):
     assert r.returncode == 2 and "no plan fits" in r.stderr and "would" in r.stderr
     assert not (tmp_path / "none.json").exists()
     assert json.loads(plan_file.read_text())["blocks"]  # the earlier plan is untouched
+
+
+def _tiny_gpt(layers: int = 3):
+    import torch
+
+    from tiertrain.models import ModelConfig, build
+
+    torch.manual_seed(0)
+    return build(ModelConfig(n_layer=layers, n_head=4, d_model=64, d_ffn=256, vocab_size=256, max_seq_len=64, name="t"))
+
+
+def _measured(model, batch: int = 4, seq: int = 32, page: int = 64 << 10):
+    import torch
+
+    from tiertrain.engine.objective import lm_loss
+    from tiertrain.engine.profiling import measure_profile
+    from tiertrain.runtime.blocks import find_blocks
+
+    x = torch.randint(0, 256, (batch, seq + 1), generator=torch.Generator().manual_seed(1))
+    machine = MachineProfile(h2d_bps=1e10, d2h_bps=1e10, disk_read_bps=1e9, disk_write_bps=1e9,
+                             adam_params_per_s=1e9, device_is_host=True)
+    return measure_profile(model, find_blocks(model), lambda: lm_loss(model, x[:, :-1], x[:, 1:]).backward(),
+                           machine, "fp32", "test", page, steps=2)
+
+
+def test_the_profiler_measures_each_block_and_leaves_the_model_as_it_was():
+    """Input bytes exactly b*s*d*4; saved bytes above that; every time positive; the call order;
+    no hook, checkpoint wrapper or gradient left behind."""
+    import torch
+
+    model = _tiny_gpt(3)
+    before = [p.detach().clone() for p in model.parameters()]
+    prof = _measured(model)
+    assert [b.name for b in prof.blocks] == ["blocks.0", "blocks.1", "blocks.2"] and prof.order == (0, 1, 2)
+    for b in prof.blocks:
+        assert b.hidden_bytes == 4 * 32 * 64 * 4
+        assert b.act_bytes > 4 * b.hidden_bytes            # q, k, v, attention, the MLP's 4x wide hidden...
+        assert b.forward_s > 0 and b.backward_s > 0 and b.recompute_s is not None and b.recompute_s >= 0
+        assert b.params == sum(p.numel() for p in model.blocks[0].parameters())
+    assert prof.rest.act_bytes > 0 and prof.page == 64 << 10
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert "forward" not in vars(model.blocks[0])             # the checkpoint wrapper is gone
+    assert not any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks for m in model.modules())
+
+
+def test_profiles_are_cached_per_key_and_a_damaged_cache_is_measured_again(tmp_path, monkeypatch):
+    from tiertrain.engine import profiling
+
+    monkeypatch.setattr(profiling, "cache_dir", lambda: tmp_path)
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return Profile(synthetic(2).blocks, synthetic(2).rest, synthetic(2).machine, key="k1")
+
+    first, cached = profiling.cached_profile("k1", measure)
+    assert not cached and len(calls) == 1
+    again, cached = profiling.cached_profile("k1", measure)
+    assert cached and len(calls) == 1 and again == first
+    profiling._cache_path("k1").write_text("{ not json")
+    _, cached = profiling.cached_profile("k1", measure)
+    assert not cached and len(calls) == 2
+
+
+def test_every_solver_plan_fits_the_runtime_check_and_runs_within_its_device_budget():
+    """Plans from a measured profile over a sweep of device budgets, from one slot to all resident:
+    the runtime's own count accepts every solver's plan at every budget (one accounting of bytes on
+    both sides, pages included), and plans that stream run two steps within the budget."""
+    import dataclasses
+
+    import torch
+
+    import tiertrain
+    from tiertrain.engine.objective import lm_loss
+    from tiertrain.engine.optimizer import make_adamw
+    from tiertrain.memory import Budgets, Tier
+    from tiertrain.planner.auto import candidates
+    from tiertrain.planner.solvers import SOLVERS
+    from tiertrain.runtime.blocks import find_blocks
+    from tiertrain.runtime.budget_check import needs
+
+    page = 64 << 10
+    model = _tiny_gpt(4)
+    prof, blocks = _measured(model, page=page), find_blocks(model)
+    x = torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(2))
+    block, rest = prof.blocks[0].params * 4, prof.rest.params * 4
+    checked, ran = 0, 0
+    for step in range(24):
+        device = block + rest + step * page
+        pb = Problem(prof, device=device, host=256 * MiB, disk=0)
+        for cand in candidates(pb, update="sync", solvers=tuple(SOLVERS)):
+            if cand.plan is None:
+                continue
+            assert needs(blocks, cand.plan, page)[Tier.DEVICE] <= device, (device, cand.solver)
+            assert cand.sim.peaks["device"] <= device
+            checked += 1
+            if ran < 2 and any(b.stream for b in cand.plan.blocks):
+                fresh = _tiny_gpt(4)
+                opt, _ = make_adamw(fresh, 1e-3, (0.9, 0.95), 1e-8, 0.1)
+                tm, topt = tiertrain.setup(fresh, opt, Budgets(device=device, host=256 * MiB),
+                                           plan=dataclasses.replace(cand.plan, name=cand.solver), page_size=page)
+                try:
+                    for _ in range(2):
+                        lm_loss(tm, x[:, :-1], x[:, 1:]).backward()
+                        topt.step()
+                        topt.zero_grad()
+                    assert tm.runtime.mem.stats()["device"]["pages_peak_bytes"] <= device
+                finally:
+                    tm.runtime.close()
+                    tm.runtime.mem.close()
+                ran += 1
+    assert checked >= 40 and ran == 2
+
+
+def test_on_a_cpu_only_machine_the_lanes_share_the_cores():
+    """With the device in host RAM, copies, updates and compute add up; with an accelerator they overlap."""
+    import dataclasses
+
+    from tiertrain.plan import builtin_plan
+    from tiertrain.planner.simulator import RESOURCES, simulate
+
+    prof = synthetic(6)
+    plan = builtin_plan("stream", 6, update="overlap")
+    gpu = simulate(plan, prof)
+    cpu = simulate(plan, dataclasses.replace(prof, machine=dataclasses.replace(prof.machine, device_is_host=True)))
+    total = sum(cpu.timeline.busy(r) for r in RESOURCES)
+    assert cpu.step_s == pytest.approx(total) and gpu.step_s < 0.9 * total
+    assert cpu.peaks["device"] < gpu.peaks["device"]          # activations are not in the CPU device pool
+
+
+def test_setup_with_plan_auto_needs_a_profile_step():
+    import torch
+
+    import tiertrain
+    from tiertrain.errors import ConfigError
+    from tiertrain.memory import Budgets
+
+    model = _tiny_gpt(2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(ConfigError, match="profile_step"):
+        tiertrain.setup(model, opt, Budgets(device=64 * MiB, host=256 * MiB), plan="auto")
+
+
+def test_train_plan_auto_trains_like_plain_and_records_the_prediction(tmp_path):
+    """--plan auto under a budget that forces streaming: the same losses as plain PyTorch, bitwise;
+    the plan it ran in plan.json; after warm-up, each metrics row has the prediction beside the
+    measurement."""
+    from conftest import read_metrics, run_cli
+    from tiertrain.plan import Plan
+
+    common = ["--model", "tiny", "--steps", "5", "--batch-size", "4", "--seq-len", "32", "--quiet"]
+    r = run_cli("train", *common, "--out", str(tmp_path / "plain"))
+    assert r.returncode == 0, r.stderr
+    r = run_cli("train", *common, "--plan", "auto", "--device-memory", "160KiB", "--host-memory", "256MiB",
+                "--page-size", "4KiB", "--out", str(tmp_path / "auto"))
+    assert r.returncode == 0, r.stderr
+    plain, auto = read_metrics(tmp_path / "plain"), read_metrics(tmp_path / "auto")
+    assert [row["loss"] for row in auto] == [row["loss"] for row in plain]
+    plan = Plan.from_json((tmp_path / "auto" / "plan.json").read_text())
+    assert plan.name.startswith("auto/") and any(b.stream for b in plan.blocks)
+    assert all("predicted" not in row for row in auto[:2])
+    for row in auto[2:]:
+        assert row["predicted"]["step_s"] > 0 and row["step_s"] > 0
+        assert 0 < row["peak_bytes"]["device"] <= 160 << 10
+        assert row["predicted"]["device_peak"] <= 160 << 10

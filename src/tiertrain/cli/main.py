@@ -166,6 +166,29 @@ def bench_offload_cmd(d_model: int, layers: int, batch_size: int, seq_len: int, 
     bench_offload(d_model, layers, batch_size, seq_len, disk_dir, repeats, click.echo)
 
 
+@bench.command("planner", context_settings=CONTEXT)
+@click.option("--d-model", type=int, default=512, show_default=True)
+@click.option("--layers", type=int, default=6, show_default=True)
+@click.option("--batch-size", type=int, default=8, show_default=True)
+@click.option("--seq-len", type=int, default=256, show_default=True)
+@click.option("--steps", type=int, default=6, show_default=True, help="Measured steps per plan, after 2 of warm-up.")
+@click.option("--disk-dir", type=click.Path(file_okay=False), help="Disk tier directory (default: a temporary one here).")
+@click.option("--part", type=click.Choice(["solver", "fidelity", "auto", "all"]), default="all", show_default=True)
+def bench_planner_cmd(d_model: int, layers: int, batch_size: int, seq_len: int, steps: int, disk_dir: str | None,
+                      part: str) -> None:
+    """DP speed against 2 s; the simulator's predictions against measured runs of 5 plans; auto against built-ins."""
+    from tiertrain.bench.machine import describe
+    from tiertrain.bench.planner import bench_auto, bench_fidelity, bench_solver
+
+    click.echo(f"machine: {describe(disk_dir)}")
+    if part in ("solver", "all"):
+        bench_solver(100, 128, click.echo)
+    if part in ("fidelity", "all"):
+        bench_fidelity(d_model, layers, batch_size, seq_len, steps, disk_dir, click.echo)
+    if part in ("auto", "all"):
+        bench_auto(d_model, layers, batch_size, seq_len, steps, click.echo)
+
+
 @cli.command("plan", context_settings=CONTEXT)
 @click.option("--model", help="Model name or config file (profiled from its config at this machine's measured speeds).")
 @click.option("--batch", "batch", type=int, default=1, show_default=True, help="Sequences per micro-batch.")
@@ -178,13 +201,15 @@ def bench_offload_cmd(d_model: int, layers: int, batch_size: int, seq_len: int, 
 @click.option("--solver", "solvers", multiple=True, type=click.Choice(["dp", "greedy", "random", "stronghold"]),
               help="Solvers to run (default: all); the best predicted plan is chosen.")
 @click.option("--levels", type=int, default=128, show_default=True, help="Device memory discretisation of the DP.")
+@click.option("--page-size", help='Memory page size the plan will run with, e.g. "4MiB" (default: measured, as train).')
 @click.option("--out", type=click.Path(dir_okay=False), default="plan.json", show_default=True, help="Write the plan JSON here.")
 @click.option("--png", type=click.Path(dir_okay=False), help="Write the resource timelines and tier memory here.")
 def plan_cmd(model: str | None, batch: int, seq: int | None, precision: str, device_memory: str, host_memory: str,
-             disk: str | None, profile_file: str | None, solvers: tuple[str, ...], levels: int, out: str,
-             png: str | None) -> None:
+             disk: str | None, profile_file: str | None, solvers: tuple[str, ...], levels: int,
+             page_size: str | None, out: str, png: str | None) -> None:
     """Choose a plan for a model under budgets, print it with its predicted step, and save it
     for `tiertrain train --plan FILE`."""
+    import dataclasses
     from pathlib import Path
 
     from tiertrain.cli.plan import print_plan, write_png
@@ -204,6 +229,14 @@ def plan_cmd(model: str | None, batch: int, seq: int | None, precision: str, dev
         profile = analytic_profile(cfg, batch, seq or cfg.max_seq_len, precision, budgets.disk_dir)
     else:
         raise click.UsageError("give --model NAME or --profile FILE")
+    if page_size or not profile.page:   # chunks take whole pages: plan with the ones the run will use
+        from tiertrain.memory.page_size import check_page_size, measured_page_size
+        from tiertrain.memory.system import compute_device
+        from tiertrain.units import parse_size
+
+        page = check_page_size(parse_size(page_size)) if page_size else measured_page_size(
+            budgets.disk_dir if budgets.disk else None, compute_device())
+        profile = dataclasses.replace(profile, page=page)
     pb = Problem(profile, budgets.device, budgets.host, budgets.disk, levels=levels)
     chosen, cands = choose(pb, solvers or tuple(SOLVERS))
     print_plan(chosen, cands, profile, Console())

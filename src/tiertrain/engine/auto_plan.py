@@ -64,7 +64,7 @@ def auto_plan(model: nn.Module, step: Callable[[], None], budgets: Budgets, page
 
 
 class ProfileStep:
-    """One plain forward+backward on random tokens of the run's shape (no optimizer, grads dropped)."""
+    """One plain forward+backward on random tokens of the run's shape (no optimizer step)."""
 
     def __init__(self, model: nn.Module, loss: Callable, vocab: int, batch: int, seq: int,
                  autocast: Callable, device: torch.device) -> None:
@@ -76,4 +76,3 @@ class ProfileStep:
         with self.autocast():
             loss = self.loss(self.model, self.tokens[:, :-1], self.tokens[:, 1:])
         loss.backward()
-        self.model.zero_grad(set_to_none=True)

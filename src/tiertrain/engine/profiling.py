@@ -34,7 +34,7 @@ def profile_key(model: nn.Module, shape: tuple[int, ...], precision: str, device
     """Which cached profile a run may reuse: same host, device kind, model structure, batch shape, dtype."""
     structure = hashlib.sha256(repr([(n, tuple(p.shape)) for n, p in model.named_parameters()]).encode()).hexdigest()
     name = getattr(getattr(model, "config", None), "name", "") or type(model).__name__
-    return f"{socket.gethostname()}/{device.type}/{name}-{structure[:12]}/{'x'.join(map(str, shape))}/{precision}"
+    return f"v2/{socket.gethostname()}/{device.type}/{name}-{structure[:12]}/{'x'.join(map(str, shape))}/{precision}"
 
 
 def _cache_path(key: str) -> Path:
@@ -59,16 +59,17 @@ class _SavedBytes:
 
 
 class _BlockTimer:
-    """Per-block hooks: wall time of forward and backward, saved bytes, input bytes, call order."""
+    """Per-block hooks: wall time of forward and backward; with ``count`` on, also the bytes saved
+    inside each block, its input's bytes and the call order (counting is kept out of timed passes)."""
 
     def __init__(self, blocks: list[Block], params: set[int], sync: Callable[[], None]) -> None:
-        self.blocks, self.sync = blocks, sync
-        self.params = params
+        self.blocks, self.params, self.sync = blocks, params, sync
         n = len(blocks)
         self.fwd: list[list[float]] = [[] for _ in range(n)]
         self.bwd: list[list[float]] = [[] for _ in range(n)]
         self.saved, self.hidden = [0] * n, [0] * n
         self.order: list[int] = []
+        self.count = False
         self._t0, self._counter, self._ctx = 0.0, _SavedBytes(params), ExitStack()
 
     def attach(self) -> list:
@@ -80,20 +81,26 @@ class _BlockTimer:
                         b.module.register_full_backward_hook(lambda m, gi, go, i=i: self._bpost(i))]
         return handles
 
+    def clear_times(self) -> None:
+        for times in (*self.fwd, *self.bwd):
+            times.clear()
+
     def _pre(self, i: int, args: tuple) -> None:
-        self.order.append(i)
-        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        self.hidden[i] = first.numel() * first.element_size() if first is not None else 0
-        self._counter = _SavedBytes(self.params)
-        self._ctx.enter_context(self._counter.hooks())
+        if self.count:
+            self.order.append(i)
+            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            self.hidden[i] = first.numel() * first.element_size() if first is not None else 0
+            self._counter = _SavedBytes(self.params)
+            self._ctx.enter_context(self._counter.hooks())
         self.sync()
         self._t0 = time.perf_counter()
 
     def _post(self, i: int) -> None:
         self.sync()
         self.fwd[i].append(time.perf_counter() - self._t0)
-        self._ctx.close()
-        self.saved[i] = max(self.saved[i], self._counter.bytes)
+        if self.count:
+            self._ctx.close()
+            self.saved[i] = max(self.saved[i], self._counter.bytes)
 
     def _bpre(self) -> None:
         self.sync()
@@ -104,41 +111,66 @@ class _BlockTimer:
         self.bwd[i].append(time.perf_counter() - self._t0)
 
 
+def _checkpointed(blocks: list[Block]) -> ExitStack:
+    """Run each block under non-reentrant checkpoint while the stack is open (the recompute pass)."""
+    from torch.utils.checkpoint import checkpoint
+
+    stack = ExitStack()
+    for b in blocks:
+        plain = b.module.forward
+        b.module.forward = lambda *a, f=plain, **k: checkpoint(f, *a, use_reentrant=False, **k)
+        stack.callback(delattr, b.module, "forward")
+    return stack
+
+
 def measure_profile(model: nn.Module, blocks: list[Block], step: Callable[[], None], machine: MachineProfile,
                     precision: str, key: str, page: int, steps: int = 3) -> Profile:
-    """Run ``step`` (one forward+backward on a batch of the run's shape) once to warm up and
-    ``steps`` times with the hooks on; median times per block. Gradients are dropped after."""
+    """Warm up with one ``step`` (a forward+backward at the run's shape), count saved bytes and the
+    call order in a second, then time ``steps`` plain steps and ``steps`` with every block
+    checkpointed (their backward minus the plain one is the recompute). Gradients accumulate in
+    place between steps, as in a run, and are dropped at the end."""
     repeated, rest = blocks[:-1], blocks[-1]
     cuda = next(model.parameters()).is_cuda
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    step()
     params = {p.untyped_storage().data_ptr() for b in blocks for _, p in b.params}
     timer = _BlockTimer(repeated, params, sync)
+    outside = _SavedBytes(params)   # what the embeddings and head save
     handles = timer.attach()
-    totals, outside = [], _SavedBytes(params)   # what the embeddings and head save
+    med = statistics.median
     try:
-        for _ in range(steps):
-            timer.order.clear()
-            outside = _SavedBytes(params)
-            sync()
-            t = time.perf_counter()
-            with outside.hooks():      # the blocks' own hooks, entered later, take their tensors
-                step()
-            sync()
-            totals.append(time.perf_counter() - t)
+        step()
+        timer.count = True
+        with outside.hooks():       # the blocks' own counters, entered later, take their tensors
+            step()
+        timer.count = False
+        timer.clear_times()
+        totals = [_timed(step, sync) for _ in range(steps)]
+        fwd, bwd = [med(t) for t in timer.fwd], [med(t) for t in timer.bwd]
+        timer.clear_times()
+        with _checkpointed(repeated):
+            for _ in range(steps):
+                _timed(step, sync)
+        recompute = [max(med(t) - b, 0.0) for t, b in zip(timer.bwd, bwd)]
     finally:
         for h in handles:
             h.remove()
         model.zero_grad(set_to_none=True)
-    med = statistics.median
     numel = [ChunkLayout.build([(n, tuple(p.shape)) for n, p in b.params]).numel for b in blocks]
-    out = tuple(BlockProfile(b.name, med(timer.fwd[i]) / max(1, timer.order.count(i)),
-                             med(timer.bwd[i]) / max(1, timer.order.count(i)), numel[i], timer.saved[i],
-                             timer.hidden[i]) for i, b in enumerate(repeated))
-    left = max(med(totals) - sum(b.forward_s + b.backward_s for b in out), 0.0)
+    out = tuple(BlockProfile(b.name, fwd[i], bwd[i], numel[i], timer.saved[i], timer.hidden[i], recompute[i])
+                for i, b in enumerate(repeated))
+    calls = [timer.order.count(i) for i in range(len(repeated))]
+    left = max(med(totals) - sum(c * (b.forward_s + b.backward_s) for c, b in zip(calls, out)), 0.0)
     rest_profile = BlockProfile(rest.name, left / 3, 2 * left / 3, numel[-1], outside.bytes, 0)
     return Profile(out, rest_profile, machine, compute_bytes=COMPUTE_BYTES[precision], key=key, page=page,
                    order=tuple(timer.order))
+
+
+def _timed(step: Callable[[], None], sync: Callable[[], None]) -> float:
+    sync()
+    t = time.perf_counter()
+    step()
+    sync()
+    return time.perf_counter() - t
 
 
 def cached_profile(key: str, measure: Callable[[], Profile], use_cache: bool = True) -> tuple[Profile, bool]:

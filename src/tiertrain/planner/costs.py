@@ -65,7 +65,7 @@ def block_seconds(b: BlockProfile, c: Choice, m: MachineProfile, compute_bytes: 
     stash_out = saved / m.d2h_bps if c.offload_hidden else 0.0
     stash_in = saved / m.h2d_bps if c.offload_hidden else 0.0
     grads_out = b.params * GRAD_BYTES / m.d2h_bps
-    recompute = b.forward_s if c.recompute else 0.0
+    recompute = b.recompute_seconds if c.recompute else 0.0
     if window < 2 and c.stream:  # one slot: a block's copy cannot start while another computes
         fwd = b.forward_s + fetch + stash_out
         bwd = b.backward_s + recompute + fetch + stash_in + grads_out

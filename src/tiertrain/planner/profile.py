@@ -18,11 +18,16 @@ from tiertrain.errors import ConfigError
 @dataclass(frozen=True)
 class BlockProfile:
     name: str
-    forward_s: float             # one forward of the block (recompute costs the same again)
+    forward_s: float             # one forward of the block
     backward_s: float            # its backward, without recompute
     params: int                  # parameter count
     act_bytes: int               # everything autograd saves inside the block
     hidden_bytes: int            # the block's input: all that recompute keeps
+    recompute_s: float | None = None  # the forward again inside backward (None: as long as forward_s)
+
+    @property
+    def recompute_seconds(self) -> float:
+        return self.forward_s if self.recompute_s is None else self.recompute_s
 
     def param_bytes(self, dtype_bytes: int) -> int:
         return self.params * dtype_bytes

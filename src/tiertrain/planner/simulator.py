@@ -112,7 +112,7 @@ def simulate(plan: Plan, p: Profile, needs_all_grads: bool = False) -> Simulatio
             if bp.offload_hidden:
                 change(arrived, "host", -saved)
                 change(arrived, "device", saved * acts)
-        work = b.backward_s + (b.forward_s if bp.recompute else 0.0)
+        work = b.backward_s + (b.recompute_seconds if bp.recompute else 0.0)
         s, e = tl.run("compute", ready, work, f"bwd {b.name}")
         bstarts.append(s)
         bends.append(e)
@@ -122,7 +122,7 @@ def simulate(plan: Plan, p: Profile, needs_all_grads: bool = False) -> Simulatio
         change(grads_done[i], "host", pages(b.params * GRAD_BYTES, p.page, bound=False))
     _, device_end = tl.run("compute", last_done, p.rest.backward_s / 2, "embed bwd")
     _updates(plan, p, tl, grads_done, bstarts, order, device_end, needs_all_grads, change)
-    step = _step_time(plan, tl, device_end, needs_all_grads)
+    step = _step_time(plan, tl, device_end, needs_all_grads, m.device_is_host)
     peaks = {t: max(v for _, tier, v in curve if tier == t) for t in ("device", "host", "disk")}
     peaks["device"] += max(b.act_bytes for b in p.blocks) * acts   # one block's activations while it computes
     bottleneck = max(RESOURCES, key=tl.busy)
@@ -145,11 +145,14 @@ def _updates(plan, p, tl, grads_done, bstarts, order, device_end, needs_all_grad
            p.rest.params / m.adam_params_per_s, "adam rest")
 
 
-def _step_time(plan: Plan, tl: Timeline, device_end: float, needs_all_grads: bool) -> float:
+def _step_time(plan: Plan, tl: Timeline, device_end: float, needs_all_grads: bool, device_is_host: bool) -> float:
     """Sync: the step ends with its last update. Otherwise updates hide behind the next step's
-    compute as far as the busiest resource allows."""
+    compute as far as the busiest resource allows. On a CPU-only machine every lane runs on the
+    same cores (copies are memcpy, the disk's I/O threads copy and checksum, torch's compute
+    threads take all cores), so the lanes' work adds up instead of overlapping."""
     last = max(e for _, _, e, _ in tl.tasks)
+    shared = sum(tl.busy(r) for r in RESOURCES) if device_is_host else 0.0
     if plan.update == "sync":
-        return last
+        return max(last, shared)
     bound = max(tl.busy(r) for r in RESOURCES)
-    return max(device_end, bound, last - device_end if needs_all_grads else 0.0)
+    return max(device_end, bound, shared, last - device_end if needs_all_grads else 0.0)

@@ -1,0 +1,205 @@
+"""Planner benchmarks, each figure beside its limit or its peer, measured in the same run.
+
+``solver``: the DP's time for 100 blocks, m=128 device levels and the full switch set,
+against the 2 s limit (H3T's Python DP took minutes, its Table 5).
+
+``fidelity``: for plans of different character on one model, the simulator's predicted step
+time and device peak (from a profile measured here) against the step time and the device
+pool's page peak measured by running each plan; limits 10% and 5%.
+
+``auto``: the auto plan against every built-in plan that fits, run on the same model under
+a loose and a tight device budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from tiertrain.engine.objective import lm_loss
+from tiertrain.engine.optimizer import make_adamw
+from tiertrain.engine.profiling import measure_profile, profile_key
+from tiertrain.memory import Budgets, Tier
+from tiertrain.models import ModelConfig, build, param_count
+from tiertrain.plan import BlockPlan, Plan, builtin_plan
+from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
+from tiertrain.planner.profiler import probe_machine
+from tiertrain.planner.simulator import simulate
+from tiertrain.planner.solvers import Problem, dynamic_programming
+from tiertrain.runtime.blocks import find_blocks
+from tiertrain.units import format_bytes
+
+MiB = 1 << 20
+WARMUP = 2
+
+
+def synthetic_profile(n_blocks: int) -> Profile:
+    """A GPT-like stack whose numbers make every switch worth something somewhere."""
+    blocks = tuple(BlockProfile(f"b{i}", 0.010 * (1 + 0.1 * (i % 7)), 0.020 * (1 + 0.1 * (i % 5)), 12 * MiB // 4,
+                                (64 + 8 * (i % 3)) * MiB, 4 * MiB) for i in range(n_blocks))
+    machine = MachineProfile(h2d_bps=12e9, d2h_bps=12e9, disk_read_bps=2e9, disk_write_bps=1.5e9,
+                             adam_params_per_s=1e9)
+    return Profile(blocks, BlockProfile("rest", 0.002, 0.004, 8 * MiB, 32 * MiB, 4 * MiB), machine)
+
+
+def bench_solver(n_blocks: int, levels: int, out: Callable[[str], None]) -> dict:
+    p = synthetic_profile(n_blocks)
+    total = sum(b.params * 16 + b.act_bytes for b in p.blocks)
+    pb = Problem(p, device=total // 3, host=total * 2, disk=total * 4, levels=levels)
+    times, found = [], None
+    for _ in range(3):
+        t = time.perf_counter()
+        found = dynamic_programming(pb)
+        times.append(time.perf_counter() - t)
+    out(f"DP over {n_blocks} blocks x 16 switch choices, m={levels} device levels, {pb.host_levels} host levels, "
+        f"windows {pb.windows}: {min(times):.3f} s (best of 3; max {max(times):.3f} s); limit 2 s"
+        + ("" if found else "  [found no plan: the instance is too tight]"))
+    return {"seconds": min(times), "found": found is not None}
+
+
+def _bench_model(d: int, layers: int) -> ModelConfig:
+    return ModelConfig(n_layer=layers, n_head=8, d_model=d, d_ffn=4 * d, vocab_size=256, max_seq_len=1024,
+                       name=f"bench-d{d}-l{layers}")
+
+
+def fidelity_plans(n: int, disk: bool) -> dict[str, Plan]:
+    """Five characters: all resident; a streaming window; recompute and a one-slot window;
+    states homed on disk; and the same on disk without waiting for the optimizer."""
+    plans = {"resident": builtin_plan("resident", n), "stream": builtin_plan("stream", n),
+             "max-offload": builtin_plan("max-offload", n, disk=False)}
+    if disk:
+        on_disk = BlockPlan(home=Tier.DISK, stream=True, param_copy=True)
+        plans["disk-homed"] = Plan((on_disk,) * n, BlockPlan(home=Tier.HOST), window=2, prefetch=1,
+                                   update="overlap", name="disk-homed")
+        plans["lockfree"] = dataclasses.replace(plans["disk-homed"], update="lockfree", name="lockfree")
+    return plans
+
+
+class _Run:
+    """A model of the benchmark's config, a batch, and a way to time steps of it under a plan."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, seq: int) -> None:
+        self.cfg = cfg
+        self.x = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
+
+    def fresh(self) -> torch.nn.Module:
+        torch.manual_seed(0)
+        return build(self.cfg)
+
+    def profile(self, disk_dir: str | None, page: int) -> Profile:
+        model = self.fresh()
+
+        def step() -> None:
+            lm_loss(model, self.x[:, :-1], self.x[:, 1:]).backward()
+
+        machine, _ = probe_machine(disk_dir)
+        return measure_profile(model, find_blocks(model), step, machine, "fp32",
+                               profile_key(model, tuple(self.x.shape), "fp32", torch.device("cpu")), page, steps=5)
+
+    def measure(self, plan: Plan | str, budgets: Budgets, page: int, steps: int,
+                update: str | None = None) -> tuple[list[float], int, Plan]:
+        """(step seconds after warm-up, device pool page peak, the plan that ran)."""
+        import tiertrain
+
+        model = self.fresh()
+        opt, _ = make_adamw(model, 1e-3, (0.9, 0.95), 1e-8, 0.1)
+
+        def profile_step() -> None:
+            lm_loss(model, self.x[:, :-1], self.x[:, 1:]).backward()
+
+        profile_step.shape = tuple(self.x.shape)
+        tm, topt = tiertrain.setup(model, opt, budgets, plan=plan, page_size=page, update=update,
+                                   profile_step=profile_step)
+        times = []
+        try:
+            for _ in range(steps + WARMUP):
+                t = time.perf_counter()
+                lm_loss(tm, self.x[:, :-1], self.x[:, 1:]).backward()
+                topt.step()
+                topt.zero_grad()
+                times.append(time.perf_counter() - t)
+            peak = tm.runtime.mem.stats()["device"]["pages_peak_bytes"]
+        finally:
+            tm.runtime.close()
+            tm.runtime.mem.close()
+        return times[WARMUP:], peak, tm.runtime.plan
+
+
+def bench_fidelity(d: int, layers: int, batch: int, seq: int, steps: int, disk_dir: str | None,
+                   out: Callable[[str], None]) -> dict:
+    cfg = _bench_model(d, layers)
+    run, page = _Run(cfg, batch, seq), MiB
+    directory = Path(disk_dir or tempfile.mkdtemp(prefix="tiertrain-bench-", dir="."))
+    n = param_count(cfg)
+    profile = run.profile(str(directory), page)
+    room = max(256 * MiB, 64 * n)
+    budgets = Budgets(device=room, host=room, disk=room, disk_dir=str(directory))
+    out(f"model {n / 1e6:.1f}M params ({layers} blocks, d {d}), batch {batch} x {seq}, page {format_bytes(page)}; "
+        f"profile measured here ({sum(b.forward_s + b.backward_s for b in profile.blocks) * 1e3:.0f} ms of block compute)")
+    m = profile.machine
+    out(f"machine profile: copies {m.h2d_bps / 1e9:.1f} GB/s in, {m.d2h_bps / 1e9:.1f} GB/s out; disk "
+        f"{m.disk_read_bps / 1e9:.2f} GB/s read, {m.disk_write_bps / 1e9:.2f} GB/s write; AdamW "
+        f"{m.adam_params_per_s / 1e6:.0f} M params/s")
+    plans = fidelity_plans(layers, disk=True)
+    measured: dict[str, list[float]] = {name: [] for name in plans}
+    peaks = {}
+    for _ in range(2):   # two rounds, plans interleaved, so a slow spell of a shared machine hits them all
+        for name, plan in plans.items():
+            times, peaks[name], _ = run.measure(plan, budgets, page, steps // 2)
+            measured[name] += times
+    results = {}
+    for name, plan in plans.items():
+        sim = simulate(plan, profile)
+        step_s, peak = statistics.median(measured[name]), peaks[name]
+        t_err, m_err = sim.step_s / step_s - 1, sim.peaks["device"] / max(peak, 1) - 1
+        results[name] = {"predicted_s": sim.step_s, "measured_s": step_s, "predicted_peak": sim.peaks["device"],
+                         "measured_peak": peak, "step_error": t_err, "peak_error": m_err}
+        out(f"{name:12s} step predicted {sim.step_s * 1e3:7.1f} ms, measured {step_s * 1e3:7.1f} ms "
+            f"({t_err * 100:+5.1f}%, limit 10%); device peak predicted {format_bytes(sim.peaks['device'])}, "
+            f"measured {format_bytes(peak)} ({m_err * 100:+5.1f}%, limit 5%); bottleneck {sim.bottleneck}")
+    if disk_dir is None:
+        import shutil
+
+        shutil.rmtree(directory, ignore_errors=True)
+    return results
+
+
+def bench_auto(d: int, layers: int, batch: int, seq: int, steps: int, out: Callable[[str], None]) -> dict:
+    """Under each device budget, every built-in plan that fits and the auto plan, all with overlapped updates."""
+    from tiertrain.runtime.budget_check import PlanDoesNotFit
+
+    cfg = _bench_model(d, layers)
+    run, page, n = _Run(cfg, batch, seq), MiB, param_count(cfg)
+    block = n // (layers + 1)
+    # tight: room for a few blocks' params and no states; tightest: under the built-ins' two slots
+    budgets = {"loose": 32 * n, "tight": 6 * block * 4, "tightest": 2 * block * 4}
+    results = {}
+    for label, device in budgets.items():
+        b = Budgets(device=device, host=max(256 * MiB, 64 * n))
+        out(f"device budget {label} ({format_bytes(device)}), model {n / 1e6:.1f}M params, batch {batch} x {seq}:")
+        times = {}
+        for name in ("resident", "stream", "max-offload", "auto"):
+            try:
+                step_times, peak, plan = run.measure(name, b, page, steps, update="overlap")
+            except PlanDoesNotFit:
+                out(f"  {name:12s} does not fit")
+                continue
+            times[name] = step_s = statistics.median(step_times)
+            detail = (f" ({plan.name}: {sum(x.stream for x in plan.blocks)}/{layers} streamed, window {plan.window}, "
+                      f"{sum(x.recompute for x in plan.blocks)} recompute)") if name == "auto" else ""
+            out(f"  {name:12s} step {step_s * 1e3:7.1f} ms, device peak {format_bytes(peak)}{detail}")
+        builtin = {k: v for k, v in times.items() if k != "auto"}
+        if "auto" in times and builtin:
+            best = min(builtin, key=builtin.get)
+            out(f"  auto against the best built-in ({best}): {builtin[best] / times['auto']:.2f}x "
+                f"(target >= 1.00 within noise; faster where memory is tight)")
+        elif "auto" in times:
+            out("  auto trains where no built-in plan fits")
+        results[label] = times
+    return results

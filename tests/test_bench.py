@@ -15,3 +15,15 @@ def test_bench_offload_prints_step_time_beside_the_bound(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("overlap efficiency") == 4 and "lockfree against sync" in r.stdout and "raw O_DIRECT" in r.stdout
     assert list((tmp_path / "d").iterdir()) == []
+
+
+def test_bench_planner_prints_each_figure_beside_its_limit(tmp_path):
+    r = run_cli("bench", "planner", "--d-model", "64", "--layers", "2", "--batch-size", "2", "--seq-len", "16",
+                "--steps", "2", "--disk-dir", str(tmp_path / "d"), timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "limit 2 s" in r.stdout
+    for plan in ("resident", "stream", "max-offload", "disk-homed", "lockfree"):
+        line = next(x for x in r.stdout.splitlines() if x.startswith(plan) and "predicted" in x)
+        assert "limit 10%" in line and "limit 5%" in line
+    assert r.stdout.count("auto against the best built-in") + r.stdout.count("auto trains where no built-in") == 3
+    assert list((tmp_path / "d").iterdir()) == []

@@ -28,6 +28,7 @@ from tiertrain.engine.profiling import measure_profile, profile_key
 from tiertrain.memory import Budgets, Tier
 from tiertrain.models import ModelConfig, build, param_count
 from tiertrain.plan import BlockPlan, Plan, builtin_plan
+from tiertrain.plan_bytes import pages
 from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
 from tiertrain.planner.profiler import probe_machine
 from tiertrain.planner.simulator import simulate
@@ -172,13 +173,17 @@ def bench_fidelity(d: int, layers: int, batch: int, seq: int, steps: int, disk_d
 
 def bench_auto(d: int, layers: int, batch: int, seq: int, steps: int, out: Callable[[str], None]) -> dict:
     """Under each device budget, every built-in plan that fits and the auto plan, all with overlapped updates."""
+    from tiertrain.planner.auto import NoPlanFits
     from tiertrain.runtime.budget_check import PlanDoesNotFit
 
     cfg = _bench_model(d, layers)
     run, page, n = _Run(cfg, batch, seq), MiB, param_count(cfg)
-    block = n // (layers + 1)
-    # tight: room for a few blocks' params and no states; tightest: under the built-ins' two slots
-    budgets = {"loose": 32 * n, "tight": 6 * block * 4, "tightest": 2 * block * 4}
+    first = build(cfg)
+    blk = pages(sum(p.numel() for p in first.blocks[0].parameters()) * 4, page)
+    rest = pages((n - layers * sum(p.numel() for p in first.blocks[0].parameters())) * 4, page)
+    # tight: room for the rest and a few blocks' params, no states; tightest: one slot, under the
+    # two slots every streaming built-in needs
+    budgets = {"loose": 32 * n + rest, "tight": rest + 4 * blk, "tightest": rest + blk + blk // 2}
     results = {}
     for label, device in budgets.items():
         b = Budgets(device=device, host=max(256 * MiB, 64 * n))
@@ -187,7 +192,7 @@ def bench_auto(d: int, layers: int, batch: int, seq: int, steps: int, out: Calla
         for name in ("resident", "stream", "max-offload", "auto"):
             try:
                 step_times, peak, plan = run.measure(name, b, page, steps, update="overlap")
-            except PlanDoesNotFit:
+            except (PlanDoesNotFit, NoPlanFits):
                 out(f"  {name:12s} does not fit")
                 continue
             times[name] = step_s = statistics.median(step_times)

@@ -67,6 +67,8 @@ class _BlockTimer:
         n = len(blocks)
         self.fwd: list[list[float]] = [[] for _ in range(n)]
         self.bwd: list[list[float]] = [[] for _ in range(n)]
+        self.rec: list[list[float]] = [[] for _ in range(n)]   # recomputes, in the checkpointed pass
+        self.in_backward = False
         self.saved, self.hidden = [0] * n, [0] * n
         self.order: list[int] = []
         self.count = False
@@ -86,6 +88,7 @@ class _BlockTimer:
             times.clear()
 
     def _pre(self, i: int, args: tuple) -> None:
+        self.in_backward = False
         if self.count:
             self.order.append(i)
             first = next((a for a in args if isinstance(a, torch.Tensor)), None)
@@ -103,6 +106,7 @@ class _BlockTimer:
             self.saved[i] = max(self.saved[i], self._counter.bytes)
 
     def _bpre(self) -> None:
+        self.in_backward = True
         self.sync()
         self._t0 = time.perf_counter()
 
@@ -111,14 +115,25 @@ class _BlockTimer:
         self.bwd[i].append(time.perf_counter() - self._t0)
 
 
-def _checkpointed(blocks: list[Block]) -> ExitStack:
-    """Run each block under non-reentrant checkpoint while the stack is open (the recompute pass)."""
+def _checkpointed(timer: _BlockTimer) -> ExitStack:
+    """Run each block under non-reentrant checkpoint while the stack is open, timing the second
+    call of its forward, the one backward makes (the recompute)."""
     from torch.utils.checkpoint import checkpoint
 
     stack = ExitStack()
-    for b in blocks:
+    for i, b in enumerate(timer.blocks):
         plain = b.module.forward
-        b.module.forward = lambda *a, f=plain, **k: checkpoint(f, *a, use_reentrant=False, **k)
+
+        def timed(*a, f=plain, i=i, **k):
+            in_backward, t = timer.in_backward, time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:  # checkpoint stops a recompute early, by an exception, once it has what backward needs
+                if in_backward:
+                    timer.sync()
+                    timer.rec[i].append(time.perf_counter() - t)
+
+        b.module.forward = lambda *a, f=timed, **k: checkpoint(f, *a, use_reentrant=False, **k)
         stack.callback(delattr, b.module, "forward")
     return stack
 
@@ -126,8 +141,8 @@ def _checkpointed(blocks: list[Block]) -> ExitStack:
 def measure_profile(model: nn.Module, blocks: list[Block], step: Callable[[], None], machine: MachineProfile,
                     precision: str, key: str, page: int, steps: int = 3) -> Profile:
     """Warm up with one ``step`` (a forward+backward at the run's shape), count saved bytes and the
-    call order in a second, then time ``steps`` plain steps and ``steps`` with every block
-    checkpointed (their backward minus the plain one is the recompute). Gradients accumulate in
+    call order in a second, then time ``steps`` plain steps, and ``steps`` with every block
+    checkpointed to time its recompute. Gradients accumulate in
     place between steps, as in a run, and are dropped at the end."""
     repeated, rest = blocks[:-1], blocks[-1]
     cuda = next(model.parameters()).is_cuda
@@ -146,11 +161,10 @@ def measure_profile(model: nn.Module, blocks: list[Block], step: Callable[[], No
         timer.clear_times()
         totals = [_timed(step, sync) for _ in range(steps)]
         fwd, bwd = [med(t) for t in timer.fwd], [med(t) for t in timer.bwd]
-        timer.clear_times()
-        with _checkpointed(repeated):
+        with _checkpointed(timer):
             for _ in range(steps):
                 _timed(step, sync)
-        recompute = [max(med(t) - b, 0.0) for t, b in zip(timer.bwd, bwd)]
+        recompute = [med(t) for t in timer.rec]
     finally:
         for h in handles:
             h.remove()

@@ -1,9 +1,9 @@
 """Where profiles come from: a quick probe of the machine, and per-block figures.
 
-Per-block figures are either measured on the real model (``measure_blocks``: warm-up
-steps with timing hooks and a saved-tensor counter, for models that run here) or
-derived from the config (``analytic_blocks``: FLOPs at the probed matmul rate, and
-ANGEL-PTM Table 1's activation sizes, for models too big to run here). Machine probes
+Per-block figures are either measured on the real model (``engine.profiling``: warm-up
+steps with timing hooks and a saved-tensor counter; it runs the model, so it lives in the
+engine) or derived from the config here (``analytic_blocks``: FLOPs at the probed matmul
+rate, and ANGEL-PTM Table 1's activation sizes, for models too big to run here). Machine probes
 are cached per host name in the tiertrain cache directory.
 """
 

@@ -93,14 +93,18 @@ class _Run:
         torch.manual_seed(0)
         return build(self.cfg)
 
-    def profile(self, disk_dir: str | None, page: int) -> Profile:
-        model = self.fresh()
-
+    def step_of(self, model: torch.nn.Module) -> Callable[[], None]:
+        """One plain forward+backward of ``model`` on the batch (a profile step; says its shape)."""
         def step() -> None:
             lm_loss(model, self.x[:, :-1], self.x[:, 1:]).backward()
 
+        step.shape = tuple(self.x.shape)
+        return step
+
+    def profile(self, disk_dir: str | None, page: int) -> Profile:
+        model = self.fresh()
         machine, _ = probe_machine(disk_dir)
-        return measure_profile(model, find_blocks(model), step, machine, "fp32",
+        return measure_profile(model, find_blocks(model), self.step_of(model), machine, "fp32",
                                profile_key(model, tuple(self.x.shape), "fp32", torch.device("cpu")), page, steps=5)
 
     def measure(self, plan: Plan | str, budgets: Budgets, page: int, steps: int,
@@ -110,13 +114,8 @@ class _Run:
 
         model = self.fresh()
         opt, _ = make_adamw(model, 1e-3, (0.9, 0.95), 1e-8, 0.1)
-
-        def profile_step() -> None:
-            lm_loss(model, self.x[:, :-1], self.x[:, 1:]).backward()
-
-        profile_step.shape = tuple(self.x.shape)
         tm, topt = tiertrain.setup(model, opt, budgets, plan=plan, page_size=page, update=update,
-                                   profile_step=profile_step)
+                                   profile_step=self.step_of(model))
         times = []
         try:
             for _ in range(steps + WARMUP):
@@ -178,9 +177,8 @@ def bench_auto(d: int, layers: int, batch: int, seq: int, steps: int, out: Calla
 
     cfg = _bench_model(d, layers)
     run, page, n = _Run(cfg, batch, seq), MiB, param_count(cfg)
-    first = build(cfg)
-    blk = pages(sum(p.numel() for p in first.blocks[0].parameters()) * 4, page)
-    rest = pages((n - layers * sum(p.numel() for p in first.blocks[0].parameters())) * 4, page)
+    per_block = sum(p.numel() for p in run.fresh().blocks[0].parameters())
+    blk, rest = pages(per_block * 4, page), pages((n - layers * per_block) * 4, page)
     # tight: room for the rest and a few blocks' params, no states; tightest: one slot, under the
     # two slots every streaming built-in needs
     budgets = {"loose": 32 * n + rest, "tight": rest + 4 * blk, "tightest": rest + blk + blk // 2}

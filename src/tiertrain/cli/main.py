@@ -230,12 +230,12 @@ def plan_cmd(model: str | None, batch: int, seq: int | None, precision: str, dev
     else:
         raise click.UsageError("give --model NAME or --profile FILE")
     if page_size or not profile.page:   # chunks take whole pages: plan with the ones the run will use
-        from tiertrain.memory.page_size import check_page_size, measured_page_size
+        from tiertrain.memory.page_size import page_size_for
         from tiertrain.memory.system import compute_device
         from tiertrain.units import parse_size
 
-        page = check_page_size(parse_size(page_size)) if page_size else measured_page_size(
-            budgets.disk_dir if budgets.disk else None, compute_device())
+        page = page_size_for(parse_size(page_size) if page_size else None,
+                             budgets.disk_dir if budgets.disk else None, compute_device())
         profile = dataclasses.replace(profile, page=page)
     pb = Problem(profile, budgets.device, budgets.host, budgets.disk, levels=levels)
     chosen, cands = choose(pb, solvers or tuple(SOLVERS))

@@ -48,14 +48,16 @@ class AutoPlan:
 
 def auto_plan(model: nn.Module, step: Callable[[], None], budgets: Budgets, page: int, precision: str,
               update: str, needs_all_grads: bool, blocks: str | None = None, use_cache: bool = True) -> AutoPlan:
-    """``step`` runs one plain forward+backward at the run's batch shape (the profile's warm-up)."""
+    """``step`` runs one plain forward+backward at the run's batch shape. A step that says its
+    shape (a ``shape`` attribute, as ``ProfileStep`` has) gets a cached profile; any other is
+    measured every time, since a profile of another batch shape would mislead the solvers."""
     found = find_blocks(model, blocks)
     machine, _ = probe_machine(budgets.disk_dir if budgets.disk else None)
     device = next(model.parameters()).device
-    shape = getattr(step, "shape", ())
-    key = profile_key(model, shape, precision, device)
+    shape = getattr(step, "shape", None)
+    key = profile_key(model, shape or (), precision, device)
     profile, cached = cached_profile(
-        key, lambda: measure_profile(model, found, step, machine, precision, key, page), use_cache)
+        key, lambda: measure_profile(model, found, step, machine, precision, key, page), use_cache and bool(shape))
     profile = dataclasses.replace(profile, machine=machine, page=page)
     chosen, _ = choose(Problem(profile, budgets.device, budgets.host, budgets.disk), update=update,
                        needs_all_grads=needs_all_grads)

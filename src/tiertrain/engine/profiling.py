@@ -24,11 +24,9 @@ import torch.nn as nn
 from tiertrain.errors import ConfigError
 from tiertrain.memory import ChunkLayout
 from tiertrain.memory.page_size import cache_dir
+from tiertrain.models.accounting import PRECISION_BYTES
 from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
 from tiertrain.runtime.blocks import Block
-
-COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-
 
 def profile_key(model: nn.Module, shape: tuple[int, ...], precision: str, device: torch.device) -> str:
     """Which cached profile a run may reuse: same host, device kind, model structure, batch shape, dtype."""
@@ -175,7 +173,7 @@ def measure_profile(model: nn.Module, blocks: list[Block], step: Callable[[], No
     calls = [timer.order.count(i) for i in range(len(repeated))]
     left = max(med(totals) - sum(c * (b.forward_s + b.backward_s) for c, b in zip(calls, out)), 0.0)
     rest_profile = BlockProfile(rest.name, left / 3, 2 * left / 3, numel[-1], outside.bytes, 0)
-    return Profile(out, rest_profile, machine, compute_bytes=COMPUTE_BYTES[precision], key=key, page=page,
+    return Profile(out, rest_profile, machine, compute_bytes=PRECISION_BYTES[precision], key=key, page=page,
                    order=tuple(timer.order))
 
 

@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from tiertrain.errors import ConfigError
 from tiertrain.memory import Budgets, MemorySystem
-from tiertrain.memory.page_size import check_page_size, measured_page_size
+from tiertrain.memory.page_size import page_size_for
 from tiertrain.memory.system import compute_device
 from tiertrain.runtime.blocks import find_blocks
 from tiertrain.runtime.budget_check import check_fits
@@ -132,8 +132,7 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None, memory: Bud
         groups, group_of = [], {}
     found = find_blocks(model, blocks)
     device = compute_device()
-    page = check_page_size(page_size) if page_size else measured_page_size(
-        memory.disk_dir if memory.disk else None, device)
+    page = page_size_for(page_size, memory.disk_dir if memory.disk else None, device)
     auto = None
     if isinstance(plan, str) and plan == "auto" and profile_step is not None:
         auto = _auto(model, profile_step, memory, page, compute_dtype or "fp32", update or "sync",

@@ -120,3 +120,8 @@ def check_page_size(size: int) -> int:
     if size < IO_ALIGN or size % IO_ALIGN:
         raise ConfigError(f"page size {size} must be a positive multiple of {IO_ALIGN} bytes (e.g. 4MiB)")
     return size
+
+
+def page_size_for(size: int | None, disk_dir: str | None, device: torch.device) -> int:
+    """The page size a run uses: the one asked for (checked), else the one measured for its slowest link."""
+    return check_page_size(size) if size else measured_page_size(disk_dir, device)

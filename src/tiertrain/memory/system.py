@@ -11,7 +11,7 @@ from tiertrain.memory.budgets import Budgets
 from tiertrain.memory.chunk import Chunk
 from tiertrain.memory.disk import DiskDir, DiskPool
 from tiertrain.memory.movement import Handle, Mover
-from tiertrain.memory.page_size import check_page_size, measured_page_size
+from tiertrain.memory.page_size import page_size_for
 from tiertrain.memory.pool import MemoryPool, Pool
 from tiertrain.memory.tiers import Kind, Tier
 
@@ -30,8 +30,7 @@ class MemorySystem:
     def __init__(self, budgets: Budgets, page_size: int | None = None, io_workers: int = 8,
                  device: torch.device | None = None, reserve_disk: bool = True) -> None:
         self.device = device or compute_device()
-        self.page_size = check_page_size(page_size) if page_size else measured_page_size(
-            budgets.disk_dir if budgets.disk else None, self.device)
+        self.page_size = page_size_for(page_size, budgets.disk_dir if budgets.disk else None, self.device)
         self.accounting = Accounting()
         self.pools: dict[Tier, Pool] = {
             Tier.DEVICE: MemoryPool(Tier.DEVICE, budgets.device, self.page_size, self.device),

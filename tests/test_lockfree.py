@@ -46,3 +46,24 @@ def test_lockfree_refuses_clipping_and_accumulation(tmp_path):
     assert Plan.from_json(plan(Tier.DISK, 3).to_json()) == plan(Tier.DISK, 3)
     with pytest.raises(ConfigError, match="max_staleness must be >= 0"):
         dataclasses.replace(plan(Tier.HOST, 1), max_staleness=-1).validate(4)
+
+
+def test_a_publish_during_a_blocks_backward_leaves_its_slot_in_place(tmp_path):
+    """An update loop may publish a block's params at any moment, also while that block's backward
+    runs from its slot (lockfree does this all the time). The publish must not take the slot away
+    under the backward: here every block hears of a publish just after its backward acquired it."""
+    import tiertrain
+    from tiered_harness import _fresh, _loop
+
+    sync = dataclasses.replace(plan(Tier.HOST, 0), update="sync")
+    model, opt = _fresh(TINY4)
+    tm, topt = tiertrain.setup(model, opt, budgets(tmp_path), plan=sync, page_size=64 * 1024)
+    rt = tm.runtime
+    for st in rt.states[:-1]:
+        st.block.module.register_full_backward_pre_hook(lambda m, g, st=st: rt.updater.on_params_written(st))
+    try:
+        got = _loop(tm, topt, tm.clip_grad_norm_, 6, 1, None)
+    finally:
+        rt.close()
+        rt.mem.close()
+    assert got == train_plain(TINY4, 6, 1, None)

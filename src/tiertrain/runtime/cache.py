@@ -17,6 +17,7 @@ slot; autograd's saved views of them are rebuilt at unpack time (``switches.Save
 
 from __future__ import annotations
 
+import threading
 from bisect import bisect_right
 from typing import Callable
 
@@ -33,6 +34,8 @@ class DeviceCache:
         self.slots, self.mover, self.prefetch = slots, mover, prefetch
         self._ready = ready  # waits until a block's params are final (its update written back)
         self._inflight: dict[int, Handle] = {}  # block index -> copy into its slot
+        self._stale: set[int] = set()           # blocks rewritten at home since their slot was filled
+        self._stale_lock = threading.Lock()     # updaters add to it; only this (main) thread takes out
         predicted = [st.index for st in streamed]
         self._set_order(predicted + predicted[::-1])
         self.trace: list[int] = []   # this pass's accesses
@@ -92,9 +95,12 @@ class DeviceCache:
         (or, for a prefetch, when no slot may be taken for it yet)."""
         self._ready(st)  # an update may still rewrite this block's params (and invalidate its copy)
         if st.index in self._inflight:
-            return self._inflight[st.index]
-        if self._resident(st):
+            return self._inflight[st.index]  # a copy that began before a publish leaves the mark for next time
+        stale = self._take_stale(st)
+        if self._resident(st) and not stale:
             return None
+        if self._resident(st):
+            st.slot.holder = None  # refilled in place: its own slot is free now
         slot = self._take_slot(st, at, demand)
         if slot is None:
             return None
@@ -141,9 +147,21 @@ class DeviceCache:
         self._inflight.clear()
 
     def invalidate(self, st: BlockState) -> None:
-        """After an update, a slot holding the old params must be refilled before use."""
-        if st.plan.stream and st.slot.holder == st.index:
-            st.slot.holder = None
+        """Any thread: the block's params were rewritten at home, so its slot is refilled at its next access.
+
+        Only marks it. Slots change hands in the main thread alone: an updater that cleared a
+        holder itself could pull a slot from under the backward that is using it (lockfree
+        publishes at any moment), or free a slot the main thread had just given to another block."""
+        if st.plan.stream:
+            with self._stale_lock:
+                self._stale.add(st.index)
+
+    def _take_stale(self, st: BlockState) -> bool:
+        with self._stale_lock:
+            if st.index in self._stale:
+                self._stale.discard(st.index)
+                return True
+            return False
 
     def pop_fetches(self) -> int:
         n, self.fetches = self.fetches, 0

@@ -240,6 +240,37 @@ def test_on_a_cpu_only_machine_the_lanes_share_the_cores():
     assert cpu.peaks["device"] < gpu.peaks["device"]          # activations are not in the CPU device pool
 
 
+def test_the_simulator_reads_a_disk_master_from_disk_and_charges_disk_io_to_the_shared_cores():
+    """A streamed block whose only fp32 copy is its master on disk is fetched from the disk, one with
+    a host param copy over the link. Reads and writes share one disk. On a CPU-only machine the
+    disk tier's CPU time (bytes x the probed seconds per byte) is added to the shared cores."""
+    import dataclasses
+
+    from tiertrain.memory import Tier
+    from tiertrain.plan import BlockPlan, Plan
+    from tiertrain.planner.simulator import simulate
+
+    prof = synthetic(4)
+    params = sum(b.params for b in prof.blocks)
+
+    def plan(copy: bool) -> Plan:
+        b = BlockPlan(home=Tier.DISK, stream=True, param_copy=copy)
+        return Plan((b,) * 4, BlockPlan(), window=2, prefetch=1, update="overlap", name="disk")
+
+    def fetch_lanes(sim) -> set:
+        return {r for r, _, _, label in sim.timeline.tasks if label.startswith("fetch")}
+
+    assert fetch_lanes(simulate(plan(False), prof)) == {"disk_read"}
+    assert fetch_lanes(simulate(plan(True), prof)) == {"h2d"}
+    slow = dataclasses.replace(prof, machine=dataclasses.replace(prof.machine, disk_read_bps=1e7, disk_write_bps=1e7))
+    sim = simulate(plan(True), slow)
+    assert sim.step_s >= sim.timeline.busy("disk_read") + sim.timeline.busy("disk_write") - 1e-9
+    cpu = dataclasses.replace(prof.machine, device_is_host=True)
+    free = simulate(plan(True), dataclasses.replace(prof, machine=cpu))
+    costly = simulate(plan(True), dataclasses.replace(prof, machine=dataclasses.replace(cpu, disk_cpu_s_per_byte=1e-9)))
+    assert costly.step_s - free.step_s == pytest.approx(2 * 12 * params * 1e-9)  # states read and written
+
+
 def test_setup_with_plan_auto_needs_a_profile_step():
     import torch
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from tiertrain.memory.tiers import Tier
-from tiertrain.plan import Plan
+from tiertrain.plan import BlockPlan, Plan
 
 F32_BYTES = 4
 GRAD_MODES = ("all", "transient", "none")
@@ -26,6 +26,13 @@ def pages(nbytes: int, page: int, bound: bool = True) -> int:
     if page <= 0:
         return nbytes
     return -(-nbytes // page) * page + (page if bound else 0)
+
+
+def separate_param_home(bp: BlockPlan, plan: Plan, train: bool = True) -> bool:
+    """Whether a streamed block keeps its compute params in a host chunk of their own; else its
+    fp32 master is what its device slot is filled from, wherever the master lives (disk too)."""
+    return (not train or plan.compute_dtype != "fp32"
+            or (bp.home is Tier.DISK and (bp.param_copy or plan.update == "lockfree")))
 
 
 def tier_bytes(numels: Sequence[int], plan: Plan, page: int, train: bool = True, grads: str = "all",
@@ -53,9 +60,8 @@ def tier_bytes(numels: Sequence[int], plan: Plan, page: int, train: bool = True,
     for size, csize, bp in zip(sizes, compute, plans):
         if not bp.stream:
             need[Tier.DEVICE] += chunk(csize)
-        elif (not train or plan.compute_dtype != "fp32"
-              or (bp.home is Tier.DISK and (bp.param_copy or plan.update == "lockfree"))):
-            need[Tier.HOST] += chunk(csize)       # a host param home (else the master is it)
+        elif separate_param_home(bp, plan, train):
+            need[Tier.HOST] += chunk(csize)
         if train:
             need[Tier.HOST] += chunk(size) if grads == "all" else 0
             need[bp.home] += 3 * chunk(size)      # master, exp_avg, exp_avg_sq

@@ -132,42 +132,54 @@ class _Run:
 
 
 def bench_fidelity(d: int, layers: int, batch: int, seq: int, steps: int, disk_dir: str | None,
-                   out: Callable[[str], None]) -> dict:
+                   out: Callable[[str], None], rounds: int = 3) -> dict:
+    """Each round profiles the model and then runs every plan (interleaved), and each plan's
+    prediction is checked against the measurement of the same round: the profile and the runs it
+    predicts see the same spell of a shared machine. The figure is the median over rounds."""
     cfg = _bench_model(d, layers)
     run, page = _Run(cfg, batch, seq), MiB
     directory = Path(disk_dir or tempfile.mkdtemp(prefix="tiertrain-bench-", dir="."))
     n = param_count(cfg)
-    profile = run.profile(str(directory), page)
     room = max(256 * MiB, 64 * n)
     budgets = Budgets(device=room, host=room, disk=room, disk_dir=str(directory))
-    out(f"model {n / 1e6:.1f}M params ({layers} blocks, d {d}), batch {batch} x {seq}, page {format_bytes(page)}; "
-        f"profile measured here ({sum(b.forward_s + b.backward_s for b in profile.blocks) * 1e3:.0f} ms of block compute)")
-    m = profile.machine
-    out(f"machine profile: copies {m.h2d_bps / 1e9:.1f} GB/s in, {m.d2h_bps / 1e9:.1f} GB/s out; disk "
-        f"{m.disk_read_bps / 1e9:.2f} GB/s read, {m.disk_write_bps / 1e9:.2f} GB/s write; AdamW "
-        f"{m.adam_params_per_s / 1e6:.0f} M params/s")
     plans = fidelity_plans(layers, disk=True)
-    measured: dict[str, list[float]] = {name: [] for name in plans}
-    peaks = {}
-    for _ in range(2):   # two rounds, plans interleaved, so a slow spell of a shared machine hits them all
+    rows: dict[str, list[tuple[float, float, int, int]]] = {name: [] for name in plans}
+    for r in range(rounds):
+        profile = run.profile(str(directory), page)
+        if r == 0:
+            _describe(profile, cfg, batch, seq, page, out)
         for name, plan in plans.items():
-            times, peaks[name], _ = run.measure(plan, budgets, page, steps // 2)
-            measured[name] += times
+            times, peak, _ = run.measure(plan, budgets, page, max(2, steps // 2))
+            sim = simulate(plan, profile)
+            rows[name].append((sim.step_s, statistics.median(times), sim.peaks["device"], peak))
     results = {}
-    for name, plan in plans.items():
-        sim = simulate(plan, profile)
-        step_s, peak = statistics.median(measured[name]), peaks[name]
-        t_err, m_err = sim.step_s / step_s - 1, sim.peaks["device"] / max(peak, 1) - 1
-        results[name] = {"predicted_s": sim.step_s, "measured_s": step_s, "predicted_peak": sim.peaks["device"],
-                         "measured_peak": peak, "step_error": t_err, "peak_error": m_err}
-        out(f"{name:12s} step predicted {sim.step_s * 1e3:7.1f} ms, measured {step_s * 1e3:7.1f} ms "
-            f"({t_err * 100:+5.1f}%, limit 10%); device peak predicted {format_bytes(sim.peaks['device'])}, "
-            f"measured {format_bytes(peak)} ({m_err * 100:+5.1f}%, limit 5%); bottleneck {sim.bottleneck}")
+    for name, per_round in rows.items():
+        errors = [p / m - 1 for p, m, _, _ in per_round]
+        predicted, measured = (statistics.median(x[k] for x in per_round) for k in (0, 1))
+        t_err = statistics.median(errors)
+        peak_pred, peak = per_round[-1][2], per_round[-1][3]
+        m_err = peak_pred / max(peak, 1) - 1
+        results[name] = {"predicted_s": predicted, "measured_s": measured, "predicted_peak": peak_pred,
+                         "measured_peak": peak, "step_error": t_err, "step_errors": errors, "peak_error": m_err}
+        out(f"{name:12s} step predicted {predicted * 1e3:7.1f} ms, measured {measured * 1e3:7.1f} ms "
+            f"({t_err * 100:+5.1f}% median of {rounds} rounds, min {min(errors) * 100:+.1f}%, max "
+            f"{max(errors) * 100:+.1f}%; limit 10%); device peak predicted {format_bytes(peak_pred)}, "
+            f"measured {format_bytes(peak)} ({m_err * 100:+5.1f}%, limit 5%)")
     if disk_dir is None:
         import shutil
 
         shutil.rmtree(directory, ignore_errors=True)
     return results
+
+
+def _describe(profile: Profile, cfg, batch: int, seq: int, page: int, out: Callable[[str], None]) -> None:
+    m, n = profile.machine, param_count(cfg)
+    out(f"model {n / 1e6:.1f}M params ({cfg.n_layer} blocks, d {cfg.d_model}), batch {batch} x {seq}, page "
+        f"{format_bytes(page)}; profile measured here ({sum(b.forward_s + b.backward_s for b in profile.blocks) * 1e3:.0f} "
+        "ms of block compute)")
+    out(f"machine profile: copies {m.h2d_bps / 1e9:.1f} GB/s in, {m.d2h_bps / 1e9:.1f} GB/s out; disk "
+        f"{m.disk_read_bps / 1e9:.2f} GB/s read, {m.disk_write_bps / 1e9:.2f} GB/s write, "
+        f"{m.disk_cpu_s_per_byte * 1e9:.2f} CPU-s per GB; AdamW {m.adam_params_per_s / 1e6:.0f} M params/s")
 
 
 def bench_auto(d: int, layers: int, batch: int, seq: int, steps: int, out: Callable[[str], None]) -> dict:

@@ -41,6 +41,7 @@ class MachineProfile:
     disk_write_bps: float
     adam_params_per_s: float     # CPU AdamW throughput on the update workers
     device_is_host: bool = False  # CPU-only: "device" memory is host RAM, copies are memcpy
+    disk_cpu_s_per_byte: float = 0.0  # CPU time the disk tier spends per byte (syscalls, checksums)
 
 
 @dataclass(frozen=True)

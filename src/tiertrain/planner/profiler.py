@@ -14,12 +14,15 @@ import os
 import socket
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from tiertrain.memory.disk import checksum
 from tiertrain.memory.page_size import cache_dir
+from tiertrain.memory.pool import host_buffer
 from tiertrain.models.accounting import PRECISION_BYTES, block_params, embedding_params
 from tiertrain.models.config import ModelConfig
 from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
@@ -36,27 +39,49 @@ def _rate(fn, nbytes: int, repeat: int = 3) -> float:
     return nbytes / best
 
 
-def _disk_rates(directory: Path, nbytes: int = 64 * MiB) -> tuple[float, float]:
+def _disk_rates(directory: Path, nbytes: int = 64 * MiB, block: int = MiB, in_flight: int = 8) -> tuple[float, float, float]:
+    """(read bytes/s, write bytes/s, CPU seconds per byte moved), measured the way the disk tier
+    moves pages: O_DIRECT, one page per request, ``in_flight`` requests at once, each page
+    checksummed. The CPU figure is what a CPU-only machine loses from its compute to disk I/O."""
     directory.mkdir(parents=True, exist_ok=True)
-    data = os.urandom(nbytes)
-    with tempfile.NamedTemporaryFile(dir=directory) as f:
-        t = time.perf_counter()
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-        write = nbytes / (time.perf_counter() - t)
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        t = time.perf_counter()
-        f.seek(0)
-        while f.read(8 * MiB):
-            pass
-        read = nbytes / (time.perf_counter() - t)
-    return read, write
+    fd, path = tempfile.mkstemp(dir=directory, prefix=".tiertrain-probe-")
+    os.close(fd)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+    except OSError:  # no O_DIRECT on this filesystem: the tier falls back to buffered I/O, as here
+        fd = os.open(path, os.O_RDWR)
+    bufs = [host_buffer(block, pin=False)[0] for _ in range(in_flight)]
+    views = [memoryview(b.random_(0, 256).numpy()) for b in bufs]
+    n = nbytes // block
+
+    def write(i: int) -> None:
+        checksum(views[i % in_flight])
+        os.pwrite(fd, views[i % in_flight], i * block)
+
+    def read(i: int) -> None:
+        os.preadv(fd, [views[i % in_flight]], i * block)
+        checksum(views[i % in_flight])
+
+    try:
+        with ThreadPoolExecutor(in_flight) as pool:
+            cpu, t = time.process_time(), time.perf_counter()
+            list(pool.map(write, range(n)))
+            os.fsync(fd)
+            write_bps = n * block / (time.perf_counter() - t)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            t = time.perf_counter()
+            list(pool.map(read, range(n)))
+            read_bps = n * block / (time.perf_counter() - t)
+            cpu_per_byte = (time.process_time() - cpu) / (2 * n * block)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return read_bps, write_bps, cpu_per_byte
 
 
 def probe_machine(disk_dir: str | None = None, use_cache: bool = True) -> tuple[MachineProfile, float]:
     """(link and optimizer speeds, device matmul FLOP/s), measured in about two seconds."""
-    key = f"{socket.gethostname()}:{'cuda' if torch.cuda.is_available() else 'cpu'}:{disk_dir or '-'}"
+    key = f"v2:{socket.gethostname()}:{'cuda' if torch.cuda.is_available() else 'cpu'}:{disk_dir or '-'}"
     cache = cache_dir() / "machine_profile.json"
     try:
         known = json.loads(cache.read_text()) if use_cache else {}
@@ -72,7 +97,7 @@ def probe_machine(disk_dir: str | None = None, use_cache: bool = True) -> tuple[
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     h2d = _rate(lambda: (dst.copy_(src, non_blocking=True), sync()), src.numel())
     d2h = _rate(lambda: (src.copy_(dst, non_blocking=True), sync()), src.numel())
-    read, write = _disk_rates(Path(disk_dir)) if disk_dir else (1e9, 1e9)
+    read, write, disk_cpu = _disk_rates(Path(disk_dir)) if disk_dir else (1e9, 1e9, 0.0)
     n = 4 * MiB
     p, g, m1, m2 = (torch.randn(n) for _ in range(4))
     step = [torch.zeros(())]
@@ -82,7 +107,7 @@ def probe_machine(disk_dir: str | None = None, use_cache: bool = True) -> tuple[
                                beta2=0.95, lr=1e-4, weight_decay=0.0, eps=1e-8, maximize=False), n)
     a = torch.randn(1024, 1024, device=dev)
     flops = _rate(lambda: (a @ a, sync()), 2 * 1024**3)
-    machine = MachineProfile(h2d, d2h, read, write, adam, device_is_host=not cuda)
+    machine = MachineProfile(h2d, d2h, read, write, adam, device_is_host=not cuda, disk_cpu_s_per_byte=disk_cpu)
     known[key] = {"machine": asdict(machine), "flops": flops}
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_suffix(".tmp")

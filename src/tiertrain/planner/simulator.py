@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 from tiertrain.memory.tiers import Tier
 from tiertrain.plan import Plan
-from tiertrain.plan_bytes import pages, tier_bytes
+from tiertrain.plan_bytes import pages, separate_param_home, tier_bytes
 from tiertrain.planner.costs import GRAD_BYTES, STATE_BYTES
-from tiertrain.planner.profile import Profile
+from tiertrain.planner.profile import MachineProfile, Profile
 
 RESOURCES = ("compute", "h2d", "d2h", "disk_read", "disk_write", "cpu")
 
@@ -81,7 +81,7 @@ def simulate(plan: Plan, p: Profile, needs_all_grads: bool = False) -> Simulatio
         if bp.stream:
             trigger = starts[k - plan.prefetch] if plan.prefetch and k >= plan.prefetch else last_done
             slot_free = ends[k - slots] if k >= slots else 0.0
-            _, ready = tl.run("h2d", max(trigger, slot_free), b.params * p.compute_bytes / m.h2d_bps, f"fetch {b.name}")
+            _, ready = _fetch(tl, plan, bp, p, max(trigger, slot_free), b.params * p.compute_bytes, f"fetch {b.name}")
             ready = max(ready, last_done)
         s, e = tl.run("compute", ready, b.forward_s, f"fwd {b.name}")
         starts.append(s)
@@ -102,12 +102,15 @@ def simulate(plan: Plan, p: Profile, needs_all_grads: bool = False) -> Simulatio
         b, bp = p.blocks[i], plan.blocks[i]
         ready = last_done
         saved = b.hidden_bytes if bp.recompute else b.act_bytes
-        copy_in = (b.params * p.compute_bytes if bp.stream and i not in resident_after_forward else 0) + (
-            saved if bp.offload_hidden else 0)
-        if copy_in:
+        params_in = b.params * p.compute_bytes if bp.stream and i not in resident_after_forward else 0
+        if params_in or bp.offload_hidden:
             trigger = bstarts[j - plan.prefetch] if plan.prefetch and j >= plan.prefetch else last_done
             slot_free = bends[j - slots] if j >= slots else 0.0
-            _, arrived = tl.run("h2d", max(trigger, slot_free), copy_in / m.h2d_bps, f"fetch {b.name} (bwd)")
+            arrived = max(trigger, slot_free)
+            if params_in:
+                arrived = _fetch(tl, plan, bp, p, arrived, params_in, f"fetch {b.name} (bwd)")[1]
+            if bp.offload_hidden:
+                arrived = tl.run("h2d", arrived, saved / m.h2d_bps, f"unstash {b.name}")[1]
             ready = max(ready, arrived)
             if bp.offload_hidden:
                 change(arrived, "host", -saved)
@@ -122,11 +125,19 @@ def simulate(plan: Plan, p: Profile, needs_all_grads: bool = False) -> Simulatio
         change(grads_done[i], "host", pages(b.params * GRAD_BYTES, p.page, bound=False))
     _, device_end = tl.run("compute", last_done, p.rest.backward_s / 2, "embed bwd")
     _updates(plan, p, tl, grads_done, bstarts, order, device_end, needs_all_grads, change)
-    step = _step_time(plan, tl, device_end, needs_all_grads, m.device_is_host)
+    step = _step_time(plan, tl, device_end, needs_all_grads, m)
     peaks = {t: max(v for _, tier, v in curve if tier == t) for t in ("device", "host", "disk")}
     peaks["device"] += max(b.act_bytes for b in p.blocks) * acts   # one block's activations while it computes
     bottleneck = max(RESOURCES, key=tl.busy)
     return Simulation(step, peaks, bottleneck, tl, curve)
+
+
+def _fetch(tl: Timeline, plan: Plan, bp, p: Profile, ready: float, nbytes: int, label: str) -> tuple[float, float]:
+    """A streamed block's params into its slot: from the host, or read from disk when its fp32
+    master on disk is its only copy (no separate param home)."""
+    if bp.home is Tier.DISK and not separate_param_home(bp, plan):
+        return tl.run("disk_read", ready, nbytes / p.machine.disk_read_bps, label)
+    return tl.run("h2d", ready, nbytes / p.machine.h2d_bps, label)
 
 
 def _updates(plan, p, tl, grads_done, bstarts, order, device_end, needs_all_grads, change) -> None:
@@ -145,14 +156,19 @@ def _updates(plan, p, tl, grads_done, bstarts, order, device_end, needs_all_grad
            p.rest.params / m.adam_params_per_s, "adam rest")
 
 
-def _step_time(plan: Plan, tl: Timeline, device_end: float, needs_all_grads: bool, device_is_host: bool) -> float:
+def _step_time(plan: Plan, tl: Timeline, device_end: float, needs_all_grads: bool, m: MachineProfile) -> float:
     """Sync: the step ends with its last update. Otherwise updates hide behind the next step's
-    compute as far as the busiest resource allows. On a CPU-only machine every lane runs on the
-    same cores (copies are memcpy, the disk's I/O threads copy and checksum, torch's compute
-    threads take all cores), so the lanes' work adds up instead of overlapping."""
+    compute as far as the busiest resource allows; reads and writes share one disk. On a
+    CPU-only machine compute, copies (memcpy) and AdamW run on the same cores, and so does the
+    disk tier's share (syscalls, checksums: the probe's CPU seconds per byte), so that work adds
+    up instead of overlapping."""
     last = max(e for _, _, e, _ in tl.tasks)
-    shared = sum(tl.busy(r) for r in RESOURCES) if device_is_host else 0.0
+    disk = tl.busy("disk_read") + tl.busy("disk_write")
+    shared = 0.0
+    if m.device_is_host:
+        disk_bytes = tl.busy("disk_read") * m.disk_read_bps + tl.busy("disk_write") * m.disk_write_bps
+        shared = sum(tl.busy(r) for r in ("compute", "h2d", "d2h", "cpu")) + disk_bytes * m.disk_cpu_s_per_byte
     if plan.update == "sync":
         return max(last, shared)
-    bound = max(tl.busy(r) for r in RESOURCES)
+    bound = max(max(tl.busy(r) for r in RESOURCES), disk)
     return max(device_end, bound, shared, last - device_end if needs_all_grads else 0.0)

@@ -6,11 +6,14 @@ about 28 bytes per parameter) and against torch's fused AdamW over the same para
 
 ``offload``: step time of a disk-homed plan against max(compute time, disk I/O time),
 where compute is the same model's plain forward+backward and disk I/O is the states'
-bytes (read and written) at the raw O_DIRECT bandwidth measured here.
+bytes (read and written) at the raw O_DIRECT bandwidth measured here. Each plan's process
+CPU time per step is printed too: on a CPU-only machine the "device" is the same cores that
+copy, checksum and update, so the CPU work divided by the cores is a second bound there.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import tempfile
 import threading
@@ -116,13 +119,17 @@ def bench_optimizer(d: int, layers: int, repeats: int, out: Callable[[str], None
     return {"params": n, "tiertrain": o, "torch_fused": p, "bound": bound}
 
 
-def _step_times(step: Callable[[], None], repeats: int) -> list[float]:
+def _step_times(step: Callable[[], None], repeats: int, cpu: list[float] | None = None) -> list[float]:
+    """Wall seconds of each step after one warm-up; ``cpu`` receives each step's process CPU seconds
+    (all threads: compute, copies, I/O, checksums, the optimizer)."""
     step()  # warm-up
     times = []
     for _ in range(repeats):
-        t = time.perf_counter()
+        c, t = time.process_time(), time.perf_counter()
         step()
         times.append(time.perf_counter() - t)
+        if cpu is not None:
+            cpu.append(time.process_time() - c)
     return times
 
 
@@ -143,7 +150,8 @@ def bench_offload(d: int, layers: int, batch: int, seq: int, disk_dir: str | Non
 
     state_bytes = 12 * n  # fp32 master + two moments, read and written each step
     raw = raw_disk(directory, max(state_bytes, 64 << 20), 1 << 20, 8)
-    compute_s = statistics.median(_step_times(compute, repeats))
+    plain_cpu: list[float] = []
+    compute_s = statistics.median(_step_times(compute, repeats, plain_cpu))
     io_s = state_bytes / raw.read + state_bytes / raw.write
     opt_s = n * ADAMW_BYTES_PER_PARAM / stream_inplace_add(512 << 20, torch.get_num_threads())
     bound = max(compute_s, io_s, opt_s)
@@ -154,6 +162,10 @@ def bench_offload(d: int, layers: int, batch: int, seq: int, disk_dir: str | Non
     out(f"limits measured here: compute {compute_s:.3f} s (plain fwd+bwd), disk I/O {io_s:.3f} s "
         f"(raw O_DIRECT {raw.read / 1e9:.2f} GB/s read, {raw.write / 1e9:.2f} GB/s write), "
         f"optimizer {opt_s:.3f} s (bandwidth bound)")
+    cores = os.cpu_count() or 1
+    out(("disk-bound: disk I/O exceeds compute" if io_s > compute_s else
+         "NOT disk-bound here (compute exceeds disk I/O): lower --batch-size for the disk-bound case") +
+        f"; plain fwd+bwd keeps {statistics.median(plain_cpu) / compute_s:.1f} of {cores} cores busy")
     runs = [("stream-disk", _disk_stream_plan(layers, "sync"), "sync"),
             ("stream-disk", _disk_stream_plan(layers, "overlap"), "overlap"),
             ("stream-disk", _disk_stream_plan(layers, "lockfree"), "lockfree"),
@@ -166,14 +178,18 @@ def bench_offload(d: int, layers: int, batch: int, seq: int, disk_dir: str | Non
             topt.step()
             topt.zero_grad()
 
-        times = _step_times(step, repeats)
+        cpu: list[float] = []
+        times = _step_times(step, repeats, cpu)
         tm.runtime.close()
         tm.runtime.mem.close()
-        med = statistics.median(times)
-        results[f"{name}/{update}"] = {"step_s": med, "min_s": min(times), "max_s": max(times), "efficiency": bound / med}
+        med, cpu_s = statistics.median(times), statistics.median(cpu)
+        results[f"{name}/{update}"] = {"step_s": med, "min_s": min(times), "max_s": max(times), "efficiency": bound / med,
+                                       "cpu_s": cpu_s, "cores_bound_s": cpu_s / cores}
         note = " (recomputes: its compute exceeds the bound by one forward)" if name == "max-offload" else ""
         out(f"{name}, {update:8s}: step {med:.3f} s (min {min(times):.3f}, max {max(times):.3f}); "
-            f"overlap efficiency {bound / med:.2f} (bound {bound:.3f} s, target >= 0.85){note}")
+            f"overlap efficiency {bound / med:.2f} (bound {bound:.3f} s, target >= 0.85){note}; "
+            f"CPU {cpu_s:.2f} s per step, {cpu_s / cores:.3f} s on {cores} cores: "
+            f"{max(bound, cpu_s / cores) / med:.2f} of max(bound, CPU work / cores)")
     speedup = results["stream-disk/sync"]["step_s"] / results["stream-disk/lockfree"]["step_s"]
     out(f"lockfree against sync, states on disk: {speedup:.2f}x faster per step (target >= 2; ANGEL-PTM 2.96x)")
     if disk_dir is None:

@@ -236,3 +236,24 @@ def test_only_the_chunks_own_bytes_reach_the_disk(mem):
     assert page[:100] == bytes(random_bytes(PS + 100, 3)[PS:].tolist())
     assert page[100:] == bytes(4096 - 100)
     assert torch.equal(mem.to_tensor(b), torch.full((2 * PS,), 0xFF, dtype=torch.uint8))
+
+
+def test_the_disk_queue_serves_reads_before_write_backs_and_hands_errors_to_the_waiter():
+    """Reads are on the step's critical path, write-backs are not: queued reads go first, each kind
+    in order of arrival; a failing request's error reaches whoever waits on it; close runs what is left."""
+    import threading
+
+    from tiertrain.memory.io_queue import READ, WRITE, PriorityPool
+
+    pool, gate, ran = PriorityPool(1, "test-io"), threading.Event(), []
+    pool.submit(gate.wait, READ)  # holds the only worker while the rest queues up
+    futures = [pool.submit(lambda k=k: ran.append(k), prio) for k, prio in
+               [("w1", WRITE), ("r1", READ), ("w2", WRITE), ("r2", READ)]]
+    failing = pool.submit(lambda: 1 / 0, WRITE)
+    gate.set()
+    pool.shutdown(wait=True)
+    assert ran == ["r1", "r2", "w1", "w2"] and all(f.done() for f in futures)
+    with pytest.raises(ZeroDivisionError):
+        failing.result()
+    with pytest.raises(RuntimeError, match="shut down"):
+        pool.submit(lambda: None)

@@ -5,7 +5,8 @@ with nothing changed), then hands the copying to worker threads and returns a Ha
 Memory copies run on copy workers (numpy/torch copies release the GIL; with CUDA they are
 issued on a dedicated copy stream that first waits on an event recorded on the compute
 stream, so the compute stream is never synchronised). Disk moves are split into one
-request per page across the I/O workers, so several requests are in flight at once.
+request per page across the I/O workers, so several requests are in flight at once; the
+workers take reads before write-backs (``io_queue``).
 A move that fails frees its destination and leaves the chunk whole where it was.
 """
 
@@ -21,6 +22,7 @@ import torch
 from tiertrain.memory.accounting import Accounting
 from tiertrain.memory.chunk import Chunk
 from tiertrain.memory.disk import DiskPool
+from tiertrain.memory.io_queue import READ, WRITE, PriorityPool
 from tiertrain.memory.pages import Extent
 from tiertrain.memory.pool import IO_ALIGN, MemoryPool, Pool, host_buffer
 from tiertrain.memory.tiers import Tier
@@ -76,7 +78,7 @@ class Mover:
     def __init__(self, pools: dict[Tier, Pool], accounting: Accounting, io_workers: int = 8,
                  copy_workers: int = 2) -> None:
         self.pools, self.accounting = pools, accounting
-        self._io = ThreadPoolExecutor(io_workers, thread_name_prefix="tiertrain-io")
+        self._io = PriorityPool(io_workers, "tiertrain-io")  # reads before write-backs
         self._copy = ThreadPoolExecutor(copy_workers, thread_name_prefix="tiertrain-copy")
         self._local = threading.local()
         self._cuda = torch.cuda.is_available() and any(
@@ -103,8 +105,7 @@ class Mover:
         join = _Join(len(parts), lambda err: self._complete(chunk, handle, src, dst, extents, err))
         if not parts:  # an empty chunk: nothing to copy
             self._complete(chunk, handle, src, dst, extents, None)
-        for executor, fn in parts:
-            executor.submit(fn).add_done_callback(join.part_done)
+        self._submit(parts, join)
         return handle
 
     def copy(self, src: Chunk, dst: Chunk) -> Handle:
@@ -116,18 +117,28 @@ class Mover:
             raise ValueError(f"copy needs a memory destination at least as large, got {src!r} and {dst!r}")
         handle = Handle()
         if isinstance(src.pool, DiskPool):
-            parts = [(self._io, self._reader(dst, src.pool, e, i * src.pool.page_size))
+            parts = [(self._read_disk, self._reader(dst, src.pool, e, i * src.pool.page_size))
                      for i, e in enumerate(src.extents)]
         else:
             event = self._compute_event()
-            parts = [(self._copy, lambda: self._on_copy_stream(dst.tier, event, lambda: self._scatter(
+            parts = [(self._copy.submit, lambda: self._on_copy_stream(dst.tier, event, lambda: self._scatter(
                 dst, 0, src, 0, src.nbytes)))]
         join = _Join(len(parts), handle._finish)
         if not parts:
             handle._finish(None)
-        for executor, fn in parts:
-            executor.submit(fn).add_done_callback(join.part_done)
+        self._submit(parts, join)
         return handle
+
+    @staticmethod
+    def _submit(parts: list, join: _Join) -> None:
+        for submit, fn in parts:
+            submit(fn).add_done_callback(join.part_done)
+
+    def _read_disk(self, fn: Callable[[], None]) -> Future:
+        return self._io.submit(fn, READ)
+
+    def _write_disk(self, fn: Callable[[], None]) -> Future:
+        return self._io.submit(fn, WRITE)
 
     def _complete(self, chunk: Chunk, handle: Handle, src: Pool, dst: Pool, extents: list[Extent],
                   error: BaseException | None) -> None:
@@ -145,13 +156,13 @@ class Mover:
     def _parts(self, chunk: Chunk, src: Pool, dst: Pool, extents: list[Extent]) -> list:
         event = self._compute_event()
         if isinstance(dst, DiskPool):
-            return [(self._io, self._writer(chunk, src, dst, e, i * dst.page_size, event))
+            return [(self._write_disk, self._writer(chunk, src, dst, e, i * dst.page_size, event))
                     for i, e in enumerate(extents)]
         target = Chunk(chunk.name, chunk.kind, chunk.nbytes, dst, extents)
         if isinstance(src, DiskPool):
-            return [(self._io, self._reader(target, src, e, i * src.page_size))
+            return [(self._read_disk, self._reader(target, src, e, i * src.page_size))
                     for i, e in enumerate(chunk.extents)]
-        return [(self._copy, lambda: self._on_copy_stream(dst.tier, event, lambda: self._scatter(
+        return [(self._copy.submit, lambda: self._on_copy_stream(dst.tier, event, lambda: self._scatter(
             target, 0, chunk, 0, chunk.nbytes)))]
 
     def _compute_event(self) -> "torch.cuda.Event | None":

@@ -396,3 +396,40 @@ def test_the_device_cache_follows_the_recorded_order_with_belady_eviction(tmp_pa
         assert fetches[1:] == [best] * 4
     else:  # a prefetch never costs an extra fetch
         assert all(f <= best for f in fetches[1:]) and prefetched >= 5
+
+
+def test_overlap_bounds_the_gradients_in_host_only_where_the_host_budget_needs_it(tmp_path, monkeypatch):
+    """Overlap updates each block's gradients away as they come. Where the host budget holds them all,
+    backward never waits for the optimizer; where it holds only a few, backward waits to stay in it
+    (updates are slowed here so that backward would outrun them). Either way the losses are plain PyTorch's."""
+    import time
+
+    import tiertrain
+    import tiertrain.optim.updater as updater
+
+    slow = updater.adamw_block
+    monkeypatch.setattr(updater, "adamw_block", lambda *a: (time.sleep(0.2), slow(*a)))
+    from tiered_harness import _fresh, _loop
+    from tiertrain.plan import builtin_plan
+    from tiertrain.runtime.blocks import find_blocks
+    from tiertrain.runtime.budget_check import needs
+
+    plan, page = builtin_plan("stream", 4, update="overlap"), 64 * 1024
+    blocks = find_blocks(_fresh(TINY4)[0])
+    few, every = (needs(blocks, plan, page, transient_grads=t)[Tier.HOST] for t in (True, False))
+    assert few < every
+    want = train_plain(TINY4, 4, 1, None)
+    for host, bounded in ((every, False), (few, True)):
+        model, opt = _fresh(TINY4)
+        tm, topt = tiertrain.setup(model, opt, Budgets(device=DEVICE_BUDGET, host=host), plan=plan, page_size=page)
+        try:
+            assert tm.runtime.transient_grads is bounded
+            assert _loop(tm, topt, tm.clip_grad_norm_, 4, 1, None) == want
+            stats = tm.runtime.mem.stats()["host"]
+            assert stats["pages_peak_bytes"] <= host
+            reserved = (plan.update_workers + 1) * max(st.nbytes for st in tm.runtime.states)
+            # bounded: never more grad chunks than reserved, counting those an update holds; else all at once
+            assert (stats["peak_by_kind"]["grad"] <= reserved) is bounded
+        finally:
+            tm.runtime.close()
+            tm.runtime.mem.close()

@@ -15,6 +15,7 @@ class Accounting:
         self._peak_kind: dict[Tier, dict[Kind, int]] = defaultdict(lambda: defaultdict(int))
         self._live_total: dict[Tier, int] = defaultdict(int)
         self._peak_total: dict[Tier, int] = defaultdict(int)
+        self._chunks: dict[Tier, dict[Kind, int]] = defaultdict(lambda: defaultdict(int))
 
     def add(self, tier: Tier, kind: Kind, nbytes: int) -> None:
         with self._lock:
@@ -22,16 +23,23 @@ class Accounting:
             self._peak_kind[tier][kind] = max(self._peak_kind[tier][kind], live)
             total = self._live_total[tier] = self._live_total[tier] + nbytes
             self._peak_total[tier] = max(self._peak_total[tier], total)
+            self._chunks[tier][kind] += 1
 
     def sub(self, tier: Tier, kind: Kind, nbytes: int) -> None:
         with self._lock:
             self._live[tier][kind] -= nbytes
             self._live_total[tier] -= nbytes
+            self._chunks[tier][kind] -= 1
             assert self._live[tier][kind] >= 0, f"accounting went negative for {tier.value}/{kind.value}"
 
     def live(self, tier: Tier, kind: Kind | None = None) -> int:
         with self._lock:
             return self._live_total[tier] if kind is None else self._live[tier][kind]
+
+    def chunks(self, tier: Tier, kind: Kind) -> int:
+        """How many chunks of ``kind`` live in ``tier`` now."""
+        with self._lock:
+            return self._chunks[tier][kind]
 
     def peak(self, tier: Tier, kind: Kind | None = None) -> int:
         with self._lock:

@@ -25,11 +25,21 @@ def needs(blocks: list[Block], plan: Plan, page: int, train: bool = True, transi
     return tier_bytes(numels, plan, page, train, "transient" if transient_grads else "all")
 
 
+def _short(need: dict[Tier, int], budgets: Budgets) -> list[Tier]:
+    have = {Tier.DEVICE: budgets.device, Tier.HOST: budgets.host, Tier.DISK: budgets.disk}
+    return [t for t in need if need[t] > have[t]]
+
+
+def fits(blocks: list[Block], plan: Plan, budgets: Budgets, page: int, train: bool = True,
+         transient_grads: bool = False) -> bool:
+    return not _short(needs(blocks, plan, page, train=train, transient_grads=transient_grads), budgets)
+
+
 def check_fits(blocks: list[Block], plan: Plan, budgets: Budgets, page: int, train: bool = True,
                transient_grads: bool = False) -> None:
     need = needs(blocks, plan, page, train=train, transient_grads=transient_grads)
     have = {Tier.DEVICE: budgets.device, Tier.HOST: budgets.host, Tier.DISK: budgets.disk}
-    short = [t for t in need if need[t] > have[t]]
+    short = _short(need, budgets)
     if not short:
         return
     best = needs(blocks, builtin_plan("max-offload", len(plan.blocks), disk=True), page, train=train)

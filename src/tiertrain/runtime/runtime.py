@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent import futures
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from tiertrain.memory.tiers import Kind
 class Runtime:
     def __init__(self, model: nn.Module, groups: list[dict[str, Any]], group_of_param: dict[int, int],
                  mem: MemorySystem, plan: Plan, grad_accum: int, max_grad_norm: float | None,
-                 blocks_path: str | None = None, train: bool = True) -> None:
+                 blocks_path: str | None = None, train: bool = True, bound_grads: bool = True) -> None:
         self.model, self.mem, self.plan = model, mem, plan
         self.groups, self.grad_accum, self.max_grad_norm = groups, grad_accum, max_grad_norm
         blocks = find_blocks(model, blocks_path)
@@ -63,7 +64,10 @@ class Runtime:
         self.scaler = LossScaler() if train and plan.compute_dtype == "fp16" else None
         # clipping and fp16 overflow checks need every gradient of the step before any update
         self.needs_all_grads = max_grad_norm is not None or self.scaler is not None
-        self.transient_grads = train and plan.update == "overlap" and not self.needs_all_grads and grad_accum == 1
+        # overlap updates each block's gradients away as they come; where the host budget cannot hold
+        # them all, backward waits for the optimizer to free a grad chunk (``bound_grads``)
+        self.transient_grads = (bound_grads and train and plan.update == "overlap" and not self.needs_all_grads
+                                and grad_accum == 1)
 
     def _ring_slots(self, blocks, plans) -> list[Slot]:
         streamed = [b for b, p in zip(blocks, plans) if p.stream]
@@ -101,14 +105,16 @@ class Runtime:
 
     def _room_for_grads(self) -> None:
         """With transient gradients, keep at most ``update_workers + 1`` grad chunks alive (what the
-        budget check reserved): wait for the oldest in-flight update to free one."""
+        budget check reserved): wait for an update in flight to free one. Counted from the memory
+        layer, so chunks an update has taken but not yet freed count too."""
         if not self.transient_grads:
             return
-        while sum(st.grad is not None for st in self.states) > self.plan.update_workers:
-            pending = [st.pending_update for st in self.states if st.pending_update and not st.pending_update.done()]
+        while self.mem.accounting.chunks(Tier.HOST, Kind.GRAD) > self.plan.update_workers:
+            pending = [st.pending_update.future for st in self.states
+                       if st.pending_update is not None and not st.pending_update.done()]
             if not pending:
                 return
-            pending[0].wait()
+            futures.wait(pending, return_when=futures.FIRST_COMPLETED)
 
     def _final_micro(self) -> bool:
         return self.micro + 1 >= self.grad_accum

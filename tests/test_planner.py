@@ -284,6 +284,44 @@ def test_setup_with_plan_auto_needs_a_profile_step():
         tiertrain.setup(model, opt, Budgets(device=64 * MiB, host=256 * MiB), plan="auto")
 
 
+def test_plan_auto_on_a_model_that_does_not_fit_plain_estimates_or_says_what_to_do(tmp_path, caplog, monkeypatch):
+    """Profiling runs the plain model on the device; when that runs out of memory, one of our models is
+    planned from its config (analytic profile) and still trains; another model gets a clear error."""
+    import torch
+
+    import tiertrain
+    from tiertrain.errors import ConfigError
+    from tiertrain.memory import Budgets
+
+    def out_of_memory() -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    out_of_memory.shape = (4, 32)
+    monkeypatch.setenv("TIERTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    budgets = Budgets(device=64 * MiB, host=256 * MiB)
+    model = _tiny_gpt(2)
+    before = [p.detach().clone() for p in model.parameters()]
+    tm, topt = tiertrain.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3), budgets, plan="auto",
+                               profile_step=out_of_memory, page_size=64 << 10)
+    try:
+        assert tm.auto_plan.profile.key.endswith("analytic") and "analytic profile" in caplog.text
+        assert not tm.auto_plan.profile_cached and not list((tmp_path / "cache" / "tiertrain").glob("profiles/*"))  # not kept
+        assert all(torch.equal(a, b.detach()) for a, b in zip(before, tm.parameters()))
+        x = torch.randint(0, 256, (4, 33))
+        from tiertrain.engine.objective import lm_loss
+
+        lm_loss(tm, x[:, :-1], x[:, 1:]).backward()
+        topt.step()
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()
+    other = _tiny_gpt(2)
+    other.config = None  # not one of our configs: nothing to estimate from
+    with pytest.raises(ConfigError, match="does not fit there .*--plan max-offload"):
+        tiertrain.setup(other, torch.optim.AdamW(other.parameters(), lr=1e-3), budgets, plan="auto",
+                        profile_step=out_of_memory, page_size=64 << 10)
+
+
 def test_train_plan_auto_trains_like_plain_and_records_the_prediction(tmp_path):
     """--plan auto under a budget that forces streaming: the same losses as plain PyTorch, bitwise;
     the plan it ran in plan.json; after warm-up, each metrics row has the prediction beside the

@@ -8,6 +8,7 @@ runs, so what this logs is what ``tiertrain plan --profile`` would explain.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
@@ -15,15 +16,19 @@ import torch
 import torch.nn as nn
 
 from tiertrain.engine.profiling import cached_profile, measure_profile, profile_key
+from tiertrain.errors import ConfigError
 from tiertrain.memory import Budgets
+from tiertrain.models.config import ModelConfig
 from tiertrain.plan import Plan
 from tiertrain.planner.auto import choose
 from tiertrain.planner.profile import Profile
-from tiertrain.planner.profiler import probe_machine
+from tiertrain.planner.profiler import analytic_profile, probe_machine
 from tiertrain.planner.simulator import Simulation
 from tiertrain.planner.solvers import Problem
 from tiertrain.runtime.blocks import find_blocks
 from tiertrain.units import format_bytes
+
+log = logging.getLogger("tiertrain")
 
 
 @dataclass(frozen=True)
@@ -56,13 +61,33 @@ def auto_plan(model: nn.Module, step: Callable[[], None], budgets: Budgets, page
     device = next(model.parameters()).device
     shape = getattr(step, "shape", None)
     key = profile_key(model, shape or (), precision, device)
-    profile, cached = cached_profile(
-        key, lambda: measure_profile(model, found, step, machine, precision, key, page), use_cache and bool(shape))
+    try:
+        profile, cached = cached_profile(
+            key, lambda: measure_profile(model, found, step, machine, precision, key, page), use_cache and bool(shape))
+    except (torch.OutOfMemoryError, MemoryError):  # an estimate is not cached: a later run may fit and measure
+        profile, cached = _estimate(model, shape, precision, budgets), False
     profile = dataclasses.replace(profile, machine=machine, page=page)
     chosen, _ = choose(Problem(profile, budgets.device, budgets.host, budgets.disk), update=update,
                        needs_all_grads=needs_all_grads)
     plan = dataclasses.replace(chosen.plan, compute_dtype=precision)
     return AutoPlan(plan, chosen.sim, chosen.solver, profile, cached)
+
+
+def _estimate(model: nn.Module, shape: tuple | None, precision: str, budgets: Budgets) -> Profile:
+    """The plain model did not fit on the device to be measured (the case tiertrain exists for):
+    estimate its blocks from its config (our models), or say what to do (other models)."""
+    model.zero_grad(set_to_none=True)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    cfg = getattr(model, "config", None)
+    if not isinstance(cfg, ModelConfig) or not shape:
+        raise ConfigError(
+            "plan 'auto' measures one plain forward+backward on the device, and this model does not fit "
+            "there (out of memory); give a plan instead: --plan max-offload, or a plan file written by "
+            "`tiertrain plan --model ... --profile FILE`") from None
+    log.warning("profiling ran out of device memory (the plain model does not fit); planning from the "
+                "analytic profile of %s at batch %s instead", cfg.name or "the model", "x".join(map(str, shape)))
+    return analytic_profile(cfg, shape[0], shape[1], precision, budgets.disk_dir if budgets.disk else None)
 
 
 class ProfileStep:

@@ -185,7 +185,9 @@ def bench_offload(d: int, layers: int, batch: int, seq: int, disk_dir: str | Non
         med, cpu_s = statistics.median(times), statistics.median(cpu)
         results[f"{name}/{update}"] = {"step_s": med, "min_s": min(times), "max_s": max(times), "efficiency": bound / med,
                                        "cpu_s": cpu_s, "cores_bound_s": cpu_s / cores}
-        note = " (recomputes: its compute exceeds the bound by one forward)" if name == "max-offload" else ""
+        note = {"max-offload": " (recomputes: its compute exceeds the bound by one forward)",
+                "lockfree": " (an update takes every gradient gathered since the last: fewer disk passes than "
+                            "steps, so it may beat this bound)"}.get(name if name == "max-offload" else update, "")
         out(f"{name}, {update:8s}: step {med:.3f} s (min {min(times):.3f}, max {max(times):.3f}); "
             f"overlap efficiency {bound / med:.2f} (bound {bound:.3f} s, target >= 0.85){note}; "
             f"CPU {cpu_s:.2f} s per step, {cpu_s / cores:.3f} s on {cores} cores: "

@@ -182,11 +182,10 @@ def _describe(profile: Profile, cfg, batch: int, seq: int, page: int, out: Calla
         f"{m.disk_cpu_s_per_byte * 1e9:.2f} CPU-s per GB; AdamW {m.adam_params_per_s / 1e6:.0f} M params/s")
 
 
-def bench_auto(d: int, layers: int, batch: int, seq: int, steps: int, out: Callable[[str], None]) -> dict:
-    """Under each device budget, every built-in plan that fits and the auto plan, all with overlapped updates."""
-    from tiertrain.planner.auto import NoPlanFits
-    from tiertrain.runtime.budget_check import PlanDoesNotFit
-
+def bench_auto(d: int, layers: int, batch: int, seq: int, steps: int, out: Callable[[str], None],
+               rounds: int = 3) -> dict:
+    """Under each device budget, every built-in plan that fits and the auto plan, all with overlapped
+    updates; the plans take turns over ``rounds`` rounds and each figure is the median of its rounds."""
     cfg = _bench_model(d, layers)
     run, page, n = _Run(cfg, batch, seq), MiB, param_count(cfg)
     per_block = sum(p.numel() for p in run.fresh().blocks[0].parameters())
@@ -198,23 +197,48 @@ def bench_auto(d: int, layers: int, batch: int, seq: int, steps: int, out: Calla
     for label, device in budgets.items():
         b = Budgets(device=device, host=max(256 * MiB, 64 * n))
         out(f"device budget {label} ({format_bytes(device)}), model {n / 1e6:.1f}M params, batch {batch} x {seq}:")
-        times = {}
+        times, ran = _take_turns(run, b, page, max(2, steps // 2), rounds)
         for name in ("resident", "stream", "max-offload", "auto"):
-            try:
-                step_times, peak, plan = run.measure(name, b, page, steps, update="overlap")
-            except (PlanDoesNotFit, NoPlanFits):
+            if name not in times:
                 out(f"  {name:12s} does not fit")
                 continue
-            times[name] = step_s = statistics.median(step_times)
+            peak, plan = ran[name]
             detail = (f" ({plan.name}: {sum(x.stream for x in plan.blocks)}/{layers} streamed, window {plan.window}, "
                       f"{sum(x.recompute for x in plan.blocks)} recompute)") if name == "auto" else ""
-            out(f"  {name:12s} step {step_s * 1e3:7.1f} ms, device peak {format_bytes(peak)}{detail}")
-        builtin = {k: v for k, v in times.items() if k != "auto"}
-        if "auto" in times and builtin:
+            out(f"  {name:12s} step {statistics.median(times[name]) * 1e3:7.1f} ms (min {min(times[name]) * 1e3:.1f}, "
+                f"max {max(times[name]) * 1e3:.1f} over {len(times[name])} rounds), device peak {format_bytes(peak)}{detail}")
+        medians = {k: statistics.median(v) for k, v in times.items()}
+        builtin = {k: v for k, v in medians.items() if k != "auto"}
+        if "auto" in medians and builtin:
             best = min(builtin, key=builtin.get)
-            out(f"  auto against the best built-in ({best}): {builtin[best] / times['auto']:.2f}x "
+            out(f"  auto against the best built-in ({best}): {builtin[best] / medians['auto']:.2f}x "
                 f"(target >= 1.00 within noise; faster where memory is tight)")
-        elif "auto" in times:
+        elif "auto" in medians:
             out("  auto trains where no built-in plan fits")
-        results[label] = times
+        results[label] = medians
     return results
+
+
+def _take_turns(run: "_Run", budgets: Budgets, page: int, steps: int, rounds: int) -> tuple[dict, dict]:
+    """Median step per round of each plan that fits, the plans in turn each round, in a rotated order
+    (a slow spell of a shared machine, or what one plan leaves behind, then hits them all); with each
+    plan's device peak and the plan that ran."""
+    from tiertrain.planner.auto import NoPlanFits
+    from tiertrain.runtime.budget_check import PlanDoesNotFit
+
+    times: dict[str, list[float]] = {}
+    ran: dict[str, tuple[int, Plan]] = {}
+    unfit: set[str] = set()
+    names = ["resident", "stream", "max-offload", "auto"]
+    for r in range(rounds):
+        for name in names[r % 4:] + names[: r % 4]:  # each round starts with another plan
+            if name in unfit:
+                continue
+            try:
+                step_times, peak, plan = run.measure(name, budgets, page, steps, update="overlap")
+            except (PlanDoesNotFit, NoPlanFits):
+                unfit.add(name)
+                continue
+            times.setdefault(name, []).append(statistics.median(step_times))
+            ran[name] = (peak, plan)
+    return times, ran

@@ -240,10 +240,11 @@ def test_on_a_cpu_only_machine_the_lanes_share_the_cores():
     assert cpu.peaks["device"] < gpu.peaks["device"]          # activations are not in the CPU device pool
 
 
-def test_the_simulator_reads_a_disk_master_from_disk_and_charges_disk_io_to_the_shared_cores():
+def test_the_simulator_reads_a_disk_master_from_disk_charges_disk_io_to_the_cores_and_publishes_updates():
     """A streamed block whose only fp32 copy is its master on disk is fetched from the disk, one with
     a host param copy over the link. Reads and writes share one disk. On a CPU-only machine the
-    disk tier's CPU time (bytes x the probed seconds per byte) is added to the shared cores."""
+    disk tier's CPU time (bytes x the probed seconds per byte) is added to the shared cores. A resident
+    block whose master is off the device gets its updated params copied into its slot."""
     import dataclasses
 
     from tiertrain.memory import Tier
@@ -269,6 +270,13 @@ def test_the_simulator_reads_a_disk_master_from_disk_and_charges_disk_io_to_the_
     free = simulate(plan(True), dataclasses.replace(prof, machine=cpu))
     costly = simulate(plan(True), dataclasses.replace(prof, machine=dataclasses.replace(cpu, disk_cpu_s_per_byte=1e-9)))
     assert costly.step_s - free.step_s == pytest.approx(2 * 12 * params * 1e-9)  # states read and written
+
+    def publishes(home: Tier, machine) -> int:  # copies of updated params into resident blocks' slots
+        b = BlockPlan(home=home)
+        sim = simulate(Plan((b,) * 4, BlockPlan(), update="overlap", name="r"), dataclasses.replace(prof, machine=machine))
+        return sum(label.startswith("publish") and r == "h2d" for r, _, _, label in sim.timeline.tasks)
+
+    assert (publishes(Tier.HOST, prof.machine), publishes(Tier.DEVICE, prof.machine), publishes(Tier.DEVICE, cpu)) == (4, 0, 4)
 
 
 def test_setup_with_plan_auto_needs_a_profile_step():

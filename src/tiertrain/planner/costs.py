@@ -58,6 +58,13 @@ def optimizer_s(b: BlockProfile, m: MachineProfile, disk_home: bool) -> float:
     return t
 
 
+def publishes_over_link(stream: bool, device_home: bool, m: MachineProfile) -> bool:
+    """Whether a block's update ends with a copy of its new params into its device slot: a resident
+    block whose master is off the device (a streamed one is copied in at its next use anyway); on a
+    CPU-only machine every resident block's, a memcpy on the shared cores."""
+    return not stream and (not device_home or m.device_is_host)
+
+
 def block_seconds(b: BlockProfile, c: Choice, m: MachineProfile, compute_bytes: int, window: int,
                   disk_home: bool = False) -> float:
     fetch = b.params * compute_bytes / m.h2d_bps if c.stream else 0.0
@@ -73,6 +80,8 @@ def block_seconds(b: BlockProfile, c: Choice, m: MachineProfile, compute_bytes: 
         fwd = max(b.forward_s, fetch, stash_out)
         bwd = max(b.backward_s + recompute, fetch + stash_in, grads_out)
     opt = 0.0 if c.device_home and not m.device_is_host else optimizer_s(b, m, disk_home)
+    if publishes_over_link(c.stream, c.device_home, m):
+        opt += b.params * compute_bytes / m.h2d_bps
     return fwd + max(bwd, opt) + SWITCH_S * (c.stream + c.recompute + c.offload_hidden)
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from tiertrain.memory.tiers import Tier
 from tiertrain.plan import Plan
 from tiertrain.plan_bytes import pages, separate_param_home, tier_bytes
-from tiertrain.planner.costs import GRAD_BYTES, STATE_BYTES
+from tiertrain.planner.costs import GRAD_BYTES, STATE_BYTES, publishes_over_link
 from tiertrain.planner.profile import MachineProfile, Profile
 
 RESOURCES = ("compute", "h2d", "d2h", "disk_read", "disk_write", "cpu")
@@ -150,6 +150,8 @@ def _updates(plan, p, tl, grads_done, bstarts, order, device_end, needs_all_grad
             ready = max(ready, read)
         _, done = tl.run("cpu", ready, b.params / m.adam_params_per_s, f"adam {b.name}")
         change(done, "host", -pages(b.params * GRAD_BYTES, p.page, bound=False))
+        if publishes_over_link(bp.stream, bp.home is Tier.DEVICE, m):
+            tl.run("h2d", done, b.params * p.compute_bytes / m.h2d_bps, f"publish {b.name}")
         if bp.home is Tier.DISK:
             tl.run("disk_write", done, b.params * STATE_BYTES / m.disk_write_bps, f"write {b.name}")
     tl.run("cpu", device_end if plan.update == "sync" or needs_all_grads else 0.0,

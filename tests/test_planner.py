@@ -352,3 +352,30 @@ def test_train_plan_auto_trains_like_plain_and_records_the_prediction(tmp_path):
         assert row["predicted"]["step_s"] > 0 and row["step_s"] > 0
         assert 0 < row["peak_bytes"]["device"] <= 160 << 10
         assert row["predicted"]["device_peak"] <= 160 << 10
+
+
+def test_the_device_memory_a_plan_leaves_becomes_cache_slots_that_save_fetches():
+    """Elixir's cache sizing: with room for more slots than the window, a streaming plan gets as many
+    cache slots as fit (by the runtime's count too), its prediction no slower and its fetches fewer;
+    with no room, none."""
+    import dataclasses
+
+    from tiertrain.memory import Tier
+    from tiertrain.plan import builtin_plan
+    from tiertrain.plan_bytes import tier_bytes
+    from tiertrain.planner.auto import size_cache
+    from tiertrain.planner.simulator import simulate
+
+    prof = synthetic(8)
+    plan = builtin_plan("stream", 8, update="overlap")
+    numels = [b.params for b in (*prof.blocks, prof.rest)]
+    device = lambda k: tier_bytes(numels, dataclasses.replace(plan, cache=k), 0, grads="none")[Tier.DEVICE]  # noqa: E731
+
+    def fetches(sim) -> int:
+        return sum(label.startswith("fetch") for _, _, _, label in sim.timeline.tasks)
+
+    base = simulate(plan, prof)
+    room = max(device(3), simulate(dataclasses.replace(plan, cache=3), prof).peaks["device"])  # with activations
+    sized, sim = size_cache(plan, base, problem(prof, room + 10))
+    assert sized.cache == 3 and sim.step_s <= base.step_s and fetches(sim) == fetches(base) - 3
+    assert size_cache(plan, base, problem(prof, device(0)))[0].cache == 0

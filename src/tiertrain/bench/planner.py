@@ -203,8 +203,8 @@ def bench_auto(d: int, layers: int, batch: int, seq: int, steps: int, out: Calla
                 out(f"  {name:12s} does not fit")
                 continue
             peak, plan = ran[name]
-            detail = (f" ({plan.name}: {sum(x.stream for x in plan.blocks)}/{layers} streamed, window {plan.window}, "
-                      f"{sum(x.recompute for x in plan.blocks)} recompute)") if name == "auto" else ""
+            detail = (f" ({plan.name}: {sum(x.stream for x in plan.blocks)}/{layers} streamed, window {plan.window} "
+                      f"+ cache {plan.cache}, {sum(x.recompute for x in plan.blocks)} recompute)") if name == "auto" else ""
             out(f"  {name:12s} step {statistics.median(times[name]) * 1e3:7.1f} ms (min {min(times[name]) * 1e3:.1f}, "
                 f"max {max(times[name]) * 1e3:.1f} over {len(times[name])} rounds), device peak {format_bytes(peak)}{detail}")
         medians = {k: statistics.median(v) for k, v in times.items()}

@@ -16,7 +16,8 @@ from tiertrain.units import format_bytes
 
 def print_plan(chosen: Candidate, cands: list[Candidate], profile: Profile, console: Console) -> None:
     plan, sim = chosen.plan, chosen.sim
-    table = Table(title=f"plan {plan.name}: window {plan.window}, prefetch {plan.prefetch}, update {plan.update}")
+    table = Table(title=f"plan {plan.name}: window {plan.window}, cache {plan.cache}, prefetch {plan.prefetch}, "
+                        f"update {plan.update}")
     for col in ("block", "home", "stream", "recompute", "offload_hidden"):
         table.add_column(col)
     for b, bp in zip(profile.blocks, plan.blocks):

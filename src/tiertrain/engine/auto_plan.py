@@ -45,7 +45,8 @@ class AutoPlan:
         homes = {t: sum(b.home.value == t for b in self.plan.blocks) for t in ("device", "host", "disk")}
         sim = self.prediction
         return (f"auto plan from the {self.solver} solver ({'cached' if self.profile_cached else 'measured'} profile): "
-                f"{streamed}/{len(self.plan.blocks)} blocks stream through {self.plan.window} slot(s), "
+                f"{streamed}/{len(self.plan.blocks)} blocks stream through {self.plan.window} slot(s) + "
+                f"{self.plan.cache} cache, "
                 f"{recomputed} recompute, states on " + ", ".join(f"{t} {n}" for t, n in homes.items() if n)
                 + f"; predicted step {sim.step_s * 1e3:.1f} ms, device peak {format_bytes(sim.peaks['device'])}, "
                 f"bottleneck {sim.bottleneck}")

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from tiertrain.errors import UserError
 from tiertrain.memory.tiers import Tier
 from tiertrain.plan import BlockPlan, Plan
+from tiertrain.plan_bytes import tier_bytes
 from tiertrain.planner.profile import Profile
 from tiertrain.planner.simulator import Simulation, simulate
 from tiertrain.planner.solvers import SOLVERS, Problem, Solution, dynamic_programming
@@ -48,9 +49,29 @@ def candidates(pb: Problem, update: str = "overlap", solvers: tuple[str, ...] = 
     out = []
     for name in solvers:
         s = SOLVERS[name](pb)
-        plan = to_plan(s, pb.profile, update) if s is not None else None
-        out.append(Candidate(name, plan, simulate(plan, pb.profile, needs_all_grads) if plan else None))
+        if s is None:
+            out.append(Candidate(name, None, None))
+            continue
+        plan = to_plan(s, pb.profile, update)
+        out.append(Candidate(name, *size_cache(plan, simulate(plan, pb.profile, needs_all_grads), pb, needs_all_grads)))
     return out
+
+
+def size_cache(plan: Plan, sim: Simulation, pb: Problem, needs_all_grads: bool = False) -> tuple[Plan, Simulation]:
+    """Elixir's cache sizing: the device memory a plan leaves unused becomes cache slots, as many as
+    fit (the runtime's count, whole pages and the bound, and the simulated peak with activations),
+    so the blocks forward used last are still in place when backward starts instead of fetched
+    again. Kept only where the simulator predicts it no slower."""
+    spare = sum(b.stream for b in plan.blocks) - plan.window - plan.cache
+    numels = [b.params for b in (*pb.profile.blocks, pb.profile.rest)]
+    for k in range(plan.cache + spare, plan.cache, -1):
+        bigger = dataclasses.replace(plan, cache=k)
+        if tier_bytes(numels, bigger, pb.profile.page, grads="none")[Tier.DEVICE] > pb.device:
+            continue
+        cached = simulate(bigger, pb.profile, needs_all_grads)
+        if cached.peaks["device"] <= pb.device and cached.step_s <= sim.step_s:
+            return bigger, cached
+    return plan, sim
 
 
 def best(cands: list[Candidate]) -> Candidate | None:

@@ -44,15 +44,12 @@ def _disk_rates(directory: Path, nbytes: int = 64 * MiB, block: int = MiB, in_fl
     moves pages: O_DIRECT, one page per request, ``in_flight`` requests at once, each page
     checksummed. The CPU figure is what a CPU-only machine loses from its compute to disk I/O."""
     directory.mkdir(parents=True, exist_ok=True)
+    bufs = [host_buffer(block, pin=False) for _ in range(in_flight)]  # (tensor, its mapping): keep both
+    views = [memoryview(b.random_(0, 256).numpy()) for b, _ in bufs]
+    n = nbytes // block
     fd, path = tempfile.mkstemp(dir=directory, prefix=".tiertrain-probe-")
     os.close(fd)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_DIRECT)
-    except OSError:  # no O_DIRECT on this filesystem: the tier falls back to buffered I/O, as here
-        fd = os.open(path, os.O_RDWR)
-    bufs = [host_buffer(block, pin=False)[0] for _ in range(in_flight)]
-    views = [memoryview(b.random_(0, 256).numpy()) for b in bufs]
-    n = nbytes // block
+    fd = -1
 
     def write(i: int) -> None:
         checksum(views[i % in_flight])
@@ -63,6 +60,7 @@ def _disk_rates(directory: Path, nbytes: int = 64 * MiB, block: int = MiB, in_fl
         checksum(views[i % in_flight])
 
     try:
+        fd = _open_direct(path)
         with ThreadPoolExecutor(in_flight) as pool:
             cpu, t = time.process_time(), time.perf_counter()
             list(pool.map(write, range(n)))
@@ -74,9 +72,17 @@ def _disk_rates(directory: Path, nbytes: int = 64 * MiB, block: int = MiB, in_fl
             read_bps = n * block / (time.perf_counter() - t)
             cpu_per_byte = (time.process_time() - cpu) / (2 * n * block)
     finally:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
         os.unlink(path)
     return read_bps, write_bps, cpu_per_byte
+
+
+def _open_direct(path: str) -> int:
+    try:
+        return os.open(path, os.O_RDWR | os.O_DIRECT)
+    except OSError:  # no O_DIRECT on this filesystem: the tier falls back to buffered I/O, as here
+        return os.open(path, os.O_RDWR)
 
 
 def probe_machine(disk_dir: str | None = None, use_cache: bool = True) -> tuple[MachineProfile, float]:

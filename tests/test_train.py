@@ -106,3 +106,17 @@ def test_config_file_and_flags_merge_with_flags_winning(tmp_path):
     assert (cfg.steps, cfg.batch_size, cfg.betas, cfg.lr) == (7, 3, (0.8, 0.9), TrainConfig().lr)
     with pytest.raises(ConfigError, match="did you mean 'steps'"):
         make_config({"step": 5}, {})
+
+
+def test_with_cuda_the_measured_device_peak_adds_what_torch_allocated_beside_the_pool(monkeypatch):
+    """The planner's device peak counts activations on a GPU; the runtime's pool holds params and states.
+    The figure to compare adds the allocator's peak beyond the pool; on CPU there is none to add."""
+    import torch
+
+    from tiertrain.engine.metrics import device_peak_with_activations
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 1000 + 300)
+    assert device_peak_with_activations(400, 1000, torch.device("cuda", 0)) == 700
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 900)  # pool not full yet
+    assert device_peak_with_activations(400, 1000, torch.device("cuda", 0)) == 400
+    assert device_peak_with_activations(400, 1000, torch.device("cpu")) is None

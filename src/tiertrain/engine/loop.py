@@ -23,7 +23,7 @@ from tiertrain.engine.auto_plan import AutoPlan, ProfileStep
 from tiertrain.engine.checkpoint import (TrainerState, checkpoint_root, find_checkpoint, load_checkpoint,
                                          save_checkpoint)
 from tiertrain.engine.config import TrainConfig
-from tiertrain.engine.metrics import MetricsFile, Reporter, StepTimer, peak_bytes
+from tiertrain.engine.metrics import MetricsFile, Reporter, StepTimer, device_peak_with_activations, peak_bytes
 from tiertrain.engine.objective import causal_lm_pair, is_encoder, lm_loss, masked_lm_pair
 from tiertrain.engine.optimizer import make_adamw
 from tiertrain.engine.precision import Precision, choose_device, choose_precision
@@ -32,6 +32,7 @@ from tiertrain.engine.stop import StopFlag
 from tiertrain.engine.tiered import setup_tiered
 from tiertrain.engine.train_state import PlainState, TieredState, TrainState
 from tiertrain.errors import ConfigError, OutputError
+from tiertrain.memory import Tier
 from tiertrain.models import build, flops_per_token, resolve_config
 from tiertrain.models.config import ModelConfig
 from tiertrain.units import format_count
@@ -254,6 +255,11 @@ class Trainer:
             # per tier, the most page bytes its pool had in use: what its budget bounds
             row["peak_bytes"] = {**{t: v["pages_peak_bytes"] for t, v in stats.items() if "budget" in v},
                                  "process_rss": row["peak_bytes"]["host"]}
+            mem = self.model.runtime.mem
+            total = device_peak_with_activations(stats["device"]["pages_peak_bytes"], mem.pool(Tier.DEVICE).capacity,
+                                                 self.device)
+            if total is not None:
+                row["peak_bytes"]["device_with_activations"] = total
             row["slot_fetches"] = self.model.runtime.cache.pop_fetches()  # streamed blocks copied onto the device
             if self.model.runtime.plan.update == "lockfree":
                 row["staleness"] = self.model.runtime.pop_staleness()

@@ -23,6 +23,15 @@ def peak_bytes(device: torch.device) -> dict[str, int]:
     return peaks
 
 
+def device_peak_with_activations(pages_peak: int, pool_bytes: int, device: torch.device) -> int | None:
+    """With CUDA: the device pool's page peak plus the most torch allocated beside the pool
+    (activations, gradients before they leave): the figure the planner's device peak predicts there.
+    None elsewhere: on CPU the planner leaves activations out, and the page peak is the figure."""
+    if device.type != "cuda":
+        return None
+    return pages_peak + max(0, torch.cuda.max_memory_allocated(device) - pool_bytes)
+
+
 class MetricsFile:
     """``OUT/metrics.jsonl``: one JSON object per optimizer step.
 

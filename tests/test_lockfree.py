@@ -67,3 +67,19 @@ def test_a_publish_during_a_blocks_backward_leaves_its_slot_in_place(tmp_path):
         rt.close()
         rt.mem.close()
     assert got == train_plain(TINY4, 6, 1, None)
+
+
+def test_lockfree_leaves_a_blocks_states_to_its_update_loop(tmp_path, monkeypatch):
+    """A disk-homed block's states are moved by one party at a time. In lockfree mode its update loop
+    may be reading or writing them back whenever backward reaches the block, so backward starts no
+    reads of its own there (it did, and under load a loop's write-back and backward's read collided:
+    'is moving'); overlap, where updates follow the block's backward, still reads ahead."""
+    import tiertrain.optim.updater as updater
+
+    calls = []
+    read_ahead = updater.Updater.read_ahead
+    monkeypatch.setattr(updater.Updater, "read_ahead", lambda self, st: (calls.append(st.index), read_ahead(self, st)))
+    train_tiered(TINY4, 3, 1, None, plan(Tier.DISK, 1), budgets(tmp_path))
+    assert calls == []
+    train_tiered(TINY4, 3, 1, None, dataclasses.replace(plan(Tier.DISK, 1), update="overlap"), budgets(tmp_path / "o"))
+    assert len(calls) >= 3

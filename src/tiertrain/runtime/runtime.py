@@ -84,10 +84,13 @@ class Runtime:
 
     # -- backward ----------------------------------------------------------------------
     def backward_begins(self, st: BlockState) -> None:
-        """A block's backward is about to run: bring its params back, start reading its states."""
+        """A block's backward is about to run: bring its params back, start reading its states.
+
+        Not in lockfree mode: there a block's update loop may be moving its states at this very
+        moment (a chunk has one mover at a time), and nothing waits for those reads anyway."""
         if st.plan.stream:
             self.cache.acquire(st)
-        if self._final_micro():
+        if self._final_micro() and self.plan.update != "lockfree":
             self.updater.read_ahead(st)
 
     def grad_arrived(self, st: BlockState) -> None:

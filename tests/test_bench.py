@@ -11,7 +11,7 @@ def test_bench_optimizer_prints_throughput_beside_the_bound_and_the_peer():
 
 def test_bench_offload_prints_step_time_beside_the_bound(tmp_path):
     r = run_cli("bench", "offload", "--d-model", "64", "--layers", "2", "--batch-size", "2", "--seq-len", "16",
-                "--repeats", "1", "--disk", str(tmp_path / "d"))
+                "--repeats", "1", "--page-size", "1MiB", "--disk", str(tmp_path / "d"))
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("overlap efficiency") == 6 and r.stdout.count("lockfree against sync") == 2
     assert "raw O_DIRECT" in r.stdout

@@ -91,9 +91,25 @@ def test_measured_page_size_is_cached_per_machine_and_link(tmp_path, monkeypatch
     assert len(calls) == 1
 
 
+def test_a_disk_page_is_also_no_smaller_than_the_cpu_cost_per_byte_allows(tmp_path, monkeypatch):
+    """Bandwidth plateaus at 8 KiB, but each byte costs the cores much more below 32 KiB: 32 KiB."""
+    monkeypatch.setenv("TIERTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    assert P.pick_cheap({4096: 4.0, 8192: 3.0, 16384: 2.0, 32768: 1.2, 65536: 1.0}) == 32768
+
+    def fake_curve(directory, cpu=None, **kw):
+        cpu.update({4096: 4.0, 8192: 3.0, 16384: 2.0, 32768: 1.2, 65536: 1.0})
+        return {4096: 1.0, 8192: 2.0, 16384: 2.05, 32768: 2.0, 65536: 2.0}
+
+    monkeypatch.setattr(P, "disk_curve", fake_curve)
+    import torch
+
+    assert P.measured_page_size(str(tmp_path), torch.device("cpu")) == 32768
+
+
 def test_real_disk_curve_rises_with_page_size(tmp_path):
-    curve = P.disk_curve(tmp_path, total=16 * P.MiB, workers=2)
-    assert set(curve) == set(P.CANDIDATES) and all(v > 0 for v in curve.values())
+    cpu = {}
+    curve = P.disk_curve(tmp_path, total=16 * P.MiB, workers=2, cpu=cpu)
+    assert set(curve) == set(P.CANDIDATES) == set(cpu) and all(v > 0 for v in curve.values())
     assert list(tmp_path.iterdir()) == []
 
 

@@ -28,6 +28,7 @@ from tiertrain.engine.objective import lm_loss
 from tiertrain.engine.optimizer import make_adamw
 from tiertrain.memory import Budgets
 from tiertrain.models import ModelConfig, build, param_count
+from tiertrain.units import format_bytes
 
 ADAMW_BYTES_PER_PARAM = 28  # read param, grad, m, v (16) + write param, m, v (12)
 
@@ -135,7 +136,7 @@ def _step_times(step: Callable[[], None], repeats: int, cpu: list[float] | None 
 
 
 def bench_offload(d: int, layers: int, batch: int, seq: int, disk_dir: str | None, repeats: int,
-                  out: Callable[[str], None]) -> dict:
+                  out: Callable[[str], None], page: int = 1 << 20) -> dict:
     from tiertrain.bench.memory import raw_disk
 
     cfg = _model_cfg(d, layers)
@@ -156,10 +157,11 @@ def bench_offload(d: int, layers: int, batch: int, seq: int, disk_dir: str | Non
     io_s = state_bytes / raw.read + state_bytes / raw.write
     opt_s = n * ADAMW_BYTES_PER_PARAM / stream_inplace_add(512 << 20, torch.get_num_threads())
     bound = max(compute_s, io_s, opt_s)
-    room = max(256 << 20, 64 * n)
+    room = max(256 << 20, 64 * n, 16 * (layers + 1) * page)  # whole pages: several per chunk at most
     budgets = Budgets(device=room, host=room, disk=room, disk_dir=str(directory))
     results = {"params": n, "compute_s": compute_s, "disk_io_s": io_s, "optimizer_s": opt_s, "bound_s": bound}
-    out(f"model {n / 1e6:.1f}M params, batch {batch} x {seq}; states on disk: {state_bytes / 2**20:.0f} MiB each way")
+    out(f"model {n / 1e6:.1f}M params, batch {batch} x {seq}; states on disk: {state_bytes / 2**20:.0f} MiB each way; "
+        f"pages of {format_bytes(page)}")
     out(f"limits measured here: compute {compute_s:.3f} s (plain fwd+bwd), disk I/O {io_s:.3f} s "
         f"(raw O_DIRECT {raw.read / 1e9:.2f} GB/s read, {raw.write / 1e9:.2f} GB/s write), "
         f"optimizer {opt_s:.3f} s (bandwidth bound)")
@@ -174,7 +176,7 @@ def bench_offload(d: int, layers: int, batch: int, seq: int, disk_dir: str | Non
             ("resident-disk", _disk_home_plan(layers, "lockfree", stream=False), "lockfree"),
             ("max-offload", "max-offload", "overlap")]
     for name, plan, update in runs:
-        tm, topt = _tiered(cfg, budgets, plan, update, 1 << 20)
+        tm, topt = _tiered(cfg, budgets, plan, update, page)
 
         def step() -> None:
             lm_loss(tm, x[:, :-1], x[:, 1:]).backward()

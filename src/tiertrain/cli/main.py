@@ -158,13 +158,20 @@ def bench_optimizer_cmd(d_model: int, layers: int, repeats: int) -> None:
 @click.option("--seq-len", type=int, default=128, show_default=True)
 @click.option("--disk", "disk_dir", type=click.Path(file_okay=False), help="Directory on the disk (default: a temporary one here).")
 @click.option("--repeats", type=int, default=5, show_default=True)
-def bench_offload_cmd(d_model: int, layers: int, batch_size: int, seq_len: int, disk_dir: str | None, repeats: int) -> None:
+@click.option("--page-size", help='Memory page size, e.g. "1MiB" (default: measured, as train uses).')
+def bench_offload_cmd(d_model: int, layers: int, batch_size: int, seq_len: int, disk_dir: str | None, repeats: int,
+                      page_size: str | None) -> None:
     """Step time with states on disk against max(compute, disk I/O, optimizer) measured in the same run."""
+    import torch
+
     from tiertrain.bench.machine import describe
     from tiertrain.bench.runtime import bench_offload
+    from tiertrain.memory.page_size import page_size_for
+    from tiertrain.units import parse_size
 
     click.echo(f"machine: {describe(disk_dir)}")
-    bench_offload(d_model, layers, batch_size, seq_len, disk_dir, repeats, click.echo)
+    page = page_size_for(parse_size(page_size) if page_size else None, disk_dir, torch.device("cpu"))
+    bench_offload(d_model, layers, batch_size, seq_len, disk_dir, repeats, click.echo, page)
 
 
 @bench.command("planner", context_settings=CONTEXT)

@@ -2,8 +2,12 @@
 
 We time copies of several page sizes over the slowest link a run uses (disk when it has
 a disk tier, else host<->device with CUDA, else a memory copy) with as many requests in
-flight as the mover uses, and take the smallest size reaching 95% of the plateau. The
-result is cached per machine and link, so only the first run pays for the measurement.
+flight as the mover uses, and take the smallest size reaching 95% of the plateau. For a
+disk, also no smaller than the smallest size within 25% of the cheapest in CPU time per
+byte: small requests can reach the disk's bandwidth and still cost the cores twice as much
+per byte (measured here: 0.25-0.4 CPU-s per GB at 1 MiB, 0.16 at 4-16 MiB), time that the
+CPU optimizer, or on a CPU-only machine the compute itself, loses. The result is cached
+per machine and link, so only the first run pays for the measurement.
 """
 
 from __future__ import annotations
@@ -23,12 +27,19 @@ from tiertrain.memory.pool import IO_ALIGN, host_buffer
 KiB, MiB = 1024, 1024 * 1024
 CANDIDATES = [64 * KiB, 128 * KiB, 256 * KiB, 512 * KiB, 1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB, 16 * MiB]
 PLATEAU_FRACTION = 0.95
+CPU_SLACK = 1.25
 
 
 def pick(curve: dict[int, float], fraction: float = PLATEAU_FRACTION) -> int:
     """Smallest size whose bandwidth reaches ``fraction`` of the best measured."""
     best = max(curve.values())
     return min(size for size, bw in curve.items() if bw >= fraction * best)
+
+
+def pick_cheap(cpu: dict[int, float], slack: float = CPU_SLACK) -> int:
+    """Smallest size whose CPU seconds per byte are within ``slack`` of the cheapest measured."""
+    best = min(cpu.values())
+    return min(size for size, c in cpu.items() if c <= slack * best)
 
 
 def cache_dir() -> Path:
@@ -41,8 +52,11 @@ def _cache_file() -> Path:
     return cache_dir() / "page_size.json"
 
 
-def disk_curve(directory: Path, total: int = 256 * MiB, workers: int = 8) -> dict[int, float]:
-    """Write-then-read bandwidth (bytes/s) of O_DIRECT page requests, ``workers`` in flight."""
+def disk_curve(directory: Path, total: int = 256 * MiB, workers: int = 8,
+               cpu: dict[int, float] | None = None) -> dict[int, float]:
+    """Write-then-read bandwidth (bytes/s) of O_DIRECT page requests, ``workers`` in flight.
+    ``cpu``, when given, receives the CPU seconds each byte cost (syscalls, pinning pages, the
+    workers' own overhead): time the optimizer, or on a CPU-only machine the compute, loses."""
     path = directory / f".tiertrain-pagesize-{os.getpid()}"
     flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
     try:
@@ -56,10 +70,12 @@ def disk_curve(directory: Path, total: int = 256 * MiB, workers: int = 8) -> dic
             for size in CANDIDATES:
                 n = max(workers, total // size)
                 views = [memoryview(b[0].numpy()[:size]) for b in buffers]
-                t = time.perf_counter()
+                c, t = time.process_time(), time.perf_counter()
                 list(pool.map(lambda i: os.pwrite(fd, views[i % workers], i * size), range(n)))
                 list(pool.map(lambda i: os.preadv(fd, [views[i % workers]], i * size), range(n)))
                 curve[size] = 2 * n * size / (time.perf_counter() - t)
+                if cpu is not None:
+                    cpu[size] = (time.process_time() - c) / (2 * n * size)
     finally:
         os.close(fd)
         path.unlink(missing_ok=True)
@@ -96,7 +112,7 @@ def measured_page_size(disk_dir: str | None, device: torch.device) -> int:
         link = f"disk:{os.stat(disk_dir).st_dev}"
     else:
         link = "h2d:cuda" if device.type == "cuda" else "memcpy"
-    key = f"{socket.gethostname()}/{link}"
+    key = f"v2/{socket.gethostname()}/{link}"
     cache = _cache_file()
     try:
         known = json.loads(cache.read_text())
@@ -104,9 +120,11 @@ def measured_page_size(disk_dir: str | None, device: torch.device) -> int:
         known = {}
     if key in known:
         return int(known[key]["page_size"])
-    curve = disk_curve(Path(disk_dir)) if disk_dir else memory_curve(device)
-    size = pick(curve)
-    known[key] = {"page_size": size, "curve": {str(k): v for k, v in curve.items()}}
+    cpu: dict[int, float] = {}
+    curve = disk_curve(Path(disk_dir), cpu=cpu) if disk_dir else memory_curve(device)
+    size = max(pick(curve), pick_cheap(cpu)) if cpu else pick(curve)
+    known[key] = {"page_size": size, "curve": {str(k): v for k, v in curve.items()},
+                  "cpu_s_per_byte": {str(k): v for k, v in cpu.items()}}
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(known, indent=1))

@@ -13,7 +13,6 @@ import os
 import statistics
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -21,6 +20,7 @@ from typing import Callable
 import torch
 
 from tiertrain.memory import Budgets, MemorySystem, Tier
+from tiertrain.memory.disk_probe import measure_disk
 from tiertrain.memory.page_size import measured_page_size
 from tiertrain.memory.pool import host_buffer
 
@@ -42,27 +42,8 @@ def _drop_caches() -> None:
 
 
 def raw_disk(directory: Path, total: int, block: int, in_flight: int) -> Figure:
-    path = directory / f".tiertrain-bench-{os.getpid()}"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
-    try:
-        bufs = [host_buffer(block, pin=False) for _ in range(in_flight)]
-        views = [memoryview(b[0].numpy()) for b in bufs]
-        for b in bufs:
-            b[0].random_(0, 256)
-        n = total // block
-        with ThreadPoolExecutor(in_flight) as pool:
-            t = time.perf_counter()
-            list(pool.map(lambda i: os.pwrite(fd, views[i % in_flight], i * block), range(n)))
-            os.fsync(fd)
-            write = n * block / (time.perf_counter() - t)
-            _drop_caches()
-            t = time.perf_counter()
-            list(pool.map(lambda i: os.preadv(fd, [views[i % in_flight]], i * block), range(n)))
-            read = n * block / (time.perf_counter() - t)
-    finally:
-        os.close(fd)
-        path.unlink(missing_ok=True)
-    return Figure(write, read)
+    rates = measure_disk(directory, block, total, in_flight)
+    return Figure(rates.write_bps, rates.read_bps)
 
 
 def tier_disk(directory: Path, total: int, page: int, chunk: int, io_workers: int) -> Figure:

@@ -16,12 +16,12 @@ import json
 import os
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from tiertrain.memory.disk_probe import measure_disk
 from tiertrain.memory.pool import IO_ALIGN, host_buffer
 
 KiB, MiB = 1024, 1024 * 1024
@@ -57,28 +57,12 @@ def disk_curve(directory: Path, total: int = 256 * MiB, workers: int = 8,
     """Write-then-read bandwidth (bytes/s) of O_DIRECT page requests, ``workers`` in flight.
     ``cpu``, when given, receives the CPU seconds each byte cost (syscalls, pinning pages, the
     workers' own overhead): time the optimizer, or on a CPU-only machine the compute, loses."""
-    path = directory / f".tiertrain-pagesize-{os.getpid()}"
-    flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
-    try:
-        fd = os.open(path, flags | os.O_DIRECT, 0o600)
-    except OSError:
-        fd = os.open(path, flags, 0o600)
     curve = {}
-    try:
-        buffers = [host_buffer(max(CANDIDATES), pin=False) for _ in range(workers)]
-        with ThreadPoolExecutor(workers) as pool:
-            for size in CANDIDATES:
-                n = max(workers, total // size)
-                views = [memoryview(b[0].numpy()[:size]) for b in buffers]
-                c, t = time.process_time(), time.perf_counter()
-                list(pool.map(lambda i: os.pwrite(fd, views[i % workers], i * size), range(n)))
-                list(pool.map(lambda i: os.preadv(fd, [views[i % workers]], i * size), range(n)))
-                curve[size] = 2 * n * size / (time.perf_counter() - t)
-                if cpu is not None:
-                    cpu[size] = (time.process_time() - c) / (2 * n * size)
-    finally:
-        os.close(fd)
-        path.unlink(missing_ok=True)
+    for size in CANDIDATES:
+        rates = measure_disk(directory, size, total, workers)
+        curve[size] = rates.both_bps
+        if cpu is not None:
+            cpu[size] = rates.cpu_s_per_byte
     return curve
 
 

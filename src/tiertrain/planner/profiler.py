@@ -10,19 +10,15 @@ are cached per host name in the tiertrain cache directory.
 from __future__ import annotations
 
 import json
-import os
 import socket
-import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from tiertrain.memory.disk import checksum
+from tiertrain.memory.disk_probe import measure_disk
 from tiertrain.memory.page_size import cache_dir
-from tiertrain.memory.pool import host_buffer
 from tiertrain.models.accounting import PRECISION_BYTES, block_params, embedding_params
 from tiertrain.models.config import ModelConfig
 from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
@@ -37,52 +33,6 @@ def _rate(fn, nbytes: int, repeat: int = 3) -> float:
         fn()
         best = min(best, time.perf_counter() - t)
     return nbytes / best
-
-
-def _disk_rates(directory: Path, nbytes: int = 64 * MiB, block: int = MiB, in_flight: int = 8) -> tuple[float, float, float]:
-    """(read bytes/s, write bytes/s, CPU seconds per byte moved), measured the way the disk tier
-    moves pages: O_DIRECT, one page per request, ``in_flight`` requests at once, each page
-    checksummed. The CPU figure is what a CPU-only machine loses from its compute to disk I/O."""
-    directory.mkdir(parents=True, exist_ok=True)
-    bufs = [host_buffer(block, pin=False) for _ in range(in_flight)]  # (tensor, its mapping): keep both
-    views = [memoryview(b.random_(0, 256).numpy()) for b, _ in bufs]
-    n = nbytes // block
-    fd, path = tempfile.mkstemp(dir=directory, prefix=".tiertrain-probe-")
-    os.close(fd)
-    fd = -1
-
-    def write(i: int) -> None:
-        checksum(views[i % in_flight])
-        os.pwrite(fd, views[i % in_flight], i * block)
-
-    def read(i: int) -> None:
-        os.preadv(fd, [views[i % in_flight]], i * block)
-        checksum(views[i % in_flight])
-
-    try:
-        fd = _open_direct(path)
-        with ThreadPoolExecutor(in_flight) as pool:
-            cpu, t = time.process_time(), time.perf_counter()
-            list(pool.map(write, range(n)))
-            os.fsync(fd)
-            write_bps = n * block / (time.perf_counter() - t)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            t = time.perf_counter()
-            list(pool.map(read, range(n)))
-            read_bps = n * block / (time.perf_counter() - t)
-            cpu_per_byte = (time.process_time() - cpu) / (2 * n * block)
-    finally:
-        if fd >= 0:
-            os.close(fd)
-        os.unlink(path)
-    return read_bps, write_bps, cpu_per_byte
-
-
-def _open_direct(path: str) -> int:
-    try:
-        return os.open(path, os.O_RDWR | os.O_DIRECT)
-    except OSError:  # no O_DIRECT on this filesystem: the tier falls back to buffered I/O, as here
-        return os.open(path, os.O_RDWR)
 
 
 def probe_machine(disk_dir: str | None = None, use_cache: bool = True) -> tuple[MachineProfile, float]:
@@ -103,7 +53,10 @@ def probe_machine(disk_dir: str | None = None, use_cache: bool = True) -> tuple[
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     h2d = _rate(lambda: (dst.copy_(src, non_blocking=True), sync()), src.numel())
     d2h = _rate(lambda: (src.copy_(dst, non_blocking=True), sync()), src.numel())
-    read, write, disk_cpu = _disk_rates(Path(disk_dir)) if disk_dir else (1e9, 1e9, 0.0)
+    read, write, disk_cpu = 1e9, 1e9, 0.0
+    if disk_dir:  # as the disk tier moves pages: 1 MiB, 8 in flight, checksummed
+        rates = measure_disk(Path(disk_dir), MiB, 64 * MiB, 8, verify=True)
+        read, write, disk_cpu = rates.read_bps, rates.write_bps, rates.cpu_s_per_byte
     n = 4 * MiB
     p, g, m1, m2 = (torch.randn(n) for _ in range(4))
     step = [torch.zeros(())]

@@ -1,0 +1,78 @@
+"""How fast a disk moves pages the way the disk tier moves them, and what that costs the cores.
+
+O_DIRECT (buffered where the filesystem refuses it), one request per page, ``in_flight``
+requests at once, writes then reads of a private temporary file. One measurement serves
+the page-size picker (bandwidth and CPU cost per page size), the planner's machine probe
+(read and write rates, with the tier's checksums) and the memory benchmark's raw limit.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from tiertrain.memory.disk import checksum
+from tiertrain.memory.pool import host_buffer
+
+
+@dataclass(frozen=True)
+class DiskRates:
+    read_bps: float
+    write_bps: float
+    cpu_s_per_byte: float  # process CPU seconds per byte moved (syscalls, pinning, workers, checksums)
+
+    @property
+    def both_bps(self) -> float:
+        """Bytes per second over a write and a read of the same bytes."""
+        return 2 / (1 / self.read_bps + 1 / self.write_bps)
+
+
+def measure_disk(directory: Path, page: int, total: int, in_flight: int, verify: bool = False) -> DiskRates:
+    """``verify``: checksum every page written and read, as the disk tier does."""
+    directory.mkdir(parents=True, exist_ok=True)
+    buffers = [host_buffer(page, pin=False) for _ in range(in_flight)]  # (tensor, its mapping): keep both
+    views = [memoryview(b.random_(0, 256).numpy()) for b, _ in buffers]
+    n = max(in_flight, total // page)
+    fd, path = tempfile.mkstemp(dir=directory, prefix=".tiertrain-probe-")
+    os.close(fd)
+    fd = -1
+
+    def write(i: int) -> None:
+        if verify:
+            checksum(views[i % in_flight])
+        os.pwrite(fd, views[i % in_flight], i * page)
+
+    def read(i: int) -> None:
+        os.preadv(fd, [views[i % in_flight]], i * page)
+        if verify:
+            checksum(views[i % in_flight])
+
+    try:
+        fd = _open_direct(path)
+        with ThreadPoolExecutor(in_flight) as pool:
+            cpu, t = time.process_time(), time.perf_counter()
+            list(pool.map(write, range(n)))
+            os.fsync(fd)
+            write_s = time.perf_counter() - t
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # buffered fallback: read from the disk
+            t = time.perf_counter()
+            list(pool.map(read, range(n)))
+            read_s = time.perf_counter() - t
+            cpu_s = time.process_time() - cpu
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        os.unlink(path)
+    nbytes = n * page
+    return DiskRates(nbytes / read_s, nbytes / write_s, cpu_s / (2 * nbytes))
+
+
+def _open_direct(path: str) -> int:
+    try:
+        return os.open(path, os.O_RDWR | os.O_DIRECT)
+    except OSError:  # no O_DIRECT on this filesystem: the tier falls back to buffered I/O, as here
+        return os.open(path, os.O_RDWR)

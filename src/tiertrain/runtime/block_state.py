@@ -152,14 +152,14 @@ def _optimizer_chunks(mem: MemorySystem, block: Block, layout: ChunkLayout) -> t
 
 
 def build_state(mem: MemorySystem, index: int, block: Block, plan: BlockPlan, slot: Slot,
-                group_of: list[int], train: bool = True, publish_copy: bool = False,
+                group_of: list[int], train: bool = True, own_param_home: bool = False,
                 compute: torch.dtype = F32) -> BlockState:
     """Allocate the block's chunks, copy its current weights in, and leave its slot filled.
 
     The fp32 master is written first and the compute copies (slot, param home) from it.
-    ``publish_copy``: a disk-homed streamed block also keeps a host copy of its params that the
-    optimizer publishes into (lockfree: reading params must never wait for disk). A compute
-    dtype other than fp32 always needs its own param home (the master cannot double as it)."""
+    ``own_param_home`` (``plan_bytes.separate_param_home``, the planner's and the budget check's
+    rule too): a streamed block keeps its compute params in a host chunk of their own, which the
+    optimizer publishes into; else its fp32 master is what its slot is filled from."""
     layout = ChunkLayout.build([(n, tuple(p.shape)) for n, p in block.params])
     master = exp_avg = exp_avg_sq = None
     if train:
@@ -169,7 +169,7 @@ def build_state(mem: MemorySystem, index: int, block: Block, plan: BlockPlan, sl
         _fill(slot.chunk, block.params, layout, compute)
     slot.holder = index
     param_home = None
-    if plan.stream and master is not None and compute is F32 and not (publish_copy and plan.home is Tier.DISK):
+    if plan.stream and not own_param_home:
         param_home = master  # fp32 compute: the slot is filled from the master, wherever it lives
     elif plan.stream:
         param_home = mem.allocate(f"{block.name}.param", layout.numel * compute.itemsize, Tier.HOST, Kind.PARAM,

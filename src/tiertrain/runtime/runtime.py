@@ -16,6 +16,7 @@ from tiertrain.runtime.blocks import find_blocks
 from tiertrain.runtime.hooks import flush_grads, install_block_hooks, install_grad_hooks
 from tiertrain.runtime.loss_scale import LossScaler
 from tiertrain.plan import Plan
+from tiertrain.plan_bytes import separate_param_home
 from tiertrain.runtime.cache import DeviceCache
 from tiertrain.memory.tiers import Kind
 
@@ -40,7 +41,7 @@ class Runtime:
                                          contiguous=True))
             group_of = [group_of_param.get(id(p), 0) for _, p in block.params]
             self.states.append(build_state(mem, i, block, bplan, slot, group_of, train,
-                                           publish_copy=bplan.param_copy or plan.update == "lockfree",
+                                           own_param_home=separate_param_home(bplan, plan, train),
                                            compute=plan.compute))
         for st in self.states:
             install_params(model, st)

@@ -25,7 +25,7 @@ from tiertrain.memory import Budgets, MemorySystem
 from tiertrain.memory.page_size import page_size_for
 from tiertrain.memory.system import compute_device
 from tiertrain.runtime.blocks import find_blocks
-from tiertrain.runtime.budget_check import check_fits, fits
+from tiertrain.runtime.budget_check import check_fits, fits, widest_read_ahead
 from tiertrain.plan import Plan, load_plan
 from tiertrain.runtime.runtime import Runtime
 
@@ -157,6 +157,8 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None, memory: Bud
     check_fits(found, chosen, memory, page, train, transient)
     # Bounding the gradients alive makes backward wait for the optimizer: only when the host needs it
     bound_grads = transient and not fits(found, chosen, memory, page, train, transient_grads=False)
+    if train:
+        chosen = widest_read_ahead(found, chosen, memory, page, transient_grads=bound_grads)
     mem = MemorySystem(memory, page_size=page)
     runtime = Runtime(model, groups, group_of, mem, chosen, grad_accum, max_grad_norm, blocks, train, bound_grads)
     return TieredModel(model, runtime, auto), TieredOptimizer(runtime) if train else None

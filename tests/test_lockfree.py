@@ -78,8 +78,78 @@ def test_lockfree_leaves_a_blocks_states_to_its_update_loop(tmp_path, monkeypatc
 
     calls = []
     read_ahead = updater.Updater.read_ahead
-    monkeypatch.setattr(updater.Updater, "read_ahead", lambda self, st: (calls.append(st.index), read_ahead(self, st)))
+    monkeypatch.setattr(updater.Updater, "read_ahead",
+                        lambda self, st, *a, **k: (calls.append(st.index), read_ahead(self, st, *a, **k)))
     train_tiered(TINY4, 3, 1, None, plan(Tier.DISK, 1), budgets(tmp_path))
     assert calls == []
     train_tiered(TINY4, 3, 1, None, dataclasses.replace(plan(Tier.DISK, 1), update="overlap"), budgets(tmp_path / "o"))
     assert len(calls) >= 3
+
+
+def _counting_passes(monkeypatch) -> dict[int, int]:
+    """Update passes per block index, counted where AdamW runs."""
+    import tiertrain.optim.updater as updater
+
+    passes: dict[int, int] = {}
+    adamw = updater.adamw_block
+
+    def counted(st, *a):
+        passes[st.index] = passes.get(st.index, 0) + 1
+        return adamw(st, *a)
+
+    monkeypatch.setattr(updater, "adamw_block", counted)
+    return passes
+
+
+@pytest.mark.parametrize("home", [Tier.DISK, Tier.HOST])
+def test_disk_homed_lockfree_passes_carry_as_many_steps_as_the_staleness_allows(tmp_path, monkeypatch, home):
+    """Each pass over a disk-homed block costs its states' disk traffic, so with max staleness N a pass
+    waits for N steps of gradients: about steps / N passes, never staler than N. A host-homed pass is
+    cheap, so there loops run as before (fewer passes would only mean fewer updates). At the end
+    (close, like a checkpoint) every step's gradients are in the states."""
+    import tiertrain
+    from tiered_harness import _fresh, _loop
+
+    passes = _counting_passes(monkeypatch)
+    steps, staleness = 13, 3  # the last step's gradients are held back until the end
+    model, opt = _fresh(TINY4)
+    tm, topt = tiertrain.setup(model, opt, budgets(tmp_path), plan=plan(home, staleness), page_size=64 * 1024)
+    rt, seen = tm.runtime, []
+    try:
+        for _ in range(steps):
+            _loop(tm, topt, tm.clip_grad_norm_, 1, 1, None)
+            seen.append(rt.pop_staleness())
+        rt.wait_updates()
+        versions = [st.version for st in rt.states]
+    finally:
+        rt.close()
+        rt.mem.close()
+    assert max(seen) <= staleness
+    assert versions == [steps] * len(versions)  # nothing held back is lost
+    blocks = [passes.get(i, 0) for i in range(len(versions))]
+    if home is Tier.DISK:
+        assert max(blocks) <= steps // staleness + 1, blocks
+    else:
+        assert max(blocks) > steps // staleness + 1, blocks
+
+
+def test_a_block_staler_than_allowed_gets_its_held_back_gradients_before_use(tmp_path, monkeypatch):
+    """Gradients held back to coalesce are applied before a block is used past its staleness, even
+    when no loop is due: here the run's step count jumps ahead of what the blocks have seen."""
+    import tiertrain
+    from tiered_harness import _fresh, _loop
+
+    model, opt = _fresh(TINY4)
+    tm, topt = tiertrain.setup(model, opt, budgets(tmp_path), plan=plan(Tier.DISK, 3), page_size=64 * 1024)
+    rt = tm.runtime
+    try:
+        _loop(tm, topt, tm.clip_grad_norm_, 1, 1, None)  # one step of gradients: a pass is not due yet
+        assert all(st.grad is not None and st.version == 0 for st in rt.states)
+        rt.steps_taken += 3  # now 4 steps on: one past the staleness allowed
+        st = rt.states[0]
+        rt.params_ready(st)
+        assert st.version == 1 and st.grad is None
+        assert rt.pop_staleness() == 3
+    finally:
+        rt.close()
+        rt.mem.close()

@@ -8,7 +8,7 @@ from typing import Any
 import click
 from rich.console import Console
 
-from tiertrain.errors import UserError
+from tiertrain.errors import ConfigError, UserError
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -157,10 +157,13 @@ def bench_optimizer_cmd(d_model: int, layers: int, repeats: int) -> None:
               help="Sequences per step; the default makes the step disk-bound on a 2-core CPU machine.")
 @click.option("--seq-len", type=int, default=128, show_default=True)
 @click.option("--disk", "disk_dir", type=click.Path(file_okay=False), help="Directory on the disk (default: a temporary one here).")
-@click.option("--repeats", type=int, default=5, show_default=True)
+@click.option("--repeats", type=int, default=8, show_default=True,
+              help="Timed steps per plan (a multiple of each staleness, so lockfree's passes are all counted).")
 @click.option("--page-size", help='Memory page size, e.g. "1MiB" (default: measured, as train uses).')
+@click.option("--max-staleness", "stalenesses", default="1,4", show_default=True,
+              help="Lockfree runs, one per max staleness (comma-separated); the first is train's default.")
 def bench_offload_cmd(d_model: int, layers: int, batch_size: int, seq_len: int, disk_dir: str | None, repeats: int,
-                      page_size: str | None) -> None:
+                      page_size: str | None, stalenesses: str) -> None:
     """Step time with states on disk against max(compute, disk I/O, optimizer) measured in the same run."""
     import torch
 
@@ -169,9 +172,15 @@ def bench_offload_cmd(d_model: int, layers: int, batch_size: int, seq_len: int, 
     from tiertrain.memory.page_size import page_size_for
     from tiertrain.units import parse_size
 
+    try:
+        staleness = tuple(int(v) for v in stalenesses.split(","))
+    except ValueError:
+        staleness = ()
+    if not staleness or min(staleness) < 0:
+        raise ConfigError(f"--max-staleness {stalenesses!r}: give whole numbers >= 0, comma-separated, e.g. 1,4")
     click.echo(f"machine: {describe(disk_dir)}")
     page = page_size_for(parse_size(page_size) if page_size else None, disk_dir, torch.device("cpu"))
-    bench_offload(d_model, layers, batch_size, seq_len, disk_dir, repeats, click.echo, page)
+    bench_offload(d_model, layers, batch_size, seq_len, disk_dir, repeats, click.echo, page, staleness)
 
 
 @bench.command("planner", context_settings=CONTEXT)

@@ -122,11 +122,17 @@ class Updater:
         st.pending_update = pending
         return pending
 
-    def submit_loop(self, st: BlockState) -> None:
-        """Lockfree (ANGEL-PTM Alg. 2): keep updating the block while new gradients arrive; start
-        a loop only if none runs. The device never waits here."""
+    def submit_loop(self, st: BlockState, coalesce: int = 1) -> None:
+        """Lockfree (ANGEL-PTM Alg. 2): keep updating the block while its gathered gradients span
+        ``coalesce`` steps or more; start a loop only if none runs. The device never waits here.
+
+        ``coalesce`` = the plan's max staleness for disk-homed blocks: a block whose params may lag
+        N steps needs a pass only every N steps, and each pass costs the same disk traffic whatever
+        it carries. Loops that ran flat out instead kept the disk saturated and the cores busy,
+        taking about one step of gradients per pass. (``Runtime.params_ready`` forces a pass with ``coalesce=1`` when a
+        block would otherwise be staler than allowed, and so does ``wait_updates``.)"""
         with st.lock:
-            if st.running:
+            if st.running or not _due(st, coalesce):
                 return
             st.running = True
 
@@ -134,7 +140,7 @@ class Updater:
             while True:
                 self.update(st, None, [dict(g) for g in self.groups])
                 with st.lock:
-                    if st.grad is None:
+                    if not _due(st, coalesce):
                         st.running = False
                         return
 
@@ -166,3 +172,8 @@ class Updater:
         if target is not st.master:  # an fp32 master doubles as the param home of a streamed block
             publish(st.master, target, st.layout, st.compute)
         self.on_params_written(st)
+
+
+def _due(st: BlockState, coalesce: int) -> bool:
+    """Whether the block's gathered gradients span ``coalesce`` steps (call under ``st.lock``)."""
+    return st.grad is not None and st.grad_step + 1 - st.version >= coalesce

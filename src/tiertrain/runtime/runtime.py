@@ -150,6 +150,7 @@ class Runtime:
             self.updater.settle_block(st)
             return
         while self.steps_taken - st.version > self.plan.max_staleness:
+            self.updater.submit_loop(st)  # the gradients it holds back must be applied now
             pending = st.pending_update
             if pending is None:
                 break
@@ -166,7 +167,11 @@ class Runtime:
         """Overlap without clipping: a block's update starts as soon as its last gradient is in.
         Lockfree: an update loop takes whatever gradients have gathered, never blocking backward."""
         if self.plan.update == "lockfree":
-            self.updater.submit_loop(st)
+            # a disk-homed block's pass costs its states' disk traffic whatever it carries: where the
+            # staleness allows, it takes several steps' gradients per pass. Elsewhere a pass is cheap
+            # and fewer of them would only mean fewer updates
+            disk = st.plan.home is Tier.DISK
+            self.updater.submit_loop(st, coalesce=max(1, self.plan.max_staleness) if disk else 1)
             return
         if self.plan.update == "overlap" and not self.needs_all_grads and self._final_micro():
             self.updater.submit(st, None)
@@ -233,6 +238,10 @@ class Runtime:
         self.clip_coef, self.updates_started, self.skip_step, self.micro = None, False, False, 0
 
     def wait_updates(self) -> None:
+        """Every gradient taken into the states and every state home (checkpoints, the end)."""
+        if self.plan.update == "lockfree":
+            for st in self.states:
+                self.updater.submit_loop(st)  # what the loops held back to coalesce
         for st in self.states:
             if st.pending_update is not None:
                 st.pending_update.wait()

@@ -112,21 +112,21 @@ def test_forward_reads_in_the_states_backward_updates_first(tmp_path, stream, pa
     plan = disk_plan("sync", stream, param_copy, workers=1, read_ahead=2)  # the budget counts 4 of 5 blocks' states
     blocks = find_blocks(_fresh(TINY4)[0])
     host = needs(blocks, plan, PAGE)[Tier.HOST]  # exactly this plan: no wider read-ahead fits
-    want = train_plain(TINY4, 2, 1, None)
+    want = train_plain(TINY4, 4, 1, None)
     tm, topt = _setup(tmp_path, plan, host)
     losses: list[float] = []
-    data = batches(2)
+    data = batches(4)
     try:
         assert tm.runtime.plan.read_ahead == 2
         _step(tm, topt, data[0], losses)
-        assert _masters_in_host(tm) == 0
-        batch = data[1]
-        loss = lm_loss(tm, batch[:, :-1], batch[:, 1:])
-        assert _masters_in_host(tm) == ahead
-        loss.backward()
-        topt.step()
-        topt.zero_grad()
-        losses.append(loss.item())
+        for batch in data[1:]:  # every step, not only the first after the warm-up
+            assert _masters_in_host(tm) == 0
+            loss = lm_loss(tm, batch[:, :-1], batch[:, 1:])
+            assert _masters_in_host(tm) == ahead
+            loss.backward()
+            topt.step()
+            topt.zero_grad()
+            losses.append(loss.item())
         assert tm.runtime.mem.stats()["host"]["pages_peak_bytes"] <= host
     finally:
         _close(tm)

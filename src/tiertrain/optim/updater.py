@@ -47,19 +47,22 @@ class Updater:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def read_ahead(self, st: BlockState, block: bool = True) -> None:
+    def read_ahead(self, st: BlockState, block: bool = True) -> bool:
         """Start reading a disk-homed block's states now (its backward begins), so the reads
         overlap the backward of this and later blocks instead of following it (ANGEL-PTM's
         trigger points). Skipped when ``max_read_ahead`` blocks are already read in, and, with
         ``block=False``, while the block's last update or its write-back is still running (a
-        forward-time trigger must never make the forward wait)."""
+        forward-time trigger must never make the forward wait). True once its reads are under way
+        (or there is nothing to read)."""
         if st.plan.home is not Tier.DISK or st.master is None:
-            return
+            return True
         if not block and not self._settled(st):
-            return
+            return False
         with self._lock:
-            if st.index in self._reads or len(self._reads) >= self.max_read_ahead:
-                return
+            if st.index in self._reads:
+                return True
+            if len(self._reads) >= self.max_read_ahead:
+                return False
             self._reads[st.index] = []
         for h in self._home_moves.pop(st.index, []):
             h.wait()  # the last update's write-back must land before we read the states again
@@ -71,6 +74,7 @@ class Updater:
             pass
         with self._lock:
             self._reads[st.index] = reads
+        return True
 
     def reading_full(self) -> bool:
         """Whether ``max_read_ahead`` blocks are already read in (a further read_ahead does nothing)."""
@@ -156,7 +160,7 @@ class Updater:
         reader (``read_ahead``, ``update``) waits for it instead."""
         if st.pending_update is not None:
             st.pending_update.wait()
-        if st.param_home is not None and st.param_home is st.master:
+        if st.fills_slot_from_master:
             for h in self._home_moves.pop(st.index, []):
                 h.wait()
 

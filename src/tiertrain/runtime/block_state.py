@@ -102,6 +102,12 @@ class BlockState:
             return taken
 
     @property
+    def fills_slot_from_master(self) -> bool:
+        """A streamed fp32 block without a param home of its own: its slot is copied from the fp32
+        master wherever that lives, so the master must stay put (its write-back landed, no read)."""
+        return self.param_home is not None and self.param_home is self.master
+
+    @property
     def nbytes(self) -> int:
         return self.layout.numel * F32.itemsize
 

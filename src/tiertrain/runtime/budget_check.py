@@ -23,8 +23,11 @@ class PlanDoesNotFit(UserError):
 def needs(blocks: list[Block], plan: Plan, page: int, train: bool = True, transient_grads: bool = False) -> dict[Tier, int]:
     """Bytes per tier. ``transient_grads``: each block's gradients are updated away right after
     backward flushes them (overlap, no clipping, no accumulation), so only a few coexist."""
-    numels = [ChunkLayout.build([(n, tuple(p.shape)) for n, p in b.params]).numel for b in blocks]
-    return tier_bytes(numels, plan, page, train, "transient" if transient_grads else "all")
+    return tier_bytes(_numels(blocks), plan, page, train, "transient" if transient_grads else "all")
+
+
+def _numels(blocks: list[Block]) -> list[int]:
+    return [ChunkLayout.build([(n, tuple(p.shape)) for n, p in b.params]).numel for b in blocks]
 
 
 def _short(need: dict[Tier, int], budgets: Budgets) -> list[Tier]:
@@ -45,10 +48,11 @@ def widest_read_ahead(blocks: list[Block], plan: Plan, budgets: Budgets, page: i
     overlap): 0.555 s per step with 2 blocks ahead, 0.496 s with all 8. The host memory the
     user gave is spent on that rather than left idle."""
     on_disk = sum(b.home is Tier.DISK for b in (*plan.blocks, plan.rest))
+    numels, grads = _numels(blocks), "transient" if transient_grads else "all"
     best = plan
     for k in range(plan.read_ahead + 1, on_disk + 1):
         wider = dataclasses.replace(plan, read_ahead=k)
-        if not fits(blocks, wider, budgets, page, transient_grads=transient_grads):
+        if _short(tier_bytes(numels, wider, page, grads=grads), budgets):
             break
         best = wider
     return best

@@ -59,7 +59,8 @@ class Runtime:
         # disk-homed blocks in the order backward reaches them (the rest has no hook), whose states
         # may be read during forward: not those whose slot is filled from the master itself
         self._backward_first = [s for s in self.states[-2::-1]
-                                if s.plan.home is Tier.DISK and (s.param_home is None or s.param_home is not s.master)]
+                                if s.plan.home is Tier.DISK and not s.fills_slot_from_master]
+        self._unread = list(self._backward_first)  # of those, the ones this step has not read in yet
         self._in_backward = False
         self.micro = 0               # backward passes in the current accumulation window
         self.last_norm: torch.Tensor | None = None
@@ -98,10 +99,13 @@ class Runtime:
         else:
             self.params_ready(st)
         if self._final_micro() and self.plan.update != "lockfree":
-            for first in self._backward_first:
+            started = set()
+            for first in self._unread:
                 if self.updater.reading_full():
                     break
-                self.updater.read_ahead(first, block=False)
+                if self.updater.read_ahead(first, block=False):
+                    started.add(first.index)
+            self._unread = [s for s in self._unread if s.index not in started]
 
     # -- backward ----------------------------------------------------------------------
     def backward_begins(self, st: BlockState) -> None:
@@ -228,6 +232,7 @@ class Runtime:
             self.micro = 0
             return
         self.cache.settle()
+        self._unread = list(self._backward_first)
         if not self.updates_started:
             coef = self._grad_coefficient()
             for st in self.states[-1:] + self.states[:-1]:

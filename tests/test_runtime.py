@@ -433,3 +433,50 @@ def test_overlap_bounds_the_gradients_in_host_only_where_the_host_budget_needs_i
         finally:
             tm.runtime.close()
             tm.runtime.mem.close()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_device_homed_blocks_keep_gradients_on_the_device_and_fp32_ones_update_their_slot_in_place(precision):
+    """A device-homed block is updated on the device: its gradients gather there (on a GPU they
+    would otherwise cross the link twice a step), and in fp32 its slot is its master, updated in
+    place as plain PyTorch updates its parameters (no second copy, no copy after each update).
+    A host-homed block's gradients go to the host. The device tier holds what the budget check counted."""
+    import dataclasses
+
+    import torch
+
+    import tiertrain
+    from tiered_harness import _fresh, batches
+    from tiertrain.engine.objective import lm_loss
+    from tiertrain.memory import Kind
+    from tiertrain.plan import builtin_plan
+    from tiertrain.runtime.blocks import find_blocks
+    from tiertrain.runtime.budget_check import needs
+
+    page = 64 * 1024
+    mixed = Plan((BlockPlan(home=Tier.DEVICE),) * 2 + (BlockPlan(home=Tier.HOST, stream=True),) * 2,
+                 BlockPlan(home=Tier.DEVICE), compute_dtype=precision, name="mixed")
+    for plan in (builtin_plan("resident", 4), mixed):
+        plan = dataclasses.replace(plan, compute_dtype=precision)
+        model, opt = _fresh(TINY4)
+        need = needs(find_blocks(model), plan, page)
+        tm, topt = tiertrain.setup(model, opt, Budgets(device=need[Tier.DEVICE], host=need[Tier.HOST]), plan=plan,
+                                   page_size=page)
+        rt, acc = tm.runtime, tm.runtime.mem.accounting
+        try:
+            x = batches(1)[0]
+            lm_loss(tm, x[:, :-1], x[:, 1:]).backward()
+            on_device = [st for st in rt.states if st.plan.home is Tier.DEVICE]
+            assert acc.chunks(Tier.DEVICE, Kind.GRAD) == len(on_device)
+            assert acc.chunks(Tier.HOST, Kind.GRAD) == len(rt.states) - len(on_device)
+            topt.step()
+            topt.zero_grad()
+            for st in on_device:
+                assert (st.master is st.slot.chunk) == (precision == "fp32")
+                for p, m in zip(st.params, st.views(st.master)):  # the module computes with the new master
+                    assert torch.equal(p.detach(), m.to(p.dtype))
+            assert (acc.peak(Tier.DEVICE, Kind.MASTER) == 0) == (precision == "fp32")  # no second fp32 copy
+            assert rt.mem.stats()["device"]["pages_peak_bytes"] <= need[Tier.DEVICE]
+        finally:
+            rt.close()
+            rt.mem.close()

@@ -35,14 +35,28 @@ def separate_param_home(bp: BlockPlan, plan: Plan, train: bool = True) -> bool:
             or (bp.home is Tier.DISK and (bp.param_copy or plan.update == "lockfree")))
 
 
+def master_in_slot(bp: BlockPlan, plan: Plan, train: bool = True) -> bool:
+    """Whether a block's fp32 master *is* its device slot: a resident fp32 block whose states live
+    on the device is updated in place, as plain PyTorch updates its parameters, instead of keeping
+    a second fp32 copy and copying it into the slot after every update."""
+    return train and not bp.stream and bp.home is Tier.DEVICE and plan.compute_dtype == "fp32"
+
+
+def grad_tier(bp: BlockPlan) -> Tier:
+    """Where a block's gradients gather: beside its master, where its update runs. A device-homed
+    block is updated on the device, so its gradients never cross the host link; the others go to
+    the host, where the CPU optimizer (or the disk states' reader) takes them."""
+    return Tier.DEVICE if bp.home is Tier.DEVICE else Tier.HOST
+
+
 def tier_bytes(numels: Sequence[int], plan: Plan, page: int, train: bool = True, grads: str = "all",
                bound: bool = True) -> dict[Tier, int]:
     """Bytes per tier for blocks of ``numels`` elements (the repeated blocks, then the rest).
 
-    ``grads``: ``all`` holds every block's gradient chunk on the host; ``transient`` only one
-    per update worker plus the one backward fills (overlap without clipping or accumulation
-    updates each block's gradients away at once); ``none`` leaves gradients out (the
-    simulator adds them on its timeline).
+    ``grads``: ``all`` holds every block's gradient chunk (``grad_tier``); ``transient`` holds only
+    one host chunk per update worker plus the one backward fills (overlap without clipping or
+    accumulation updates each block's gradients away at once), and device-homed blocks' chunks
+    in full; ``none`` leaves gradients out (the simulator adds them on its timeline).
     """
     if len(numels) != len(plan.blocks) + 1:
         raise ValueError(f"{len(numels)} chunk sizes for a plan of {len(plan.blocks)} blocks + rest")
@@ -58,17 +72,19 @@ def tier_bytes(numels: Sequence[int], plan: Plan, page: int, train: bool = True,
     if streamed:
         need[Tier.DEVICE] += min(plan.window + plan.cache, len(streamed)) * chunk(max(streamed))
     for size, csize, bp in zip(sizes, compute, plans):
-        if not bp.stream:
+        if not bp.stream and not master_in_slot(bp, plan, train):
             need[Tier.DEVICE] += chunk(csize)
-        elif separate_param_home(bp, plan, train):
+        elif bp.stream and separate_param_home(bp, plan, train):
             need[Tier.HOST] += chunk(csize)
         if train:
-            need[Tier.HOST] += chunk(size) if grads == "all" else 0
-            need[bp.home] += 3 * chunk(size)      # master, exp_avg, exp_avg_sq
+            device_grads = grad_tier(bp) is Tier.DEVICE and grads != "none"
+            need[grad_tier(bp)] += chunk(size) if grads == "all" or device_grads else 0
+            need[bp.home] += 3 * chunk(size)      # master (the slot, where master_in_slot), exp_avg, exp_avg_sq
     if not train:
         return need
-    if grads == "transient":  # one per optimizer worker, plus the one backward is filling
-        need[Tier.HOST] += (plan.update_workers + 1) * chunk(max(sizes))
+    host_grads = [s for s, p in zip(sizes, plans) if grad_tier(p) is Tier.HOST]
+    if grads == "transient" and host_grads:  # one per optimizer worker, plus the one backward is filling
+        need[Tier.HOST] += (plan.update_workers + 1) * chunk(max(host_grads))
     disk_sizes = sorted((s for s, p in zip(sizes, plans) if p.home is Tier.DISK), reverse=True)
     # states in host for updates: read ahead, being updated, being written back (one per worker)
     held = plan.read_ahead + 2 * plan.update_workers

@@ -44,9 +44,13 @@ def saved_bytes(b: BlockProfile, c: Choice) -> int:
 def device_bytes(p: Profile, b: BlockProfile, c: Choice) -> int:
     """A block's own device bytes, in whole pages. Saved activations count only where they
     take device memory: on a CPU-only machine the device tier's pool holds params and states,
-    and torch allocates activations outside it."""
+    and torch allocates activations outside it. A device-homed block keeps its gradients there
+    too (``plan_bytes.grad_tier``), and a resident fp32 one's slot is its master
+    (``plan_bytes.master_in_slot``)."""
     own = 0 if c.stream else pages(b.params * p.compute_bytes, p.page)
-    states = 3 * pages(b.params * GRAD_BYTES, p.page) if c.device_home else 0
+    states = 4 * pages(b.params * GRAD_BYTES, p.page) if c.device_home else 0   # master, moments, grads
+    if c.device_home and not c.stream and p.compute_bytes == GRAD_BYTES:
+        own = 0
     acts = saved_bytes(b, c) if p.acts_on_device and not c.offload_hidden else 0
     return own + states + acts
 
@@ -58,11 +62,21 @@ def optimizer_s(b: BlockProfile, m: MachineProfile, disk_home: bool) -> float:
     return t
 
 
-def publishes_over_link(stream: bool, device_home: bool, m: MachineProfile) -> bool:
+def publishes_over_link(stream: bool, device_home: bool, m: MachineProfile, compute_bytes: int = 4) -> bool:
     """Whether a block's update ends with a copy of its new params into its device slot: a resident
     block whose master is off the device (a streamed one is copied in at its next use anyway); on a
-    CPU-only machine every resident block's, a memcpy on the shared cores."""
-    return not stream and (not device_home or m.device_is_host)
+    CPU-only machine also a device-homed resident block's in bf16/fp16, a memcpy on the shared cores
+    (in fp32 its slot is its master)."""
+    return not stream and (not device_home or (m.device_is_host and compute_bytes != GRAD_BYTES))
+
+
+def grads_out_s(b: BlockProfile, device_home: bool, m: MachineProfile) -> float:
+    """Seconds backward spends moving a block's gradients into its grad chunk: over the link to
+    the host, or nothing worth counting where they stay on the device (``plan_bytes.grad_tier``).
+    On a CPU-only machine either is a memcpy on the shared cores."""
+    if device_home and not m.device_is_host:
+        return 0.0
+    return b.params * GRAD_BYTES / m.d2h_bps
 
 
 def block_seconds(b: BlockProfile, c: Choice, m: MachineProfile, compute_bytes: int, window: int,
@@ -71,7 +85,7 @@ def block_seconds(b: BlockProfile, c: Choice, m: MachineProfile, compute_bytes: 
     saved = saved_bytes(b, c)
     stash_out = saved / m.d2h_bps if c.offload_hidden else 0.0
     stash_in = saved / m.h2d_bps if c.offload_hidden else 0.0
-    grads_out = b.params * GRAD_BYTES / m.d2h_bps
+    grads_out = grads_out_s(b, c.device_home, m)
     recompute = b.recompute_seconds if c.recompute else 0.0
     if window < 2 and c.stream:  # one slot: a block's copy cannot start while another computes
         fwd = b.forward_s + fetch + stash_out
@@ -80,7 +94,7 @@ def block_seconds(b: BlockProfile, c: Choice, m: MachineProfile, compute_bytes: 
         fwd = max(b.forward_s, fetch, stash_out)
         bwd = max(b.backward_s + recompute, fetch + stash_in, grads_out)
     opt = 0.0 if c.device_home and not m.device_is_host else optimizer_s(b, m, disk_home)
-    if publishes_over_link(c.stream, c.device_home, m):
+    if publishes_over_link(c.stream, c.device_home, m, compute_bytes):
         opt += b.params * compute_bytes / m.h2d_bps
     return fwd + max(bwd, opt) + SWITCH_S * (c.stream + c.recompute + c.offload_hidden)
 
@@ -109,18 +123,21 @@ def _grads(p: Profile, b: BlockProfile) -> int:
 
 def base_host_bytes(p: Profile, disk_budget: int) -> int:
     """Host bytes no switch removes: every gradient, the rest block's states, and whatever states
-    the disk cannot take."""
+    the disk cannot take. Device-homed blocks' gradients stay off the host, but the DP's host
+    dimension only adds: counting them here errs towards refusing, and ``host_bytes`` (which
+    every full assignment is checked with) counts them exactly."""
     states = sum(_states(p, b) for b in p.blocks)
     return (sum(_grads(p, b) for b in p.blocks) + _states(p, p.rest) + _grads(p, p.rest)
             + max(0, states - disk_budget))
 
 
 def host_bytes(p: Profile, choices: tuple[Choice, ...], disk_home: tuple[bool, ...]) -> int:
-    """Host bytes: grads of every block, host-homed states, streamed params' host copies, stashes,
-    and the disk-homed states the update workers hold while they read, update and write them."""
+    """Host bytes: grads of blocks not homed on the device, host-homed states, streamed params'
+    host copies, stashes, and the disk-homed states the update workers hold while they read,
+    update and write them."""
     total = _states(p, p.rest) + _grads(p, p.rest)
     for b, c, disk in zip(p.blocks, choices, disk_home):
-        total += _grads(p, b)
+        total += 0 if c.device_home else _grads(p, b)
         if not c.device_home and not disk:
             total += _states(p, b)
         total += switch_host_bytes(p, b, c)

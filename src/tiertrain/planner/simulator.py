@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 from tiertrain.memory.tiers import Tier
 from tiertrain.plan import Plan
-from tiertrain.plan_bytes import pages, separate_param_home, tier_bytes
-from tiertrain.planner.costs import GRAD_BYTES, STATE_BYTES, publishes_over_link
+from tiertrain.plan_bytes import grad_tier, pages, separate_param_home, tier_bytes
+from tiertrain.planner.costs import GRAD_BYTES, STATE_BYTES, grads_out_s, publishes_over_link
 from tiertrain.planner.profile import MachineProfile, Profile
 
 RESOURCES = ("compute", "h2d", "d2h", "disk_read", "disk_write", "cpu")
@@ -121,8 +121,8 @@ def simulate(plan: Plan, p: Profile, needs_all_grads: bool = False) -> Simulatio
         bends.append(e)
         last_done = e
         change(e, "device", -saved * acts)
-        _, grads_done[i] = tl.run("d2h", e, b.params * GRAD_BYTES / m.d2h_bps, f"grads {b.name}")
-        change(grads_done[i], "host", pages(b.params * GRAD_BYTES, p.page, bound=False))
+        _, grads_done[i] = tl.run("d2h", e, grads_out_s(b, bp.home is Tier.DEVICE, m), f"grads {b.name}")
+        change(grads_done[i], grad_tier(bp).value, pages(b.params * GRAD_BYTES, p.page, bound=False))
     _, device_end = tl.run("compute", last_done, p.rest.backward_s / 2, "embed bwd")
     _updates(plan, p, tl, grads_done, bstarts, order, device_end, needs_all_grads, change)
     step = _step_time(plan, tl, device_end, needs_all_grads, m)
@@ -148,9 +148,12 @@ def _updates(plan, p, tl, grads_done, bstarts, order, device_end, needs_all_grad
         if bp.home is Tier.DISK:
             _, read = tl.run("disk_read", bstarts[j], b.params * STATE_BYTES / m.disk_read_bps, f"read {b.name}")
             ready = max(ready, read)
-        _, done = tl.run("cpu", ready, b.params / m.adam_params_per_s, f"adam {b.name}")
-        change(done, "host", -pages(b.params * GRAD_BYTES, p.page, bound=False))
-        if publishes_over_link(bp.stream, bp.home is Tier.DEVICE, m):
+        if bp.home is Tier.DEVICE and not m.device_is_host:
+            done = ready  # updated on the GPU, next to nothing beside its compute (as costs has it)
+        else:
+            _, done = tl.run("cpu", ready, b.params / m.adam_params_per_s, f"adam {b.name}")
+        change(done, grad_tier(bp).value, -pages(b.params * GRAD_BYTES, p.page, bound=False))
+        if publishes_over_link(bp.stream, bp.home is Tier.DEVICE, m, p.compute_bytes):
             tl.run("h2d", done, b.params * p.compute_bytes / m.h2d_bps, f"publish {b.name}")
         if bp.home is Tier.DISK:
             tl.run("disk_write", done, b.params * STATE_BYTES / m.disk_write_bps, f"write {b.name}")

@@ -4,7 +4,8 @@ Chunks per block (layout in parameter order, fp32 compute for now):
   ``param``     compute params between uses, on the host (streamed blocks only: they are
                 fetched from here into a device slot before each use);
   ``master``, ``exp_avg``, ``exp_avg_sq``  fp32 optimizer state at the block's home tier;
-  ``grad``      fp32 gradients accumulated on the host as backward finishes the block.
+  ``grad``      fp32 gradients accumulated as backward finishes the block, on the host (on
+                the device for a device-homed block, whose update runs there).
 
 The module's parameters are replaced once, at setup, by tensors that alias the block's
 device slot (``Tensor.set_`` onto the pool's storage). Refilling a slot writes the pool
@@ -144,13 +145,17 @@ def publish(master: Chunk, dst: Chunk, layout: ChunkLayout, dtype: torch.dtype) 
     dst.typed(dtype)[: layout.numel].copy_(master.typed(F32)[: layout.numel])
 
 
-def _optimizer_chunks(mem: MemorySystem, block: Block, layout: ChunkLayout) -> tuple[Chunk, Chunk, Chunk]:
-    """fp32 master (the weights) and zeroed moments, on the host; the caller sends them home.
+def _optimizer_chunks(mem: MemorySystem, block: Block, layout: ChunkLayout, home: Tier,
+                      slot: Chunk | None) -> tuple[Chunk, Chunk, Chunk]:
+    """fp32 master (the weights) and zeroed moments, written where they live: at their home, or
+    on the host for the caller to send to disk (a disk chunk is written by moving it there).
+    The budget check counts no host bytes for device-homed states, so they never pass through it.
+    ``slot``: the master is that device slot itself (``plan_bytes.master_in_slot``).
     (Gradient chunks are allocated when backward first flushes into them.)"""
-    nbytes = layout.numel * F32.itemsize
-    master = mem.allocate(f"{block.name}.master", nbytes, Tier.HOST, Kind.MASTER, contiguous=True)
+    nbytes, tier = layout.numel * F32.itemsize, Tier.HOST if home is Tier.DISK else home
+    master = slot or mem.allocate(f"{block.name}.master", nbytes, tier, Kind.MASTER, contiguous=True)
     _fill(master, block.params, layout, F32)
-    moments = [mem.allocate(f"{block.name}.{k.value}", nbytes, Tier.HOST, k, contiguous=True)
+    moments = [mem.allocate(f"{block.name}.{k.value}", nbytes, tier, k, contiguous=True)
                for k in (Kind.EXP_AVG, Kind.EXP_AVG_SQ)]
     for m in moments:
         m.typed(F32).zero_()
@@ -159,18 +164,21 @@ def _optimizer_chunks(mem: MemorySystem, block: Block, layout: ChunkLayout) -> t
 
 def build_state(mem: MemorySystem, index: int, block: Block, plan: BlockPlan, slot: Slot,
                 group_of: list[int], train: bool = True, own_param_home: bool = False,
-                compute: torch.dtype = F32) -> BlockState:
+                compute: torch.dtype = F32, master_in_slot: bool = False) -> BlockState:
     """Allocate the block's chunks, copy its current weights in, and leave its slot filled.
 
     The fp32 master is written first and the compute copies (slot, param home) from it.
     ``own_param_home`` (``plan_bytes.separate_param_home``, the planner's and the budget check's
     rule too): a streamed block keeps its compute params in a host chunk of their own, which the
-    optimizer publishes into; else its fp32 master is what its slot is filled from."""
+    optimizer publishes into; else its fp32 master is what its slot is filled from.
+    ``master_in_slot`` (``plan_bytes.master_in_slot``): the slot is the fp32 master itself."""
     layout = ChunkLayout.build([(n, tuple(p.shape)) for n, p in block.params])
     master = exp_avg = exp_avg_sq = None
     if train:
-        master, exp_avg, exp_avg_sq = _optimizer_chunks(mem, block, layout)
-        publish(master, slot.chunk, layout, compute)
+        master, exp_avg, exp_avg_sq = _optimizer_chunks(mem, block, layout, plan.home,
+                                                        slot.chunk if master_in_slot else None)
+        if master is not slot.chunk:
+            publish(master, slot.chunk, layout, compute)
     else:
         _fill(slot.chunk, block.params, layout, compute)
     slot.holder = index
@@ -182,7 +190,7 @@ def build_state(mem: MemorySystem, index: int, block: Block, plan: BlockPlan, sl
                                   contiguous=True)
         param_home.typed(compute)[: layout.numel].copy_(slot.chunk.typed(compute)[: layout.numel])
     for chunk in (master, exp_avg, exp_avg_sq):
-        if chunk is not None and plan.home is not Tier.HOST:
+        if chunk is not None and chunk.tier is not plan.home:
             mem.move(chunk, plan.home, contiguous=True).wait()
     params = [nn.Parameter(t, requires_grad=train) for t in alias(slot, layout, compute)]
     steps = [torch.zeros((), dtype=F32) for _ in params]

@@ -3,9 +3,11 @@
 Forward: a streamed block acquires a device slot (waiting only if the copy has not landed)
 and triggers the next prefetches; a resident block waits for its pending update; either
 triggers the reads of the states backward updates first, once their disk is free.
-Backward: a streamed block is acquired again before its backward, with its prefetches. Every parameter's gradient leaves for the host chunk as soon as it is
-accumulated; a block whose gradients are all in is flushed at once, the rest when
-backward ends (parameters that got no gradient, e.g. an idle expert).
+Backward: a streamed block is acquired again before its backward, with its prefetches.
+Every parameter's gradient leaves for its block's grad chunk (on the host, or on the device
+for a device-homed block) as soon as it is accumulated; a block whose gradients are all in
+is flushed at once, the rest when backward ends (parameters that got no gradient, e.g. an
+idle expert).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable
 
 from tiertrain.memory import Kind, MemorySystem, Tier
+from tiertrain.plan_bytes import grad_tier
 from tiertrain.runtime.block_state import BlockState
 from tiertrain.runtime.switches import HostStash, SavedTensors, wrap_forward
 
@@ -36,14 +39,17 @@ def install_grad_hooks(rt: "Runtime", st: BlockState) -> None:
 
 
 def flush_grads(st: BlockState, mem: MemorySystem, make_room: Callable[[], None], step: int) -> None:
-    """Move the block's fresh gradients into its host grad chunk (accumulating) and free them.
+    """Move the block's fresh gradients into its grad chunk (accumulating) and free them. The chunk
+    lives where the block's update runs (``plan_bytes.grad_tier``): the host, or the device.
 
-    ``make_room`` returns once a new grad chunk may be allocated: when gradients are updated
+    ``make_room`` returns once a new host grad chunk may be allocated: when gradients are updated
     away as they come, backward waits for the optimizer rather than outgrow the host budget."""
     fresh = None
     if st.grad is None:
-        make_room()  # outside the lock: it may wait for this block's own update
-        fresh = mem.allocate(f"{st.block.name}.grad", st.nbytes, Tier.HOST, Kind.GRAD, contiguous=True)
+        tier = grad_tier(st.plan)
+        if tier is Tier.HOST:
+            make_room()  # outside the lock: it may wait for this block's own update
+        fresh = mem.allocate(f"{st.block.name}.grad", st.nbytes, tier, Kind.GRAD, contiguous=True)
     with st.lock:
         if st.grad is None:
             st.grad, fresh = fresh, None

@@ -16,7 +16,7 @@ from tiertrain.runtime.blocks import find_blocks
 from tiertrain.runtime.hooks import flush_grads, install_block_hooks, install_grad_hooks
 from tiertrain.runtime.loss_scale import LossScaler
 from tiertrain.plan import Plan
-from tiertrain.plan_bytes import separate_param_home
+from tiertrain.plan_bytes import master_in_slot, separate_param_home
 from tiertrain.runtime.cache import DeviceCache
 from tiertrain.memory.tiers import Kind
 
@@ -42,7 +42,7 @@ class Runtime:
             group_of = [group_of_param.get(id(p), 0) for _, p in block.params]
             self.states.append(build_state(mem, i, block, bplan, slot, group_of, train,
                                            own_param_home=separate_param_home(bplan, plan, train),
-                                           compute=plan.compute))
+                                           compute=plan.compute, master_in_slot=master_in_slot(bplan, plan, train)))
         for st in self.states:
             install_params(model, st)
             if train:

@@ -32,3 +32,15 @@ def test_bench_planner_prints_each_figure_beside_its_limit(tmp_path):
         assert "limit 10%" in line and "limit 5%" in line
     assert r.stdout.count("auto against the best built-in") + r.stdout.count("auto trains where no built-in") == 3
     assert list((tmp_path / "d").iterdir()) == []
+
+
+def test_bench_overhead_prints_plain_and_resident_beside_the_target():
+    r = run_cli("bench", "overhead", "--d-model", "64", "--layers", "2", "--batch-size", "2", "--seq-len", "16",
+                "--rounds", "2", "--steps", "1")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("overhead against plain") == 2 and r.stdout.count("target <= 3%") == 2
+    assert r.stdout.count("tokens/s, MFU") == 3 and "the MFU ceiling" in r.stdout
+    for bad, says in ((("--update", "lockfree"), "no plain peer"), (("--rounds", "0"), "at least 1"),
+                      (("--seq-len", "4096"), "exceeds the model's maximum")):
+        r = run_cli("bench", "overhead", *bad)
+        assert r.returncode != 0 and says in r.stderr

@@ -26,6 +26,7 @@ from tiertrain.engine.objective import lm_loss
 from tiertrain.engine.optimizer import make_adamw
 from tiertrain.engine.profiling import measure_profile, profile_key
 from tiertrain.memory import Budgets, Tier
+from tiertrain.memory.system import compute_device
 from tiertrain.models import ModelConfig, build, param_count
 from tiertrain.plan import BlockPlan, Plan, builtin_plan
 from tiertrain.plan_bytes import pages
@@ -87,7 +88,12 @@ class _Run:
 
     def __init__(self, cfg: ModelConfig, batch: int, seq: int) -> None:
         self.cfg = cfg
-        self.x = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
+        self.x = torch.randint(0, cfg.vocab_size, (batch, seq + 1),
+                               generator=torch.Generator().manual_seed(0)).to(compute_device())
+
+    def _sync(self) -> None:
+        if self.x.is_cuda:
+            torch.cuda.synchronize(self.x.device)
 
     def fresh(self) -> torch.nn.Module:
         torch.manual_seed(0)
@@ -102,10 +108,10 @@ class _Run:
         return step
 
     def profile(self, disk_dir: str | None, page: int) -> Profile:
-        model = self.fresh()
+        model = self.fresh().to(self.x.device)
         machine, _ = probe_machine(disk_dir)
         return measure_profile(model, find_blocks(model), self.step_of(model), machine, "fp32",
-                               profile_key(model, tuple(self.x.shape), "fp32", torch.device("cpu")), page, steps=5)
+                               profile_key(model, tuple(self.x.shape), "fp32", self.x.device), page, steps=5)
 
     def measure(self, plan: Plan | str, budgets: Budgets, page: int, steps: int,
                 update: str | None = None) -> tuple[list[float], int, Plan]:
@@ -119,10 +125,12 @@ class _Run:
         times = []
         try:
             for _ in range(steps + WARMUP):
+                self._sync()
                 t = time.perf_counter()
                 lm_loss(tm, self.x[:, :-1], self.x[:, 1:]).backward()
                 topt.step()
                 topt.zero_grad()
+                self._sync()
                 times.append(time.perf_counter() - t)
             peak = tm.runtime.mem.stats()["device"]["pages_peak_bytes"]
         finally:

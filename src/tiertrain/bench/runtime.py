@@ -27,6 +27,7 @@ import torch
 from tiertrain.engine.objective import lm_loss
 from tiertrain.engine.optimizer import make_adamw
 from tiertrain.memory import Budgets
+from tiertrain.memory.system import compute_device
 from tiertrain.models import ModelConfig, build, param_count
 from tiertrain.units import format_bytes
 
@@ -122,13 +123,16 @@ def bench_optimizer(d: int, layers: int, repeats: int, out: Callable[[str], None
 
 
 def _step_times(step: Callable[[], None], repeats: int, cpu: list[float] | None = None) -> list[float]:
-    """Wall seconds of each step after one warm-up; ``cpu`` receives each step's process CPU seconds
-    (all threads: compute, copies, I/O, checksums, the optimizer)."""
+    """Wall seconds of each step after one warm-up, device work included; ``cpu`` receives each
+    step's process CPU seconds (all threads: compute, copies, I/O, checksums, the optimizer)."""
+    sync = torch.cuda.synchronize if compute_device().type == "cuda" else (lambda: None)
     step()  # warm-up
     times = []
     for _ in range(repeats):
+        sync()
         c, t = time.process_time(), time.perf_counter()
         step()
+        sync()
         times.append(time.perf_counter() - t)
         if cpu is not None:
             cpu.append(time.process_time() - c)
@@ -176,10 +180,10 @@ def bench_offload(d: int, layers: int, batch: int, seq: int, disk_dir: str | Non
 
     cfg = _model_cfg(d, layers)
     n = param_count(cfg)
-    x = torch.randint(0, 256, (batch, seq + 1))
+    x = torch.randint(0, 256, (batch, seq + 1), device=compute_device())
     directory = Path(disk_dir or tempfile.mkdtemp(prefix="tiertrain-bench-", dir="."))
     directory.mkdir(parents=True, exist_ok=True)
-    plain = build(cfg)
+    plain = build(cfg).to(x.device)
 
     def compute() -> None:
         lm_loss(plain, x[:, :-1], x[:, 1:]).backward()

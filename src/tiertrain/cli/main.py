@@ -165,11 +165,10 @@ def bench_optimizer_cmd(d_model: int, layers: int, repeats: int) -> None:
 def bench_offload_cmd(d_model: int, layers: int, batch_size: int, seq_len: int, disk_dir: str | None, repeats: int,
                       page_size: str | None, stalenesses: str) -> None:
     """Step time with states on disk against max(compute, disk I/O, optimizer) measured in the same run."""
-    import torch
-
     from tiertrain.bench.machine import describe
     from tiertrain.bench.runtime import bench_offload
     from tiertrain.memory.page_size import page_size_for
+    from tiertrain.memory.system import compute_device
     from tiertrain.units import parse_size
 
     try:
@@ -179,8 +178,40 @@ def bench_offload_cmd(d_model: int, layers: int, batch_size: int, seq_len: int, 
     if not staleness or min(staleness) < 0:
         raise ConfigError(f"--max-staleness {stalenesses!r}: give whole numbers >= 0, comma-separated, e.g. 1,4")
     click.echo(f"machine: {describe(disk_dir)}")
-    page = page_size_for(parse_size(page_size) if page_size else None, disk_dir, torch.device("cpu"))
+    page = page_size_for(parse_size(page_size) if page_size else None, disk_dir, compute_device())
     bench_offload(d_model, layers, batch_size, seq_len, disk_dir, repeats, click.echo, page, staleness)
+
+
+@bench.command("overhead", context_settings=CONTEXT)
+@click.option("--model", default=None, help="A named model (tiertrain info); default: a 25M GPT of --d-model, --layers.")
+@click.option("--d-model", type=int, default=512, show_default=True)
+@click.option("--layers", type=int, default=8, show_default=True)
+@click.option("--batch-size", type=int, default=4, show_default=True)
+@click.option("--seq-len", type=int, default=128, show_default=True)
+@click.option("--precision", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
+@click.option("--update", "updates", default="sync,overlap", show_default=True,
+              help="Update modes of the resident plan to compare with plain PyTorch (comma-separated).")
+@click.option("--rounds", type=int, default=5, show_default=True, help="Interleaved rounds (the median is taken).")
+@click.option("--steps", type=int, default=4, show_default=True, help="Timed steps per variant per round.")
+def bench_overhead_cmd(model: str | None, d_model: int, layers: int, batch_size: int, seq_len: int, precision: str,
+                       updates: str, rounds: int, steps: int) -> None:
+    """Plain PyTorch against the resident plan on a model that fits: overhead, tokens/s, MFU."""
+    from tiertrain.bench.machine import describe
+    from tiertrain.bench.overhead import bench_overhead
+    from tiertrain.bench.runtime import _model_cfg
+    from tiertrain.models import resolve_config
+
+    modes = tuple(u for u in updates.split(",") if u)
+    if not modes or any(u not in ("sync", "overlap") for u in modes):
+        raise ConfigError(f"--update {updates!r}: give sync and/or overlap, comma-separated (lockfree changes the "
+                          "numerics, so it has no plain peer)")
+    if rounds < 1 or steps < 1:
+        raise ConfigError("--rounds and --steps must be at least 1")
+    cfg = resolve_config(model) if model else _model_cfg(d_model, layers)
+    if seq_len > cfg.max_seq_len:
+        raise ConfigError(f"--seq-len {seq_len} exceeds the model's maximum {cfg.max_seq_len}")
+    click.echo(f"machine: {describe()}")
+    bench_overhead(cfg, batch_size, seq_len, precision, modes, rounds, steps, click.echo)
 
 
 @bench.command("planner", context_settings=CONTEXT)

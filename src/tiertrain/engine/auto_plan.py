@@ -7,10 +7,11 @@ runs, so what this logs is what ``tiertrain plan --profile`` would explain.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -18,6 +19,7 @@ import torch.nn as nn
 from tiertrain.engine.profiling import cached_profile, measure_profile, profile_key
 from tiertrain.errors import ConfigError
 from tiertrain.memory import Budgets
+from tiertrain.memory.system import compute_device
 from tiertrain.models.config import ModelConfig
 from tiertrain.plan import Plan
 from tiertrain.planner.auto import choose
@@ -59,12 +61,16 @@ def auto_plan(model: nn.Module, step: Callable[[], None], budgets: Budgets, page
     measured every time, since a profile of another batch shape would mislead the solvers."""
     found = find_blocks(model, blocks)
     machine, _ = probe_machine(budgets.disk_dir if budgets.disk else None)
-    device = next(model.parameters()).device
+    device = compute_device()
     shape = getattr(step, "shape", None)
     key = profile_key(model, shape or (), precision, device)
+
+    def measure() -> Profile:
+        with _on(model, device):
+            return measure_profile(model, found, step, machine, precision, key, page)
+
     try:
-        profile, cached = cached_profile(
-            key, lambda: measure_profile(model, found, step, machine, precision, key, page), use_cache and bool(shape))
+        profile, cached = cached_profile(key, measure, use_cache and bool(shape))
     except (torch.OutOfMemoryError, MemoryError):  # an estimate is not cached: a later run may fit and measure
         profile, cached = _estimate(model, shape, precision, budgets), False
     profile = dataclasses.replace(profile, machine=machine, page=page)
@@ -72,6 +78,21 @@ def auto_plan(model: nn.Module, step: Callable[[], None], budgets: Budgets, page
                        needs_all_grads=needs_all_grads)
     plan = dataclasses.replace(chosen.plan, compute_dtype=precision)
     return AutoPlan(plan, chosen.sim, chosen.solver, profile, cached)
+
+
+@contextlib.contextmanager
+def _on(model: nn.Module, device: torch.device) -> Iterator[None]:
+    """The model on the compute device while it is profiled, where the run will compute; back where
+    it was afterwards (a tiered run keeps it on the host until setup places it), also when it
+    does not fit there (which sends auto to the analytic estimate)."""
+    home = next(model.parameters()).device
+    try:
+        model.to(device)
+        yield
+    finally:
+        model.to(home)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def _estimate(model: nn.Module, shape: tuple | None, precision: str, budgets: Budgets) -> Profile:

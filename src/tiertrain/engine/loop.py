@@ -101,7 +101,10 @@ class Trainer:
         self.precision: Precision = choose_precision(cfg.precision, self.device)
         model_cfg = resolve_config(cfg.model)
         seed_everything(cfg.seed)
-        self.model = build(model_cfg).to(self.device)
+        self.tiered = cfg.plan is not None
+        # a tiered run's model stays on the host: setup places its parameters in the tiers, and a model
+        # bigger than the device (the case tiertrain is for) must never be moved there whole
+        self.model = build(model_cfg) if self.tiered else build(model_cfg).to(self.device)
         vocab, max_len = model_vocab_and_len(self.model)
         if cfg.seq_len > max_len:
             raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's maximum {max_len}; use a shorter --seq-len")
@@ -110,7 +113,6 @@ class Trainer:
         self.opt, self.param_names = make_adamw(self.model, cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay)
         self.state: TrainState = PlainState(self.model, self.opt, self.param_names)
         self.reporter = reporter or Reporter(cfg.steps, cfg.log_every, quiet=True)
-        self.tiered = cfg.plan is not None
         self.auto: AutoPlan | None = None
         if self.tiered:
             self._setup_tiered()

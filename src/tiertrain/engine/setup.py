@@ -161,7 +161,17 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None, memory: Bud
         chosen = widest_read_ahead(found, chosen, memory, page, transient_grads=bound_grads)
     mem = MemorySystem(memory, page_size=page)
     runtime = Runtime(model, groups, group_of, mem, chosen, grad_accum, max_grad_norm, blocks, train, bound_grads)
+    _buffers_to(model, device)
     return TieredModel(model, runtime, auto), TieredOptimizer(runtime) if train else None
+
+
+def _buffers_to(model: nn.Module, device: torch.device) -> None:
+    """Buffers (masks, rotary tables) are no training state: they go to the compute device whole,
+    where the parameters now sit in their slots, while the model object itself stays where it was built."""
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device != device and not buf.is_meta:
+                module._buffers[name] = buf.to(device)
 
 
 def _auto(model: nn.Module, step: Callable[[], None], memory: Budgets, page: int, precision: str, update: str,

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The GPU half of the checks, in one call on a lent GPU machine (issue 4's "Measure" list):
+#   run (device tool): command "bash scripts/gpu_check.sh [STAGE ...]", carry [".whl"], timeout_s 600
+# after `bash scripts/gpu_wheels.sh` here. Stages: cuda_tests overhead large offload planner (default:
+# all; together they may pass one call's 10 minutes, so split them over two calls if need be).
+# Each stage's log goes to $OUT (fetched back); a stage that fails is reported and the next one
+# still runs. Sizes suit an 80 GiB H100/H200.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu-check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=src
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site:src
+fi
+tt() { python3 -m tiertrain.cli.main "$@"; }
+status=0
+wanted=" ${*:-cuda_tests overhead large offload planner} "
+stage() {  # stage NAME SECONDS COMMAND...: run it with a limit, log it, remember a failure
+    local name=$1 limit=$2; shift 2
+    [[ $wanted == *" $name "* ]] || return 0
+    echo "=== $name" | tee -a "$OUT/summary.log"
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    tail -n 12 "$OUT/$name.log" | tee -a "$OUT/summary.log"
+    echo "=== $name: exit $rc" | tee -a "$OUT/summary.log"
+    [ $rc -eq 0 ] || status=1
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/summary.log"
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/summary.log"
+# 1. correctness on CUDA: plans against plain PyTorch, pools, train with a plan (incl. auto)
+stage cuda_tests 120 python3 -m pytest -q -x tests/test_cuda.py
+# 2. a model that fits: overhead against plain PyTorch (target <= 3%), tokens/s, MFU
+stage overhead 100 tt bench overhead --d-model 2048 --layers 12 --seq-len 1024 --batch-size 8 --precision bf16 \
+    --rounds 5 --steps 3
+# 3. states >= 4x the device budget (1.5B params, 24 GiB of states, a 6 GiB device budget): tokens/s, TFLOPS
+stage large 140 tt train --model scripts/gpu-1.5b.json --plan auto --device-memory 6GiB --host-memory 96GiB \
+    --precision bf16 --batch-size 4 --seq-len 1024 --steps 8 --log-every 1 --out /tmp/large-run
+# 4. states on disk (NVMe here), the planner's fidelity on this machine
+stage offload 100 tt bench offload --disk /tmp/bench-offload --d-model 1024 --layers 8 --batch-size 4 --seq-len 512
+stage planner 100 tt bench planner --part fidelity --disk-dir /tmp/bench-planner --d-model 1024 --layers 8 --seq-len 512
+exit $status

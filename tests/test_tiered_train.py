@@ -91,3 +91,16 @@ def test_fp16_tiered_resume_restores_the_loss_scale(tmp_path, monkeypatch):
     scales = [r["loss_scale"] for r in read_metrics(tmp_path / "full")]
     assert scales[3] < 2.0**20  # the checkpoint's scale differs from a fresh run's
     assert [r["loss_scale"] for r in read_metrics(tmp_path / "again")] == scales[4:]
+
+
+def test_a_plan_with_a_device_other_than_the_one_tiertrain_computes_on_is_refused(tmp_path, monkeypatch):
+    """The runtime places its slots on the device it sees (the GPU, when there is one); batches sent to
+    another (--device cpu beside a GPU) would fail mid-step, so the run is refused up front."""
+    import torch
+
+    import tiertrain.memory.system as system
+
+    monkeypatch.setattr(system, "compute_device", lambda: torch.device("cuda", 0))  # as if a GPU were visible
+    with pytest.raises(ConfigError, match="drop --device, or hide the GPU"):
+        Trainer(tiny_config(tmp_path / "run", **KW, **tiered(tmp_path, "stream"), device="cpu"))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

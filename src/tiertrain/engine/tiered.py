@@ -37,6 +37,11 @@ def setup_tiered(model: nn.Module, opt: torch.optim.Optimizer, cfg: TrainConfig,
                  device: torch.device, profile_step: Callable[[], None] | None = None) -> tuple[nn.Module, object]:
     """``profile_step``: one plain forward+backward at the run's batch shape, for ``--plan auto``."""
     from tiertrain.engine.setup import setup
+    from tiertrain.memory.system import compute_device
+
+    if device.type != compute_device().type:
+        raise ConfigError(f"with --plan, tiertrain computes on {compute_device().type} (the device it sees), not "
+                          f"--device {device.type}; drop --device, or hide the GPU (CUDA_VISIBLE_DEVICES=) to train on the CPU")
 
     return setup(model, opt, default_budgets(cfg, device), plan=cfg.plan, grad_accum=cfg.grad_accum,
                  max_grad_norm=cfg.grad_clip if cfg.grad_clip > 0 else None, update=cfg.update,

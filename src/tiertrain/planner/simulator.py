@@ -124,6 +124,7 @@ def simulate(plan: Plan, p: Profile, needs_all_grads: bool = False) -> Simulatio
         _, grads_done[i] = tl.run("d2h", e, grads_out_s(b, bp.home is Tier.DEVICE, m), f"grads {b.name}")
         change(grads_done[i], grad_tier(bp).value, pages(b.params * GRAD_BYTES, p.page, bound=False))
     _, device_end = tl.run("compute", last_done, p.rest.backward_s / 2, "embed bwd")
+    change(device_end, grad_tier(plan.rest).value, pages(p.rest.params * GRAD_BYTES, p.page, bound=False))
     _updates(plan, p, tl, grads_done, bstarts, order, device_end, needs_all_grads, change)
     step = _step_time(plan, tl, device_end, needs_all_grads, m)
     peaks = {t: max(v for _, tier, v in curve if tier == t) for t in ("device", "host", "disk")}
@@ -157,8 +158,9 @@ def _updates(plan, p, tl, grads_done, bstarts, order, device_end, needs_all_grad
             tl.run("h2d", done, b.params * p.compute_bytes / m.h2d_bps, f"publish {b.name}")
         if bp.home is Tier.DISK:
             tl.run("disk_write", done, b.params * STATE_BYTES / m.disk_write_bps, f"write {b.name}")
-    tl.run("cpu", device_end if plan.update == "sync" or needs_all_grads else 0.0,
-           p.rest.params / m.adam_params_per_s, "adam rest")
+    _, done = tl.run("cpu", device_end if plan.update == "sync" or needs_all_grads else 0.0,
+                     p.rest.params / m.adam_params_per_s, "adam rest")
+    change(max(done, device_end), grad_tier(plan.rest).value, -pages(p.rest.params * GRAD_BYTES, p.page, bound=False))
 
 
 def _step_time(plan: Plan, tl: Timeline, device_end: float, needs_all_grads: bool, m: MachineProfile) -> float:

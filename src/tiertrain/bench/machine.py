@@ -36,6 +36,12 @@ def _disk_of(path: str) -> str:
     return "unknown disk"
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so a host clock around it times it (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def describe(disk_dir: str | None = None) -> str:
     parts = [f"{_cpu_model()}, {len(os.sched_getaffinity(0))} cores", f"{_ram_bytes() / 2**30:.0f} GiB RAM",
              f"torch {torch.__version__}"]

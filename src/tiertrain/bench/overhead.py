@@ -12,26 +12,22 @@ run at the same precision, the ceiling the model's matmuls could reach on this d
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
-from typing import Callable, ContextManager
+from typing import Callable
 
 import torch
 
+from tiertrain.bench.machine import synchronize as _sync
 from tiertrain.engine.objective import lm_loss
 from tiertrain.engine.optimizer import make_adamw
+from tiertrain.engine.precision import Precision
 from tiertrain.memory import Budgets
 from tiertrain.memory.system import compute_device
 from tiertrain.models import ModelConfig, build, param_count
 from tiertrain.models.accounting import flops_per_token
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def matmul_peak(device: torch.device, precision: str) -> float:
@@ -50,12 +46,6 @@ def matmul_peak(device: torch.device, precision: str) -> float:
         _sync(device)
         best = max(best, 4 * 2 * n**3 / (time.perf_counter() - t))
     return best
-
-
-def _autocast(device: torch.device, precision: str) -> ContextManager[None]:
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=_DTYPES[precision])
 
 
 def _plain(cfg: ModelConfig, device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -79,7 +69,7 @@ def _tiered(cfg: ModelConfig, update: str, precision: str) -> tuple[torch.nn.Mod
 def _stepper(model: torch.nn.Module, opt, x: torch.Tensor, device: torch.device,
              precision: str) -> Callable[[], None]:
     def step() -> None:
-        with _autocast(device, precision):
+        with Precision(precision, device.type).autocast():
             loss = lm_loss(model, x[:, :-1], x[:, 1:])
         loss.backward()
         opt.step()

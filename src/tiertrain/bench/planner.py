@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from tiertrain.bench.machine import synchronize
 from tiertrain.engine.objective import lm_loss
 from tiertrain.engine.optimizer import make_adamw
 from tiertrain.engine.profiling import measure_profile, profile_key
@@ -91,10 +92,6 @@ class _Run:
         self.x = torch.randint(0, cfg.vocab_size, (batch, seq + 1),
                                generator=torch.Generator().manual_seed(0)).to(compute_device())
 
-    def _sync(self) -> None:
-        if self.x.is_cuda:
-            torch.cuda.synchronize(self.x.device)
-
     def fresh(self) -> torch.nn.Module:
         torch.manual_seed(0)
         return build(self.cfg)
@@ -125,12 +122,12 @@ class _Run:
         times = []
         try:
             for _ in range(steps + WARMUP):
-                self._sync()
+                synchronize(self.x.device)
                 t = time.perf_counter()
                 lm_loss(tm, self.x[:, :-1], self.x[:, 1:]).backward()
                 topt.step()
                 topt.zero_grad()
-                self._sync()
+                synchronize(self.x.device)
                 times.append(time.perf_counter() - t)
             peak = tm.runtime.mem.stats()["device"]["pages_peak_bytes"]
         finally:

@@ -24,6 +24,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from tiertrain.bench.machine import synchronize
 from tiertrain.engine.objective import lm_loss
 from tiertrain.engine.optimizer import make_adamw
 from tiertrain.memory import Budgets
@@ -125,14 +126,14 @@ def bench_optimizer(d: int, layers: int, repeats: int, out: Callable[[str], None
 def _step_times(step: Callable[[], None], repeats: int, cpu: list[float] | None = None) -> list[float]:
     """Wall seconds of each step after one warm-up, device work included; ``cpu`` receives each
     step's process CPU seconds (all threads: compute, copies, I/O, checksums, the optimizer)."""
-    sync = torch.cuda.synchronize if compute_device().type == "cuda" else (lambda: None)
+    device = compute_device()
     step()  # warm-up
     times = []
     for _ in range(repeats):
-        sync()
+        synchronize(device)
         c, t = time.process_time(), time.perf_counter()
         step()
-        sync()
+        synchronize(device)
         times.append(time.perf_counter() - t)
         if cpu is not None:
             cpu.append(time.process_time() - c)

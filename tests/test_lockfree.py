@@ -153,3 +153,76 @@ def test_a_block_staler_than_allowed_gets_its_held_back_gradients_before_use(tmp
     finally:
         rt.close()
         rt.mem.close()
+
+
+@pytest.mark.parametrize("staleness", [1, 3])
+def test_lagging_lockfree_updates_stay_within_the_host_budget_the_plan_was_checked_against(tmp_path, monkeypatch,
+                                                                                           staleness):
+    """While a block's update loop applies the gradients it took, backward fills a second chunk for
+    the block, and the budget check must count both: a run given exactly the bytes it asks for must
+    not run out of host memory midway (it did: the check counted one chunk per block). Updates are
+    slowed here so that every block's loop lags."""
+    import time
+
+    import tiertrain
+    import tiertrain.optim.updater as updater
+    from tiered_harness import _fresh, _loop
+    from tiertrain.runtime.blocks import find_blocks
+    from tiertrain.runtime.budget_check import needs
+
+    adamw = updater.adamw_block
+    monkeypatch.setattr(updater, "adamw_block", lambda *a: (time.sleep(0.03), adamw(*a)))
+    spec, page = dict(TINY4, d_model=64, d_ffn=128), 4096
+    lf = plan(Tier.HOST, staleness)
+    model, opt = _fresh(spec)
+    need = needs(find_blocks(model, None), lf, page)
+    tm, topt = tiertrain.setup(model, opt, Budgets(device=need[Tier.DEVICE], host=need[Tier.HOST]), plan=lf,
+                               page_size=page)
+    rt = tm.runtime
+    try:
+        _loop(tm, topt, tm.clip_grad_norm_, 4 * (staleness + 1), 1, None)
+        held = rt.mem.stats()["host"]["pages_peak_bytes"]
+    finally:
+        rt.close()
+        rt.mem.close()
+    assert held <= need[Tier.HOST]
+
+
+def test_lockfree_at_zero_staleness_follows_a_learning_rate_schedule_bitwise_even_when_updates_lag(tmp_path,
+                                                                                                    monkeypatch):
+    """An update loop may start after the training loop has already set the next step's learning
+    rate (a schedule moves it every step). The gradients carry the hyperparameters of the step they
+    came from, so with max staleness 0 a scheduled run still equals plain PyTorch bit for bit. The
+    updates are slowed here so that they start late."""
+    import time
+
+    import tiertrain
+    import tiertrain.optim.updater as updater
+    from tiered_harness import _fresh, batches
+    from tiertrain.engine.objective import lm_loss
+
+    adamw = updater.adamw_block
+    monkeypatch.setattr(updater, "adamw_block", lambda *a: (time.sleep(0.01), adamw(*a)))
+
+    def run(model, opt) -> list[float]:
+        losses = []
+        for k, b in enumerate(batches(6)):
+            for g in opt.param_groups:
+                g["lr"] = 1e-2 / (k + 1)
+            loss = lm_loss(model, b[:, :-1], b[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    model, opt = _fresh(TINY4)
+    plain = run(model, opt)
+    model, opt = _fresh(TINY4)
+    tm, topt = tiertrain.setup(model, opt, budgets(tmp_path), plan=plan(Tier.HOST, 0), page_size=64 * 1024)
+    try:
+        tiered = run(tm, topt)
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()
+    assert tiered == plain

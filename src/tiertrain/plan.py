@@ -56,6 +56,9 @@ class BlockPlan:
 _BLOCK_FIELDS = tuple(f.name for f in dataclasses.fields(BlockPlan))
 
 
+DEFAULT_MAX_STALENESS = 1
+
+
 @dataclass(frozen=True)
 class Plan:
     blocks: tuple[BlockPlan, ...]          # one per repeated block, in order
@@ -67,7 +70,7 @@ class Plan:
     name: str = "custom"
     read_ahead: int = 2                    # disk-homed blocks whose states are read in ahead of their update
     update_workers: int = 2                # CPU optimizer threads (each holds one block's states in host)
-    max_staleness: int = 1                 # lockfree: steps a block's params may lag behind
+    max_staleness: int = DEFAULT_MAX_STALENESS  # lockfree: steps a block's params may lag behind
     compute_dtype: str = "fp32"            # fp32 | bf16 | fp16: the dtype of device params (master stays fp32;
     #                                        fp16 brings dynamic loss scaling)
 

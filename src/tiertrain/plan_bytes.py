@@ -49,11 +49,19 @@ def grad_tier(bp: BlockPlan) -> Tier:
     return Tier.DEVICE if bp.home is Tier.DEVICE else Tier.HOST
 
 
+def grad_copies(update: str, max_staleness: int) -> int:
+    """Gradient chunks a block may hold at once. Lockfree with staleness allowed: the chunk the
+    block's update loop took and is applying, and the one backward fills meanwhile (steps add into
+    it until the loop takes it). Elsewhere one: at staleness 0 the next forward waits for the
+    update, and the other modes update between backward and the next step's gradients."""
+    return 2 if update == "lockfree" and max_staleness > 0 else 1
+
+
 def tier_bytes(numels: Sequence[int], plan: Plan, page: int, train: bool = True, grads: str = "all",
                bound: bool = True) -> dict[Tier, int]:
     """Bytes per tier for blocks of ``numels`` elements (the repeated blocks, then the rest).
 
-    ``grads``: ``all`` holds every block's gradient chunk (``grad_tier``); ``transient`` holds only
+    ``grads``: ``all`` holds every block's gradient chunks (``grad_tier``, ``grad_copies``); ``transient`` holds only
     one host chunk per update worker plus the one backward fills (overlap without clipping or
     accumulation updates each block's gradients away at once), and device-homed blocks' chunks
     in full; ``none`` leaves gradients out (the simulator adds them on its timeline).
@@ -68,6 +76,7 @@ def tier_bytes(numels: Sequence[int], plan: Plan, page: int, train: bool = True,
         return pages(nbytes, page, bound)
 
     need = {Tier.DEVICE: 0, Tier.HOST: 0, Tier.DISK: 0}
+    copies = grad_copies(plan.update, plan.max_staleness)
     streamed = [c for c, p in zip(compute, plans) if p.stream]
     if streamed:
         need[Tier.DEVICE] += min(plan.window + plan.cache, len(streamed)) * chunk(max(streamed))
@@ -78,7 +87,7 @@ def tier_bytes(numels: Sequence[int], plan: Plan, page: int, train: bool = True,
             need[Tier.HOST] += chunk(csize)
         if train:
             device_grads = grad_tier(bp) is Tier.DEVICE and grads != "none"
-            need[grad_tier(bp)] += chunk(size) if grads == "all" or device_grads else 0
+            need[grad_tier(bp)] += copies * chunk(size) if grads == "all" or device_grads else 0
             need[bp.home] += 3 * chunk(size)      # master (the slot, where master_in_slot), exp_avg, exp_avg_sq
     if not train:
         return need

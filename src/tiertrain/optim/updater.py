@@ -88,7 +88,8 @@ class Updater:
 
     def update(self, st: BlockState, clip_coef: torch.Tensor | None,
                groups: list[dict[str, Any]] | None = None) -> None:
-        """Update one block now, in this thread, with ``groups`` (default: the current hyperparameters)."""
+        """Update one block now, in this thread, with ``groups`` (default: the current hyperparameters;
+        lockfree gradients carry those of the latest step they include)."""
         last = getattr(self._local, "writeback", None)
         if last is not None:  # one write-back per worker in flight bounds the states held in host
             for h in last:
@@ -103,12 +104,13 @@ class Updater:
         for h in [self.mem.move(c, Tier.HOST, contiguous=True)
                   for c in (st.master, st.exp_avg, st.exp_avg_sq) if c.tier is Tier.DISK]:
             h.wait()
-        grad, has_grad, grad_step = st.take_grads()
-        adamw_block(st, groups or self.groups, clip_coef, grad, has_grad)
-        if grad is not None:
-            self.mem.release(grad)  # gradients live from backward's flush to here
+        taken = st.take_grads()
+        if taken is not None:
+            adamw_block(st, taken.groups or groups or self.groups, clip_coef, taken.chunk, taken.has_grad)
+            self.mem.release(taken.chunk)  # gradients live from backward's flush to here
         self._write_params(st)
-        st.version = max(st.version, grad_step + 1)
+        if taken is not None:
+            st.version = max(st.version, taken.step + 1)
         if st.plan.home is Tier.DISK:
             moves = [self.mem.move(c, Tier.DISK) for c in (st.master, st.exp_avg, st.exp_avg_sq)]
             self._home_moves[st.index] = moves

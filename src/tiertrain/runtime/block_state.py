@@ -30,6 +30,16 @@ F32 = torch.float32
 
 
 @dataclass
+class TakenGrads:
+    """A block's gathered gradients, as the optimizer takes them."""
+
+    chunk: Chunk
+    has_grad: list[bool]                       # per parameter: whether it got a gradient
+    step: int                                  # the latest training step they include
+    groups: list[dict] | None = None           # lockfree: that step's hyperparameters (None: the update's)
+
+
+@dataclass
 class Slot:
     """A region of the device pool that holds one block's compute params at a time."""
 
@@ -90,15 +100,17 @@ class BlockState:
     pending_update: object = None              # Handle-like of an update in flight
     lock: threading.Lock = field(default_factory=threading.Lock)  # grads: backward fills, the optimizer takes
     grad_step: int = -1                        # the latest step whose gradients are in ``grad``
+    grad_groups: list[dict] | None = None      # lockfree: the hyperparameters of that step
     version: int = 0                           # params include the updates of steps < version
     running: bool = False                      # lockfree: an update loop is working on this block
     compute: torch.dtype = F32                 # dtype of the slot and param home
     stash: object = None                       # offload_hidden: the HostStash holding saved activations
 
-    def take_grads(self) -> tuple["Chunk | None", list[bool], int]:
-        """Hand the accumulated gradients to the optimizer; backward starts a fresh buffer."""
+    def take_grads(self) -> TakenGrads | None:
+        """Hand the accumulated gradients to the optimizer; backward starts a fresh chunk."""
         with self.lock:
-            taken = (self.grad, self.has_grad, self.grad_step)
+            taken = None if self.grad is None else TakenGrads(self.grad, self.has_grad, self.grad_step,
+                                                              self.grad_groups)
             self.grad, self.has_grad = None, [False] * len(self.params)
             return taken
 

@@ -38,32 +38,41 @@ def install_grad_hooks(rt: "Runtime", st: BlockState) -> None:
         p.register_post_accumulate_grad_hook(lambda param, st=st: rt.grad_arrived(st))
 
 
-def flush_grads(st: BlockState, mem: MemorySystem, make_room: Callable[[], None], step: int) -> None:
+def flush_grads(st: BlockState, mem: MemorySystem, make_room: Callable[[], None], step: int,
+                step_groups: list[dict] | None = None) -> None:
     """Move the block's fresh gradients into its grad chunk (accumulating) and free them. The chunk
     lives where the block's update runs (``plan_bytes.grad_tier``): the host, or the device.
 
     ``make_room`` returns once a new host grad chunk may be allocated: when gradients are updated
-    away as they come, backward waits for the optimizer rather than outgrow the host budget."""
+    away as they come, backward waits for the optimizer rather than outgrow the host budget.
+    ``step_groups`` (lockfree): the step's hyperparameters, which the update applies with them."""
     fresh = None
-    if st.grad is None:
-        tier = grad_tier(st.plan)
-        if tier is Tier.HOST:
+    while True:  # a lockfree update loop may take the chunk at any moment between these lines
+        with st.lock:
+            if st.grad is None and fresh is not None:
+                st.grad, fresh = fresh, None
+            if st.grad is not None:
+                _accumulate(st, step, step_groups)
+                break
+        if grad_tier(st.plan) is Tier.HOST:
             make_room()  # outside the lock: it may wait for this block's own update
-        fresh = mem.allocate(f"{st.block.name}.grad", st.nbytes, tier, Kind.GRAD, contiguous=True)
-    with st.lock:
-        if st.grad is None:
-            st.grad, fresh = fresh, None
-        views = st.views(st.grad)
-        for i, p in enumerate(st.params):
-            if p.grad is None:
-                continue
-            if st.has_grad[i]:
-                views[i].add_(p.grad)
-            else:
-                views[i].copy_(p.grad)
-                st.has_grad[i] = True
-            p.grad = None
-        st.grad_step = step
+        fresh = mem.allocate(f"{st.block.name}.grad", st.nbytes, grad_tier(st.plan), Kind.GRAD, contiguous=True)
     if fresh is not None:
         mem.release(fresh)
     st.grad_count = 0
+
+
+def _accumulate(st: BlockState, step: int, step_groups: list[dict] | None) -> None:
+    """Add the parameters' gradients into the block's grad chunk (under ``st.lock``) and free them."""
+    views = st.views(st.grad)
+    for i, p in enumerate(st.params):
+        if p.grad is None:
+            continue
+        if st.has_grad[i]:
+            views[i].add_(p.grad)
+        else:
+            views[i].copy_(p.grad)
+            st.has_grad[i] = True
+        p.grad = None
+    st.grad_step = step
+    st.grad_groups = step_groups

@@ -128,8 +128,13 @@ class Runtime:
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
         st.grad_count += 1
         if st.grad_count == len(st.params):
-            flush_grads(st, self.mem, self._room_for_grads, self.steps_taken)
+            flush_grads(st, self.mem, self._room_for_grads, self.steps_taken, self._step_groups())
             self._maybe_update_now(st)
+
+    def _step_groups(self) -> list[dict[str, Any]] | None:
+        """Lockfree: this step's hyperparameters, kept with its gradients (an update loop may apply
+        them after the training loop has moved the learning rate on to the next step's)."""
+        return [dict(g) for g in self.groups] if self.plan.update == "lockfree" else None
 
     def _room_for_grads(self) -> None:
         """With transient gradients, keep at most ``update_workers + 1`` grad chunks alive (what the
@@ -184,7 +189,7 @@ class Runtime:
     def _backward_done(self) -> None:
         for st in self.states:
             if st.grad_count:
-                flush_grads(st, self.mem, self._room_for_grads, self.steps_taken)
+                flush_grads(st, self.mem, self._room_for_grads, self.steps_taken, self._step_groups())
                 self._maybe_update_now(st)
         final = self._final_micro()
         self.micro += 1
@@ -220,9 +225,9 @@ class Runtime:
         self.scaler.update(self.skip_step)
         if self.skip_step:
             for st in self.states:  # the overflowed gradients are dropped, not carried into the next step
-                grad, _, _ = st.take_grads()
-                if grad is not None:
-                    self.mem.release(grad)
+                taken = st.take_grads()
+                if taken is not None:
+                    self.mem.release(taken.chunk)
             return None
         return inv if self.clip_coef is None else self.clip_coef * inv
 

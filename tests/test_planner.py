@@ -243,6 +243,40 @@ def test_every_solver_plan_fits_the_runtime_check_and_runs_within_its_device_bud
     assert checked >= 40 and ran == 2
 
 
+@pytest.mark.parametrize("staleness", [0, 3])
+def test_lockfree_plans_count_the_gradients_a_block_holds_while_its_update_lags(staleness):
+    """With staleness allowed, a lockfree block may hold two gradient chunks: the one its update loop
+    is applying and the one backward fills meanwhile. The solvers count both, so over a sweep of host
+    budgets every lockfree plan they choose is one the runtime's check accepts, on the host and on
+    the device (device-homed blocks keep theirs there), carrying the staleness it was counted for."""
+    import dataclasses
+
+    from tiertrain.memory import Tier
+    from tiertrain.plan_bytes import grad_copies
+    from tiertrain.planner.auto import candidates
+    from tiertrain.planner.solvers import SOLVERS
+    from tiertrain.runtime.blocks import find_blocks
+    from tiertrain.runtime.budget_check import needs
+
+    page = 64 << 10
+    model = _tiny_gpt(4)
+    prof = dataclasses.replace(_measured(model, page=page), grad_copies=grad_copies("lockfree", staleness))
+    blocks = find_blocks(model)
+    total = sum(b.params for b in (*prof.blocks, prof.rest)) * 4
+    checked = 0
+    for k, d in ((k, d) for k in range(12, 30) for d in (1, 4)):  # chunks of whole pages: small blocks need more
+        host, device = k * total // 2, d * total
+        pb = Problem(prof, device=device, host=host, disk=0)
+        for cand in candidates(pb, update="lockfree", solvers=tuple(SOLVERS), max_staleness=staleness):
+            if cand.plan is None:
+                continue
+            need = needs(blocks, cand.plan, page)
+            assert cand.plan.max_staleness == staleness
+            assert need[Tier.HOST] <= host and need[Tier.DEVICE] <= device, (k, cand.solver, need)
+            checked += 1
+    assert checked >= 20
+
+
 def test_on_a_cpu_only_machine_the_lanes_share_the_cores():
     """With the device in host RAM, copies, updates and compute add up; with an accelerator they overlap."""
     import dataclasses
@@ -401,3 +435,27 @@ def test_the_device_memory_a_plan_leaves_becomes_cache_slots_that_save_fetches()
     sized, sim = size_cache(plan, base, problem(prof, room + 10))
     assert sized.cache == 3 and sim.step_s <= base.step_s and fetches(sim) == fetches(base) - 3
     assert size_cache(plan, base, problem(prof, device(0)))[0].cache == 0
+
+
+def test_cache_slots_leave_room_for_the_gradients_of_device_homed_blocks():
+    """A device-homed block keeps its gradients on the device (two chunks in lockfree). Cache
+    sizing counts them as the runtime does: with room for one more slot, but not for the slot and
+    those gradients, the plan gets no more slots."""
+    import dataclasses
+
+    from tiertrain.memory import Tier
+    from tiertrain.plan import BlockPlan, Plan
+    from tiertrain.plan_bytes import tier_bytes
+    from tiertrain.planner.auto import size_cache
+    from tiertrain.planner.simulator import simulate
+
+    prof = synthetic(6)
+    prof = dataclasses.replace(prof, machine=dataclasses.replace(prof.machine, device_is_host=True), grad_copies=2,
+                               page=4 * MiB)
+    plan = Plan((BlockPlan(home=Tier.DEVICE, stream=True),) * 6, window=2, update="lockfree")
+    numels = [b.params for b in (*prof.blocks, prof.rest)]
+    need = lambda k, grads: tier_bytes(numels, dataclasses.replace(plan, cache=k), prof.page, grads=grads)[Tier.DEVICE]  # noqa: E731
+    room = need(1, "all") + (need(2, "none") - need(1, "none")) // 2  # a slot's worth of room, the gradients' not
+    assert need(2, "none") < room < need(2, "all")
+    sized, _ = size_cache(plan, simulate(plan, prof), problem(prof, room))
+    assert sized.cache == 1

@@ -21,7 +21,8 @@ from tiertrain.errors import ConfigError
 from tiertrain.memory import Budgets
 from tiertrain.memory.system import compute_device
 from tiertrain.models.config import ModelConfig
-from tiertrain.plan import Plan
+from tiertrain.plan import DEFAULT_MAX_STALENESS, Plan
+from tiertrain.plan_bytes import grad_copies
 from tiertrain.planner.auto import choose
 from tiertrain.planner.profile import Profile
 from tiertrain.planner.profiler import analytic_profile, probe_machine
@@ -55,7 +56,8 @@ class AutoPlan:
 
 
 def auto_plan(model: nn.Module, step: Callable[[], None], budgets: Budgets, page: int, precision: str,
-              update: str, needs_all_grads: bool, blocks: str | None = None, use_cache: bool = True) -> AutoPlan:
+              update: str, needs_all_grads: bool, blocks: str | None = None, use_cache: bool = True,
+              max_staleness: int = DEFAULT_MAX_STALENESS) -> AutoPlan:
     """``step`` runs one plain forward+backward at the run's batch shape. A step that says its
     shape (a ``shape`` attribute, as ``ProfileStep`` has) gets a cached profile; any other is
     measured every time, since a profile of another batch shape would mislead the solvers."""
@@ -73,9 +75,9 @@ def auto_plan(model: nn.Module, step: Callable[[], None], budgets: Budgets, page
         profile, cached = cached_profile(key, measure, use_cache and bool(shape))
     except (torch.OutOfMemoryError, MemoryError):  # an estimate is not cached: a later run may fit and measure
         profile, cached = _estimate(model, shape, precision, budgets), False
-    profile = dataclasses.replace(profile, machine=machine, page=page)
+    profile = dataclasses.replace(profile, machine=machine, page=page, grad_copies=grad_copies(update, max_staleness))
     chosen, _ = choose(Problem(profile, budgets.device, budgets.host, budgets.disk), update=update,
-                       needs_all_grads=needs_all_grads)
+                       needs_all_grads=needs_all_grads, max_staleness=max_staleness)
     plan = dataclasses.replace(chosen.plan, compute_dtype=precision)
     return AutoPlan(plan, chosen.sim, chosen.solver, profile, cached)
 

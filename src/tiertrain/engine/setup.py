@@ -26,7 +26,7 @@ from tiertrain.memory.page_size import page_size_for
 from tiertrain.memory.system import compute_device
 from tiertrain.runtime.blocks import find_blocks
 from tiertrain.runtime.budget_check import check_fits, fits, widest_read_ahead
-from tiertrain.plan import Plan, load_plan
+from tiertrain.plan import DEFAULT_MAX_STALENESS, Plan, load_plan
 from tiertrain.runtime.runtime import Runtime
 
 if TYPE_CHECKING:
@@ -137,7 +137,7 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None, memory: Bud
     if isinstance(plan, str) and plan == "auto" and profile_step is not None:
         auto = _auto(model, profile_step, memory, page, compute_dtype or "fp32", update or "sync",
                      needs_all_grads=max_grad_norm is not None or grad_accum > 1 or compute_dtype == "fp16",
-                     blocks=blocks)
+                     blocks=blocks, max_staleness=DEFAULT_MAX_STALENESS if max_staleness is None else max_staleness)
         plan = auto.plan
     chosen = load_plan(plan, len(found) - 1, disk=memory.disk > 0, update=update)
     if max_staleness is not None:
@@ -175,10 +175,11 @@ def _buffers_to(model: nn.Module, device: torch.device) -> None:
 
 
 def _auto(model: nn.Module, step: Callable[[], None], memory: Budgets, page: int, precision: str, update: str,
-          needs_all_grads: bool, blocks: str | None) -> AutoPlan:
+          needs_all_grads: bool, blocks: str | None, max_staleness: int) -> AutoPlan:
     """Profile outside the run's random stream, so an auto run trains as the same plan from a file would."""
     from tiertrain.engine.auto_plan import auto_plan
 
     cuda = next(model.parameters()).is_cuda
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
-        return auto_plan(model, step, memory, page, precision, update, needs_all_grads, blocks)
+        return auto_plan(model, step, memory, page, precision, update, needs_all_grads, blocks,
+                         max_staleness=max_staleness)

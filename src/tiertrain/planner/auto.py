@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from tiertrain.errors import UserError
 from tiertrain.memory.tiers import Tier
-from tiertrain.plan import BlockPlan, Plan
+from tiertrain.plan import DEFAULT_MAX_STALENESS, BlockPlan, Plan
 from tiertrain.plan_bytes import tier_bytes
 from tiertrain.planner.profile import Profile
 from tiertrain.planner.simulator import Simulation, simulate
@@ -26,14 +26,14 @@ def lifetime_prefetch(p: Profile, window: int) -> int:
     return max(1, min(window - 1, ahead))
 
 
-def to_plan(s: Solution, p: Profile, update: str = "overlap") -> Plan:
+def to_plan(s: Solution, p: Profile, update: str = "overlap", max_staleness: int = DEFAULT_MAX_STALENESS) -> Plan:
     blocks = tuple(BlockPlan(home=Tier.DEVICE if c.device_home else Tier.DISK if disk else Tier.HOST,
                              stream=c.stream, recompute=c.recompute, offload_hidden=c.offload_hidden)
                    for c, disk in zip(s.choices, s.disk_home))
     streams = any(c.stream for c in s.choices)
     return Plan(blocks, BlockPlan(home=Tier.HOST), window=s.window if streams else 1,
                 prefetch=lifetime_prefetch(p, s.window) if streams else 0, update=update, name=f"auto/{s.solver}",
-                compute_dtype={4: "fp32", 2: "bf16"}.get(p.compute_bytes, "fp32"))
+                compute_dtype={4: "fp32", 2: "bf16"}.get(p.compute_bytes, "fp32"), max_staleness=max_staleness)
 
 
 @dataclass(frozen=True)
@@ -44,15 +44,16 @@ class Candidate:
 
 
 def candidates(pb: Problem, update: str = "overlap", solvers: tuple[str, ...] = tuple(SOLVERS),
-               needs_all_grads: bool = False) -> list[Candidate]:
-    """Each solver's plan and its simulation (None where the solver found nothing that fits)."""
+               needs_all_grads: bool = False, max_staleness: int = DEFAULT_MAX_STALENESS) -> list[Candidate]:
+    """Each solver's plan and its simulation (None where the solver found nothing that fits).
+    Lockfree plans need the profile's ``grad_copies`` set for ``max_staleness``."""
     out = []
     for name in solvers:
         s = SOLVERS[name](pb)
         if s is None:
             out.append(Candidate(name, None, None))
             continue
-        plan = to_plan(s, pb.profile, update)
+        plan = to_plan(s, pb.profile, update, max_staleness)
         out.append(Candidate(name, *size_cache(plan, simulate(plan, pb.profile, needs_all_grads), pb, needs_all_grads)))
     return out
 
@@ -66,7 +67,7 @@ def size_cache(plan: Plan, sim: Simulation, pb: Problem, needs_all_grads: bool =
     numels = [b.params for b in (*pb.profile.blocks, pb.profile.rest)]
     for k in range(plan.cache + spare, plan.cache, -1):
         bigger = dataclasses.replace(plan, cache=k)
-        if tier_bytes(numels, bigger, pb.profile.page, grads="none")[Tier.DEVICE] > pb.device:
+        if tier_bytes(numels, bigger, pb.profile.page)[Tier.DEVICE] > pb.device:  # device-homed grads too
             continue
         cached = simulate(bigger, pb.profile, needs_all_grads)
         if cached.peaks["device"] <= pb.device and cached.step_s <= sim.step_s:
@@ -84,10 +85,10 @@ class NoPlanFits(UserError):
 
 
 def choose(pb: Problem, solvers: tuple[str, ...] = tuple(SOLVERS), update: str = "overlap",
-           needs_all_grads: bool = False) -> tuple[Candidate, list[Candidate]]:
+           needs_all_grads: bool = False, max_staleness: int = DEFAULT_MAX_STALENESS) -> tuple[Candidate, list[Candidate]]:
     """The best predicted plan and every solver's candidate; NoPlanFits, with the smallest device
     budget that would work, when none fits."""
-    cands = candidates(pb, update, solvers, needs_all_grads)
+    cands = candidates(pb, update, solvers, needs_all_grads, max_staleness)
     chosen = best(cands)
     if chosen is None:
         smallest = _smallest_device(pb)

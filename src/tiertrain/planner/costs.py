@@ -48,7 +48,7 @@ def device_bytes(p: Profile, b: BlockProfile, c: Choice) -> int:
     too (``plan_bytes.grad_tier``), and a resident fp32 one's slot is its master
     (``plan_bytes.master_in_slot``)."""
     own = 0 if c.stream else pages(b.params * p.compute_bytes, p.page)
-    states = 4 * pages(b.params * GRAD_BYTES, p.page) if c.device_home else 0   # master, moments, grads
+    states = (3 + p.grad_copies) * pages(b.params * GRAD_BYTES, p.page) if c.device_home else 0  # + grads
     if c.device_home and not c.stream and p.compute_bytes == GRAD_BYTES:
         own = 0
     acts = saved_bytes(b, c) if p.acts_on_device and not c.offload_hidden else 0
@@ -118,7 +118,7 @@ def _states(p: Profile, b: BlockProfile) -> int:
 
 
 def _grads(p: Profile, b: BlockProfile) -> int:
-    return pages(b.params * GRAD_BYTES, p.page)
+    return p.grad_copies * pages(b.params * GRAD_BYTES, p.page)
 
 
 def base_host_bytes(p: Profile, disk_budget: int) -> int:

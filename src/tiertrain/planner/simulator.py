@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from tiertrain.memory.tiers import Tier
 from tiertrain.plan import Plan
-from tiertrain.plan_bytes import grad_tier, pages, separate_param_home, tier_bytes
+from tiertrain.plan_bytes import grad_copies, grad_tier, pages, separate_param_home, tier_bytes
 from tiertrain.planner.costs import GRAD_BYTES, STATE_BYTES, grads_out_s, publishes_over_link
 from tiertrain.planner.profile import MachineProfile, Profile
 
@@ -54,7 +54,12 @@ class Simulation:
 def _fixed_memory(plan: Plan, p: Profile) -> dict[str, int]:
     """What the plan holds throughout the step (plan_bytes, as the runtime counts it); gradients,
     stashes and activations come and go on the timeline."""
-    need = tier_bytes([b.params for b in (*p.blocks, p.rest)], plan, p.page, grads="none", bound=False)
+    numels = [b.params for b in (*p.blocks, p.rest)]
+    need = tier_bytes(numels, plan, p.page, grads="none", bound=False)
+    copies = grad_copies(plan.update, plan.max_staleness)
+    if copies > 1:  # lockfree: earlier steps' gradients may still wait for their update loop
+        grads = tier_bytes(numels, plan, p.page, grads="all", bound=False)
+        need = {t: v + (grads[t] - need[t]) // copies * (copies - 1) for t, v in need.items()}
     return {t.value: v for t, v in need.items()}
 
 

@@ -44,3 +44,22 @@ def test_bench_overhead_prints_plain_and_resident_beside_the_target():
                       (("--seq-len", "4096"), "exceeds the model's maximum")):
         r = run_cli("bench", "overhead", *bad)
         assert r.returncode != 0 and says in r.stderr
+
+
+def test_bench_convergence_prints_sync_and_lockfree_loss_over_time(tmp_path, monkeypatch):
+    from tiertrain.bench.convergence import bench_convergence
+
+    monkeypatch.chdir(tmp_path)
+    lines: list[str] = []
+    got = bench_convergence(32, 2, 2, 32, 24, 2e-2, None, (2,), lines.append, page=64 << 10, points=4)
+    text = "\n".join(lines)
+    assert set(got) == {"equal_time_s", "sync", "lockfree2"}
+    for run in ("sync", "lockfree2"):
+        assert got[run]["last_steps_loss"] < got[run]["first_loss"] - 0.5  # both learn
+        assert got[run]["loss_at_equal_time"] < got[run]["first_loss"] and got[run]["step_s"] > 0
+    assert got["sync"]["staleness"] == 0 and 1 <= got["lockfree2"]["staleness"] <= 2  # its passes coalesce
+    assert text.count("against sync") == 2 and "fastest run's second half" in text
+    assert len([ln for ln in lines if ln.startswith("  ")]) == 4  # the curve's rows
+    assert list(tmp_path.iterdir()) == []  # its runs and disk files are gone
+    r = run_cli("bench", "convergence", "--max-staleness", "x")
+    assert r.returncode != 0 and "give whole numbers >= 0" in r.stderr

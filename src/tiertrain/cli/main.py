@@ -171,15 +171,50 @@ def bench_offload_cmd(d_model: int, layers: int, batch_size: int, seq_len: int, 
     from tiertrain.memory.system import compute_device
     from tiertrain.units import parse_size
 
-    try:
-        staleness = tuple(int(v) for v in stalenesses.split(","))
-    except ValueError:
-        staleness = ()
-    if not staleness or min(staleness) < 0:
-        raise ConfigError(f"--max-staleness {stalenesses!r}: give whole numbers >= 0, comma-separated, e.g. 1,4")
+    staleness = _stalenesses(stalenesses)
     click.echo(f"machine: {describe(disk_dir)}")
     page = page_size_for(parse_size(page_size) if page_size else None, disk_dir, compute_device())
     bench_offload(d_model, layers, batch_size, seq_len, disk_dir, repeats, click.echo, page, staleness)
+
+
+@bench.command("convergence", context_settings=CONTEXT)
+@click.option("--d-model", type=int, default=512, show_default=True)
+@click.option("--layers", type=int, default=8, show_default=True)
+@click.option("--batch-size", type=int, default=1, show_default=True,
+              help="Sequences per step; the default makes the step disk-bound on a 2-core CPU machine.")
+@click.option("--seq-len", type=int, default=128, show_default=True)
+@click.option("--steps", type=int, default=200, show_default=True)
+@click.option("--lr", type=float, default=2e-3, show_default=True)
+@click.option("--disk", "disk_dir", type=click.Path(file_okay=False), help="Directory on the disk (default: a temporary one here).")
+@click.option("--max-staleness", "stalenesses", default="1,4", show_default=True,
+              help="Lockfree runs, one per max staleness (comma-separated).")
+@click.option("--page-size", help='Memory page size, e.g. "1MiB" (default: measured, as train uses).')
+def bench_convergence_cmd(d_model: int, layers: int, batch_size: int, seq_len: int, steps: int, lr: float,
+                          disk_dir: str | None, stalenesses: str, page_size: str | None) -> None:
+    """Loss against wall time, sync and lockfree, with states on disk: what lockfree's faster steps learn."""
+    from tiertrain.bench.convergence import bench_convergence
+    from tiertrain.bench.machine import describe
+    from tiertrain.memory.page_size import page_size_for
+    from tiertrain.memory.system import compute_device
+    from tiertrain.units import parse_size
+
+    staleness = _stalenesses(stalenesses)
+    if steps < 1 or seq_len < 1 or seq_len > 256 or batch_size < 1:
+        raise ConfigError("--steps and --batch-size must be at least 1, and --seq-len between 1 and 256")
+    click.echo(f"machine: {describe(disk_dir)}")
+    page = page_size_for(parse_size(page_size) if page_size else None, disk_dir, compute_device())
+    bench_convergence(d_model, layers, batch_size, seq_len, steps, lr, disk_dir, staleness, click.echo, page)
+
+
+def _stalenesses(text: str) -> tuple[int, ...]:
+    """``--max-staleness 1,4`` as numbers, or one clear error."""
+    try:
+        staleness = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        staleness = ()
+    if not staleness or min(staleness) < 0:
+        raise ConfigError(f"--max-staleness {text!r}: give whole numbers >= 0, comma-separated, e.g. 1,4")
+    return staleness
 
 
 @bench.command("overhead", context_settings=CONTEXT)

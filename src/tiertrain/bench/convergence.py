@@ -18,7 +18,7 @@ from typing import Callable
 
 import numpy as np
 
-from tiertrain.bench.runtime import _disk_home_plan, _model_cfg
+from tiertrain.bench.runtime import disk_home_plan, model_cfg
 from tiertrain.engine.config import TrainConfig
 from tiertrain.engine.metrics import Reporter
 from tiertrain.models import param_count
@@ -66,11 +66,11 @@ def bench_convergence(d: int, layers: int, batch: int, seq: int, steps: int, lr:
                       stalenesses: tuple[int, ...], out: Callable[[str], None], page: int = 1 << 20,
                       points: int = 8) -> dict:
     """Sync and lockfree (one run per max staleness) on the same disk-homed streamed plan, ``page``-byte pages."""
-    cfg = _model_cfg(d, layers)
+    cfg = model_cfg(d, layers)
     work = Path(tempfile.mkdtemp(prefix="tiertrain-convergence-", dir="."))
     disk = Path(disk_dir) if disk_dir else work / "disk"
     plan_file = work / "plan.json"
-    plan_file.write_text(_disk_home_plan(layers, "sync").to_json())
+    plan_file.write_text(disk_home_plan(layers, "sync").to_json())
     # budgets that hold the plan in whole pages (several per chunk at most); the disk sets the pace
     room = f"{max(256 << 20, 64 * param_count(cfg), 16 * (layers + 1) * page) >> 20}MiB"
     base = dict(model={k: getattr(cfg, k) for k in ("n_layer", "n_head", "d_model", "d_ffn", "vocab_size",

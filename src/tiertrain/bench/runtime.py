@@ -30,6 +30,7 @@ from tiertrain.engine.optimizer import make_adamw
 from tiertrain.memory import Budgets
 from tiertrain.memory.system import compute_device
 from tiertrain.models import ModelConfig, build, param_count
+from tiertrain.plan import Plan
 from tiertrain.units import format_bytes
 
 ADAMW_BYTES_PER_PARAM = 28  # read param, grad, m, v (16) + write param, m, v (12)
@@ -57,7 +58,8 @@ def stream_inplace_add(nbytes: int, threads: int) -> float:
     return best
 
 
-def _model_cfg(d: int, layers: int) -> ModelConfig:
+def model_cfg(d: int, layers: int) -> ModelConfig:
+    """The benches' GPT: byte-level vocabulary, so the built-in corpus trains it as it is."""
     return ModelConfig(n_layer=layers, n_head=8, d_model=d, d_ffn=4 * d, vocab_size=256, max_seq_len=256, name="bench")
 
 
@@ -66,13 +68,13 @@ def _fill_grads(model: torch.nn.Module) -> None:
         p.grad = torch.randn_like(p) * 1e-3
 
 
-def _disk_home_plan(n_blocks: int, update: str, stream: bool = True, max_staleness: int = 1):
+def disk_home_plan(n_blocks: int, update: str, stream: bool = True, max_staleness: int = 1) -> Plan:
     """fp32 master and moments homed on disk, no recompute, so the compute is exactly the plain
     forward+backward and the disk traffic exactly the states': the bound below is fair.
     ``stream``: blocks go through a 2-slot window with their compute params kept on the host too
     (ANGEL-PTM's layout); else they stay on the device (ZeRO-Infinity's, when params fit)."""
     from tiertrain.memory import Tier
-    from tiertrain.plan import BlockPlan, Plan
+    from tiertrain.plan import BlockPlan
 
     block = BlockPlan(home=Tier.DISK, stream=stream, param_copy=stream)
     return Plan((block,) * n_blocks, BlockPlan(home=Tier.DISK), window=2, prefetch=1, update=update,
@@ -91,7 +93,7 @@ def bench_optimizer(d: int, layers: int, repeats: int, out: Callable[[str], None
     from tiertrain.memory import Kind, Tier
     from tiertrain.runtime.block_state import F32
 
-    cfg = _model_cfg(d, layers)
+    cfg = model_cfg(d, layers)
     n = param_count(cfg)
     bound = stream_inplace_add(512 << 20, torch.get_num_threads()) / ADAMW_BYTES_PER_PARAM
     model = build(cfg)
@@ -179,7 +181,7 @@ def bench_offload(d: int, layers: int, batch: int, seq: int, disk_dir: str | Non
     per layout; each lockfree line prints the staleness it actually saw)."""
     from tiertrain.bench.memory import raw_disk
 
-    cfg = _model_cfg(d, layers)
+    cfg = model_cfg(d, layers)
     n = param_count(cfg)
     x = torch.randint(0, 256, (batch, seq + 1), device=compute_device())
     directory = Path(disk_dir or tempfile.mkdtemp(prefix="tiertrain-bench-", dir="."))
@@ -209,11 +211,11 @@ def bench_offload(d: int, layers: int, batch: int, seq: int, disk_dir: str | Non
     out(("disk-bound: disk I/O exceeds compute" if io_s > compute_s else
          "NOT disk-bound here (compute exceeds disk I/O): lower --batch-size for the disk-bound case") +
         f"; plain fwd+bwd keeps {statistics.median(plain_cpu) / compute_s:.1f} of {cores} cores busy")
-    runs = [("stream-disk", _disk_home_plan(layers, "sync"), "sync"),
-            ("stream-disk", _disk_home_plan(layers, "overlap"), "overlap")]
-    runs += [("stream-disk", _disk_home_plan(layers, "lockfree", max_staleness=s), f"lockfree{s}") for s in stalenesses]
-    runs += [("resident-disk", _disk_home_plan(layers, "sync", stream=False), "sync")]
-    runs += [("resident-disk", _disk_home_plan(layers, "lockfree", stream=False, max_staleness=s), f"lockfree{s}")
+    runs = [("stream-disk", disk_home_plan(layers, "sync"), "sync"),
+            ("stream-disk", disk_home_plan(layers, "overlap"), "overlap")]
+    runs += [("stream-disk", disk_home_plan(layers, "lockfree", max_staleness=s), f"lockfree{s}") for s in stalenesses]
+    runs += [("resident-disk", disk_home_plan(layers, "sync", stream=False), "sync")]
+    runs += [("resident-disk", disk_home_plan(layers, "lockfree", stream=False, max_staleness=s), f"lockfree{s}")
              for s in stalenesses]
     runs += [("max-offload", "max-offload", "overlap")]
     for name, plan, label in runs:

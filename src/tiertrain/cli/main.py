@@ -233,7 +233,7 @@ def bench_overhead_cmd(model: str | None, d_model: int, layers: int, batch_size:
     """Plain PyTorch against the resident plan on a model that fits: overhead, tokens/s, MFU."""
     from tiertrain.bench.machine import describe
     from tiertrain.bench.overhead import bench_overhead
-    from tiertrain.bench.runtime import _model_cfg
+    from tiertrain.bench.runtime import model_cfg
     from tiertrain.models import resolve_config
 
     modes = tuple(u for u in updates.split(",") if u)
@@ -242,7 +242,7 @@ def bench_overhead_cmd(model: str | None, d_model: int, layers: int, batch_size:
                           "numerics, so it has no plain peer)")
     if rounds < 1 or steps < 1:
         raise ConfigError("--rounds and --steps must be at least 1")
-    cfg = resolve_config(model) if model else _model_cfg(d_model, layers)
+    cfg = resolve_config(model) if model else model_cfg(d_model, layers)
     if seq_len > cfg.max_seq_len:
         raise ConfigError(f"--seq-len {seq_len} exceeds the model's maximum {cfg.max_seq_len}")
     click.echo(f"machine: {describe()}")

@@ -61,10 +61,11 @@ def tier_bytes(numels: Sequence[int], plan: Plan, page: int, train: bool = True,
                bound: bool = True) -> dict[Tier, int]:
     """Bytes per tier for blocks of ``numels`` elements (the repeated blocks, then the rest).
 
-    ``grads``: ``all`` holds every block's gradient chunks (``grad_tier``, ``grad_copies``); ``transient`` holds only
-    one host chunk per update worker plus the one backward fills (overlap without clipping or
-    accumulation updates each block's gradients away at once), and device-homed blocks' chunks
-    in full; ``none`` leaves gradients out (the simulator adds them on its timeline).
+    ``grads``: ``all`` holds every block's gradient chunks (``grad_tier``, ``grad_copies``);
+    ``transient`` holds only one host chunk per update worker plus the one backward fills (overlap
+    without clipping or accumulation updates each block's gradients away at once), and
+    device-homed blocks' chunks in full; ``none`` leaves gradients out (the simulator adds them on
+    its timeline).
     """
     if len(numels) != len(plan.blocks) + 1:
         raise ValueError(f"{len(numels)} chunk sizes for a plan of {len(plan.blocks)} blocks + rest")

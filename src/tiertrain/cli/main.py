@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import click
 from rich.console import Console
@@ -150,12 +150,20 @@ def bench_optimizer_cmd(d_model: int, layers: int, repeats: int) -> None:
     bench_optimizer(d_model, layers, repeats, click.echo)
 
 
+def _disk_bound_shape(command: Callable) -> Callable:
+    """The model and batch options of the disk-bound benches (offload, convergence)."""
+    options = [click.option("--d-model", type=int, default=512, show_default=True),
+               click.option("--layers", type=int, default=8, show_default=True),
+               click.option("--batch-size", type=int, default=1, show_default=True,
+                            help="Sequences per step; the default makes the step disk-bound on a 2-core CPU machine."),
+               click.option("--seq-len", type=int, default=128, show_default=True)]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 @bench.command("offload", context_settings=CONTEXT)
-@click.option("--d-model", type=int, default=512, show_default=True)
-@click.option("--layers", type=int, default=8, show_default=True)
-@click.option("--batch-size", type=int, default=1, show_default=True,
-              help="Sequences per step; the default makes the step disk-bound on a 2-core CPU machine.")
-@click.option("--seq-len", type=int, default=128, show_default=True)
+@_disk_bound_shape
 @click.option("--disk", "disk_dir", type=click.Path(file_okay=False), help="Directory on the disk (default: a temporary one here).")
 @click.option("--repeats", type=int, default=8, show_default=True,
               help="Timed steps per plan (a multiple of each staleness, so lockfree's passes are all counted).")
@@ -178,11 +186,7 @@ def bench_offload_cmd(d_model: int, layers: int, batch_size: int, seq_len: int, 
 
 
 @bench.command("convergence", context_settings=CONTEXT)
-@click.option("--d-model", type=int, default=512, show_default=True)
-@click.option("--layers", type=int, default=8, show_default=True)
-@click.option("--batch-size", type=int, default=1, show_default=True,
-              help="Sequences per step; the default makes the step disk-bound on a 2-core CPU machine.")
-@click.option("--seq-len", type=int, default=128, show_default=True)
+@_disk_bound_shape
 @click.option("--steps", type=int, default=200, show_default=True)
 @click.option("--lr", type=float, default=2e-3, show_default=True)
 @click.option("--disk", "disk_dir", type=click.Path(file_okay=False), help="Directory on the disk (default: a temporary one here).")

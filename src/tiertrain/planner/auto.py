@@ -85,7 +85,8 @@ class NoPlanFits(UserError):
 
 
 def choose(pb: Problem, solvers: tuple[str, ...] = tuple(SOLVERS), update: str = "overlap",
-           needs_all_grads: bool = False, max_staleness: int = DEFAULT_MAX_STALENESS) -> tuple[Candidate, list[Candidate]]:
+           needs_all_grads: bool = False,
+           max_staleness: int = DEFAULT_MAX_STALENESS) -> tuple[Candidate, list[Candidate]]:
     """The best predicted plan and every solver's candidate; NoPlanFits, with the smallest device
     budget that would work, when none fits."""
     cands = candidates(pb, update, solvers, needs_all_grads, max_staleness)

@@ -27,7 +27,7 @@ def test_bench_planner_prints_each_figure_beside_its_limit(tmp_path):
                 "--steps", "2", "--disk-dir", str(tmp_path / "d"), timeout=600)
     assert r.returncode == 0, r.stderr
     assert "limit 2 s" in r.stdout
-    for plan in ("resident", "stream", "max-offload", "disk-homed", "lockfree"):
+    for plan in ("resident", "stream", "max-offload", "disk-homed", "lockfree ", "lockfree4"):
         line = next(x for x in r.stdout.splitlines() if x.startswith(plan) and "predicted" in x)
         assert "limit 10%" in line and "limit 5%" in line
     assert r.stdout.count("auto against the best built-in") + r.stdout.count("auto trains where no built-in") == 3

@@ -335,6 +335,28 @@ def test_the_simulator_reads_a_disk_master_from_disk_charges_disk_io_to_the_core
             publishes(Tier.DEVICE, cpu, 2)) == (4, 0, 0, 4)
 
 
+def test_the_simulator_charges_a_lockfree_disk_pass_to_the_steps_it_serves():
+    """A lockfree disk-homed block's loop waits for max_staleness steps of gradients per pass: each
+    step carries that share of the pass's disk traffic and AdamW. Where the disk bounds the step,
+    staleness 4 predicts about a quarter of its disk time; host-homed blocks pass every step."""
+    import dataclasses
+
+    from tiertrain.memory import Tier
+    from tiertrain.plan import BlockPlan, Plan
+    from tiertrain.planner.simulator import simulate
+
+    prof = synthetic(4)
+    prof = dataclasses.replace(prof, machine=dataclasses.replace(prof.machine, disk_read_bps=1e8, disk_write_bps=1e8))
+    on_disk = Plan((BlockPlan(home=Tier.DISK),) * 4, window=1, prefetch=0, update="lockfree", max_staleness=1)
+    disk = lambda sim: sim.timeline.busy("disk_read") + sim.timeline.busy("disk_write")  # noqa: E731
+    one, four = simulate(on_disk, prof), simulate(dataclasses.replace(on_disk, max_staleness=4), prof)
+    assert disk(four) == pytest.approx(disk(one) / 4)
+    assert four.timeline.busy("cpu") < one.timeline.busy("cpu")
+    assert one.step_s == pytest.approx(disk(one), rel=0.01) and four.step_s < one.step_s / 2
+    on_host = dataclasses.replace(on_disk, blocks=(BlockPlan(home=Tier.HOST),) * 4)
+    assert simulate(on_host, prof).step_s == simulate(dataclasses.replace(on_host, max_staleness=4), prof).step_s
+
+
 def test_setup_with_plan_auto_needs_a_profile_step():
     import torch
 

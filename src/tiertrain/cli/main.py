@@ -263,7 +263,7 @@ def bench_overhead_cmd(model: str | None, d_model: int, layers: int, batch_size:
 @click.option("--part", type=click.Choice(["solver", "fidelity", "auto", "all"]), default="all", show_default=True)
 def bench_planner_cmd(d_model: int, layers: int, batch_size: int, seq_len: int, steps: int, disk_dir: str | None,
                       part: str) -> None:
-    """DP speed against 2 s; the simulator's predictions against measured runs of 5 plans; auto against built-ins."""
+    """DP speed against 2 s; the simulator's predictions against measured runs of 6 plans; auto against built-ins."""
     from tiertrain.bench.machine import describe
     from tiertrain.bench.planner import bench_auto, bench_fidelity, bench_solver
 

@@ -146,23 +146,34 @@ def _fetch(tl: Timeline, plan: Plan, bp, p: Profile, ready: float, nbytes: int, 
     return tl.run("h2d", ready, nbytes / p.machine.h2d_bps, label)
 
 
+def passes_per_step(plan: Plan, home: Tier) -> float:
+    """Update passes a block takes per step: one, except a disk-homed block in lockfree mode,
+    whose loop waits for ``max_staleness`` steps of gradients per pass (``Runtime._maybe_update_now``):
+    its disk traffic, its AdamW and its publish come once every that many steps."""
+    return 1 / max(1, plan.max_staleness) if plan.update == "lockfree" and home is Tier.DISK else 1.0
+
+
 def _updates(plan, p, tl, grads_done, bstarts, order, device_end, needs_all_grads, change) -> None:
+    """Each block's update, in backward order; a task that runs once every N steps holds its
+    resource for 1/N of its time (the step's share of it)."""
     m = p.machine
     for j, i in enumerate(order):
         b, bp = p.blocks[i], plan.blocks[i]
+        share = passes_per_step(plan, bp.home)
         ready = grads_done[i] if plan.update != "sync" and not needs_all_grads else device_end
         if bp.home is Tier.DISK:
-            _, read = tl.run("disk_read", bstarts[j], b.params * STATE_BYTES / m.disk_read_bps, f"read {b.name}")
+            _, read = tl.run("disk_read", bstarts[j], share * b.params * STATE_BYTES / m.disk_read_bps,
+                             f"read {b.name}")
             ready = max(ready, read)
         if bp.home is Tier.DEVICE and not m.device_is_host:
             done = ready  # updated on the GPU, next to nothing beside its compute (as costs has it)
         else:
-            _, done = tl.run("cpu", ready, b.params / m.adam_params_per_s, f"adam {b.name}")
+            _, done = tl.run("cpu", ready, share * b.params / m.adam_params_per_s, f"adam {b.name}")
         change(done, grad_tier(bp).value, -pages(b.params * GRAD_BYTES, p.page, bound=False))
         if publishes_over_link(bp.stream, bp.home is Tier.DEVICE, m, p.compute_bytes):
-            tl.run("h2d", done, b.params * p.compute_bytes / m.h2d_bps, f"publish {b.name}")
+            tl.run("h2d", done, share * b.params * p.compute_bytes / m.h2d_bps, f"publish {b.name}")
         if bp.home is Tier.DISK:
-            tl.run("disk_write", done, b.params * STATE_BYTES / m.disk_write_bps, f"write {b.name}")
+            tl.run("disk_write", done, share * b.params * STATE_BYTES / m.disk_write_bps, f"write {b.name}")
     _, done = tl.run("cpu", device_end if plan.update == "sync" or needs_all_grads else 0.0,
                      p.rest.params / m.adam_params_per_s, "adam rest")
     change(max(done, device_end), grad_tier(plan.rest).value, -pages(p.rest.params * GRAD_BYTES, p.page, bound=False))

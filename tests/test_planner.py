@@ -337,12 +337,15 @@ def test_the_simulator_reads_a_disk_master_from_disk_charges_disk_io_to_the_core
 
 def test_the_simulator_charges_a_lockfree_disk_pass_to_the_steps_it_serves():
     """A lockfree disk-homed block's loop waits for max_staleness steps of gradients per pass: each
-    step carries that share of the pass's disk traffic and AdamW. Where the disk bounds the step,
-    staleness 4 predicts about a quarter of its disk time; host-homed blocks pass every step."""
+    step carries that share of the pass's disk traffic and AdamW, in the simulator and in the
+    solvers' per-block costs. Where the disk bounds the step, staleness 4 predicts about a quarter
+    of its disk time; host-homed blocks pass every step."""
     import dataclasses
 
     from tiertrain.memory import Tier
     from tiertrain.plan import BlockPlan, Plan
+    from tiertrain.plan_bytes import disk_passes_per_step
+    from tiertrain.planner.costs import Choice, block_seconds
     from tiertrain.planner.simulator import simulate
 
     prof = synthetic(4)
@@ -355,6 +358,28 @@ def test_the_simulator_charges_a_lockfree_disk_pass_to_the_steps_it_serves():
     assert one.step_s == pytest.approx(disk(one), rel=0.01) and four.step_s < one.step_s / 2
     on_host = dataclasses.replace(on_disk, blocks=(BlockPlan(home=Tier.HOST),) * 4)
     assert simulate(on_host, prof).step_s == simulate(dataclasses.replace(on_host, max_staleness=4), prof).step_s
+    b, resident = prof.blocks[0], Choice(stream=False, recompute=False, offload_hidden=False, device_home=False)
+    full, quarter = (block_seconds(b, resident, prof.machine, 4, 1, True, disk_passes_per_step("lockfree", s))
+                     for s in (1, 4))
+    assert quarter - b.forward_s == pytest.approx((full - b.forward_s) / 4)  # the disk-bound update, amortised
+
+
+def test_auto_plans_a_lockfree_run_for_the_staleness_it_will_run_with(tmp_path):
+    """``--plan auto --update lockfree --max-staleness 4``: the planner counts the gradient chunks and
+    the disk passes of that staleness, and the plan it returns carries it."""
+    import torch
+
+    from tiertrain.engine.auto_plan import auto_plan
+    from tiertrain.engine.objective import lm_loss
+    from tiertrain.memory import Budgets
+
+    model = _tiny_gpt(2)
+    x = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+    budgets = Budgets(device=64 * MiB, host=256 * MiB, disk=256 * MiB, disk_dir=str(tmp_path))
+    got = auto_plan(model, lambda: lm_loss(model, x[:, :-1], x[:, 1:]).backward(), budgets, 64 << 10, "fp32",
+                    "lockfree", False, use_cache=False, max_staleness=4)
+    assert (got.profile.grad_copies, got.profile.disk_passes, got.plan.max_staleness) == (2, 0.25, 4)
+    assert got.plan.update == "lockfree"
 
 
 def test_setup_with_plan_auto_needs_a_profile_step():

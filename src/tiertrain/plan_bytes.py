@@ -57,6 +57,13 @@ def grad_copies(update: str, max_staleness: int) -> int:
     return 2 if update == "lockfree" and max_staleness > 0 else 1
 
 
+def disk_passes_per_step(update: str, max_staleness: int) -> float:
+    """Update passes a disk-homed block takes per step: one, except in lockfree mode, where its loop
+    waits for ``max_staleness`` steps of gradients per pass (``Runtime._maybe_update_now``), so its
+    disk traffic, AdamW and publish come once every that many steps."""
+    return 1 / max(1, max_staleness) if update == "lockfree" else 1.0
+
+
 def tier_bytes(numels: Sequence[int], plan: Plan, page: int, train: bool = True, grads: str = "all",
                bound: bool = True) -> dict[Tier, int]:
     """Bytes per tier for blocks of ``numels`` elements (the repeated blocks, then the rest).

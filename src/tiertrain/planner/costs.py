@@ -80,7 +80,9 @@ def grads_out_s(b: BlockProfile, device_home: bool, m: MachineProfile) -> float:
 
 
 def block_seconds(b: BlockProfile, c: Choice, m: MachineProfile, compute_bytes: int, window: int,
-                  disk_home: bool = False) -> float:
+                  disk_home: bool = False, disk_passes: float = 1.0) -> float:
+    """Forward plus the longer of backward and the update it hides. ``disk_passes``: a disk-homed
+    block's update passes per step (lockfree passes every few steps: each step carries its share)."""
     fetch = b.params * compute_bytes / m.h2d_bps if c.stream else 0.0
     saved = saved_bytes(b, c)
     stash_out = saved / m.d2h_bps if c.offload_hidden else 0.0
@@ -96,6 +98,7 @@ def block_seconds(b: BlockProfile, c: Choice, m: MachineProfile, compute_bytes: 
     opt = 0.0 if c.device_home and not m.device_is_host else optimizer_s(b, m, disk_home)
     if publishes_over_link(c.stream, c.device_home, m, compute_bytes):
         opt += b.params * compute_bytes / m.h2d_bps
+    opt *= disk_passes if disk_home else 1.0
     return fwd + max(bwd, opt) + SWITCH_S * (c.stream + c.recompute + c.offload_hidden)
 
 

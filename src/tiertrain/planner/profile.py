@@ -54,6 +54,7 @@ class Profile:
     page: int = 0                      # the runtime's page size: chunks take whole pages (0: unpaged)
     order: tuple[int, ...] = ()        # blocks in the order one forward called them (measured profiles)
     grad_copies: int = 1               # the run's gradient chunks per block at once (plan_bytes.grad_copies)
+    disk_passes: float = 1.0           # a disk-homed block's update passes per step (plan_bytes.disk_passes_per_step)
 
     @property
     def acts_on_device(self) -> bool:
@@ -71,7 +72,8 @@ class Profile:
             return cls(blocks=tuple(BlockProfile(**b) for b in d["blocks"]), rest=BlockProfile(**d["rest"]),
                        machine=MachineProfile(**d["machine"]), compute_bytes=int(d.get("compute_bytes", 4)),
                        key=d.get("key", ""), page=int(d.get("page", 0)),
-                       order=tuple(int(i) for i in d.get("order", ())), grad_copies=int(d.get("grad_copies", 1)))
+                       order=tuple(int(i) for i in d.get("order", ())), grad_copies=int(d.get("grad_copies", 1)),
+                       disk_passes=float(d.get("disk_passes", 1.0)))
         except (ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"not a tiertrain profile: {exc}") from None
 

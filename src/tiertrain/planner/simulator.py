@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from tiertrain.memory.tiers import Tier
 from tiertrain.plan import Plan
-from tiertrain.plan_bytes import grad_copies, grad_tier, pages, separate_param_home, tier_bytes
+from tiertrain.plan_bytes import disk_passes_per_step, grad_copies, grad_tier, pages, separate_param_home, tier_bytes
 from tiertrain.planner.costs import GRAD_BYTES, STATE_BYTES, grads_out_s, publishes_over_link
 from tiertrain.planner.profile import MachineProfile, Profile
 
@@ -146,20 +146,13 @@ def _fetch(tl: Timeline, plan: Plan, bp, p: Profile, ready: float, nbytes: int, 
     return tl.run("h2d", ready, nbytes / p.machine.h2d_bps, label)
 
 
-def passes_per_step(plan: Plan, home: Tier) -> float:
-    """Update passes a block takes per step: one, except a disk-homed block in lockfree mode,
-    whose loop waits for ``max_staleness`` steps of gradients per pass (``Runtime._maybe_update_now``):
-    its disk traffic, its AdamW and its publish come once every that many steps."""
-    return 1 / max(1, plan.max_staleness) if plan.update == "lockfree" and home is Tier.DISK else 1.0
-
-
 def _updates(plan, p, tl, grads_done, bstarts, order, device_end, needs_all_grads, change) -> None:
     """Each block's update, in backward order; a task that runs once every N steps holds its
     resource for 1/N of its time (the step's share of it)."""
     m = p.machine
     for j, i in enumerate(order):
         b, bp = p.blocks[i], plan.blocks[i]
-        share = passes_per_step(plan, bp.home)
+        share = disk_passes_per_step(plan.update, plan.max_staleness) if bp.home is Tier.DISK else 1.0
         ready = grads_done[i] if plan.update != "sync" and not needs_all_grads else device_end
         if bp.home is Tier.DISK:
             _, read = tl.run("disk_read", bstarts[j], share * b.params * STATE_BYTES / m.disk_read_bps,

@@ -57,11 +57,17 @@ def grad_copies(update: str, max_staleness: int) -> int:
     return 2 if update == "lockfree" and max_staleness > 0 else 1
 
 
+def steps_per_disk_pass(update: str, max_staleness: int) -> int:
+    """Steps of gradients a disk-homed block's update pass takes: one, except in lockfree mode,
+    where its loop waits for ``max_staleness`` steps of them (each pass costs the states' disk
+    traffic whatever it carries), so its disk traffic, AdamW and publish come once every that many
+    steps. The runtime passes so; the simulator and the solvers charge each step that share."""
+    return max(1, max_staleness) if update == "lockfree" else 1
+
+
 def disk_passes_per_step(update: str, max_staleness: int) -> float:
-    """Update passes a disk-homed block takes per step: one, except in lockfree mode, where its loop
-    waits for ``max_staleness`` steps of gradients per pass (``Runtime._maybe_update_now``), so its
-    disk traffic, AdamW and publish come once every that many steps."""
-    return 1 / max(1, max_staleness) if update == "lockfree" else 1.0
+    """A disk-homed block's update passes per step (``steps_per_disk_pass``, inverted)."""
+    return 1 / steps_per_disk_pass(update, max_staleness)
 
 
 def tier_bytes(numels: Sequence[int], plan: Plan, page: int, train: bool = True, grads: str = "all",

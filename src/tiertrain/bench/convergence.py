@@ -18,7 +18,7 @@ from typing import Callable
 
 import numpy as np
 
-from tiertrain.bench.runtime import disk_home_plan, model_cfg
+from tiertrain.bench.runtime import disk_bench_room, disk_home_plan, model_cfg
 from tiertrain.engine.config import TrainConfig
 from tiertrain.engine.metrics import Reporter
 from tiertrain.models import param_count
@@ -71,11 +71,8 @@ def bench_convergence(d: int, layers: int, batch: int, seq: int, steps: int, lr:
     disk = Path(disk_dir) if disk_dir else work / "disk"
     plan_file = work / "plan.json"
     plan_file.write_text(disk_home_plan(layers, "sync").to_json())
-    # budgets that hold the plan in whole pages (several per chunk at most); the disk sets the pace
-    room = f"{max(256 << 20, 64 * param_count(cfg), 16 * (layers + 1) * page) >> 20}MiB"
-    base = dict(model={k: getattr(cfg, k) for k in ("n_layer", "n_head", "d_model", "d_ffn", "vocab_size",
-                                                    "max_seq_len")},
-                steps=steps, batch_size=batch, seq_len=seq, lr=lr, grad_clip=0.0, plan=str(plan_file),
+    room = f"{disk_bench_room(param_count(cfg), layers, page) >> 20}MiB"
+    base = dict(model=cfg, steps=steps, batch_size=batch, seq_len=seq, lr=lr, grad_clip=0.0, plan=str(plan_file),
                 device_memory=room, host_memory=room, disk=f"{disk}:{room}", page_size=f"{page >> 10}KiB",
                 log_every=10 ** 6, seed=0)
     out(f"model d_model {d}, {layers} layers; batch {batch} x {seq}, {steps} steps, lr {lr}, no clipping; "

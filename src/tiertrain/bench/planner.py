@@ -30,7 +30,7 @@ from tiertrain.memory import Budgets, Tier
 from tiertrain.memory.system import compute_device
 from tiertrain.models import ModelConfig, build, param_count
 from tiertrain.plan import BlockPlan, Plan, builtin_plan
-from tiertrain.plan_bytes import pages
+from tiertrain.plan_bytes import pages, steps_per_disk_pass
 from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
 from tiertrain.planner.profiler import probe_machine
 from tiertrain.planner.simulator import simulate
@@ -156,7 +156,7 @@ def bench_fidelity(d: int, layers: int, batch: int, seq: int, steps: int, disk_d
         if r == 0:
             _describe(profile, cfg, batch, seq, page, out)
         for name, plan in plans.items():
-            every = plan.max_staleness if plan.update == "lockfree" else 1
+            every = steps_per_disk_pass(plan.update, plan.max_staleness)
             times, peak, _ = run.measure(plan, budgets, page, every * -(-max(2, steps // 2) // every))
             # lockfree's passes come every few steps: the mean over whole passes is its step
             measured = statistics.fmean(times) if every > 1 else statistics.median(times)

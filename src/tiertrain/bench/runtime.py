@@ -68,6 +68,12 @@ def _fill_grads(model: torch.nn.Module) -> None:
         p.grad = torch.randn_like(p) * 1e-3
 
 
+def disk_bench_room(n: int, layers: int, page: int) -> int:
+    """Bytes per tier that hold a disk-homed plan of the bench model of ``n`` params in whole pages
+    (several per chunk at most): the disk, not a budget, sets the pace."""
+    return max(256 << 20, 64 * n, 16 * (layers + 1) * page)
+
+
 def disk_home_plan(n_blocks: int, update: str, stream: bool = True, max_staleness: int = 1) -> Plan:
     """fp32 master and moments homed on disk, no recompute, so the compute is exactly the plain
     forward+backward and the disk traffic exactly the states': the bound below is fair.
@@ -199,7 +205,7 @@ def bench_offload(d: int, layers: int, batch: int, seq: int, disk_dir: str | Non
     io_s = state_bytes / raw.read + state_bytes / raw.write
     opt_s = n * ADAMW_BYTES_PER_PARAM / stream_inplace_add(512 << 20, torch.get_num_threads())
     bound = max(compute_s, io_s, opt_s)
-    room = max(256 << 20, 64 * n, 16 * (layers + 1) * page)  # whole pages: several per chunk at most
+    room = disk_bench_room(n, layers, page)
     budgets = Budgets(device=room, host=room, disk=room, disk_dir=str(directory))
     results = {"params": n, "compute_s": compute_s, "disk_io_s": io_s, "optimizer_s": opt_s, "bound_s": bound}
     out(f"model {n / 1e6:.1f}M params, batch {batch} x {seq}; states on disk: {state_bytes / 2**20:.0f} MiB each way; "

@@ -57,7 +57,7 @@ def _fixed_memory(plan: Plan, p: Profile) -> dict[str, int]:
     numels = [b.params for b in (*p.blocks, p.rest)]
     need = tier_bytes(numels, plan, p.page, grads="none", bound=False)
     copies = grad_copies(plan.update, plan.max_staleness)
-    if copies > 1:  # lockfree: earlier steps' gradients may still wait for their update loop
+    if copies > 1:  # lockfree: the chunk a lagging update loop still applies, beside the one this step fills
         grads = tier_bytes(numels, plan, p.page, grads="all", bound=False)
         need = {t: v + (grads[t] - need[t]) // copies * (copies - 1) for t, v in need.items()}
     return {t.value: v for t, v in need.items()}

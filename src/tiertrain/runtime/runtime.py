@@ -16,7 +16,7 @@ from tiertrain.runtime.blocks import find_blocks
 from tiertrain.runtime.hooks import flush_grads, install_block_hooks, install_grad_hooks
 from tiertrain.runtime.loss_scale import LossScaler
 from tiertrain.plan import Plan
-from tiertrain.plan_bytes import master_in_slot, separate_param_home
+from tiertrain.plan_bytes import master_in_slot, separate_param_home, steps_per_disk_pass
 from tiertrain.runtime.cache import DeviceCache
 from tiertrain.memory.tiers import Kind
 
@@ -179,8 +179,8 @@ class Runtime:
             # a disk-homed block's pass costs its states' disk traffic whatever it carries: where the
             # staleness allows, it takes several steps' gradients per pass. Elsewhere a pass is cheap
             # and fewer of them would only mean fewer updates
-            disk = st.plan.home is Tier.DISK
-            self.updater.submit_loop(st, coalesce=max(1, self.plan.max_staleness) if disk else 1)
+            steps = steps_per_disk_pass(self.plan.update, self.plan.max_staleness)
+            self.updater.submit_loop(st, coalesce=steps if st.plan.home is Tier.DISK else 1)
             return
         if self.plan.update == "overlap" and not self.needs_all_grads and self._final_micro():
             self.updater.submit(st, None)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU half of the checks, in one call on a lent GPU machine (issue 4's "Measure" list):
 #   run (device tool): command "bash scripts/gpu_check.sh [STAGE ...]", carry [".whl"], timeout_s 600
-# after `bash scripts/gpu_wheels.sh` here. Stages: cuda_tests overhead large offload planner (default:
-# all; together they may pass one call's 10 minutes, so split them over two calls if need be).
+# after `bash scripts/gpu_wheels.sh` here. Stages: cuda_tests overhead large offload planner peers
+# (default: all). Together they pass one call's 10 minutes: split them over two calls, e.g.
+# "cuda_tests overhead large", then "offload planner peers".
 # Each stage's log goes to $OUT (fetched back); a stage that fails is reported and the next one
 # still runs. Sizes suit an 80 GiB H100/H200.
 set -uo pipefail
@@ -10,13 +11,9 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=src
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH=/tmp/site:src
-fi
 tt() { python3 -m tiertrain.cli.main "$@"; }
 status=0
-wanted=" ${*:-cuda_tests overhead large offload planner} "
+wanted=" ${*:-cuda_tests overhead large offload planner peers} "
 stage() {  # stage NAME SECONDS COMMAND...: run it with a limit, log it, remember a failure
     local name=$1 limit=$2; shift 2
     [[ $wanted == *" $name "* ]] || return 0
@@ -29,6 +26,17 @@ stage() {  # stage NAME SECONDS COMMAND...: run it with a limit, log it, remembe
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/summary.log"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/summary.log"
+# Wheels carried in .whl (scripts/gpu_wheels.sh). --prefix, not --target: pip then installs only
+# what the image lacks, and its torch, numpy... stay. crc32c first: tiertrain needs it; DeepSpeed is a peer.
+if compgen -G ".whl/*.whl" >/dev/null; then
+    for pkg in crc32c deepspeed; do
+        python3 -m pip install -q --no-index --no-compile --no-cache-dir --find-links .whl --prefix /tmp/site \
+            "$pkg" >> "$OUT/wheels.log" 2>&1 || echo "$pkg did not install from .whl (see wheels.log)" | tee -a "$OUT/summary.log"
+    done
+    site=$(python3 -c 'import sysconfig as s; v = {"base": "/tmp/site", "platbase": "/tmp/site"}; print(s.get_path("purelib", vars=v) + ":" + s.get_path("platlib", vars=v))')
+    export PYTHONPATH=$site:src
+fi
+python3 -c "import deepspeed; print('deepspeed', deepspeed.__version__)" 2>/dev/null | tail -n 1 | tee -a "$OUT/summary.log"
 # 1. correctness on CUDA: plans against plain PyTorch, pools, train with a plan (incl. auto)
 stage cuda_tests 120 python3 -m pytest -q -x tests/test_cuda.py
 # 2. a model that fits: overhead against plain PyTorch (target <= 3%), tokens/s, MFU
@@ -40,4 +48,7 @@ stage large 140 tt train --model scripts/gpu-1.5b.json --plan auto --device-memo
 # 4. states on disk (NVMe here), the planner's fidelity on this machine
 stage offload 100 tt bench offload --disk /tmp/bench-offload --d-model 1024 --layers 8 --batch-size 4 --seq-len 512
 stage planner 100 tt bench planner --part fidelity --disk-dir /tmp/bench-planner --d-model 1024 --layers 8 --seq-len 512
+# 5. the same 1.5B model and 6 GiB device budget: tiertrain beside DeepSpeed ZeRO-3 offload and FSDP2 CPU offload
+stage peers 290 tt bench peers --model scripts/gpu-1.5b.json --precision bf16 --batch-size 4 --seq-len 1024 \
+    --device-memory 6GiB --host-memory 96GiB --steps 3 --warmup 1
 exit $status

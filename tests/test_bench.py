@@ -63,3 +63,33 @@ def test_bench_convergence_prints_sync_and_lockfree_loss_over_time(tmp_path, mon
     assert list(tmp_path.iterdir()) == []  # its runs and disk files are gone
     r = run_cli("bench", "convergence", "--max-staleness", "x")
     assert r.returncode != 0 and "give whole numbers >= 0" in r.stderr
+
+
+def test_bench_peers_runs_tiertrain_and_each_peer_on_the_same_model_and_batches():
+    import importlib.util
+
+    from tiertrain.bench.peers import PeerBench, bench_peers
+    from tiertrain.memory import Budgets
+    from tiertrain.models import ModelConfig
+
+    cfg = ModelConfig(n_layer=2, n_head=2, d_model=32, d_ffn=64, vocab_size=64, max_seq_len=32, name="peer")
+    lines: list[str] = []
+    rows = bench_peers(PeerBench(cfg, 2, 16, "fp32", Budgets.parse("256MiB", "1GiB"), 2, 1, "overlap"),
+                       ("deepspeed", "fsdp2"), lines.append)
+    by = {r.name.split()[0]: r for r in rows}
+    assert set(by) == {"tiertrain", "deepspeed", "fsdp2"}
+    ran = [r for r in rows if r.ran]
+    for r in ran:
+        assert len(r.step_s) == 2 and len(r.losses) == 3 and min(r.step_s) > 0
+        # one initial model and one batch: every system's first loss is the same figure
+        assert abs(r.losses[0] - by["tiertrain"].losses[0]) < 1e-5, (r.name, r.losses, by["tiertrain"].losses)
+    assert by["tiertrain"].ran and by["fsdp2"].ran
+    if importlib.util.find_spec("deepspeed") is None:
+        assert not by["deepspeed"].ran and "pip install deepspeed" in by["deepspeed"].note
+    else:
+        assert by["deepspeed"].ran, by["deepspeed"].note
+    assert sum("tokens/s, MFU" in ln for ln in lines) == len(ran) and "the MFU ceiling" in "\n".join(lines)
+    for bad, says in ((("--peers", "colossal"), "choose from deepspeed, fsdp2"),
+                      (("--seq-len", "4096"), "exceeds the model's maximum")):
+        r = run_cli("bench", "peers", *bad)
+        assert r.returncode != 0 and says in r.stderr

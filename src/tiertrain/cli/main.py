@@ -253,6 +253,45 @@ def bench_overhead_cmd(model: str | None, d_model: int, layers: int, batch_size:
     bench_overhead(cfg, batch_size, seq_len, precision, modes, rounds, steps, click.echo)
 
 
+@bench.command("peers", context_settings=CONTEXT)
+@click.option("--model", default="gpt-small", show_default=True,
+              help="A named model (tiertrain info --list) or one of our model config JSONs.")
+@click.option("--batch-size", type=int, default=2, show_default=True)
+@click.option("--seq-len", type=int, default=128, show_default=True)
+@click.option("--precision", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
+@click.option("--device-memory", default="1GiB", show_default=True,
+              help="tiertrain's device budget; on CUDA the peers are held to it too.")
+@click.option("--host-memory", default="16GiB", show_default=True, help="tiertrain's host budget.")
+@click.option("--update", type=click.Choice(["sync", "overlap", "lockfree"]), default="overlap", show_default=True,
+              help="tiertrain's update mode (sync and overlap are exact, as the peers are).")
+@click.option("--peers", "peer_list", default="deepspeed,fsdp2", show_default=True,
+              help="Comma-separated: deepspeed (ZeRO-3, params and optimizer on host), fsdp2 (CPUOffloadPolicy).")
+@click.option("--steps", type=int, default=4, show_default=True, help="Timed steps per system (the median is taken).")
+@click.option("--warmup", type=int, default=2, show_default=True, help="Untimed steps first.")
+def bench_peers_cmd(model: str, batch_size: int, seq_len: int, precision: str, device_memory: str, host_memory: str,
+                    update: str, peer_list: str, steps: int, warmup: int) -> None:
+    """tiertrain (plan auto) beside DeepSpeed ZeRO-Offload and FSDP2 CPU offload: tokens/s, MFU, device peak."""
+    from tiertrain.bench.machine import describe
+    from tiertrain.bench.peers import PEERS, PeerBench, bench_peers
+    from tiertrain.memory import Budgets
+    from tiertrain.models import ModelConfig, resolve_config
+
+    peers = tuple(p for p in peer_list.split(",") if p)
+    if any(p not in PEERS for p in peers):
+        raise ConfigError(f"--peers {peer_list!r}: choose from {', '.join(PEERS)}, comma-separated")
+    if steps < 1 or warmup < 0:
+        raise ConfigError("--steps must be at least 1 and --warmup at least 0")
+    cfg = resolve_config(model)
+    if not isinstance(cfg, ModelConfig):
+        raise ConfigError(f"--model {model!r}: bench peers runs our GPT configs (tiertrain info --list), "
+                          "so every system builds the same model")
+    if seq_len > cfg.max_seq_len:
+        raise ConfigError(f"--seq-len {seq_len} exceeds the model's maximum {cfg.max_seq_len}")
+    click.echo(f"machine: {describe()}")
+    bench_peers(PeerBench(cfg, batch_size, seq_len, precision, Budgets.parse(device_memory, host_memory), steps,
+                          warmup, update), peers, click.echo)
+
+
 @bench.command("planner", context_settings=CONTEXT)
 @click.option("--d-model", type=int, default=512, show_default=True)
 @click.option("--layers", type=int, default=6, show_default=True)

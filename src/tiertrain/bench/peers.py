@@ -1,0 +1,310 @@
+"""tiertrain beside the systems its users compare it with, on the same model, initial weights,
+batches, precision and device budget, one after the other in one process.
+
+- ``deepspeed``: ZeRO-3 with parameters and optimizer states offloaded to host memory (the
+  ZeRO-Offload/Infinity setting that trains a model whose states exceed the device), where
+  DeepSpeed is installed.
+- ``fsdp2``: PyTorch FSDP2 (``fully_shard`` per block) with ``CPUOffloadPolicy``; in torch itself.
+
+Every system gets the same AdamW (torch's fused CPU kernel; DeepSpeed through
+``zero_force_ds_cpu_optimizer: false``): on these machines it beat DeepSpeed's CPUAdam, and it
+needs no compiler where the peer runs. Peers have no device budget flag of their own, so on CUDA
+each runs under ``torch.cuda.set_per_process_memory_fraction`` set to tiertrain's device budget.
+A peer that runs out of device memory runs again with every block's activations recomputed
+(``torch.utils.checkpoint``), as its user would; its row says so.
+
+The first step's loss is printed for each system: with one initial model and one batch they must
+agree (to rounding at reduced precision), which shows the comparison is of the same work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import socket
+import statistics
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from tiertrain.bench.machine import synchronize
+from tiertrain.bench.overhead import matmul_peak
+from tiertrain.engine.auto_plan import ProfileStep
+from tiertrain.engine.objective import lm_loss
+from tiertrain.engine.optimizer import make_adamw
+from tiertrain.engine.precision import Precision
+from tiertrain.memory import Budgets
+from tiertrain.memory.system import compute_device
+from tiertrain.models import ModelConfig, build, flops_per_token, param_count
+from tiertrain.runtime.blocks import find_block_list
+from tiertrain.units import format_bytes
+
+PEERS = ("deepspeed", "fsdp2")
+_LR, _BETAS, _EPS, _WD = 1e-4, (0.9, 0.95), 1e-8, 0.1
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class PeerBench:
+    """What every system runs: one model, one budget, one list of batches."""
+
+    cfg: ModelConfig
+    batch: int
+    seq: int
+    precision: str
+    budgets: Budgets
+    steps: int
+    warmup: int
+    update: str
+
+    def batches(self, device: torch.device) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(1)
+        return [torch.randint(0, self.cfg.vocab_size, (self.batch, self.seq + 1), generator=g).to(device)
+                for _ in range(self.warmup + self.steps)]
+
+    def fresh_model(self) -> nn.Module:
+        """The same initial fp32 weights for every system."""
+        torch.manual_seed(0)
+        return build(self.cfg)
+
+
+@dataclass
+class Row:
+    """One system's figures; ``note`` says why a row has none, or how it ran."""
+
+    name: str
+    step_s: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    device_peak: int | None = None
+    note: str = ""
+
+    @property
+    def ran(self) -> bool:
+        return bool(self.step_s)
+
+
+def _time_steps(step: Callable[[torch.Tensor], torch.Tensor], bench: PeerBench, device: torch.device,
+                name: str, note: str = "") -> Row:
+    """Every batch once; the warm-up steps' losses are kept, their times are not."""
+    row = Row(name, note=note)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for i, x in enumerate(bench.batches(device)):
+        synchronize(device)
+        t = time.perf_counter()
+        loss = step(x)
+        synchronize(device)
+        if i >= bench.warmup:
+            row.step_s.append(time.perf_counter() - t)
+        row.losses.append(float(loss))
+    if device.type == "cuda":
+        row.device_peak = torch.cuda.max_memory_allocated(device)
+    return row
+
+
+def _run_tiertrain(bench: PeerBench, device: torch.device) -> Row:
+    import tiertrain
+
+    model = bench.fresh_model()
+    opt, _ = make_adamw(model, _LR, _BETAS, _EPS, _WD)
+    precision = Precision(bench.precision, device.type)
+    probe = ProfileStep(model, lm_loss, bench.cfg.vocab_size, bench.batch, bench.seq, precision.autocast, device)
+    tm, topt = tiertrain.setup(model, opt, bench.budgets, plan="auto", update=bench.update,
+                               compute_dtype=bench.precision, profile_step=probe)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        with precision.autocast():
+            loss = lm_loss(tm, x[:, :-1], x[:, 1:])
+        loss.backward()
+        topt.step()
+        topt.zero_grad()
+        return loss.detach()
+
+    try:
+        return _time_steps(step, bench, device, f"tiertrain ({bench.update})", tm.auto_plan.describe()
+                           if tm.auto_plan is not None else "")
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()
+
+
+class _Recomputed(nn.Module):
+    """A block whose activations are recomputed in backward (non-reentrant checkpoint)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        return checkpoint(self.block, *args, use_reentrant=False, **kwargs)
+
+
+def _blocks(model: nn.Module, recompute: bool) -> nn.ModuleList:
+    _, layers = find_block_list(model)
+    if recompute:
+        for i in range(len(layers)):
+            layers[i] = _Recomputed(layers[i])
+    return layers
+
+
+def _plain_step(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[torch.Tensor], torch.Tensor]:
+    def step(x: torch.Tensor) -> torch.Tensor:
+        loss = lm_loss(model, x[:, :-1], x[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+    return step
+
+
+def _run_fsdp2(bench: PeerBench, device: torch.device, recompute: bool) -> Row:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (1,))
+    policy = {"mesh": mesh, "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda"),
+              "mp_policy": MixedPrecisionPolicy(param_dtype=_DTYPES[bench.precision], reduce_dtype=torch.float32)}
+    model = bench.fresh_model()
+    for block in _blocks(model, recompute):
+        fully_shard(block, **policy)
+    fully_shard(model, **policy)
+    opt, _ = make_adamw(model, _LR, _BETAS, _EPS, _WD)  # over the sharded params, on the host
+    return _time_steps(_plain_step(model, opt), bench, device, "fsdp2 cpu-offload",
+                       "recomputes every block" if recompute else "")
+
+
+def _run_deepspeed(bench: PeerBench, device: torch.device, recompute: bool) -> Row:
+    import deepspeed
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)  # its INFO lines would bury the figures
+    pin = device.type == "cuda"
+    conf = {"train_micro_batch_size_per_gpu": bench.batch, "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": pin},
+                                  "offload_optimizer": {"device": "cpu", "pin_memory": pin}},
+            "zero_force_ds_cpu_optimizer": False, "steps_per_print": 1 << 30}
+    if bench.precision in ("bf16", "fp16"):
+        conf[bench.precision] = {"enabled": True}
+    model = bench.fresh_model()
+    _blocks(model, recompute)
+    opt, _ = make_adamw(model, _LR, _BETAS, _EPS, _WD)  # groups need the full shapes: before partitioning
+    model.to(_DTYPES[bench.precision])  # DeepSpeed computes in its params' dtype and keeps fp32 masters itself
+    # partition the built model (its weights as every system has them) onto the host, param by param
+    deepspeed.zero.Init(module=model, config_dict_or_path=conf, remote_device="cpu", pin_memory=pin)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=conf)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        loss = lm_loss(engine, x[:, :-1], x[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    try:
+        return _time_steps(step, bench, device, "deepspeed zero3-offload", "recomputes every block" if recompute else "")
+    finally:
+        engine.destroy()
+
+
+@contextlib.contextmanager
+def _single_rank_group(device: torch.device) -> Iterator[None]:
+    """A world of one, which both peers need; env:// so DeepSpeed finds the same variables."""
+    if dist.is_initialized():
+        yield
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _device_cap(device: torch.device, budget: int) -> Iterator[None]:
+    """Hold a peer to tiertrain's device budget (CUDA's caching allocator refuses past it)."""
+    if device.type != "cuda":
+        yield
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _run_peer(name: str, bench: PeerBench, device: torch.device) -> Row:
+    """One peer, again with recompute if it ran out of device memory; a missing or failing peer
+    gives a row that says why, so the others' figures still print."""
+    runner = {"deepspeed": _run_deepspeed, "fsdp2": _run_fsdp2}[name]
+    for recompute in (False, True):
+        try:
+            with _device_cap(device, bench.budgets.device), warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # the peers' own deprecations
+                return runner(bench, device, recompute)
+        except ImportError as e:
+            return Row(name, note=f"not run: {e}; install it (pip install {name}) to compare with it")
+        except torch.OutOfMemoryError:
+            if recompute:
+                return Row(name, note=f"out of device memory at {format_bytes(bench.budgets.device)}, "
+                                      "even recomputing every block")
+        except Exception as e:  # noqa: BLE001 - a peer's own failure is a figure here, not our crash
+            return Row(name, note=f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        finally:
+            _release(device)
+    raise AssertionError("unreachable")
+
+
+def bench_peers(bench: PeerBench, peers: tuple[str, ...], out: Callable[[str], None]) -> list[Row]:
+    """tiertrain, then each peer, on the same work; prints one line per system."""
+    unknown = [p for p in peers if p not in PEERS]
+    if unknown:
+        raise ValueError(f"unknown peer(s) {unknown}; choose from {', '.join(PEERS)}")
+    device = compute_device()
+    rows = [_run_tiertrain(bench, device)]
+    _release(device)
+    with _single_rank_group(device):
+        rows += [_run_peer(name, bench, device) for name in peers]
+    peak = matmul_peak(device, "fp32" if bench.precision == "fp32" else "bf16")
+    flops = flops_per_token(bench.cfg, bench.seq) * bench.batch * bench.seq
+    cap = "held to it with set_per_process_memory_fraction" if device.type == "cuda" else \
+        "not enforceable for peers on CPU"
+    out(f"model {param_count(bench.cfg) / 1e6:.1f}M params, batch {bench.batch} x {bench.seq}, {bench.precision} "
+        f"on {device.type}; device budget {format_bytes(bench.budgets.device)} ({cap}); "
+        f"{bench.steps} timed steps after {bench.warmup} warm-up")
+    out(f"matrix product measured here: {peak / 1e12:.2f} TFLOP/s (the MFU ceiling)")
+    for row in rows:
+        if not row.ran:
+            out(f"{row.name:24s}: {row.note}")
+            continue
+        s = statistics.median(row.step_s)
+        mem = f", device peak {format_bytes(row.device_peak)}" if row.device_peak is not None else ""
+        out(f"{row.name:24s}: step {s:.3f} s, {bench.batch * bench.seq / s:,.0f} tokens/s, MFU {flops / s / peak:.3f}"
+            f"{mem}; loss {row.losses[0]:.4f} -> {row.losses[-1]:.4f}")
+        if row.note:
+            out(f"{'':26s}{row.note}")
+    return rows

@@ -26,6 +26,7 @@ import os
 import socket
 import statistics
 import time
+import traceback
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -257,9 +258,22 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def _tiertrain_under_cap(bench: PeerBench, device: torch.device) -> Row:
+    """tiertrain under the same allocator cap as the peers: its budget is kept by its own
+    accounting, and running out of device memory here would show that accounting wrong."""
+    try:
+        with _device_cap(device, bench.budgets.device):
+            return _run_tiertrain(bench, device)
+    except torch.OutOfMemoryError as e:
+        return Row(f"tiertrain ({bench.update})", note=f"out of device memory under its own budget "
+                                                       f"{format_bytes(bench.budgets.device)}: {str(e).splitlines()[0]}")
+    finally:
+        _release(device)
+
+
 def _run_peer(name: str, bench: PeerBench, device: torch.device) -> Row:
     """One peer, again with recompute if it ran out of device memory; a missing or failing peer
-    gives a row that says why, so the others' figures still print."""
+    gives a row that says why (its traceback on stderr), so the others' figures still print."""
     runner = {"deepspeed": _run_deepspeed, "fsdp2": _run_fsdp2}[name]
     for recompute in (False, True):
         try:
@@ -273,6 +287,7 @@ def _run_peer(name: str, bench: PeerBench, device: torch.device) -> Row:
                 return Row(name, note=f"out of device memory at {format_bytes(bench.budgets.device)}, "
                                       "even recomputing every block")
         except Exception as e:  # noqa: BLE001 - a peer's own failure is a figure here, not our crash
+            traceback.print_exc()
             return Row(name, note=f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         finally:
             _release(device)
@@ -280,13 +295,13 @@ def _run_peer(name: str, bench: PeerBench, device: torch.device) -> Row:
 
 
 def bench_peers(bench: PeerBench, peers: tuple[str, ...], out: Callable[[str], None]) -> list[Row]:
-    """tiertrain, then each peer, on the same work; prints one line per system."""
+    """tiertrain, then each peer, on the same work; prints one line per system. The first row is
+    tiertrain's: the caller should fail when it did not run."""
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
         raise ValueError(f"unknown peer(s) {unknown}; choose from {', '.join(PEERS)}")
     device = compute_device()
-    rows = [_run_tiertrain(bench, device)]
-    _release(device)
+    rows = [_tiertrain_under_cap(bench, device)]
     with _single_rank_group(device):
         rows += [_run_peer(name, bench, device) for name in peers]
     peak = matmul_peak(device, "fp32" if bench.precision == "fp32" else "bf16")

@@ -288,8 +288,10 @@ def bench_peers_cmd(model: str, batch_size: int, seq_len: int, precision: str, d
     if seq_len > cfg.max_seq_len:
         raise ConfigError(f"--seq-len {seq_len} exceeds the model's maximum {cfg.max_seq_len}")
     click.echo(f"machine: {describe()}")
-    bench_peers(PeerBench(cfg, batch_size, seq_len, precision, Budgets.parse(device_memory, host_memory), steps,
-                          warmup, update), peers, click.echo)
+    rows = bench_peers(PeerBench(cfg, batch_size, seq_len, precision, Budgets.parse(device_memory, host_memory),
+                                 steps, warmup, update), peers, click.echo)
+    if not rows[0].ran:
+        raise SystemExit(1)
 
 
 @bench.command("planner", context_settings=CONTEXT)

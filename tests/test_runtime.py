@@ -1,3 +1,4 @@
+import dataclasses
 import random
 
 import pytest
@@ -122,6 +123,10 @@ def test_a_plan_that_cannot_fit_is_refused_with_the_smallest_budgets(tmp_path):
                                              r" for this plan: device .*with plan 'max-offload'"):
         train_tiered("tiny", 1, 1, None, "resident", tiny)
     assert not (tmp_path / "d").exists()  # refused before anything was allocated
+    with pytest.raises(PlanDoesNotFit) as refused:  # max-offload itself: its own figures, said once
+        train_tiered("tiny", 1, 1, None, "max-offload", dataclasses.replace(tiny, host=4096))
+    assert "Smallest budgets for this plan: device" in str(refused.value)
+    assert "with plan 'max-offload' and a disk" not in str(refused.value)
 
 
 def test_bad_plans_and_options_are_refused_clearly(tmp_path):
@@ -441,8 +446,6 @@ def test_device_homed_blocks_keep_gradients_on_the_device_and_fp32_ones_update_t
     would otherwise cross the link twice a step), and in fp32 its slot is its master, updated in
     place as plain PyTorch updates its parameters (no second copy, no copy after each update).
     A host-homed block's gradients go to the host. The device tier holds what the budget check counted."""
-    import dataclasses
-
     import torch
 
     import tiertrain

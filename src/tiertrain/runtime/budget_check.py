@@ -65,11 +65,14 @@ def check_fits(blocks: list[Block], plan: Plan, budgets: Budgets, page: int, tra
     short = _short(need, budgets)
     if not short:
         return
-    best = needs(blocks, builtin_plan("max-offload", len(plan.blocks), disk=True), page, train=train)
+    best = needs(blocks, builtin_plan("max-offload", len(plan.blocks), disk=True), page, train=train,
+                 transient_grads=transient_grads)
     detail = ", ".join(f"{t.value} needs {format_bytes(need[t])} (budget {format_bytes(have[t])})" for t in short)
-    raise PlanDoesNotFit(
-        f"plan {plan.name!r} does not fit: {detail}. Smallest budgets for this plan: "
-        f"device {format_bytes(need[Tier.DEVICE])}, host {format_bytes(need[Tier.HOST])}, disk {format_bytes(need[Tier.DISK])}; "
-        f"with plan 'max-offload' and a disk: device {format_bytes(best[Tier.DEVICE])}, host {format_bytes(best[Tier.HOST])}, "
-        f"disk {format_bytes(best[Tier.DISK])}"
-    )
+    smallest = f"plan {plan.name!r} does not fit: {detail}. Smallest budgets for this plan: {_budgets(need)}"
+    if any(best[t] < need[t] for t in need):  # the fallback helps only where it needs less
+        smallest += f"; with plan 'max-offload' and a disk: {_budgets(best)}"
+    raise PlanDoesNotFit(smallest)
+
+
+def _budgets(need: dict[Tier, int]) -> str:
+    return ", ".join(f"{t.value} {format_bytes(need[t])}" for t in (Tier.DEVICE, Tier.HOST, Tier.DISK))

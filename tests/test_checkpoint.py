@@ -107,3 +107,52 @@ def test_nothing_in_the_package_unpickles():
         for banned in ("import pickle", "pickle.load", "allow_pickle=True", "weights_only=False"):
             assert banned not in text, (path, banned)
         assert "torch.load(" not in text or "weights_only=True" in text, path
+
+
+def test_streamed_safetensors_files_read_back_with_safetensors_itself(tmp_path):
+    import crc32c
+    import torch
+    from safetensors.torch import load_file
+
+    from tiertrain.tensor_file import LazyTensors, TensorSpec, TensorStream, write_streamed
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"w": torch.randn(3, 5, generator=g), "half": torch.randn(7, generator=g).to(torch.bfloat16),
+               "step": torch.tensor(4.0), "rng": torch.randint(0, 255, (13,), dtype=torch.uint8, generator=g),
+               "empty": torch.zeros(0, 4)}
+    path = tmp_path / "t.safetensors"
+    crc = write_streamed(path, TensorStream.of(tensors), {"format": "pt"})
+    assert crc == crc32c.crc32c(path.read_bytes())
+    back = load_file(path)
+    assert set(back) == set(tensors)
+    for k, t in tensors.items():
+        assert back[k].dtype == t.dtype and torch.equal(back[k], t), k
+    lazy = LazyTensors(path)
+    assert "w" in lazy and "nope" not in lazy and lazy.shape("w") == (3, 5) and len(lazy) == 5
+    assert torch.equal(lazy["half"], tensors["half"]) and lazy.get("nope") is None
+    # a producer that breaks its announcement is a bug, never a silently wrong file
+    specs = [TensorSpec("a", torch.float32, (2,)), TensorSpec("b", torch.float32, (2,))]
+    with pytest.raises(RuntimeError, match="b: produced"):
+        write_streamed(tmp_path / "bad.safetensors", TensorStream(specs, lambda: iter([torch.ones(2), torch.ones(3)])))
+    with pytest.raises(RuntimeError, match="1 tensors produced, 2 announced"):
+        write_streamed(tmp_path / "short.safetensors", TensorStream(specs, lambda: iter([torch.ones(2)])))
+
+
+def test_checkpoints_whose_manifest_holds_sha256_digests_still_verify(tmp_path):
+    """Manifests recorded sha256 before they recorded CRC-32C; such checkpoints still resume, and
+    damage to them is still found."""
+    import json
+
+    train(tiny_config(tmp_path, steps=2))
+    ckpt = find_checkpoint(tmp_path)
+    trainer = json.loads((ckpt / "trainer.json").read_text())
+    assert all(d.startswith("crc32c:") for d in trainer["files"].values())
+    trainer["files"] = {name: hashlib.sha256((ckpt / name).read_bytes()).hexdigest() for name in trainer["files"]}
+    (ckpt / "trainer.json").write_text(json.dumps(trainer))
+    assert load_checkpoint(ckpt, Trainer(tiny_config(tmp_path, steps=4)).state).step == 2
+    path = ckpt / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="model.safetensors is missing or damaged"):
+        load_checkpoint(ckpt, Trainer(tiny_config(tmp_path, steps=4)).state)

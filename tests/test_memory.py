@@ -133,6 +133,30 @@ def test_a_flipped_byte_in_a_page_file_is_detected(mem):
     assert chunk.tier is Tier.DISK and mem.accounting.live(Tier.HOST) == host_before
 
 
+def test_reading_a_disk_chunk_leaves_it_home_writes_nothing_and_verifies_it(mem, monkeypatch):
+    """Checkpoints read disk-homed states with ``to_tensor``: it must not move the chunk (a move
+    there and back rewrote every byte and needed host room), and must still check every page."""
+    import tiertrain.memory.disk as disk
+
+    neighbour = mem.from_tensor("n", random_bytes(PS // 3, 1), Tier.DISK)
+    data = random_bytes(3 * PS + 77, 2)
+    chunk = mem.from_tensor("c", data, Tier.DISK)
+    writes = []
+    monkeypatch.setattr(disk.DiskPool, "write_page", lambda self, page, d: writes.append(page))
+    host_before = mem.accounting.live(Tier.HOST)
+    assert torch.equal(mem.to_tensor(chunk), data) and torch.equal(mem.to_tensor(neighbour), random_bytes(PS // 3, 1))
+    assert chunk.tier is Tier.DISK and writes == [] and mem.accounting.live(Tier.HOST) == host_before
+    pool = mem.pool(Tier.DISK)
+    offset = chunk.extents[-1].page * PS + 5
+    with open(pool.file, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(DiskError, match="checksum mismatch"):
+        mem.to_tensor(chunk)
+
+
 @pytest.mark.parametrize("fault", ["short", "eio"])
 def test_short_reads_and_eio_raise_with_file_and_offset(mem, monkeypatch, fault):
     import errno

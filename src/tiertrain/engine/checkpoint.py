@@ -7,9 +7,11 @@ Layout of ``OUT/checkpoints/``::
                   optimizer.safetensors  AdamW state keyed "<param name>::<state name>"
                   rng.safetensors        torch RNG states
                   trainer.json           step, data position, loss scaler, RNG of python/numpy,
-                                         run config, and a sha256 of every file above
+                                         run config, and a CRC-32C of every file above
     latest                               name of the newest complete checkpoint
 
+Weights and optimizer state are written tensor by tensor (``tensor_file``) and read back one
+tensor at a time, so a tiered run larger than memory saves and resumes within its budgets.
 A checkpoint is written into a temporary directory and published by rename, then
 ``latest`` is replaced atomically; a crash at any point leaves the previous checkpoint
 intact and ``latest`` pointing at it. Nothing is ever unpickled.
@@ -29,14 +31,17 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn as nn
+from crc32c import crc32c
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from tiertrain.engine.atomic import publish_dir, write_atomic
 from tiertrain.engine.train_state import TrainState
 from tiertrain.errors import CheckpointError
+from tiertrain.tensor_file import LazyTensors, write_streamed
 
 FORMAT_VERSION = 1
+_CRC = "crc32c:"  # manifest digests say their algorithm; one without a prefix is a sha256 (older checkpoints)
 LATEST = "latest"
 
 
@@ -63,12 +68,23 @@ def model_config_dict(model: nn.Module) -> dict[str, Any]:
     raise CheckpointError(f"cannot describe {type(model).__name__}'s config for a checkpoint")
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
+def file_digest(path: Path) -> str:
+    """What a manifest records of a file: its CRC-32C (damage, not tampering, is what it detects)."""
+    crc = 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            crc = crc32c(block, crc)
+    return _CRC + f"{crc:08x}"
+
+
+def _digest_matches(path: Path, recorded: str) -> bool:
+    if recorded.startswith(_CRC):
+        return file_digest(path) == recorded
+    h = hashlib.sha256()  # checkpoints written before manifests used CRC-32C
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
-    return h.hexdigest()
+    return h.hexdigest() == recorded
 
 
 def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -92,11 +108,12 @@ def save_checkpoint(out: Path, ts: TrainState, state: TrainerState, keep: int) -
     tmp = root / f".{final.name}.tmp-{os.getpid()}"
     tmp.mkdir()
     rng_tensors, rng_plain = _rng_state()
-    save_file(ts.weights(), tmp / "model.safetensors", metadata={"format": "pt"})
-    save_file(ts.optimizer_tensors(), tmp / "optimizer.safetensors")
+    # weights and moments stream block by block: a tiered run's may be larger than memory
+    crcs = {"model.safetensors": write_streamed(tmp / "model.safetensors", ts.weights(), {"format": "pt"}),
+            "optimizer.safetensors": write_streamed(tmp / "optimizer.safetensors", ts.optimizer_tensors())}
     save_file(rng_tensors, tmp / "rng.safetensors")
     (tmp / "config.json").write_text(json.dumps(model_config_dict(ts.module), indent=2))
-    manifest = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
+    manifest = {p.name: _CRC + f"{crcs[p.name]:08x}" if p.name in crcs else file_digest(p) for p in sorted(tmp.iterdir())}
     trainer = {"format_version": FORMAT_VERSION, "step": state.step, "data_position": state.data_position,
                "scaler": state.scaler, "run_config": state.run_config, "rng": rng_plain,
                "param_groups": ts.group_hparams(), "files": manifest}
@@ -134,6 +151,15 @@ def find_checkpoint(path: Path) -> Path:
     )
 
 
+def saved_run_options(path: Path) -> dict[str, Any]:
+    """The options the run of the checkpoint at ``path`` was started with, as the defaults for
+    resuming it (flags and a config file still win). Without them, ``--resume OUT`` alone would
+    build the default model and refuse the checkpoint as another model's."""
+    ckpt = find_checkpoint(path)
+    run = _read_json(ckpt / "trainer.json").get("run_config", {})
+    return {k: v for k, v in run.items() if k not in ("resume", "out")}
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
@@ -144,7 +170,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 def _verify_files(ckpt: Path, manifest: dict[str, str]) -> None:
     for name, digest in manifest.items():
         path = ckpt / name
-        if not path.is_file() or _sha256(path) != digest:
+        if not path.is_file() or not _digest_matches(path, digest):
             raise CheckpointError(
                 f"checkpoint file {path} is missing or damaged (checksum mismatch); "
                 "resume from an earlier checkpoint"
@@ -174,10 +200,11 @@ def check_same_model(ckpt: Path, model: nn.Module) -> None:
         )
 
 
-def _checked_weights(ckpt: Path, ts: TrainState) -> dict[str, torch.Tensor]:
-    tensors = _load_tensors(ckpt / "model.safetensors")
+def _checked_weights(ckpt: Path, ts: TrainState) -> LazyTensors:
+    """The saved weights, read one tensor at a time as they are loaded, after their names and shapes are checked."""
+    tensors = LazyTensors(ckpt / "model.safetensors")
     expected = ts.expected_weights()
-    if set(tensors) != set(expected) or any(tensors[k].shape != expected[k] for k in expected):
+    if set(tensors) != set(expected) or any(tensors.shape(k) != tuple(expected[k]) for k in expected):
         raise CheckpointError(f"weights in {ckpt} do not match this model's parameters; resume the model they came from")
     return tensors
 
@@ -202,7 +229,7 @@ def load_checkpoint(ckpt: Path, ts: TrainState) -> TrainerState:
         raise CheckpointError(f"checkpoint {ckpt} has format {trainer.get('format_version')}, this tiertrain reads {FORMAT_VERSION}")
     _verify_files(ckpt, trainer["files"])
     check_same_model(ckpt, ts.module)
-    ts.load(_checked_weights(ckpt, ts), _load_tensors(ckpt / "optimizer.safetensors"), trainer["param_groups"])
+    ts.load(_checked_weights(ckpt, ts), LazyTensors(ckpt / "optimizer.safetensors"), trainer["param_groups"])
     _restore_rng(ckpt, trainer["rng"])
     return TrainerState(step=trainer["step"], data_position=trainer["data_position"],
                         scaler=trainer["scaler"], run_config=trainer["run_config"])

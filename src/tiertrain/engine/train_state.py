@@ -6,22 +6,25 @@ Both speak the same names: ``model.state_dict()`` keys for weights and
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
 
 from tiertrain.errors import CheckpointError
+from tiertrain.tensor_file import TensorStream
 
 
 class TrainState(Protocol):
     module: nn.Module  # the user's model (for its config)
 
-    def weights(self) -> dict[str, torch.Tensor]: ...
-    def optimizer_tensors(self) -> dict[str, torch.Tensor]: ...
+    def weights(self) -> TensorStream: ...
+    def optimizer_tensors(self) -> TensorStream: ...
     def group_hparams(self) -> list[dict[str, Any]]: ...
     def expected_weights(self) -> dict[str, torch.Size]: ...
-    def load(self, weights: dict[str, torch.Tensor], optim: dict[str, torch.Tensor], groups: list[dict[str, Any]]) -> None: ...
+    def load(self, weights: Mapping[str, torch.Tensor], optim: Mapping[str, torch.Tensor],
+             groups: list[dict[str, Any]]) -> None: ...
 
 
 def weights_to_save(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -50,21 +53,21 @@ class PlainState:
     def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, names: dict[int, str]) -> None:
         self.module, self.opt, self.names = model, opt, names
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        return weights_to_save(self.module)
+    def weights(self) -> TensorStream:
+        return TensorStream.of(weights_to_save(self.module))
 
     def expected_weights(self) -> dict[str, torch.Size]:
         return {k: v.shape for k, v in weights_to_save(self.module).items()}
 
-    def optimizer_tensors(self) -> dict[str, torch.Tensor]:
-        return {f"{self.names[idx]}::{key}": torch.as_tensor(value).detach().contiguous().cpu()
-                for idx, state in self.opt.state_dict()["state"].items() for key, value in state.items()}
+    def optimizer_tensors(self) -> TensorStream:
+        return TensorStream.of({f"{self.names[idx]}::{key}": torch.as_tensor(value).detach().contiguous().cpu()
+                                for idx, state in self.opt.state_dict()["state"].items() for key, value in state.items()})
 
     def group_hparams(self) -> list[dict[str, Any]]:
         return _plain_hparams(self.opt.state_dict()["param_groups"])
 
     def load(self, weights, optim, groups) -> None:
-        self.module.load_state_dict(weights, strict=False)
+        self.module.load_state_dict(dict(weights.items()), strict=False)
         sd = self.opt.state_dict()
         index = {name: idx for idx, name in self.names.items()}
         state: dict[int, dict[str, torch.Tensor]] = {}
@@ -87,18 +90,18 @@ class TieredState:
         self.rt = tiered_model.runtime
         self.module = tiered_model.module
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        from tiertrain.runtime.state_io import export_state
+    def weights(self) -> TensorStream:
+        from tiertrain.runtime.state_io import weight_stream
 
-        return export_state(self.rt)[0]
+        return weight_stream(self.rt)
 
     def expected_weights(self) -> dict[str, torch.Size]:
         return {n: p.shape for st in self.rt.states for n, p in st.block.params}
 
-    def optimizer_tensors(self) -> dict[str, torch.Tensor]:
-        from tiertrain.runtime.state_io import export_state
+    def optimizer_tensors(self) -> TensorStream:
+        from tiertrain.runtime.state_io import optimizer_stream
 
-        return export_state(self.rt)[1]
+        return optimizer_stream(self.rt)
 
     def group_hparams(self) -> list[dict[str, Any]]:
         return _plain_hparams(self.rt.groups)

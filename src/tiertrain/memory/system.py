@@ -12,7 +12,7 @@ from tiertrain.memory.chunk import Chunk
 from tiertrain.memory.disk import DiskDir, DiskPool
 from tiertrain.memory.movement import Handle, Mover
 from tiertrain.memory.page_size import page_size_for
-from tiertrain.memory.pool import MemoryPool, Pool
+from tiertrain.memory.pool import IO_ALIGN, MemoryPool, Pool, host_buffer
 from tiertrain.memory.tiers import Kind, Tier
 
 
@@ -63,24 +63,52 @@ class MemorySystem:
     def from_tensor(self, name: str, tensor: torch.Tensor, tier: Tier, kind: Kind = Kind.OTHER) -> Chunk:
         """A chunk holding ``tensor``'s bytes, on any tier (disk is written and waited for)."""
         data = tensor.detach().contiguous().view(-1).view(torch.uint8).cpu()
-        first = Tier.HOST if tier is Tier.DISK else tier
-        chunk = self.allocate(name, data.numel(), first, kind)
-        offset = 0
-        for view in chunk.views():
-            view.copy_(data[offset : offset + view.numel()])
-            offset += view.numel()
-        if tier is Tier.DISK:
-            self.move(chunk, Tier.DISK).wait()
+        chunk = self.allocate(name, data.numel(), tier, kind)
+        self.overwrite(chunk, data)
         return chunk
 
+    def overwrite(self, chunk: Chunk, data: torch.Tensor) -> None:
+        """Replace every byte of ``chunk`` with ``data``'s, where the chunk lies. A disk chunk's pages
+        are written directly, without reading what they held (a move to the host and back read it
+        all first, and needed host room for it)."""
+        data = data.detach().contiguous().view(-1).view(torch.uint8).cpu()
+        if data.numel() != chunk.nbytes:
+            raise ValueError(f"{chunk.name}: {data.numel()} bytes given for a chunk of {chunk.nbytes}")
+        if chunk.tier is not Tier.DISK:
+            offset = 0
+            for view in chunk.views():
+                view.copy_(data[offset : offset + view.numel()])
+                offset += view.numel()
+            return
+        disk = self.pool(Tier.DISK)
+        assert isinstance(disk, DiskPool)
+        stage, region = host_buffer(disk.page_size, pin=False)  # O_DIRECT needs an aligned buffer
+        for pos, e in chunk.segments():  # disk chunks start on page boundaries (e.offset == 0)
+            padded = -(-e.length // IO_ALIGN) * IO_ALIGN
+            stage[: e.length] = data[pos : pos + e.length]
+            stage[e.length : padded].zero_()
+            disk.write_page(e.page, memoryview(stage[:padded].numpy()))
+        del stage, region
+
     def to_tensor(self, chunk: Chunk) -> torch.Tensor:
-        """A CPU copy of the chunk's bytes (uint8); from disk through a temporary host copy."""
+        """A CPU copy of the chunk's bytes (uint8); a disk chunk is read where it lies (verified)."""
         if chunk.tier is Tier.DISK:
-            self.move(chunk, Tier.HOST).wait()
-            out = torch.cat([v.cpu() for v in chunk.views()]) if chunk.nbytes else torch.empty(0, dtype=torch.uint8)
-            self.move(chunk, Tier.DISK).wait()
-            return out
+            return self._read_disk(chunk)
         return torch.cat([v.cpu() for v in chunk.views()]) if chunk.nbytes else torch.empty(0, dtype=torch.uint8)
+
+    def _read_disk(self, chunk: Chunk) -> torch.Tensor:
+        """Read a disk chunk's pages through one aligned page buffer, leaving the chunk home: moving
+        it to the host and back (as this did) wrote every byte again, and needed host room for it.
+        Measured on a 482M-param checkpoint (5.8 GB of states): 8.4 s of its 28 s went to that."""
+        disk = self.pool(Tier.DISK)
+        assert isinstance(disk, DiskPool)
+        out = torch.empty(chunk.nbytes, dtype=torch.uint8)
+        stage, region = host_buffer(disk.page_size, pin=False)  # O_DIRECT needs an aligned buffer
+        for pos, e in chunk.segments():
+            disk.read_page(e.page, memoryview(stage.numpy()))  # raises on a short read or a bad checksum
+            out[pos : pos + e.length] = stage[e.offset : e.offset + e.length]
+        del stage, region
+        return out
 
     def move(self, chunk: Chunk, tier: Tier, contiguous: bool = False) -> Handle:
         self.pool(tier)

@@ -8,12 +8,15 @@ checkpoint resumes into a tiered run and back.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+
 import torch
 
 from tiertrain.memory import Tier
 from tiertrain.memory.chunk import Chunk
 from tiertrain.runtime.block_state import F32, BlockState
 from tiertrain.runtime.runtime import Runtime
+from tiertrain.tensor_file import TensorSpec, TensorStream
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -25,23 +28,47 @@ def _read(rt: Runtime, chunk: Chunk) -> torch.Tensor:
 
 
 def _split(st: BlockState, flat: torch.Tensor) -> list[torch.Tensor]:
-    return [flat[s.offset : s.offset + s.numel].view(s.shape).clone() for s in st.layout.slots]
+    return [flat[s.offset : s.offset + s.numel].view(s.shape) for s in st.layout.slots]
+
+
+def _stepped(st: BlockState) -> list[int]:
+    """Parameters that have AdamW state: plain AdamW has none for a parameter it never stepped."""
+    return [i for i in range(len(st.params)) if float(st.steps[i]) > 0]
+
+
+def weight_stream(rt: Runtime) -> TensorStream:
+    """The fp32 masters, one block's chunk in memory at a time (read from disk where they live)."""
+    rt.wait_updates()
+    specs = [TensorSpec(n, F32, tuple(p.shape)) for st in rt.states for n, p in st.block.params]
+
+    def tensors() -> Iterator[torch.Tensor]:
+        for st in rt.states:
+            yield from _split(st, _read(rt, st.master))
+    return TensorStream(specs, tensors)
+
+
+def optimizer_stream(rt: Runtime) -> TensorStream:
+    """AdamW state keyed ``<param>::step|exp_avg|exp_avg_sq``, one block's moments in memory at a time."""
+    rt.wait_updates()
+    specs = [TensorSpec(f"{st.block.params[i][0]}::{k}", F32, () if k == "step" else tuple(st.params[i].shape))
+             for st in rt.states for i in _stepped(st) for k in ("step", *_MOMENTS)]
+
+    def tensors() -> Iterator[torch.Tensor]:
+        for st in rt.states:
+            stepped = _stepped(st)
+            if not stepped:
+                continue
+            moments = [_split(st, _read(rt, getattr(st, k))) for k in _MOMENTS]
+            for i in stepped:
+                yield st.steps[i].detach().clone()
+                yield from (m[i] for m in moments)
+    return TensorStream(specs, tensors)
 
 
 def export_state(rt: Runtime) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    rt.wait_updates()
-    weights, optim = {}, {}
-    for st in rt.states:
-        names = [n for n, _ in st.block.params]
-        master = _split(st, _read(rt, st.master))
-        moments = {k: _split(st, _read(rt, getattr(st, k))) for k in _MOMENTS}
-        for i, name in enumerate(names):
-            weights[name] = master[i]
-            if float(st.steps[i]) > 0:  # plain AdamW has no state for a parameter it never stepped
-                optim[f"{name}::step"] = st.steps[i].clone()
-                for k in _MOMENTS:
-                    optim[f"{name}::{k}"] = moments[k][i]
-    return weights, optim
+    """Both streams as dicts of tensors of their own (for a model that fits in memory)."""
+    return tuple({s.name: t.clone() for s, t in zip(stream.specs, stream.tensors())}
+                 for stream in (weight_stream(rt), optimizer_stream(rt)))  # type: ignore[return-value]
 
 
 def _flat(st: BlockState, tensors: list[torch.Tensor | None]) -> torch.Tensor:
@@ -54,15 +81,21 @@ def _flat(st: BlockState, tensors: list[torch.Tensor | None]) -> torch.Tensor:
 
 
 def _write(rt: Runtime, chunk: Chunk, flat: torch.Tensor, dtype: torch.dtype = F32) -> None:
-    home = chunk.tier
+    data = flat.to(dtype)
+    if data.numel() * dtype.itemsize == chunk.nbytes:
+        rt.mem.overwrite(chunk, data)  # where it lies: a disk chunk is written, never read first
+        return
+    home = chunk.tier  # a chunk longer than its layout keeps its other bytes
     if home is Tier.DISK:
         rt.mem.move(chunk, Tier.HOST, contiguous=True).wait()
-    chunk.typed(dtype)[: flat.numel()].copy_(flat)
+    chunk.typed(dtype)[: flat.numel()].copy_(data)
     if home is Tier.DISK:
         rt.mem.move(chunk, Tier.DISK).wait()
 
 
-def import_state(rt: Runtime, weights: dict[str, torch.Tensor], optim: dict[str, torch.Tensor]) -> None:
+def import_state(rt: Runtime, weights: Mapping[str, torch.Tensor], optim: Mapping[str, torch.Tensor]) -> None:
+    """Write saved tensors into the block chunks, block by block (``LazyTensors`` reads each only
+    when its block is written, so a model larger than memory resumes)."""
     rt.wait_updates()
     rt.cache.settle()
     for st in rt.states:

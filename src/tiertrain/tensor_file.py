@@ -1,0 +1,115 @@
+"""safetensors files written one tensor at a time, and read one tensor at a time.
+
+Why the writer is by hand: safetensors' Python API serialises a dict whose tensors are all in
+memory at once, and a tiered run's weights and moments are larger than memory (they live on disk
+between steps), so a checkpoint streams them block by block. The format is small: an 8-byte
+little-endian header length, a JSON header (dtype, shape and byte range of each tensor), then
+the raw bytes in header order. Files are read back with safetensors itself (``safe_open``).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from crc32c import crc32c
+from safetensors import SafetensorError, safe_open
+
+from tiertrain.errors import CheckpointError
+
+_CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+          torch.bool: "BOOL"}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class TensorStream:
+    """Tensors named up front, produced in that order only when written (``tensors`` may read them
+    from disk block by block, so at most a block's worth is in memory)."""
+
+    specs: list[TensorSpec]
+    tensors: Callable[[], Iterator[torch.Tensor]]
+
+    @classmethod
+    def of(cls, tensors: dict[str, torch.Tensor]) -> "TensorStream":
+        specs = [TensorSpec(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]
+        return cls(specs, lambda: iter(tensors.values()))
+
+
+def write_streamed(path: Path, stream: TensorStream, metadata: dict[str, str] | None = None) -> int:
+    """Write ``stream`` as a safetensors file; return the CRC-32C of the bytes written, so a
+    checkpoint's manifest needs no second pass over a file larger than memory (hardware CRC-32C
+    runs at ~10 GB/s here, sha256 at 0.4 GB/s: 15 s on a 6 GB checkpoint)."""
+    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for s in stream.specs:
+        header[s.name] = {"dtype": _CODES[s.dtype], "shape": list(s.shape), "data_offsets": [offset, offset + s.nbytes]}
+        offset += s.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    crc = 0
+    with open(path, "wb") as f:
+        for part in (struct.pack("<Q", len(raw)), raw):
+            f.write(part)
+            crc = crc32c(part, crc)
+        written = 0
+        for spec, t in zip(stream.specs, stream.tensors()):
+            if t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
+                raise RuntimeError(f"{spec.name}: produced {t.dtype} {tuple(t.shape)}, announced "
+                                   f"{spec.dtype} {spec.shape}")
+            data = memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+            f.write(data)
+            crc = crc32c(data, crc)
+            written += 1
+        if written != len(stream.specs):
+            raise RuntimeError(f"{path.name}: {written} tensors produced, {len(stream.specs)} announced")
+    return crc
+
+
+class LazyTensors(Mapping[str, torch.Tensor]):
+    """A safetensors file as a mapping whose tensors are read when looked up, one at a time."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self._file = safe_open(str(path), framework="pt")
+            self._keys = list(self._file.keys())
+            self._names = set(self._keys)
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"cannot read {path}: {exc}") from None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._file.get_slice(name).get_shape())
+
+    def __contains__(self, name: object) -> bool:  # without reading the tensor, as Mapping's default would
+        return name in self._names
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        return self._file.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)

@@ -71,10 +71,13 @@ def auto_plan(model: nn.Module, step: Callable[[], None], budgets: Budgets, page
         with _on(model, device):
             return measure_profile(model, found, step, machine, precision, key, page)
 
-    try:
-        profile, cached = cached_profile(key, measure, use_cache and bool(shape))
-    except (torch.OutOfMemoryError, MemoryError):  # an estimate is not cached: a later run may fit and measure
-        profile, cached = _estimate(model, shape, precision, budgets), False
+    if next(model.parameters()).is_meta:  # built without memory (larger than the host): nothing to run
+        profile, cached = _estimate(model, shape, precision, budgets, "it was built on the meta device"), False
+    else:
+        try:
+            profile, cached = cached_profile(key, measure, use_cache and bool(shape))
+        except (torch.OutOfMemoryError, MemoryError):  # an estimate is not cached: a later run may fit and measure
+            profile, cached = _estimate(model, shape, precision, budgets, "the plain model does not fit the device"), False
     profile = dataclasses.replace(profile, machine=machine, page=page, grad_copies=grad_copies(update, max_staleness),
                                   disk_passes=disk_passes_per_step(update, max_staleness))
     chosen, _ = choose(Problem(profile, budgets.device, budgets.host, budgets.disk), update=update,
@@ -98,20 +101,21 @@ def _on(model: nn.Module, device: torch.device) -> Iterator[None]:
             torch.cuda.empty_cache()
 
 
-def _estimate(model: nn.Module, shape: tuple | None, precision: str, budgets: Budgets) -> Profile:
-    """The plain model did not fit on the device to be measured (the case tiertrain exists for):
-    estimate its blocks from its config (our models), or say what to do (other models)."""
+def _estimate(model: nn.Module, shape: tuple | None, precision: str, budgets: Budgets, why: str) -> Profile:
+    """The plain model cannot be measured (``why``: it did not fit on the device, the case tiertrain
+    exists for, or it has no weights yet): estimate its blocks from its config (our models), or say
+    what to do (other models)."""
     model.zero_grad(set_to_none=True)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     cfg = getattr(model, "config", None)
     if not isinstance(cfg, ModelConfig) or not shape:
         raise ConfigError(
-            "plan 'auto' measures one plain forward+backward on the device, and this model does not fit "
-            "there (out of memory); give a plan instead: --plan max-offload, or a plan file written by "
+            f"plan 'auto' measures one plain forward+backward on the device, and this model cannot run there "
+            f"({why}); give a plan instead: --plan max-offload, or a plan file written by "
             "`tiertrain plan --model ... --profile FILE`") from None
-    log.warning("profiling ran out of device memory (the plain model does not fit); planning from the "
-                "analytic profile of %s at batch %s instead", cfg.name or "the model", "x".join(map(str, shape)))
+    log.warning("cannot profile the plain model (%s); planning from the analytic profile of %s at batch %s "
+                "instead", why, cfg.name or "the model", "x".join(map(str, shape)))
     return analytic_profile(cfg, shape[0], shape[1], precision, budgets.disk_dir if budgets.disk else None)
 
 

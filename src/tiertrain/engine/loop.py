@@ -29,13 +29,13 @@ from tiertrain.engine.optimizer import make_adamw
 from tiertrain.engine.precision import Precision, choose_device, choose_precision
 from tiertrain.engine.schedule import lr_at
 from tiertrain.engine.stop import StopFlag
-from tiertrain.engine.tiered import setup_tiered
+from tiertrain.engine.tiered import default_budgets, setup_tiered
 from tiertrain.engine.train_state import PlainState, TieredState, TrainState
 from tiertrain.errors import ConfigError, OutputError
 from tiertrain.memory import Tier
 from tiertrain.models import build, flops_per_token, resolve_config
 from tiertrain.models.config import ModelConfig
-from tiertrain.units import format_count
+from tiertrain.units import format_bytes, format_count
 
 
 WARMUP_STEPS = 2  # steps before a run's timings settle (allocations, the cache's recorded access order)
@@ -100,11 +100,9 @@ class Trainer:
         self.device = choose_device(cfg.device)
         self.precision: Precision = choose_precision(cfg.precision, self.device)
         model_cfg = resolve_config(cfg.model)
-        seed_everything(cfg.seed)
         self.tiered = cfg.plan is not None
-        # a tiered run's model stays on the host: setup places its parameters in the tiers, and a model
-        # bigger than the device (the case tiertrain is for) must never be moved there whole
-        self.model = build(model_cfg) if self.tiered else build(model_cfg).to(self.device)
+        self.reporter = reporter or Reporter(cfg.steps, cfg.log_every, quiet=True)
+        self.model = self._build(model_cfg)
         vocab, max_len = model_vocab_and_len(self.model)
         if cfg.seq_len > max_len:
             raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's maximum {max_len}; use a shorter --seq-len")
@@ -112,7 +110,6 @@ class Trainer:
         self.sampler = BatchSampler(load_tokens(cfg.data, vocab, cfg.tokenizer), cfg.batch_size, cfg.seq_len, cfg.seed)
         self.opt, self.param_names = make_adamw(self.model, cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay)
         self.state: TrainState = PlainState(self.model, self.opt, self.param_names)
-        self.reporter = reporter or Reporter(cfg.steps, cfg.log_every, quiet=True)
         self.auto: AutoPlan | None = None
         if self.tiered:
             self._setup_tiered()
@@ -125,6 +122,26 @@ class Trainer:
         if cfg.resume:
             self._resume(Path(cfg.resume))
         self.metrics = MetricsFile(self.out / "metrics.jsonl", self.step if cfg.resume else None)
+
+    def _build(self, model_cfg: Any) -> nn.Module:
+        """A plain run's model on its device. A tiered run's stays on the host (setup places its
+        parameters in the tiers; a model bigger than the device must never go there whole), and one
+        whose fp32 weights alone exceed the host budget is built on the meta device instead: setup
+        then initialises it block by block, so it never exists whole in host memory either. Its
+        initial weights are drawn per block (``init_in_place``), not as an in-memory build draws them."""
+        seed_everything(self.cfg.seed)
+        if not self.tiered:
+            return build(model_cfg).to(self.device)
+        shell = build(model_cfg, device="meta")
+        weights = 4 * sum(p.numel() for p in shell.parameters())
+        host = default_budgets(self.cfg, self.device).host
+        if weights <= host:
+            seed_everything(self.cfg.seed)  # as a plain run draws its initial weights
+            return build(model_cfg)
+        self.reporter.message(f"the model's fp32 weights ({format_bytes(weights)}) exceed the host budget "
+                              f"({format_bytes(host)}): building it on the meta device; setup initialises it "
+                              "block by block")
+        return shell
 
     def _setup_tiered(self) -> None:
         cfg = self.cfg

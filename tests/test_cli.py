@@ -81,6 +81,19 @@ def test_train_from_config_file_with_flag_override_and_resume(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3, 4, 5]
 
 
+def test_resume_alone_continues_the_run_with_the_options_it_was_started_with(tmp_path):
+    out = tmp_path / "run"
+    first = run_cli("train", *TINY, "--lr", "1e-2", "--grad-clip", "0.5", "--steps", "3", "--out", str(out))
+    assert first.returncode == 0, first.stderr
+    second = run_cli("train", "--resume", str(out), "--steps", "5")  # as the summary tells the user
+    assert second.returncode == 0, second.stderr
+    assert "resumed from" in second.stdout and "tiny" in second.stdout
+    saved = json.loads((out / "checkpoints" / "step-00000005" / "trainer.json").read_text())["run_config"]
+    assert (saved["model"], saved["batch_size"], saved["seq_len"], saved["lr"], saved["grad_clip"], saved["steps"]) \
+        == ("tiny", 4, 32, 1e-2, 0.5, 5)
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5]
+
+
 def test_ctrl_c_finishes_the_step_saves_and_exits_cleanly(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "tiertrain.cli.main", "train", *TINY, "--steps", "100000",

@@ -56,14 +56,19 @@ def train(config_file: str | None, quiet: bool, **flags: Any) -> None:
     Ctrl-C (or SIGTERM) finishes the current step, saves a checkpoint and stops;
     `--resume OUT` continues exactly where it stopped.
     """
+    from pathlib import Path
+
     from tiertrain.cli.summary import print_summary
+    from tiertrain.engine.checkpoint import saved_run_options
     from tiertrain.engine.config import make_config, read_config_file
     from tiertrain.engine.loop import Trainer
     from tiertrain.engine.metrics import Reporter
 
     file_values = read_config_file(config_file) if config_file else {}
-    if flags.get("resume") and not flags.get("out") and "out" not in file_values:
-        flags["out"] = _run_dir_of(flags["resume"])
+    if flags.get("resume"):
+        if not flags.get("out") and "out" not in file_values:
+            flags["out"] = _run_dir_of(flags["resume"])
+        file_values = {**saved_run_options(Path(flags["resume"])), **file_values}
     cfg = make_config(file_values, flags)
     console = Console()
     reporter = Reporter(cfg.steps, cfg.log_every, quiet=quiet)

@@ -1,4 +1,6 @@
-"""A model whose states are 8x the memory a process may use trains under a cgroup v1 cap."""
+"""A model whose states are 8x the memory a process may use trains under a cgroup v1 cap, through
+``tiertrain train`` as a user runs it: built on the meta device, states homed on disk, and
+checkpointed and resumed block by block."""
 
 import json
 import os
@@ -9,15 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from tiertrain.models import param_count
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from cgroup_child import config  # noqa: E402
+from conftest import read_metrics
+from tiertrain.memory import Tier
+from tiertrain.models import ModelConfig, param_count
+from tiertrain.plan import BlockPlan, Plan
 
 CAP = 896 << 20
 LAYERS = 68
 STATE_BYTES_PER_PARAM = 16  # params, grads, exp_avg, exp_avg_sq (fp32 master = params here)
+MODEL = ModelConfig(n_layer=LAYERS, n_head=12, d_model=768, d_ffn=3072, vocab_size=256, max_seq_len=64, name="cgroup")
+PLAN = Plan(tuple(BlockPlan(home=Tier.DISK, stream=True) for _ in range(LAYERS)), BlockPlan(home=Tier.DISK),
+            window=2, prefetch=1, update="overlap", read_ahead=1, update_workers=1, name="disk-home")
 
 
 @pytest.fixture
@@ -35,17 +39,35 @@ def memory_cgroup():
     group.rmdir()
 
 
-def test_model_states_8x_the_memory_cap_train_with_optimizer_states_on_disk(tmp_path, memory_cgroup):
-    states = param_count(config(LAYERS)) * STATE_BYTES_PER_PARAM
-    assert states >= 8 * CAP
-    if shutil.disk_usage(tmp_path).free < 9 << 30:
-        pytest.skip("needs 9 GiB of free disk for the disk tier")
-    cmd = f'echo $$ > {memory_cgroup}/cgroup.procs && exec "{sys.executable}" "{HERE / "cgroup_child.py"}" ' \
-          f'"{tmp_path / "disk"}" {LAYERS}'
-    r = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, timeout=540)
+def _capped(group: Path, *args: str) -> subprocess.CompletedProcess:
+    """``tiertrain ARGS`` in the cgroup (the shell joins it, then becomes the command)."""
+    cmd = f'echo $$ > {group}/cgroup.procs && exec "{sys.executable}" -m tiertrain.cli.main ' + " ".join(
+        f'"{a}"' for a in args)
+    r = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, f"exit {r.returncode} (-9: killed for memory)\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
-    result = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(result["losses"]) == 2 and result["losses"][1] < result["losses"][0]
+    return r
+
+
+def test_model_states_8x_the_memory_cap_train_with_optimizer_states_on_disk(tmp_path, memory_cgroup):
+    n = param_count(MODEL)
+    states = n * STATE_BYTES_PER_PARAM
+    assert states >= 8 * CAP and 4 * n > CAP  # even the fp32 weights alone exceed the cap
+    if shutil.disk_usage(tmp_path).free < 16 << 30:
+        pytest.skip("needs 16 GiB of free disk: the disk tier and two checkpoints")
+    (tmp_path / "model.json").write_text(json.dumps(MODEL.to_dict()))
+    (tmp_path / "plan.json").write_text(PLAN.to_json())
+    out, disk = tmp_path / "run", tmp_path / "disk"
+    first = _capped(memory_cgroup, "train", "--model", str(tmp_path / "model.json"), "--plan", str(tmp_path / "plan.json"),
+                    "--update", "overlap", "--grad-clip", "0", "--device-memory", "128MiB", "--host-memory", "400MiB",
+                    "--disk", f"{disk}:7GiB", "--page-size", "1MiB", "--batch-size", "1", "--seq-len", "32",
+                    "--steps", "1", "--out", str(out))
+    assert "building it on the meta device" in first.stdout
+    second = _capped(memory_cgroup, "train", "--resume", str(out), "--steps", "2")  # the checkpoint, read back
+    assert "resumed from" in second.stdout
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["loss"] < rows[0]["loss"]
     assert int((memory_cgroup / "memory.max_usage_in_bytes").read_text()) <= CAP
-    assert result["peaks"]["disk"] >= 0.7 * states  # master and moments really lived on disk
-    assert not list((tmp_path / "disk").iterdir())  # and the disk tier cleaned up after itself
+    assert min(r["peak_bytes"]["disk"] for r in rows) >= 0.7 * states  # master and moments really lived on disk
+    ckpt = out / "checkpoints" / "step-00000002"
+    assert (ckpt / "model.safetensors").stat().st_size >= 4 * n  # every weight, streamed out block by block
+    assert not list(disk.iterdir())  # and the disk tier cleaned up after itself

@@ -395,6 +395,41 @@ def test_setup_with_plan_auto_needs_a_profile_step():
         tiertrain.setup(model, opt, Budgets(device=64 * MiB, host=256 * MiB), plan="auto")
 
 
+def test_plan_auto_on_a_model_built_on_the_meta_device_plans_from_its_config(tmp_path, monkeypatch, caplog):
+    """A model built without memory (``device="meta"``, how one larger than the host is built) has
+    nothing to profile: auto plans it from its config and setup initialises it; it trains."""
+    import torch
+
+    import tiertrain
+    from tiertrain.engine.objective import lm_loss
+    from tiertrain.memory import Budgets
+    from tiertrain.models import ModelConfig, build
+
+    def never() -> None:
+        raise AssertionError("a meta model cannot run a profile step")
+
+    never.shape = (2, 32)
+    monkeypatch.setenv("TIERTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    model = build(ModelConfig(n_layer=2, n_head=4, d_model=64, d_ffn=256, vocab_size=256, max_seq_len=64, name="t"),
+                  device="meta")
+    tm, topt = tiertrain.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3), Budgets(64 * MiB, 256 * MiB),
+                               plan="auto", profile_step=never, page_size=64 << 10)
+    try:
+        assert tm.auto_plan.profile.key.endswith("analytic") and "built on the meta device" in caplog.text
+        x = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+        losses = []
+        for _ in range(3):
+            loss = lm_loss(tm, x[:, :-1], x[:, 1:])
+            loss.backward()
+            topt.step()
+            topt.zero_grad()
+            losses.append(loss.item())
+        assert losses[-1] < losses[0]
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()
+
+
 def test_plan_auto_on_a_model_that_does_not_fit_plain_estimates_or_says_what_to_do(tmp_path, caplog, monkeypatch):
     """Profiling runs the plain model on the device; when that runs out of memory, one of our models is
     planned from its config (analytic profile) and still trains; another model gets a clear error."""

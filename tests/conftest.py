@@ -29,6 +29,23 @@ def read_metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
 
 
+def train_losses(tm, topt, batches) -> list[float]:
+    """A plain loop over ``batches`` (token rows: inputs then next-token targets) through a tiered
+    model; its losses. The runtime is closed afterwards."""
+    losses = []
+    try:
+        for b in batches:
+            loss = tm(b[:, :-1], b[:, 1:])
+            loss.backward()
+            topt.step()
+            topt.zero_grad()
+            losses.append(loss.item())
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()
+    return losses
+
+
 def tiny_config(out: Path, **kw):
     from tiertrain.engine.config import TrainConfig
 

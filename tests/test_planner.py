@@ -401,7 +401,7 @@ def test_plan_auto_on_a_model_built_on_the_meta_device_plans_from_its_config(tmp
     import torch
 
     import tiertrain
-    from tiertrain.engine.objective import lm_loss
+    from conftest import train_losses
     from tiertrain.memory import Budgets
     from tiertrain.models import ModelConfig, build
 
@@ -414,20 +414,9 @@ def test_plan_auto_on_a_model_built_on_the_meta_device_plans_from_its_config(tmp
                   device="meta")
     tm, topt = tiertrain.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3), Budgets(64 * MiB, 256 * MiB),
                                plan="auto", profile_step=never, page_size=64 << 10)
-    try:
-        assert tm.auto_plan.profile.key.endswith("analytic") and "built on the meta device" in caplog.text
-        x = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
-        losses = []
-        for _ in range(3):
-            loss = lm_loss(tm, x[:, :-1], x[:, 1:])
-            loss.backward()
-            topt.step()
-            topt.zero_grad()
-            losses.append(loss.item())
-        assert losses[-1] < losses[0]
-    finally:
-        tm.runtime.close()
-        tm.runtime.mem.close()
+    assert tm.auto_plan.profile.key.endswith("analytic") and "built on the meta device" in caplog.text
+    losses = train_losses(tm, topt, [torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))] * 3)
+    assert losses[-1] < losses[0]
 
 
 def test_plan_auto_on_a_model_that_does_not_fit_plain_estimates_or_says_what_to_do(tmp_path, caplog, monkeypatch):

@@ -172,29 +172,20 @@ def test_a_model_built_on_the_meta_device_is_initialised_block_by_block_and_trai
     import torch
 
     import tiertrain
+    from conftest import train_losses
     from tiered_harness import batches
     from tiertrain.models import build
 
     model = build(TINY4, device="meta")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     tm, topt = tiertrain.setup(model, opt, budgets(tmp_path), plan="max-offload", page_size=64 * 1024)
-    try:
-        ln = tm.module.blocks[0].ln1
-        assert not ln.weight.is_meta and torch.equal(ln.weight, torch.ones_like(ln.weight))
-        assert torch.equal(ln.bias, torch.zeros_like(ln.bias))
-        w = tm.module.blocks[3].attn.qkv.weight
-        assert 0.015 < float(w.detach().std()) < 0.025  # N(0, 0.02)
-        losses = []
-        for b in batches(1) * 6:  # one batch, again and again: the loss must fall
-            loss = tm(b[:, :-1], b[:, 1:])
-            loss.backward()
-            topt.step()
-            topt.zero_grad()
-            losses.append(loss.item())
-        assert losses[-1] < losses[0]
-    finally:
-        tm.runtime.close()
-        tm.runtime.mem.close()
+    ln = tm.module.blocks[0].ln1
+    assert not ln.weight.is_meta and torch.equal(ln.weight, torch.ones_like(ln.weight))
+    assert torch.equal(ln.bias, torch.zeros_like(ln.bias))
+    w = tm.module.blocks[3].attn.qkv.weight
+    assert 0.015 < float(w.detach().std()) < 0.025  # N(0, 0.02)
+    losses = train_losses(tm, topt, batches(1) * 6)  # one batch, again and again: the loss must fall
+    assert losses[-1] < losses[0]
 
 
 @pytest.mark.parametrize("plan,update", [("resident", "sync"), ("max-offload", "overlap")])

@@ -277,6 +277,52 @@ def test_lockfree_plans_count_the_gradients_a_block_holds_while_its_update_lags(
     assert checked >= 20
 
 
+def test_auto_plans_a_host_smaller_than_the_weights_when_gradients_are_updated_away(tmp_path):
+    """Overlap without clipping updates each block's gradients away as backward flushes them, so
+    the host holds a few gradient chunks, not all (``plan_bytes``' transient rule). The solvers count
+    it so, and fall back to one worker and one block read ahead when the default disk pipeline does
+    not fit: a model whose fp32 weights exceed the host budget is planned onto disk, the runtime's
+    check accepts the plan, and it trains (built on the meta device, as train builds it)."""
+    import dataclasses
+
+    import torch
+
+    import tiertrain
+    from conftest import train_losses
+    from tiertrain.memory import Budgets, Tier
+    from tiertrain.models import ModelConfig, build
+    from tiertrain.planner.auto import NoPlanFits, choose
+    from tiertrain.planner.profiler import analytic_profile
+    from tiertrain.runtime.blocks import find_blocks
+    from tiertrain.runtime.budget_check import needs
+
+    cfg = ModelConfig(n_layer=24, n_head=4, d_model=128, d_ffn=512, vocab_size=256, max_seq_len=64, name="thin")
+    page, disk = 64 << 10, 1 << 30
+    blocks = find_blocks(build(cfg, device="meta"))
+    weights = 4 * sum(p.numel() for b in blocks for _, p in b.params)
+    prof = dataclasses.replace(analytic_profile(cfg, 2, 32, "fp32", str(tmp_path)), page=page)
+    lean = dataclasses.replace(prof, transient_grads=True)
+    with pytest.raises(NoPlanFits):  # counting every gradient in host: nothing fits
+        choose(Problem(prof, device=8 * MiB, host=weights * 2 // 3, disk=disk))
+    for host, workers in ((weights * 2 // 3, 1), (2 * weights, 2)):
+        chosen, _ = choose(Problem(lean, device=8 * MiB, host=host, disk=disk))
+        plan = chosen.plan
+        assert (plan.read_ahead, plan.update_workers) == ((1, 1) if workers == 1 else (2, 2)), host
+        assert any(b.home is Tier.DISK for b in plan.blocks)
+        need = needs(blocks, plan, page, transient_grads=True)
+        assert need[Tier.HOST] <= host and need[Tier.DEVICE] <= 8 * MiB and need[Tier.DISK] <= disk
+    model = build(cfg, device="meta")
+    step = lambda: None  # noqa: E731 - a meta model is planned from its config; this never runs
+    step.shape = (2, 32)
+    tm, topt = tiertrain.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                               Budgets(8 * MiB, weights * 2 // 3, disk, str(tmp_path / "disk")), plan="auto",
+                               update="overlap", profile_step=step, page_size=page)
+    assert tm.runtime.plan.update_workers == 1
+    x = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    losses = train_losses(tm, topt, [x] * 3)
+    assert losses[-1] < losses[0]
+
+
 def test_on_a_cpu_only_machine_the_lanes_share_the_cores():
     """With the device in host RAM, copies, updates and compute add up; with an accelerator they overlap."""
     import dataclasses

@@ -79,7 +79,8 @@ def auto_plan(model: nn.Module, step: Callable[[], None], budgets: Budgets, page
         except (torch.OutOfMemoryError, MemoryError):  # an estimate is not cached: a later run may fit and measure
             profile, cached = _estimate(model, shape, precision, budgets, "the plain model does not fit the device"), False
     profile = dataclasses.replace(profile, machine=machine, page=page, grad_copies=grad_copies(update, max_staleness),
-                                  disk_passes=disk_passes_per_step(update, max_staleness))
+                                  disk_passes=disk_passes_per_step(update, max_staleness),
+                                  transient_grads=update == "overlap" and not needs_all_grads)
     chosen, _ = choose(Problem(profile, budgets.device, budgets.host, budgets.disk), update=update,
                        needs_all_grads=needs_all_grads, max_staleness=max_staleness)
     plan = dataclasses.replace(chosen.plan, compute_dtype=precision)

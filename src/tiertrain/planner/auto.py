@@ -33,7 +33,8 @@ def to_plan(s: Solution, p: Profile, update: str = "overlap", max_staleness: int
     streams = any(c.stream for c in s.choices)
     return Plan(blocks, BlockPlan(home=Tier.HOST), window=s.window if streams else 1,
                 prefetch=lifetime_prefetch(p, s.window) if streams else 0, update=update, name=f"auto/{s.solver}",
-                compute_dtype={4: "fp32", 2: "bf16"}.get(p.compute_bytes, "fp32"), max_staleness=max_staleness)
+                compute_dtype={4: "fp32", 2: "bf16"}.get(p.compute_bytes, "fp32"), max_staleness=max_staleness,
+                read_ahead=p.read_ahead, update_workers=p.update_workers)
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,11 @@ def choose(pb: Problem, solvers: tuple[str, ...] = tuple(SOLVERS), update: str =
     budget that would work, when none fits."""
     cands = candidates(pb, update, solvers, needs_all_grads, max_staleness)
     chosen = best(cands)
+    lean = dataclasses.replace(pb.profile, read_ahead=1, update_workers=1)
+    if chosen is None and lean != pb.profile:
+        # a host too small for the default disk pipeline: one worker, one block read ahead (the
+        # update of each disk-homed block then overlaps less, but the run fits where it did not)
+        return choose(dataclasses.replace(pb, profile=lean), solvers, update, needs_all_grads, max_staleness)
     if chosen is None:
         smallest = _smallest_device(pb)
         hint = f"a device budget of {format_bytes(smallest)} would" if smallest else "no device budget up to 1 TiB would"

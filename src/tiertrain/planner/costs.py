@@ -14,14 +14,11 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from tiertrain.plan import Plan
 from tiertrain.plan_bytes import pages
 from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
 
 STATE_BYTES = 12      # fp32 master + exp_avg + exp_avg_sq per parameter
 GRAD_BYTES = 4        # fp32 gradients accumulate on the host
-_DEFAULTS = Plan(blocks=())
-DISK_STATES_HELD = _DEFAULTS.read_ahead + 2 * _DEFAULTS.update_workers  # as plan_bytes: read ahead + 2 per worker
 SWITCH_S = 1e-6       # what a switch costs beyond the model (hooks, allocations): breaks ties towards fewer
 
 
@@ -125,27 +122,33 @@ def _grads(p: Profile, b: BlockProfile) -> int:
 
 
 def base_host_bytes(p: Profile, disk_budget: int) -> int:
-    """Host bytes no switch removes: every gradient, the rest block's states, and whatever states
+    """Host bytes no switch removes: the gradients, the rest block's states, and whatever states
     the disk cannot take. Device-homed blocks' gradients stay off the host, but the DP's host
     dimension only adds: counting them here errs towards refusing, and ``host_bytes`` (which
     every full assignment is checked with) counts them exactly."""
     states = sum(_states(p, b) for b in p.blocks)
-    return (sum(_grads(p, b) for b in p.blocks) + _states(p, p.rest) + _grads(p, p.rest)
-            + max(0, states - disk_budget))
+    return _host_grads(p, [*p.blocks, p.rest]) + _states(p, p.rest) + max(0, states - disk_budget)
 
 
 def host_bytes(p: Profile, choices: tuple[Choice, ...], disk_home: tuple[bool, ...]) -> int:
     """Host bytes: grads of blocks not homed on the device, host-homed states, streamed params'
-    host copies, stashes, and the disk-homed states the update workers hold while they read,
-    update and write them."""
-    total = _states(p, p.rest) + _grads(p, p.rest)
+    host copies, stashes, and the disk-homed states the plan holds in host while it reads them
+    ahead, updates them and writes them back (``plan_bytes.tier_bytes``' rule)."""
+    total = _states(p, p.rest) + _host_grads(p, [p.rest] + [b for b, c in zip(p.blocks, choices) if not c.device_home])
     for b, c, disk in zip(p.blocks, choices, disk_home):
-        total += 0 if c.device_home else _grads(p, b)
         if not c.device_home and not disk:
             total += _states(p, b)
         total += switch_host_bytes(p, b, c)
     on_disk = sorted((_states(p, b) for b, d in zip(p.blocks, disk_home) if d), reverse=True)
-    return total + sum(on_disk[:DISK_STATES_HELD])
+    return total + sum(on_disk[: p.read_ahead + 2 * p.update_workers])
+
+
+def _host_grads(p: Profile, blocks: list[BlockProfile]) -> int:
+    """Gradient chunks in host: every block's, or, when they are updated away as backward flushes
+    them (``transient_grads``), one per optimizer worker plus the one backward is filling."""
+    if p.transient_grads:
+        return (p.update_workers + 1) * max(_grads(p, b) for b in blocks)
+    return sum(_grads(p, b) for b in blocks)
 
 
 def homes(p: Profile, choices: tuple[Choice, ...], host_budget: int, disk_budget: int) -> tuple[bool, ...] | None:

@@ -55,6 +55,9 @@ class Profile:
     order: tuple[int, ...] = ()        # blocks in the order one forward called them (measured profiles)
     grad_copies: int = 1               # the run's gradient chunks per block at once (plan_bytes.grad_copies)
     disk_passes: float = 1.0           # a disk-homed block's update passes per step (plan_bytes.disk_passes_per_step)
+    transient_grads: bool = False      # overlap without clipping or accumulation: few grad chunks at once
+    read_ahead: int = 2                # the plan's disk-homed blocks read in ahead (Plan.read_ahead)
+    update_workers: int = 2            # the plan's optimizer threads, each holding a block's states (Plan.update_workers)
 
     @property
     def acts_on_device(self) -> bool:
@@ -73,7 +76,9 @@ class Profile:
                        machine=MachineProfile(**d["machine"]), compute_bytes=int(d.get("compute_bytes", 4)),
                        key=d.get("key", ""), page=int(d.get("page", 0)),
                        order=tuple(int(i) for i in d.get("order", ())), grad_copies=int(d.get("grad_copies", 1)),
-                       disk_passes=float(d.get("disk_passes", 1.0)))
+                       disk_passes=float(d.get("disk_passes", 1.0)),
+                       transient_grads=bool(d.get("transient_grads", False)), read_ahead=int(d.get("read_ahead", 2)),
+                       update_workers=int(d.get("update_workers", 2)))
         except (ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"not a tiertrain profile: {exc}") from None
 

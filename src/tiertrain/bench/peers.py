@@ -37,7 +37,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from tiertrain.bench.machine import synchronize
-from tiertrain.bench.overhead import matmul_peak
+from tiertrain.bench.overhead import DTYPES, matmul_peak
 from tiertrain.engine.auto_plan import ProfileStep
 from tiertrain.engine.objective import lm_loss
 from tiertrain.engine.optimizer import make_adamw
@@ -50,7 +50,6 @@ from tiertrain.units import format_bytes
 
 PEERS = ("deepspeed", "fsdp2")
 _LR, _BETAS, _EPS, _WD = 1e-4, (0.9, 0.95), 1e-8, 0.1
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -172,7 +171,7 @@ def _run_fsdp2(bench: PeerBench, device: torch.device, recompute: bool) -> Row:
 
     mesh = init_device_mesh(device.type, (1,))
     policy = {"mesh": mesh, "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda"),
-              "mp_policy": MixedPrecisionPolicy(param_dtype=_DTYPES[bench.precision], reduce_dtype=torch.float32)}
+              "mp_policy": MixedPrecisionPolicy(param_dtype=DTYPES[bench.precision], reduce_dtype=torch.float32)}
     model = bench.fresh_model()
     for block in _blocks(model, recompute):
         fully_shard(block, **policy)
@@ -196,7 +195,7 @@ def _run_deepspeed(bench: PeerBench, device: torch.device, recompute: bool) -> R
     model = bench.fresh_model()
     _blocks(model, recompute)
     opt, _ = make_adamw(model, _LR, _BETAS, _EPS, _WD)  # groups need the full shapes: before partitioning
-    model.to(_DTYPES[bench.precision])  # DeepSpeed computes in its params' dtype and keeps fp32 masters itself
+    model.to(DTYPES[bench.precision])  # DeepSpeed computes in its params' dtype and keeps fp32 masters itself
     # partition the built model (its weights as every system has them) onto the host, param by param
     deepspeed.zero.Init(module=model, config_dict_or_path=conf, remote_device="cpu", pin_memory=pin)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=conf)

@@ -24,6 +24,7 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,12 +69,16 @@ def model_config_dict(model: nn.Module) -> dict[str, Any]:
     raise CheckpointError(f"cannot describe {type(model).__name__}'s config for a checkpoint")
 
 
+def _file_blocks(path: Path) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        yield from iter(lambda: f.read(1 << 24), b"")
+
+
 def file_digest(path: Path) -> str:
     """What a manifest records of a file: its CRC-32C (damage, not tampering, is what it detects)."""
     crc = 0
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            crc = crc32c(block, crc)
+    for block in _file_blocks(path):
+        crc = crc32c(block, crc)
     return _CRC + f"{crc:08x}"
 
 
@@ -81,9 +86,8 @@ def _digest_matches(path: Path, recorded: str) -> bool:
     if recorded.startswith(_CRC):
         return file_digest(path) == recorded
     h = hashlib.sha256()  # checkpoints written before manifests used CRC-32C
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
+    for block in _file_blocks(path):
+        h.update(block)
     return h.hexdigest() == recorded
 
 

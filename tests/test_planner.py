@@ -130,6 +130,49 @@ def test_tiertrain_plan_writes_a_plan_that_trains_within_its_budgets(tmp_path):
     assert json.loads(plan_file.read_text())["blocks"]  # the earlier plan is untouched
 
 
+def test_tiertrain_plan_plans_for_the_runs_update_mode_as_plan_auto_does(tmp_path):
+    """The gradients a run holds depend on its update mode and clipping. ``tiertrain plan`` takes
+    the run's --update, --grad-clip and --grad-accum and plans as ``--plan auto`` in train would:
+    a host smaller than the fp32 weights fits only a run that updates gradients away as they come,
+    and both refusals say so; the plan file then trains with those flags."""
+    import dataclasses
+    import json
+
+    from conftest import read_metrics, run_cli
+    from tiertrain.memory import Tier
+    from tiertrain.plan import Plan
+
+    (tmp_path / "disk").mkdir()
+    model = tmp_path / "thin.json"  # 4.8M params: 18.3 MiB of fp32 weights
+    model.write_text(json.dumps({"name": "thin", "n_layer": 24, "n_head": 4, "d_model": 128, "d_ffn": 512,
+                                 "vocab_size": 256, "max_seq_len": 64}))
+    budgets = ["--device-memory", "8MiB", "--host-memory", "12MiB", "--disk", f"{tmp_path / 'disk'}:1GiB",
+               "--page-size", "64KiB"]
+    plan_cli = ["plan", "--model", str(model), "--batch", "2", "--seq", "32", *budgets]
+    away = ["--update", "overlap", "--grad-clip", "0"]
+    r = run_cli(*plan_cli, "--out", str(tmp_path / "all.json"))  # train's defaults: sync, clipped
+    assert r.returncode == 2 and "no plan fits" in r.stderr and "--update overlap --grad-clip 0" in r.stderr
+    assert "or a disk" not in r.stderr  # it has one
+    r = run_cli(*plan_cli, *away, "--out", str(tmp_path / "away.json"))
+    assert r.returncode == 0, r.stderr
+    plan = Plan.from_json((tmp_path / "away.json").read_text())
+    assert plan.update == "overlap" and any(b.home is Tier.DISK for b in plan.blocks)
+    r = run_cli(*plan_cli, "--host-memory", "64MiB", "--update", "lockfree", "--grad-clip", "0", "--max-staleness", "3",
+                "--out", str(tmp_path / "lockfree.json"))  # the later --host-memory wins
+    assert r.returncode == 0, r.stderr
+    lockfree = Plan.from_json((tmp_path / "lockfree.json").read_text())
+    assert (lockfree.update, lockfree.max_staleness) == ("lockfree", 3)
+    train = ["train", "--model", str(model), "--batch-size", "2", "--seq-len", "32", "--steps", "2", "--quiet", *budgets]
+    r = run_cli(*train, "--plan", str(tmp_path / "away.json"), "--out", str(tmp_path / "clipped"))
+    assert r.returncode == 2 and "does not fit" in r.stderr and "--update overlap --grad-clip 0" in r.stderr
+    r = run_cli(*train, "--plan", "auto", *away, "--out", str(tmp_path / "auto"))
+    assert r.returncode == 0, r.stderr
+    assert len(read_metrics(tmp_path / "auto")) == 2
+    ran = Plan.from_json((tmp_path / "auto" / "plan.json").read_text())
+    # the run may read more blocks ahead than planned where the host has room (widest_read_ahead)
+    assert dataclasses.replace(ran, read_ahead=plan.read_ahead) == plan
+
+
 def _tiny_gpt(layers: int = 3):
     import torch
 

@@ -123,6 +123,16 @@ class Plan:
             raise ConfigError(f"plan is not valid JSON of a plan: {exc}") from None
 
 
+def check_update_mode(update: str, compute_dtype: str, grad_accum: int, clips: bool) -> None:
+    """Refuse the update modes a run's other options contradict, before anything is planned or allocated."""
+    if update == "lockfree" and compute_dtype == "fp16":
+        raise ConfigError("lockfree updates start before the step's gradients can be checked for fp16 overflow; "
+                          "use --precision bf16 with lockfree, or --update overlap with fp16")
+    if update == "lockfree" and (grad_accum != 1 or clips):
+        raise ConfigError("lockfree updates take gradients as they come: use grad_accum 1 and no clipping "
+                          "(grad_clip: 0), or --update overlap")
+
+
 def builtin_plan(name: str, n_blocks: int, disk: bool = False, update: str = "sync", window: int = 2) -> Plan:
     """``resident``: plain, everything on the device. ``stream``: STRONGHOLD's window of
     ``window`` slots, states on the host. ``max-offload``: a window of one slot plus one

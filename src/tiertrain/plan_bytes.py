@@ -17,6 +17,9 @@ from tiertrain.plan import BlockPlan, Plan
 
 F32_BYTES = 4
 GRAD_MODES = ("all", "transient", "none")
+# what makes a run's gradients "transient", in the words of the flags, for refusals to suggest
+TRANSIENT_HINT = ("each block's gradients are updated away as backward makes them, so the host holds a few, "
+                  "not all: --update overlap --grad-clip 0 (no clipping, no gradient accumulation)")
 
 
 def pages(nbytes: int, page: int, bound: bool = True) -> int:

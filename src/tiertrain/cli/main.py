@@ -9,6 +9,7 @@ import click
 from rich.console import Console
 
 from tiertrain.errors import ConfigError, UserError
+from tiertrain.plan import DEFAULT_MAX_STALENESS
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -337,23 +338,35 @@ def bench_planner_cmd(d_model: int, layers: int, batch_size: int, seq_len: int, 
               help="Solvers to run (default: all); the best predicted plan is chosen.")
 @click.option("--levels", type=int, default=128, show_default=True, help="Device memory discretisation of the DP.")
 @click.option("--page-size", help='Memory page size the plan will run with, e.g. "4MiB" (default: measured, as train).')
+@click.option("--update", type=click.Choice(["sync", "overlap", "lockfree"]), default="sync", show_default=True,
+              help="The update mode the run will use (as train's --update): it sets how many gradients the host holds.")
+@click.option("--max-staleness", type=int, default=DEFAULT_MAX_STALENESS, show_default=True,
+              help="With --update lockfree: steps a block's params may lag.")
+@click.option("--grad-clip", type=float, default=1.0, show_default=True,
+              help="The run's clipping norm (0: off). Clipping waits for every gradient, so the host holds them all.")
+@click.option("--grad-accum", type=int, default=1, show_default=True, help="The run's micro-batches per step.")
 @click.option("--out", type=click.Path(dir_okay=False), default="plan.json", show_default=True, help="Write the plan JSON here.")
 @click.option("--png", type=click.Path(dir_okay=False), help="Write the resource timelines and tier memory here.")
 def plan_cmd(model: str | None, batch: int, seq: int | None, precision: str, device_memory: str, host_memory: str,
              disk: str | None, profile_file: str | None, solvers: tuple[str, ...], levels: int,
-             page_size: str | None, out: str, png: str | None) -> None:
+             page_size: str | None, update: str, max_staleness: int, grad_clip: float, grad_accum: int, out: str,
+             png: str | None) -> None:
     """Choose a plan for a model under budgets, print it with its predicted step, and save it
-    for `tiertrain train --plan FILE`."""
+    for `tiertrain train --plan FILE` with the same --update, --grad-clip and --grad-accum."""
     import dataclasses
     from pathlib import Path
 
     from tiertrain.cli.plan import print_plan, write_png
-    from tiertrain.planner.auto import choose
     from tiertrain.memory import Budgets
+    from tiertrain.plan import check_update_mode
+    from tiertrain.planner.auto import choose, run_profile
     from tiertrain.planner.profile import Profile
     from tiertrain.planner.profiler import analytic_profile
     from tiertrain.planner.solvers import SOLVERS, Problem
 
+    if max_staleness < 0 or grad_accum < 1 or grad_clip < 0:
+        raise ConfigError("--max-staleness and --grad-clip must be >= 0 and --grad-accum >= 1")
+    check_update_mode(update, precision, grad_accum, grad_clip > 0)
     budgets = Budgets.parse(device_memory, host_memory, disk)
     if profile_file:
         profile = Profile.load(Path(profile_file))
@@ -372,8 +385,10 @@ def plan_cmd(model: str | None, batch: int, seq: int | None, precision: str, dev
         page = page_size_for(parse_size(page_size) if page_size else None,
                              budgets.disk_dir if budgets.disk else None, compute_device())
         profile = dataclasses.replace(profile, page=page)
+    needs_all_grads = grad_clip > 0 or grad_accum > 1
+    profile = run_profile(profile, update, max_staleness, needs_all_grads)
     pb = Problem(profile, budgets.device, budgets.host, budgets.disk, levels=levels)
-    chosen, cands = choose(pb, solvers or tuple(SOLVERS))
+    chosen, cands = choose(pb, solvers or tuple(SOLVERS), update, needs_all_grads, max_staleness)
     print_plan(chosen, cands, profile, Console())
     Path(out).write_text(chosen.plan.to_json())
     click.echo(f"plan written to {out}")

@@ -22,8 +22,7 @@ from tiertrain.memory import Budgets
 from tiertrain.memory.system import compute_device
 from tiertrain.models.config import ModelConfig
 from tiertrain.plan import DEFAULT_MAX_STALENESS, Plan
-from tiertrain.plan_bytes import disk_passes_per_step, grad_copies
-from tiertrain.planner.auto import choose
+from tiertrain.planner.auto import choose, run_profile
 from tiertrain.planner.profile import Profile
 from tiertrain.planner.profiler import analytic_profile, probe_machine
 from tiertrain.planner.simulator import Simulation
@@ -78,9 +77,8 @@ def auto_plan(model: nn.Module, step: Callable[[], None], budgets: Budgets, page
             profile, cached = cached_profile(key, measure, use_cache and bool(shape))
         except (torch.OutOfMemoryError, MemoryError):  # an estimate is not cached: a later run may fit and measure
             profile, cached = _estimate(model, shape, precision, budgets, "the plain model does not fit the device"), False
-    profile = dataclasses.replace(profile, machine=machine, page=page, grad_copies=grad_copies(update, max_staleness),
-                                  disk_passes=disk_passes_per_step(update, max_staleness),
-                                  transient_grads=update == "overlap" and not needs_all_grads)
+    profile = run_profile(dataclasses.replace(profile, machine=machine, page=page), update, max_staleness,
+                          needs_all_grads)
     chosen, _ = choose(Problem(profile, budgets.device, budgets.host, budgets.disk), update=update,
                        needs_all_grads=needs_all_grads, max_staleness=max_staleness)
     plan = dataclasses.replace(chosen.plan, compute_dtype=precision)

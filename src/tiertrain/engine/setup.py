@@ -26,7 +26,7 @@ from tiertrain.memory.page_size import page_size_for
 from tiertrain.memory.system import compute_device
 from tiertrain.runtime.blocks import find_blocks
 from tiertrain.runtime.budget_check import check_fits, fits, widest_read_ahead
-from tiertrain.plan import DEFAULT_MAX_STALENESS, Plan, load_plan
+from tiertrain.plan import DEFAULT_MAX_STALENESS, Plan, check_update_mode, load_plan
 from tiertrain.runtime.runtime import Runtime
 
 if TYPE_CHECKING:
@@ -135,6 +135,8 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None, memory: Bud
     page = page_size_for(page_size, memory.disk_dir if memory.disk else None, device)
     auto = None
     if isinstance(plan, str) and plan == "auto" and profile_step is not None:
+        # refused before profiling, not after it
+        check_update_mode(update or "sync", compute_dtype or "fp32", grad_accum, max_grad_norm is not None)
         auto = _auto(model, profile_step, memory, page, compute_dtype or "fp32", update or "sync",
                      needs_all_grads=max_grad_norm is not None or grad_accum > 1 or compute_dtype == "fp16",
                      blocks=blocks, max_staleness=DEFAULT_MAX_STALENESS if max_staleness is None else max_staleness)
@@ -144,12 +146,7 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None, memory: Bud
         chosen = dataclasses.replace(chosen, max_staleness=max_staleness).validate(len(found) - 1)
     if compute_dtype is not None:
         chosen = dataclasses.replace(chosen, compute_dtype=compute_dtype).validate(len(found) - 1)
-    if chosen.update == "lockfree" and chosen.compute_dtype == "fp16":
-        raise ConfigError("lockfree updates start before the step's gradients can be checked for fp16 overflow; "
-                          "use --precision bf16 with lockfree, or --update overlap with fp16")
-    if chosen.update == "lockfree" and (grad_accum != 1 or max_grad_norm is not None):
-        raise ConfigError("lockfree updates take gradients as they come: use grad_accum 1 and no clipping "
-                          "(grad_clip: 0), or --update overlap")
+    check_update_mode(chosen.update, chosen.compute_dtype, grad_accum, max_grad_norm is not None)
     if chosen.uses_disk and not memory.disk:
         raise ConfigError("this plan homes states on disk; give a disk budget: Budgets(..., disk=SIZE, disk_dir=DIR)")
     transient = (chosen.update == "overlap" and max_grad_norm is None and grad_accum == 1

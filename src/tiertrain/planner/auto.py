@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from tiertrain.errors import UserError
 from tiertrain.memory.tiers import Tier
 from tiertrain.plan import DEFAULT_MAX_STALENESS, BlockPlan, Plan
-from tiertrain.plan_bytes import tier_bytes
+from tiertrain.plan_bytes import TRANSIENT_HINT, disk_passes_per_step, grad_copies, tier_bytes
 from tiertrain.planner.profile import Profile
 from tiertrain.planner.simulator import Simulation, simulate
 from tiertrain.planner.solvers import SOLVERS, Problem, Solution, dynamic_programming
@@ -35,6 +35,15 @@ def to_plan(s: Solution, p: Profile, update: str = "overlap", max_staleness: int
                 prefetch=lifetime_prefetch(p, s.window) if streams else 0, update=update, name=f"auto/{s.solver}",
                 compute_dtype={4: "fp32", 2: "bf16"}.get(p.compute_bytes, "fp32"), max_staleness=max_staleness,
                 read_ahead=p.read_ahead, update_workers=p.update_workers)
+
+
+def run_profile(p: Profile, update: str, max_staleness: int, needs_all_grads: bool) -> Profile:
+    """The profile with what the run's update mode makes the runtime hold: gradient chunks per block,
+    disk passes per step, and whether gradients are updated away as backward flushes them. ``plan
+    auto`` and ``tiertrain plan`` both plan through this, so they choose the same plan for one run."""
+    return dataclasses.replace(p, grad_copies=grad_copies(update, max_staleness),
+                               disk_passes=disk_passes_per_step(update, max_staleness),
+                               transient_grads=update == "overlap" and not needs_all_grads)
 
 
 @dataclass(frozen=True)
@@ -100,10 +109,23 @@ def choose(pb: Problem, solvers: tuple[str, ...] = tuple(SOLVERS), update: str =
     if chosen is None:
         smallest = _smallest_device(pb)
         hint = f"a device budget of {format_bytes(smallest)} would" if smallest else "no device budget up to 1 TiB would"
+        more = "more host memory" + ("" if pb.disk else " or a disk")
         raise NoPlanFits(f"no plan fits device {format_bytes(pb.device)}, host {format_bytes(pb.host)}, disk "
                          f"{format_bytes(pb.disk)} with solvers {', '.join(solvers)}; {hint} (with this host and "
-                         "disk); or give more host memory or a disk")
+                         f"disk); or give {more}{_transient_hint(pb)}")
     return chosen, cands
+
+
+def _transient_hint(pb: Problem) -> str:
+    """Where the run counts every gradient on the host and a run that updates them away would fit, say how."""
+    if pb.profile.transient_grads:
+        return ""
+    away = run_profile(pb.profile, "overlap", DEFAULT_MAX_STALENESS, needs_all_grads=False)
+    if dynamic_programming(dataclasses.replace(pb, profile=away)) is None:
+        if dynamic_programming(dataclasses.replace(pb, profile=dataclasses.replace(away, read_ahead=1,
+                                                                                   update_workers=1))) is None:
+            return ""
+    return f"; or plan for a run where {TRANSIENT_HINT}"
 
 
 def _smallest_device(pb: Problem) -> int | None:

@@ -12,7 +12,7 @@ from tiertrain.errors import UserError
 from tiertrain.memory import Budgets, ChunkLayout, Tier
 from tiertrain.runtime.blocks import Block
 from tiertrain.plan import Plan, builtin_plan
-from tiertrain.plan_bytes import tier_bytes
+from tiertrain.plan_bytes import TRANSIENT_HINT, tier_bytes
 from tiertrain.units import format_bytes
 
 
@@ -71,6 +71,8 @@ def check_fits(blocks: list[Block], plan: Plan, budgets: Budgets, page: int, tra
     smallest = f"plan {plan.name!r} does not fit: {detail}. Smallest budgets for this plan: {_budgets(need)}"
     if any(best[t] < need[t] for t in need):  # the fallback helps only where it needs less
         smallest += f"; with plan 'max-offload' and a disk: {_budgets(best)}"
+    if train and not transient_grads and fits(blocks, plan, budgets, page, transient_grads=True):
+        smallest += f". It fits as it is when {TRANSIENT_HINT}"
     raise PlanDoesNotFit(smallest)
 
 

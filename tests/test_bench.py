@@ -31,6 +31,9 @@ def test_bench_planner_prints_each_figure_beside_its_limit(tmp_path):
         line = next(x for x in r.stdout.splitlines() if x.startswith(plan) and "predicted" in x)
         assert "limit 10%" in line and "limit 5%" in line
     assert r.stdout.count("auto against the best built-in") + r.stdout.count("auto trains where no built-in") == 3
+    for profile in ("measured", "one block", "analytic"):
+        line = next(x for x in r.stdout.splitlines() if x.startswith(profile))
+        assert " ms (" in line and "saved activations per block" in line
     assert list((tmp_path / "d").iterdir()) == []
 
 

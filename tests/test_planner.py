@@ -484,33 +484,69 @@ def test_setup_with_plan_auto_needs_a_profile_step():
         tiertrain.setup(model, opt, Budgets(device=64 * MiB, host=256 * MiB), plan="auto")
 
 
-def test_plan_auto_on_a_model_built_on_the_meta_device_plans_from_its_config(tmp_path, monkeypatch, caplog):
-    """A model built without memory (``device="meta"``, how one larger than the host is built) has
-    nothing to profile: auto plans it from its config and setup initialises it; it trains."""
+def test_plan_auto_on_a_model_built_on_the_meta_device_measures_one_block_for_all(tmp_path, monkeypatch, caplog):
+    """A model built without memory (``device="meta"``, how one larger than the host is built) cannot
+    run a profile step: auto runs a real copy of its first block at the batch shape instead. Every
+    block gets what that block saved and took in, byte for byte what profiling the real model finds,
+    the profile is cached for the next run, and setup initialises the model; it trains."""
     import torch
 
     import tiertrain
     from conftest import train_losses
+    from tiertrain.engine.profiling import measure_profile
+    from tiertrain.engine.objective import lm_loss
     from tiertrain.memory import Budgets
     from tiertrain.models import ModelConfig, build
+    from tiertrain.runtime.blocks import find_blocks
 
     def never() -> None:
         raise AssertionError("a meta model cannot run a profile step")
 
     never.shape = (2, 32)
     monkeypatch.setenv("TIERTRAIN_CACHE_DIR", str(tmp_path / "cache"))
-    model = build(ModelConfig(n_layer=2, n_head=4, d_model=64, d_ffn=256, vocab_size=256, max_seq_len=64, name="t"),
-                  device="meta")
-    tm, topt = tiertrain.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3), Budgets(64 * MiB, 256 * MiB),
-                               plan="auto", profile_step=never, page_size=64 << 10)
-    assert tm.auto_plan.profile.key.endswith("analytic") and "built on the meta device" in caplog.text
+    cfg = ModelConfig(n_layer=2, n_head=4, d_model=64, d_ffn=256, vocab_size=256, max_seq_len=64, name="t")
+    for run in range(2):
+        model = build(cfg, device="meta")
+        tm, topt = tiertrain.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                   Budgets(64 * MiB, 256 * MiB), plan="auto", profile_step=never, page_size=64 << 10)
+        assert tm.auto_plan.profile_cached is (run == 1)
+    got = tm.auto_plan.profile
+    assert got.key.endswith("/one-block") and "measuring one of its blocks" in caplog.text
+    real = build(cfg)
+    x = torch.randint(0, 256, (2, 33))
+    want = measure_profile(real, find_blocks(real), lambda: lm_loss(real, x[:, :-1], x[:, 1:]).backward(),
+                           got.machine, "fp32", "k", 64 << 10)
+    fields = lambda b: (b.params, b.act_bytes, b.hidden_bytes)  # noqa: E731
+    assert [fields(b) for b in got.blocks] == [fields(b) for b in want.blocks]
+    assert [b.name for b in got.blocks] == [b.name for b in want.blocks]
+    assert all(b.forward_s > 0 and b.backward_s > 0 and b.recompute_seconds > 0 for b in got.blocks)
     losses = train_losses(tm, topt, [torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))] * 3)
     assert losses[-1] < losses[0]
 
 
+def test_one_block_is_run_on_the_inputs_the_model_gives_it_and_nothing_after_it():
+    """The first block's inputs come from the model's own forward, stopped at that block: their
+    shape is the run's hidden state, and no later block runs (on a meta model nothing could)."""
+    import torch
+
+    from tiertrain.engine.block_profile import block_inputs, real_copy
+    from tiertrain.models import ModelConfig, build
+
+    model = build(ModelConfig(n_layer=3, n_head=4, d_model=64, d_ffn=256, vocab_size=256, max_seq_len=64, name="t"),
+                  device="meta")
+    later = []
+    model.blocks[1].register_forward_pre_hook(lambda m, a: later.append(1))
+    args, kwargs = block_inputs(model, model.blocks[0], (3, 20))
+    assert [tuple(a.shape) for a in args] == [(3, 20, 64)] and not kwargs and not later
+    twin = real_copy(model.blocks[0], torch.device("cpu"))
+    assert all(not p.is_meta and torch.isfinite(p).all() for p in twin.parameters())
+    assert all(p.is_meta for p in model.blocks[0].parameters())  # the model itself is left as it was
+
+
 def test_plan_auto_on_a_model_that_does_not_fit_plain_estimates_or_says_what_to_do(tmp_path, caplog, monkeypatch):
     """Profiling runs the plain model on the device; when that runs out of memory, one of our models is
-    planned from its config (analytic profile) and still trains; another model gets a clear error."""
+    planned from one of its blocks (or, where that does not fit either, its config's analytic
+    profile) and still trains; another model gets a clear error."""
     import torch
 
     import tiertrain
@@ -528,7 +564,7 @@ def test_plan_auto_on_a_model_that_does_not_fit_plain_estimates_or_says_what_to_
     tm, topt = tiertrain.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3), budgets, plan="auto",
                                profile_step=out_of_memory, page_size=64 << 10)
     try:
-        assert tm.auto_plan.profile.key.endswith("analytic") and "analytic profile" in caplog.text
+        assert tm.auto_plan.profile.key.endswith("/one-block") and "measuring one of its blocks" in caplog.text
         assert not tm.auto_plan.profile_cached and not list((tmp_path / "cache" / "tiertrain").glob("profiles/*"))  # not kept
         assert all(torch.equal(a, b.detach()) for a, b in zip(before, tm.parameters()))
         x = torch.randint(0, 256, (4, 33))
@@ -544,6 +580,19 @@ def test_plan_auto_on_a_model_that_does_not_fit_plain_estimates_or_says_what_to_
     with pytest.raises(ConfigError, match=r"cannot run there \(the plain model does not fit the device\).*--plan max-offload"):
         tiertrain.setup(other, torch.optim.AdamW(other.parameters(), lr=1e-3), budgets, plan="auto",
                         profile_step=out_of_memory, page_size=64 << 10)
+    # where even one block does not fit the device, the config's analytic estimate plans it
+    import tiertrain.engine.block_profile as block_profile
+
+    def block_out_of_memory(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+    monkeypatch.setattr(block_profile, "measure_one_block", block_out_of_memory)
+    model = _tiny_gpt(2)
+    tm, _ = tiertrain.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3), budgets, plan="auto",
+                            profile_step=out_of_memory, page_size=64 << 10)
+    tm.runtime.close()
+    tm.runtime.mem.close()
+    assert tm.auto_plan.profile.key.endswith("analytic") and "analytic profile" in caplog.text
 
 
 def test_train_plan_auto_trains_like_plain_and_records_the_prediction(tmp_path):

@@ -9,6 +9,9 @@ pool's page peak measured by running each plan; limits 10% and 5%.
 
 ``auto``: the auto plan against every built-in plan that fits, run on the same model under
 a loose and a tight device budget.
+
+``estimate``: the profile ``plan auto`` makes of a model it cannot run (one block measured, or
+the analytic estimate) against the whole model's profile measured in the same run.
 """
 
 from __future__ import annotations
@@ -180,6 +183,39 @@ def bench_fidelity(d: int, layers: int, batch: int, seq: int, steps: int, disk_d
 
         shutil.rmtree(directory, ignore_errors=True)
     return results
+
+
+def bench_estimate(d: int, layers: int, batch: int, seq: int, out: Callable[[str], None], rounds: int = 3) -> dict:
+    """What ``plan auto`` plans a model from when it cannot run the plain model (built on meta, or
+    too big for the device): one of its blocks measured, and the analytic estimate where even that
+    does not fit, each against the whole model measured here, in turns over ``rounds`` rounds."""
+    from tiertrain.engine.block_profile import measure_one_block
+    from tiertrain.planner.profiler import analytic_profile
+
+    cfg = _bench_model(d, layers)
+    run = _Run(cfg, batch, seq)
+    machine, flops = probe_machine(None)
+    meta = build(cfg, device="meta")
+    shape = (batch, seq)
+    rows: dict[str, list[Profile]] = {"measured": [], "one block": [], "analytic": []}
+    for _ in range(rounds):
+        rows["measured"].append(run.profile(None, MiB))
+        rows["one block"].append(measure_one_block(meta, find_blocks(meta), cfg, shape, "fp32", run.x.device,
+                                                   machine, flops, "bench"))
+        rows["analytic"].append(analytic_profile(cfg, batch, seq))
+    totals = {name: statistics.median(_compute_s(p) for p in ps) for name, ps in rows.items()}
+    acts = {name: ps[-1].blocks[0].act_bytes for name, ps in rows.items()}
+    out(f"model {param_count(cfg) / 1e6:.1f}M params ({layers} blocks, d {d}), batch {batch} x {seq}: block and "
+        f"head compute per step (forward + backward + recompute), median of {rounds} rounds")
+    for name in rows:
+        out(f"{name:9s} {totals[name] * 1e3:8.1f} ms ({(totals[name] / totals['measured'] - 1) * 100:+6.1f}%), "
+            f"saved activations per block {format_bytes(acts[name])} "
+            f"({(acts[name] / acts['measured'] - 1) * 100:+6.1f}%)")
+    return {"compute_s": totals, "act_bytes": acts}
+
+
+def _compute_s(p: Profile) -> float:
+    return sum(b.forward_s + b.backward_s + b.recompute_seconds for b in p.blocks) + p.rest.forward_s + p.rest.backward_s
 
 
 def _describe(profile: Profile, cfg, batch: int, seq: int, page: int, out: Callable[[str], None]) -> None:

@@ -70,13 +70,19 @@ def auto_plan(model: nn.Module, step: Callable[[], None], budgets: Budgets, page
         with _on(model, device):
             return measure_profile(model, found, step, machine, precision, key, page)
 
-    if next(model.parameters()).is_meta:  # built without memory (larger than the host): nothing to run
-        profile, cached = _estimate(model, shape, precision, budgets, "it was built on the meta device"), False
+    disk = budgets.disk_dir if budgets.disk else None
+
+    def estimate(why: str) -> Profile:
+        return _estimate(model, found, shape, precision, disk, key + "/one-block", why)
+
+    if next(model.parameters()).is_meta:  # built without memory (larger than the host): one block is measured
+        profile, cached = cached_profile(key + "/one-block", lambda: estimate("it was built on the meta device"),
+                                         use_cache and bool(shape))
     else:
         try:
             profile, cached = cached_profile(key, measure, use_cache and bool(shape))
         except (torch.OutOfMemoryError, MemoryError):  # an estimate is not cached: a later run may fit and measure
-            profile, cached = _estimate(model, shape, precision, budgets, "the plain model does not fit the device"), False
+            profile, cached = estimate("the plain model does not fit the device"), False
     profile = run_profile(dataclasses.replace(profile, machine=machine, page=page), update, max_staleness,
                           needs_all_grads)
     chosen, _ = choose(Problem(profile, budgets.device, budgets.host, budgets.disk), update=update,
@@ -100,10 +106,25 @@ def _on(model: nn.Module, device: torch.device) -> Iterator[None]:
             torch.cuda.empty_cache()
 
 
-def _estimate(model: nn.Module, shape: tuple | None, precision: str, budgets: Budgets, why: str) -> Profile:
+def config_profile(cfg: ModelConfig, batch: int, seq: int, precision: str, disk_dir: str | None,
+                   use_cache: bool = True) -> Profile:
+    """``tiertrain plan --model``: the profile ``plan auto`` makes of the model built on the meta
+    device (one block measured here; cached), so both plan a model too big to run alike."""
+    from tiertrain.models import build
+
+    model = build(cfg, device="meta")
+    key = profile_key(model, (batch, seq), precision, compute_device()) + "/one-block"
+    return cached_profile(key, lambda: _estimate(model, find_blocks(model), (batch, seq), precision, disk_dir, key),
+                          use_cache)[0]
+
+
+def _estimate(model: nn.Module, found: list, shape: tuple | None, precision: str, disk: str | None, key: str,
+              why: str | None = None) -> Profile:
     """The plain model cannot be measured (``why``: it did not fit on the device, the case tiertrain
-    exists for, or it has no weights yet): estimate its blocks from its config (our models), or say
-    what to do (other models)."""
+    exists for, or it has no weights yet): measure one of its blocks and scale (our models), fall
+    back to the analytic estimate where even one block cannot run, or say what to do (other models)."""
+    from tiertrain.engine.block_profile import measure_one_block
+
     model.zero_grad(set_to_none=True)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -111,11 +132,20 @@ def _estimate(model: nn.Module, shape: tuple | None, precision: str, budgets: Bu
     if not isinstance(cfg, ModelConfig) or not shape:
         raise ConfigError(
             f"plan 'auto' measures one plain forward+backward on the device, and this model cannot run there "
-            f"({why}); give a plan instead: --plan max-offload, or a plan file written by "
+            f"({why or 'it has no weights'}); give a plan instead: --plan max-offload, or a plan file written by "
             "`tiertrain plan --model ... --profile FILE`") from None
-    log.warning("cannot profile the plain model (%s); planning from the analytic profile of %s at batch %s "
-                "instead", why, cfg.name or "the model", "x".join(map(str, shape)))
-    return analytic_profile(cfg, shape[0], shape[1], precision, budgets.disk_dir if budgets.disk else None)
+    machine, flops = probe_machine(disk)
+    if why:
+        log.warning("cannot profile the plain model (%s); measuring one of its blocks at batch %s and scaling",
+                    why, "x".join(map(str, shape)))
+    try:
+        return measure_one_block(model, found, cfg, shape[:2], precision, compute_device(), machine, flops, key)
+    except (torch.OutOfMemoryError, MemoryError):
+        log.warning("one block of %s does not fit the device either; planning from its analytic profile",
+                    cfg.name or "the model")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return analytic_profile(cfg, shape[0], shape[1], precision, disk)
 
 
 class ProfileStep:

@@ -366,6 +366,34 @@ def test_auto_plans_a_host_smaller_than_the_weights_when_gradients_are_updated_a
     assert losses[-1] < losses[0]
 
 
+def test_the_planner_counts_transient_gradients_as_the_runtime_does_with_a_wide_embedding(tmp_path):
+    """With a wide vocabulary the rest block's gradient chunk outweighs the blocks'. The planner
+    counts the few chunks an overlapped run keeps as the runtime's check does (the largest
+    ``update_workers + 1``), so at exactly the host a plan it chose needs, it still finds one with
+    the same pipeline."""
+    import dataclasses
+
+    from tiertrain.memory import Tier
+    from tiertrain.models import ModelConfig, build
+    from tiertrain.planner.auto import choose, run_profile
+    from tiertrain.planner.profiler import analytic_profile
+    from tiertrain.runtime.blocks import find_blocks
+    from tiertrain.runtime.budget_check import needs
+
+    cfg = ModelConfig(n_layer=8, n_head=4, d_model=128, d_ffn=512, vocab_size=16384, max_seq_len=64, name="wide")
+    page = 64 << 10
+    blocks = find_blocks(build(cfg, device="meta"))
+    prof = run_profile(dataclasses.replace(analytic_profile(cfg, 2, 32, "fp32", str(tmp_path)), page=page),
+                       "overlap", 1, needs_all_grads=False)
+    assert prof.rest.params > sum(b.params for b in prof.blocks)
+    chosen, _ = choose(Problem(prof, device=16 * MiB, host=1 << 30, disk=1 << 30))
+    need = needs(blocks, chosen.plan, page, transient_grads=True)[Tier.HOST]
+    again, _ = choose(Problem(prof, device=16 * MiB, host=need, disk=1 << 30))
+    assert needs(blocks, again.plan, page, transient_grads=True)[Tier.HOST] <= need
+    # found with the same pipeline, not only after falling back to one worker and one block read ahead
+    assert (again.plan.update_workers, again.plan.read_ahead) == (chosen.plan.update_workers, chosen.plan.read_ahead)
+
+
 def test_on_a_cpu_only_machine_the_lanes_share_the_cores():
     """With the device in host RAM, copies, updates and compute add up; with an accelerator they overlap."""
     import dataclasses

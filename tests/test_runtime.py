@@ -394,6 +394,41 @@ def test_the_device_cache_follows_the_recorded_order_with_belady_eviction(tmp_pa
         assert all(f <= best for f in fetches[1:]) and prefetched >= 5
 
 
+def test_transient_gradients_count_a_wide_embedding_once_not_once_per_worker(monkeypatch):
+    """Overlap keeps at most ``update_workers + 1`` gradient chunks: the largest that many, not the
+    largest times that many. With a wide vocabulary the rest block's chunk outweighs every block
+    together; counted per worker, the few chunks needed more host than all of them. At the budget
+    the check now asks, the run stays within it (updates slowed so that backward would outrun them)
+    and its losses are plain PyTorch's."""
+    import time
+
+    import tiertrain
+    import tiertrain.optim.updater as updater
+    from tiered_harness import _fresh, _loop
+    from tiertrain.plan import builtin_plan
+    from tiertrain.runtime.blocks import find_blocks
+    from tiertrain.runtime.budget_check import needs
+
+    slow = updater.adamw_block
+    monkeypatch.setattr(updater, "adamw_block", lambda *a: (time.sleep(0.1), slow(*a)))
+    wide = {**TINY4, "vocab_size": 8192}
+    plan, page = builtin_plan("stream", 4, update="overlap"), 64 * 1024
+    blocks = find_blocks(_fresh(wide)[0])
+    numels = [sum(p.numel() for _, p in b.params) for b in blocks]
+    assert numels[-1] > sum(numels[:-1])
+    few, every = (needs(blocks, plan, page, transient_grads=t)[Tier.HOST] for t in (True, False))
+    assert few < every
+    model, opt = _fresh(wide)
+    tm, topt = tiertrain.setup(model, opt, Budgets(device=DEVICE_BUDGET, host=few), plan=plan, page_size=page)
+    try:
+        assert tm.runtime.transient_grads
+        assert _loop(tm, topt, tm.clip_grad_norm_, 3, 1, None) == train_plain(wide, 3, 1, None)
+        assert tm.runtime.mem.stats()["host"]["pages_peak_bytes"] <= few
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()
+
+
 def test_overlap_bounds_the_gradients_in_host_only_where_the_host_budget_needs_it(tmp_path, monkeypatch):
     """Overlap updates each block's gradients away as they come. Where the host budget holds them all,
     backward never waits for the optimizer; where it holds only a few, backward waits to stay in it

@@ -145,10 +145,10 @@ def host_bytes(p: Profile, choices: tuple[Choice, ...], disk_home: tuple[bool, .
 
 def _host_grads(p: Profile, blocks: list[BlockProfile]) -> int:
     """Gradient chunks in host: every block's, or, when they are updated away as backward flushes
-    them (``transient_grads``), one per optimizer worker plus the one backward is filling."""
-    if p.transient_grads:
-        return (p.update_workers + 1) * max(_grads(p, b) for b in blocks)
-    return sum(_grads(p, b) for b in blocks)
+    them (``transient_grads``), one per optimizer worker plus the one backward is filling: the
+    largest that many (a large embedding's chunk need not be counted once per worker)."""
+    sizes = sorted((_grads(p, b) for b in blocks), reverse=True)
+    return sum(sizes[: p.update_workers + 1] if p.transient_grads else sizes)
 
 
 def homes(p: Profile, choices: tuple[Choice, ...], host_budget: int, disk_budget: int) -> tuple[bool, ...] | None:

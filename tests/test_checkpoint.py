@@ -156,3 +156,54 @@ def test_checkpoints_whose_manifest_holds_sha256_digests_still_verify(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="model.safetensors is missing or damaged"):
         load_checkpoint(ckpt, Trainer(tiny_config(tmp_path, steps=4)).state)
+
+
+def test_states_set_up_for_a_resume_are_written_once_by_the_checkpoint_and_never_drawn(tmp_path, monkeypatch):
+    """Resuming sets up the tiers without the model's weights (``init_states=False``): a meta-built
+    model is not initialised and disk-homed states are not written, so the checkpoint writes them,
+    once. Until it has, a disk state cannot be read (its pages were never written), so nothing
+    trains on bytes no one wrote. After loading, training goes on exactly as the run that saved it."""
+    import torch
+
+    import tiertrain
+    import tiertrain.runtime.block_state as block_state
+    from tiertrain.errors import DiskError
+    from tiertrain.memory import Budgets, Tier
+    from tiertrain.models import ModelConfig, build
+    from tiertrain.runtime.state_io import export_state, import_state
+
+    cfg = ModelConfig(n_layer=3, n_head=4, d_model=64, d_ffn=256, vocab_size=256, max_seq_len=64, name="t")
+    budgets = Budgets(16 << 20, 64 << 20, 64 << 20, str(tmp_path / "disk"))
+    x = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+
+    def run(init: bool):
+        model = build(cfg, device="meta")
+        tm, topt = tiertrain.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3), budgets, plan="max-offload",
+                                   page_size=64 << 10, init_states=init)
+        return tm, topt
+
+    def step(tm, topt) -> float:
+        loss = torch.nn.functional.cross_entropy(tm(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+        loss.backward()
+        topt.step()
+        topt.zero_grad()
+        return loss.item()
+
+    saved, saved_opt = run(True)
+    step(saved, saved_opt)
+    weights, optim = export_state(saved.runtime)
+    want = [step(saved, saved_opt) for _ in range(2)]
+    drawn = []
+    monkeypatch.setattr(block_state, "init_in_place", lambda *a: drawn.append(a))
+    fresh, fresh_opt = run(False)
+    assert not drawn
+    on_disk = [c for st in fresh.runtime.states for c in (st.master, st.exp_avg, st.exp_avg_sq) if c.tier is Tier.DISK]
+    assert len(on_disk) == 3 * len(fresh.runtime.states)
+    for chunk in on_disk:
+        with pytest.raises(DiskError, match="never written"):
+            fresh.runtime.mem.to_tensor(chunk)
+    import_state(fresh.runtime, weights, optim)
+    assert [step(fresh, fresh_opt) for _ in range(2)] == want
+    for tm in (saved, fresh):
+        tm.runtime.close()
+        tm.runtime.mem.close()

@@ -41,11 +41,17 @@ def test_checkpoints_move_between_plain_and_tiered_runs(tmp_path, plain_run):
     assert b.losses == plain_losses[4:]
 
 
-def test_tiered_resume_reproduces_the_uninterrupted_tiered_run(tmp_path, plain_run):
+def test_tiered_resume_reproduces_the_uninterrupted_tiered_run(tmp_path, plain_run, monkeypatch):
+    """The resumed run sets its states up for the checkpoint to write (not initialised first)."""
+    import tiertrain.engine.setup as setup_module
+
+    inits, setup = [], setup_module.setup
+    monkeypatch.setattr(setup_module, "setup", lambda *a, **k: (inits.append(k["init_states"]), setup(*a, **k))[1])
     full = train(tiny_config(tmp_path / "full", **KW, **tiered(tmp_path, "max-offload")))
     again = train(tiny_config(tmp_path / "again", resume=str(tmp_path / "full/checkpoints/step-00000004"), **KW,
                               **tiered(tmp_path, "max-offload")))
     assert again.losses == full.losses[4:]
+    assert inits == [True, False]
 
 
 def test_plan_options_are_checked(tmp_path):

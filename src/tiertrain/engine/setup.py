@@ -111,7 +111,8 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None, memory: Bud
           *, grad_accum: int = 1, max_grad_norm: float | None = None, update: str | None = None,
           blocks: str | None = None, page_size: int | None = None, max_staleness: int | None = None,
           compute_dtype: str | None = None, train: bool = True,
-          profile_step: Callable[[], None] | None = None) -> tuple[TieredModel, TieredOptimizer | None]:
+          profile_step: Callable[[], None] | None = None,
+          init_states: bool = True) -> tuple[TieredModel, TieredOptimizer | None]:
     """Place ``model``'s training state in the tiers ``memory`` allows, as ``plan`` says.
 
     ``grad_accum`` and ``max_grad_norm`` tell the ``overlap`` mode when a block's
@@ -121,6 +122,9 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None, memory: Bud
     STRONGHOLD's distillation case): no optimizer states, no gradients; pass ``optimizer=None``.
     ``plan="auto"`` profiles the model with ``profile_step`` (one forward+backward at the
     training batch shape; cached per machine, model and shape) and takes the planner's best plan.
+    ``init_states=False`` (resuming: a checkpoint is loaded right after) allocates the states where
+    they live without writing the model's weights into them: a model built on the meta device is not
+    initialised, and disk-homed states are written once, by the checkpoint, instead of twice.
     """
     if next(model.parameters()).dtype != torch.float32:
         raise ConfigError("tiertrain keeps an fp32 model; build it in fp32 (mixed precision comes from the plan)")
@@ -157,7 +161,8 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None, memory: Bud
     if train:
         chosen = widest_read_ahead(found, chosen, memory, page, transient_grads=bound_grads)
     mem = MemorySystem(memory, page_size=page)
-    runtime = Runtime(model, groups, group_of, mem, chosen, grad_accum, max_grad_norm, blocks, train, bound_grads)
+    runtime = Runtime(model, groups, group_of, mem, chosen, grad_accum, max_grad_norm, blocks, train, bound_grads,
+                      init_states)
     _buffers_to(model, device)
     return TieredModel(model, runtime, auto), TieredOptimizer(runtime) if train else None
 

@@ -157,6 +157,21 @@ def publish(master: Chunk, dst: Chunk, layout: ChunkLayout, dtype: torch.dtype) 
     dst.typed(dtype)[: layout.numel].copy_(master.typed(F32)[: layout.numel])
 
 
+def _unwritten_chunks(mem: MemorySystem, block: Block, layout: ChunkLayout, home: Tier,
+                      slot: Chunk | None) -> tuple[Chunk, Chunk, Chunk]:
+    """Master and moments at their home, for a checkpoint to fill next (resume): no weights are
+    drawn and nothing is staged on the host or written twice. Disk pages stay unwritten, so reading
+    one before the checkpoint has written it fails; host and device bytes are zeroed."""
+    nbytes = layout.numel * F32.itemsize
+    out = [slot] if slot is not None else []
+    out += [mem.allocate(f"{block.name}.{k.value}", nbytes, home, k, contiguous=True)
+            for k in ((Kind.MASTER,) if slot is None else ()) + (Kind.EXP_AVG, Kind.EXP_AVG_SQ)]
+    for chunk in out:
+        if chunk.tier is not Tier.DISK:
+            chunk.typed(F32).zero_()
+    return out[0], out[1], out[2]
+
+
 def _optimizer_chunks(mem: MemorySystem, block: Block, layout: ChunkLayout, home: Tier,
                       slot: Chunk | None) -> tuple[Chunk, Chunk, Chunk]:
     """fp32 master (the weights) and zeroed moments, written where they live: at their home, or
@@ -176,20 +191,23 @@ def _optimizer_chunks(mem: MemorySystem, block: Block, layout: ChunkLayout, home
 
 def build_state(mem: MemorySystem, index: int, block: Block, plan: BlockPlan, slot: Slot,
                 group_of: list[int], train: bool = True, own_param_home: bool = False,
-                compute: torch.dtype = F32, master_in_slot: bool = False) -> BlockState:
+                compute: torch.dtype = F32, master_in_slot: bool = False, init: bool = True) -> BlockState:
     """Allocate the block's chunks, copy its current weights in, and leave its slot filled.
 
     The fp32 master is written first and the compute copies (slot, param home) from it.
     ``own_param_home`` (``plan_bytes.separate_param_home``, the planner's and the budget check's
     rule too): a streamed block keeps its compute params in a host chunk of their own, which the
     optimizer publishes into; else its fp32 master is what its slot is filled from.
-    ``master_in_slot`` (``plan_bytes.master_in_slot``): the slot is the fp32 master itself."""
+    ``master_in_slot`` (``plan_bytes.master_in_slot``): the slot is the fp32 master itself.
+    ``init=False``: a checkpoint fills the states next (``_unwritten_chunks``)."""
     layout = ChunkLayout.build([(n, tuple(p.shape)) for n, p in block.params])
     master = exp_avg = exp_avg_sq = None
     if train:
-        master, exp_avg, exp_avg_sq = _optimizer_chunks(mem, block, layout, plan.home,
-                                                        slot.chunk if master_in_slot else None)
-        if master is not slot.chunk:
+        chunks = _optimizer_chunks if init else _unwritten_chunks
+        master, exp_avg, exp_avg_sq = chunks(mem, block, layout, plan.home, slot.chunk if master_in_slot else None)
+        if master is not slot.chunk and master.tier is Tier.DISK:  # unwritten: nothing to publish yet
+            slot.chunk.typed(compute).zero_()
+        elif master is not slot.chunk:
             publish(master, slot.chunk, layout, compute)
     else:
         _fill(slot.chunk, block.params, layout, compute)

@@ -24,7 +24,8 @@ from tiertrain.memory.tiers import Kind
 class Runtime:
     def __init__(self, model: nn.Module, groups: list[dict[str, Any]], group_of_param: dict[int, int],
                  mem: MemorySystem, plan: Plan, grad_accum: int, max_grad_norm: float | None,
-                 blocks_path: str | None = None, train: bool = True, bound_grads: bool = True) -> None:
+                 blocks_path: str | None = None, train: bool = True, bound_grads: bool = True,
+                 init_states: bool = True) -> None:
         self.model, self.mem, self.plan = model, mem, plan
         self.groups, self.grad_accum, self.max_grad_norm = groups, grad_accum, max_grad_norm
         blocks = find_blocks(model, blocks_path)
@@ -42,7 +43,8 @@ class Runtime:
             group_of = [group_of_param.get(id(p), 0) for _, p in block.params]
             self.states.append(build_state(mem, i, block, bplan, slot, group_of, train,
                                            own_param_home=separate_param_home(bplan, plan, train),
-                                           compute=plan.compute, master_in_slot=master_in_slot(bplan, plan, train)))
+                                           compute=plan.compute, master_in_slot=master_in_slot(bplan, plan, train),
+                                           init=init_states))
         for st in self.states:
             install_params(model, st)
             if train:

@@ -84,3 +84,38 @@ def test_train_on_cuda_with_a_plan_writes_device_peaks(tmp_path, plan):
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and all(row["loss"] == row["loss"] for row in rows)
     assert 0 < rows[-1]["peak_bytes"]["device"]
+
+
+def test_a_meta_built_model_is_planned_from_one_block_run_on_the_gpu_in_bf16(tmp_path, monkeypatch):
+    """``plan auto`` on a model it cannot run plain measures one block on the GPU, in the run's
+    precision: every block saves what profiling the real model there in bf16 finds, byte for byte."""
+    import tiertrain
+    from tiertrain.engine.objective import lm_loss
+    from tiertrain.engine.profiling import measure_profile
+    from tiertrain.models import ModelConfig, build
+    from tiertrain.runtime.blocks import find_blocks
+
+    monkeypatch.setenv("TIERTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = ModelConfig(n_layer=4, n_head=4, d_model=256, d_ffn=1024, vocab_size=256, max_seq_len=128, name="t")
+    model = build(cfg, device="meta")
+    step = lambda: None  # noqa: E731 - a meta model never runs its profile step
+    step.shape = (2, 64)
+    tm, _ = tiertrain.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3), _budgets(tmp_path), plan="auto",
+                            profile_step=step, compute_dtype="bf16", page_size=64 << 10)
+    try:
+        got = tm.auto_plan.profile
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()
+    assert got.key.endswith("/one-block") and got.compute_bytes == 2
+    assert all(b.forward_s > 0 and b.backward_s > 0 for b in got.blocks)
+    real = build(cfg).cuda()
+    x = torch.randint(0, 256, (2, 65), device="cuda")
+
+    def plain() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = lm_loss(real, x[:, :-1], x[:, 1:])
+        loss.backward()
+
+    want = measure_profile(real, find_blocks(real), plain, got.machine, "bf16", "k", 64 << 10)
+    assert [b.act_bytes for b in got.blocks] == [b.act_bytes for b in want.blocks]

@@ -138,6 +138,26 @@ def test_streamed_safetensors_files_read_back_with_safetensors_itself(tmp_path):
         write_streamed(tmp_path / "short.safetensors", TensorStream(specs, lambda: iter([torch.ones(2)])))
 
 
+def test_a_streamed_file_never_holds_more_than_a_bound_of_unwritten_bytes_in_the_page_cache(tmp_path, monkeypatch):
+    """A memory cgroup counts its page cache and cgroup v1 does not throttle dirty pages: the writer
+    flushes and drops what it has written every ``DIRTY_BYTES``, so a checkpoint larger than a
+    memory cap is never all in the cache at once. The file is the same either way."""
+    import torch
+
+    import tiertrain.tensor_file as tensor_file
+    from safetensors.torch import load_file
+
+    synced = []
+    monkeypatch.setattr(tensor_file, "DIRTY_BYTES", 1 << 20)
+    real_sync = tensor_file.os.fdatasync
+    monkeypatch.setattr(tensor_file.os, "fdatasync", lambda fd: (synced.append(os.fstat(fd).st_size), real_sync(fd)))
+    tensors = {f"t{i}": torch.full((128, 1024), float(i)) for i in range(10)}  # 512 KiB each, 5 MiB in all
+    tensor_file.write_streamed(tmp_path / "big.safetensors", tensor_file.TensorStream.of(tensors))
+    assert len(synced) == 5 and all(b - a <= (1 << 20) + (512 << 10) for a, b in zip([0] + synced, synced))
+    back = load_file(tmp_path / "big.safetensors")
+    assert all(torch.equal(back[k], t) for k, t in tensors.items())
+
+
 def test_checkpoints_whose_manifest_holds_sha256_digests_still_verify(tmp_path):
     """Manifests recorded sha256 before they recorded CRC-32C; such checkpoints still resume, and
     damage to them is still found."""

@@ -10,11 +10,12 @@ the raw bytes in header order. Files are read back with safetensors itself (``sa
 from __future__ import annotations
 
 import json
+import os
 import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import BinaryIO, Callable
 
 import torch
 from crc32c import crc32c
@@ -22,6 +23,7 @@ from safetensors import SafetensorError, safe_open
 
 from tiertrain.errors import CheckpointError
 
+DIRTY_BYTES = 64 << 20  # written through the page cache before it is flushed and dropped (``_settle``)
 _CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
           torch.bool: "BOOL"}
@@ -71,7 +73,7 @@ def write_streamed(path: Path, stream: TensorStream, metadata: dict[str, str] | 
         for part in (struct.pack("<Q", len(raw)), raw):
             f.write(part)
             crc = crc32c(part, crc)
-        written = 0
+        written, dirty = 0, 0
         for spec, t in zip(stream.specs, stream.tensors()):
             if t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
                 raise RuntimeError(f"{spec.name}: produced {t.dtype} {tuple(t.shape)}, announced "
@@ -79,10 +81,26 @@ def write_streamed(path: Path, stream: TensorStream, metadata: dict[str, str] | 
             data = memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
             f.write(data)
             crc = crc32c(data, crc)
-            written += 1
+            written, dirty = written + 1, dirty + len(data)
+            if dirty >= DIRTY_BYTES:
+                _settle(f)
+                dirty = 0
         if written != len(stream.specs):
             raise RuntimeError(f"{path.name}: {written} tensors produced, {len(stream.specs)} announced")
     return crc
+
+
+def _settle(f: BinaryIO) -> None:
+    """Write what the page cache holds of ``f`` to disk and drop it from the cache.
+
+    A memory cgroup counts its page cache, and cgroup v1 does not throttle a group's dirty pages:
+    a checkpoint of several GB written through the cache could reach the cap before writeback
+    freed any, and the run was killed for memory while saving (seen once under an 896 MiB cap).
+    Bounding the dirty bytes to ``DIRTY_BYTES`` keeps a capped run alive; the final fsync waits
+    for the same writes either way."""
+    f.flush()
+    os.fdatasync(f.fileno())
+    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 class LazyTensors(Mapping[str, torch.Tensor]):

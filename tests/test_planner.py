@@ -134,7 +134,7 @@ def test_tiertrain_plan_plans_for_the_runs_update_mode_as_plan_auto_does(tmp_pat
     """The gradients a run holds depend on its update mode and clipping. ``tiertrain plan`` takes
     the run's --update, --grad-clip and --grad-accum and plans as ``--plan auto`` in train would:
     a host smaller than the fp32 weights fits only a run that updates gradients away as they come,
-    and both refusals say so; the plan file then trains with those flags."""
+    and both refusals say so; the plan file then trains with its update mode."""
     import dataclasses
     import json
 
@@ -163,8 +163,12 @@ def test_tiertrain_plan_plans_for_the_runs_update_mode_as_plan_auto_does(tmp_pat
     lockfree = Plan.from_json((tmp_path / "lockfree.json").read_text())
     assert (lockfree.update, lockfree.max_staleness) == ("lockfree", 3)
     train = ["train", "--model", str(model), "--batch-size", "2", "--seq-len", "32", "--steps", "2", "--quiet", *budgets]
-    r = run_cli(*train, "--plan", str(tmp_path / "away.json"), "--out", str(tmp_path / "clipped"))
+    r = run_cli(*train, "--plan", str(tmp_path / "away.json"), "--update", "sync", "--out", str(tmp_path / "clipped"))
     assert r.returncode == 2 and "does not fit" in r.stderr and "--update overlap --grad-clip 0" in r.stderr
+    # the plan file says overlap: without --update the run takes it from there
+    r = run_cli(*train, "--plan", str(tmp_path / "away.json"), "--grad-clip", "0", "--out", str(tmp_path / "file"))
+    assert r.returncode == 0, r.stderr
+    assert Plan.from_json((tmp_path / "file" / "plan.json").read_text()).update == "overlap"
     r = run_cli(*train, "--plan", "auto", *away, "--out", str(tmp_path / "auto"))
     assert r.returncode == 0, r.stderr
     assert len(read_metrics(tmp_path / "auto")) == 2

@@ -43,8 +43,10 @@ def cli() -> None:
 @click.option("--log-every", type=int, help="Print a line every N steps when not on a terminal (default 10).")
 @click.option("--plan", help="Put training state in tiers: resident, stream, max-offload, auto (profile and solve for the budgets), or a plan JSON file (default: plain PyTorch).")
 @click.option("--update", type=click.Choice(["sync", "overlap", "lockfree"]),
-              help="With --plan: update after backward (sync), during it (overlap), or never waiting for it (lockfree).")
-@click.option("--max-staleness", type=int, help="With --update lockfree: steps a block's params may lag (default 1).")
+              help="With --plan: update after backward (sync), during it (overlap), or never waiting for it (lockfree); "
+                   "default: a plan file's, else sync.")
+@click.option("--max-staleness", type=int,
+              help="With --update lockfree: steps a block's params may lag (default: a plan file's, else 1).")
 @click.option("--grad-clip", type=float, help="Clip gradients to this global norm (default 1.0; 0 turns it off).")
 @click.option("--device-memory", help='With --plan: device budget, e.g. "2GiB" (default 90% of the GPU; 4GiB on CPU).')
 @click.option("--host-memory", help='With --plan: host budget, e.g. "16GiB" (default half the RAM).')

@@ -44,8 +44,8 @@ class TrainConfig:
     keep_checkpoints: int = 2
     log_every: int = 10               # printed lines; metrics.jsonl gets every step
     plan: str | None = None           # None: plain PyTorch; resident | stream | max-offload | auto | a plan JSON file
-    update: str = "sync"              # sync | overlap | lockfree (with a plan)
-    max_staleness: int = 1            # lockfree: steps a block's params may lag
+    update: str | None = None         # sync | overlap | lockfree (with a plan); None: a plan file's, else sync
+    max_staleness: int | None = None  # lockfree: steps a block's params may lag; None: a plan file's, else 1
     device_memory: str | None = None  # device budget with a plan, e.g. "2GiB" (default: 90% of the GPU, 4GiB on CPU)
     host_memory: str | None = None    # host budget with a plan (default: half the RAM)
     disk: str | None = None           # "DIR[:SIZE]": disk tier for a plan
@@ -68,7 +68,7 @@ class TrainConfig:
             raise ConfigError(f"grad_clip must be >= 0 (0 turns clipping off), got {self.grad_clip}")
         if self.precision is not None and self.precision not in PRECISIONS:
             raise ConfigError(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
-        if self.update not in ("sync", "overlap", "lockfree"):
+        if self.update not in (None, "sync", "overlap", "lockfree"):
             raise ConfigError(f"update {self.update!r} is not one of sync, overlap, lockfree")
         if self.plan is None and any((self.device_memory, self.host_memory, self.disk)):
             raise ConfigError("memory budgets apply to a plan; add --plan resident|stream|max-offload|auto|FILE")

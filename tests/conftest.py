@@ -32,10 +32,12 @@ def read_metrics(out: Path) -> list[dict]:
 def train_losses(tm, topt, batches) -> list[float]:
     """A plain loop over ``batches`` (token rows: inputs then next-token targets) through a tiered
     model; its losses. The runtime is closed afterwards."""
+    from tiertrain.engine.objective import lm_loss
+
     losses = []
     try:
         for b in batches:
-            loss = tm(b[:, :-1], b[:, 1:])
+            loss = lm_loss(tm, b[:, :-1], b[:, 1:])  # our GPT or a transformers model
             loss.backward()
             topt.step()
             topt.zero_grad()

@@ -576,12 +576,15 @@ def test_one_block_is_run_on_the_inputs_the_model_gives_it_and_nothing_after_it(
 
 
 def test_plan_auto_on_a_model_that_does_not_fit_plain_estimates_or_says_what_to_do(tmp_path, caplog, monkeypatch):
-    """Profiling runs the plain model on the device; when that runs out of memory, one of our models is
-    planned from one of its blocks (or, where that does not fit either, its config's analytic
-    profile) and still trains; another model gets a clear error."""
+    """Profiling runs the plain model on the device; when that runs out of memory, the model is
+    planned from one of its blocks (not cached: a later run may fit) and still trains. Where even
+    one block does not fit, one of our models is planned from its config's analytic profile, and
+    another model gets a clear error."""
     import torch
 
     import tiertrain
+    import tiertrain.engine.block_profile as block_profile
+    from tiertrain.engine.objective import lm_loss
     from tiertrain.errors import ConfigError
     from tiertrain.memory import Budgets
 
@@ -591,40 +594,86 @@ def test_plan_auto_on_a_model_that_does_not_fit_plain_estimates_or_says_what_to_
     out_of_memory.shape = (4, 32)
     monkeypatch.setenv("TIERTRAIN_CACHE_DIR", str(tmp_path / "cache"))
     budgets = Budgets(device=64 * MiB, host=256 * MiB)
+
+    def auto(model):
+        return tiertrain.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3), budgets, plan="auto",
+                               profile_step=out_of_memory, page_size=64 << 10)
+
     model = _tiny_gpt(2)
     before = [p.detach().clone() for p in model.parameters()]
-    tm, topt = tiertrain.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3), budgets, plan="auto",
-                               profile_step=out_of_memory, page_size=64 << 10)
+    tm, topt = auto(model)
     try:
         assert tm.auto_plan.profile.key.endswith("/one-block") and "measuring one of its blocks" in caplog.text
         assert not tm.auto_plan.profile_cached and not list((tmp_path / "cache" / "tiertrain").glob("profiles/*"))  # not kept
         assert all(torch.equal(a, b.detach()) for a, b in zip(before, tm.parameters()))
         x = torch.randint(0, 256, (4, 33))
-        from tiertrain.engine.objective import lm_loss
-
         lm_loss(tm, x[:, :-1], x[:, 1:]).backward()
         topt.step()
     finally:
         tm.runtime.close()
         tm.runtime.mem.close()
-    other = _tiny_gpt(2)
-    other.config = None  # not one of our configs: nothing to estimate from
-    with pytest.raises(ConfigError, match=r"cannot run there \(the plain model does not fit the device\).*--plan max-offload"):
-        tiertrain.setup(other, torch.optim.AdamW(other.parameters(), lr=1e-3), budgets, plan="auto",
-                        profile_step=out_of_memory, page_size=64 << 10)
-    # where even one block does not fit the device, the config's analytic estimate plans it
-    import tiertrain.engine.block_profile as block_profile
 
     def block_out_of_memory(*a, **k):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
 
     monkeypatch.setattr(block_profile, "measure_one_block", block_out_of_memory)
-    model = _tiny_gpt(2)
-    tm, _ = tiertrain.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3), budgets, plan="auto",
-                            profile_step=out_of_memory, page_size=64 << 10)
+    tm, _ = auto(_tiny_gpt(2))
     tm.runtime.close()
     tm.runtime.mem.close()
     assert tm.auto_plan.profile.key.endswith("analytic") and "analytic profile" in caplog.text
+    other = _tiny_gpt(2)
+    other.config = None  # not one of our configs: nothing to estimate from
+    with pytest.raises(ConfigError, match=r"cannot profile this model \(the plain model does not fit the device\) "
+                                          r"and one of its blocks does not fit the device.*--plan max-offload"):
+        auto(other)
+
+
+def test_plan_auto_measures_one_block_of_a_transformers_model_that_does_not_fit_plain(tmp_path, monkeypatch):
+    """A transformers model gets the one-block profile too: the block runs on the arguments its own
+    forward passes it (built on meta, without the KV cache a transformers model makes by default),
+    its head is estimated from its largest matrix; close to profiling the real model, and it trains.
+    ``tiertrain plan`` plans it from its config file alike."""
+    import torch
+
+    import tiertrain
+    from conftest import train_losses
+    from tiertrain.engine.objective import lm_loss
+    from tiertrain.engine.profiling import measure_profile
+    from tiertrain.memory import Budgets
+    from tiertrain.models import build
+    from tiertrain.runtime.blocks import find_blocks
+    from tiered_harness import HF_GPT2
+
+    def out_of_memory() -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    out_of_memory.shape = (2, 16)
+    monkeypatch.setenv("TIERTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    model = build(HF_GPT2)
+    tm, topt = tiertrain.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3), Budgets(64 * MiB, 256 * MiB),
+                               plan="auto", profile_step=out_of_memory, page_size=64 << 10)
+    got = tm.auto_plan.profile
+    assert got.key.endswith("/one-block")
+    x = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+    losses = train_losses(tm, topt, [x] * 3)
+    assert losses[-1] < losses[0]
+    real = build(HF_GPT2)
+    want = measure_profile(real, find_blocks(real), lambda: lm_loss(real, x[:, :-1], x[:, 1:]).backward(),
+                           got.machine, "fp32", "k", 64 << 10)
+    assert [(b.params, b.hidden_bytes) for b in got.blocks] == [(b.params, b.hidden_bytes) for b in want.blocks]
+    assert all(abs(g.act_bytes / w.act_bytes - 1) < 0.1 for g, w in zip(got.blocks, want.blocks))
+    assert got.rest.params == want.rest.params and got.rest.forward_s > 0
+    # tiertrain plan profiles it the same way, from its config file
+    import json
+
+    from conftest import run_cli
+
+    (tmp_path / "gpt2.json").write_text(json.dumps(HF_GPT2))
+    r = run_cli("plan", "--model", str(tmp_path / "gpt2.json"), "--batch", "2", "--seq", "16", "--device-memory",
+                "64MiB", "--host-memory", "256MiB", "--page-size", "64KiB", "--out", str(tmp_path / "plan.json"))
+    assert r.returncode == 0, r.stderr
+    assert "transformer.h.0" in r.stdout and (tmp_path / "plan.json").is_file()
 
 
 def test_train_plan_auto_trains_like_plain_and_records_the_prediction(tmp_path):

@@ -380,10 +380,10 @@ def plan_cmd(model: str | None, batch: int, seq: int | None, precision: str, dev
         from tiertrain.models import ModelConfig, resolve_config
 
         cfg = resolve_config(model)
-        if not isinstance(cfg, ModelConfig):
-            raise ConfigError(f"tiertrain plan --model takes one of our model configs; {model!r} is a transformers "
-                              "config: profile it with `train --plan auto`, or give --profile FILE")
-        profile = config_profile(cfg, batch, seq or cfg.max_seq_len, precision, budgets.disk_dir)
+        longest = cfg.max_seq_len if isinstance(cfg, ModelConfig) else getattr(cfg, "max_position_embeddings", None)
+        if not (seq or longest):
+            raise ConfigError(f"give --seq: the config of {model!r} names no maximum sequence length")
+        profile = config_profile(cfg, batch, seq or longest, precision, budgets.disk_dir)
     else:
         raise click.UsageError("give --model NAME or --profile FILE")
     if page_size or not profile.page:   # chunks take whole pages: plan with the ones the run will use

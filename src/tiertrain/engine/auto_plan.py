@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -106,10 +106,11 @@ def _on(model: nn.Module, device: torch.device) -> Iterator[None]:
             torch.cuda.empty_cache()
 
 
-def config_profile(cfg: ModelConfig, batch: int, seq: int, precision: str, disk_dir: str | None,
+def config_profile(cfg: Any, batch: int, seq: int, precision: str, disk_dir: str | None,
                    use_cache: bool = True) -> Profile:
-    """``tiertrain plan --model``: the profile ``plan auto`` makes of the model built on the meta
-    device (one block measured here; cached), so both plan a model too big to run alike."""
+    """``tiertrain plan --model``: the profile ``plan auto`` makes of the model (ours or a transformers
+    config) built on the meta device, one block measured here and cached, so both plan a model too
+    big to run alike."""
     from tiertrain.models import build
 
     model = build(cfg, device="meta")
@@ -121,15 +122,16 @@ def config_profile(cfg: ModelConfig, batch: int, seq: int, precision: str, disk_
 def _estimate(model: nn.Module, found: list, shape: tuple | None, precision: str, disk: str | None, key: str,
               why: str | None = None) -> Profile:
     """The plain model cannot be measured (``why``: it did not fit on the device, the case tiertrain
-    exists for, or it has no weights yet): measure one of its blocks and scale (our models), fall
-    back to the analytic estimate where even one block cannot run, or say what to do (other models)."""
-    from tiertrain.engine.block_profile import measure_one_block
+    exists for, or it has no weights yet): measure one of its blocks and scale; where even one
+    block cannot run, fall back to the analytic estimate (our models) or say what to do (others)."""
+    from tiertrain.engine.block_profile import BlockInputsUnknown, measure_one_block
 
     model.zero_grad(set_to_none=True)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     cfg = getattr(model, "config", None)
-    if not isinstance(cfg, ModelConfig) or not shape:
+    ours = isinstance(cfg, ModelConfig)
+    if not shape:
         raise ConfigError(
             f"plan 'auto' measures one plain forward+backward on the device, and this model cannot run there "
             f"({why or 'it has no weights'}); give a plan instead: --plan max-offload, or a plan file written by "
@@ -139,12 +141,16 @@ def _estimate(model: nn.Module, found: list, shape: tuple | None, precision: str
         log.warning("cannot profile the plain model (%s); measuring one of its blocks at batch %s and scaling",
                     why, "x".join(map(str, shape)))
     try:
-        return measure_one_block(model, found, cfg, shape[:2], precision, compute_device(), machine, flops, key)
-    except (torch.OutOfMemoryError, MemoryError):
-        log.warning("one block of %s does not fit the device either; planning from its analytic profile",
-                    cfg.name or "the model")
+        return measure_one_block(model, found, cfg if ours else None, shape[:2], precision, compute_device(), machine,
+                                 flops, key)
+    except (torch.OutOfMemoryError, MemoryError, BlockInputsUnknown) as exc:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        failed = "does not fit the device" if not isinstance(exc, BlockInputsUnknown) else f"cannot run: {exc}"
+        if not ours:
+            raise ConfigError(f"plan 'auto' cannot profile this model ({why}) and one of its blocks {failed}; give a "
+                              "plan instead: --plan max-offload, or a plan file written by `tiertrain plan`") from None
+        log.warning("one block of %s %s; planning from its analytic profile", cfg.name or "the model", failed)
         return analytic_profile(cfg, shape[0], shape[1], precision, disk)
 
 

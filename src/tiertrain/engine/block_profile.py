@@ -22,7 +22,7 @@ from tiertrain.engine.precision import Precision
 from tiertrain.engine.profiling import measure_profile
 from tiertrain.models.accounting import PRECISION_BYTES
 from tiertrain.models.config import ModelConfig
-from tiertrain.planner.profile import MachineProfile, Profile
+from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
 from tiertrain.planner.profiler import analytic_blocks
 from tiertrain.runtime.block_state import init_in_place
 from tiertrain.runtime.blocks import Block
@@ -30,6 +30,10 @@ from tiertrain.runtime.blocks import Block
 
 class _Captured(Exception):
     """Stops the model's forward once the first block's inputs are known."""
+
+
+class BlockInputsUnknown(Exception):
+    """The model's forward could not be run up to its first block to learn the block's inputs."""
 
 
 def block_inputs(model: nn.Module, block: nn.Module, shape: tuple[int, int]) -> tuple[tuple, dict]:
@@ -48,19 +52,27 @@ def block_inputs(model: nn.Module, block: nn.Module, shape: tuple[int, int]) -> 
             model(torch.zeros(shape, dtype=torch.long, device=where))
     except _Captured:
         pass
+    except RuntimeError as exc:  # e.g. a transformers mask helper that reads a value (.item()) on meta
+        raise BlockInputsUnknown(f"the model's forward fails before its first block on the meta device ({exc})") from None
     finally:
         handle.remove()
     if "args" not in seen:
-        raise RuntimeError("the model's forward never called its first block")
+        raise BlockInputsUnknown("the model's forward never called its first block")
     return seen["args"], seen["kwargs"]
 
 
-def _real(x: Any, device: torch.device) -> Any:
-    """A device tensor of ``x``'s shape and dtype: floats random (and needing grad, as a block's
-    hidden input does), booleans true, other integers zero; other values as they are."""
+def _real(x: Any, device: torch.device, hidden: bool = False) -> Any:
+    """A device tensor of ``x``'s shape and dtype: the hidden state random and needing grad (as a
+    block's input does in training), other floats (masks, rotary tables) zeros, booleans true,
+    other integers zero; tuples and lists element by element; a KV cache none; other values as
+    they are."""
+    if isinstance(x, (tuple, list)):
+        return type(x)(_real(v, device) for v in x)
+    if type(x).__name__.endswith("Cache"):  # a transformers KV cache: training runs without one
+        return None
     if not isinstance(x, torch.Tensor):
         return x
-    if x.is_floating_point():
+    if hidden:
         return torch.randn(x.shape, dtype=x.dtype, device=device).requires_grad_(True)
     if x.dtype is torch.bool:
         return torch.ones(x.shape, dtype=torch.bool, device=device)
@@ -81,15 +93,32 @@ def real_copy(block: nn.Module, device: torch.device) -> nn.Module:
     return twin
 
 
-def measure_one_block(model: nn.Module, blocks: list[Block], cfg: ModelConfig, shape: tuple[int, int],
+def _flop_estimate(blocks: list[Block], shape: tuple[int, int], d: int, precision: str,
+                   flops: float) -> tuple[float, BlockProfile]:
+    """A model without one of our configs (a transformers model): a block's forward seconds from its
+    matrices (2 FLOPs per weight per token, plus attention scores), and the rest block's from its
+    largest matrix, the output head (embedding lookups cost next to nothing)."""
+    b, s = shape
+    nbytes = PRECISION_BYTES[precision]
+    matrices = sum(p.numel() for _, p in blocks[0].params if p.dim() >= 2)
+    block_s = (2 * matrices * b * s + 4 * b * s * s * d) / flops
+    head = max((p.numel() for _, p in blocks[-1].params if p.dim() >= 2), default=0)
+    rest_s = 2 * head * b * s / flops
+    params = sum(p.numel() for _, p in blocks[-1].params)
+    rest = BlockProfile("rest", rest_s, 2 * rest_s, params, 2 * b * s * (head // max(d, 1)) * nbytes, b * s * d * nbytes)
+    return block_s, rest
+
+
+def measure_one_block(model: nn.Module, blocks: list[Block], cfg: ModelConfig | None, shape: tuple[int, int],
                       precision: str, device: torch.device, machine: MachineProfile, flops: float,
                       key: str) -> Profile:
     """Every repeated block as the first one measures; the rest (embeddings, head) as the analytic
-    estimate scaled by the block's measured-to-analytic time."""
+    estimate (``cfg``'s, or ``_flop_estimate``'s for another model) scaled by the block's
+    measured-to-estimated time."""
     args, kwargs = block_inputs(model, blocks[0].module, shape)
     twin = real_copy(blocks[0].module, device)
-    args = tuple(_real(a, device) for a in args)
-    kwargs = {k: _real(v, device) for k, v in kwargs.items()}
+    args = tuple(_real(a, device, hidden=i == 0) for i, a in enumerate(args))
+    kwargs = {k: _real(v, device, hidden=not args and k == "hidden_states") for k, v in kwargs.items()}
     autocast = Precision(precision, device.type).autocast
 
     def step() -> None:
@@ -101,8 +130,13 @@ def measure_one_block(model: nn.Module, blocks: list[Block], cfg: ModelConfig, s
     holder = nn.ModuleList([twin])  # measure_profile reads the device off a model and clears its grads
     one = measure_profile(holder, [Block(blocks[0].name, twin, list(twin.named_parameters())), Block("rest", None, [])],
                           step, machine, precision, key, page=0).blocks[0]
-    est, est_rest = analytic_blocks(cfg, shape[0], shape[1], precision, flops)
-    scale = one.forward_s / max(est[0].forward_s, 1e-12)
+    if isinstance(cfg, ModelConfig):
+        est, est_rest = analytic_blocks(cfg, shape[0], shape[1], precision, flops)
+        block_s = est[0].forward_s
+    else:
+        hidden = next(x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor) and x.requires_grad)
+        block_s, est_rest = _flop_estimate(blocks, shape, hidden.shape[-1], precision, flops)
+    scale = one.forward_s / max(block_s, 1e-12)
     rest = dataclasses.replace(est_rest, forward_s=est_rest.forward_s * scale, backward_s=est_rest.backward_s * scale)
     repeated = tuple(dataclasses.replace(one, name=b.name) for b in blocks[:-1])
     return Profile(repeated, rest, machine, compute_bytes=PRECISION_BYTES[precision], key=key)

@@ -99,8 +99,9 @@ def _settle(f: BinaryIO) -> None:
     Bounding the dirty bytes to ``DIRTY_BYTES`` keeps a capped run alive; the final fsync waits
     for the same writes either way."""
     f.flush()
-    os.fdatasync(f.fileno())
-    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    getattr(os, "fdatasync", os.fsync)(f.fileno())  # macOS has no fdatasync
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 class LazyTensors(Mapping[str, torch.Tensor]):

@@ -46,7 +46,9 @@ class AutoPlan:
         recomputed = sum(b.recompute for b in self.plan.blocks)
         homes = {t: sum(b.home.value == t for b in self.plan.blocks) for t in ("device", "host", "disk")}
         sim = self.prediction
-        return (f"auto plan from the {self.solver} solver ({'cached' if self.profile_cached else 'measured'} profile): "
+        how = ("one block measured" if self.profile.key.endswith("/one-block") else
+               "FLOP estimate" if self.profile.key.endswith("analytic") else "whole model measured")
+        return (f"auto plan from the {self.solver} solver ({'cached ' if self.profile_cached else ''}profile: {how}): "
                 f"{streamed}/{len(self.plan.blocks)} blocks stream through {self.plan.window} slot(s) + "
                 f"{self.plan.cache} cache, "
                 f"{recomputed} recompute, states on " + ", ".join(f"{t} {n}" for t, n in homes.items() if n)

@@ -14,6 +14,7 @@ import torch
 
 from tiertrain.memory import Tier
 from tiertrain.memory.chunk import Chunk
+from tiertrain.memory.heap import release_free_heap
 from tiertrain.runtime.block_state import F32, BlockState
 from tiertrain.runtime.runtime import Runtime
 from tiertrain.tensor_file import TensorSpec, TensorStream
@@ -43,6 +44,7 @@ def weight_stream(rt: Runtime) -> TensorStream:
 
     def tensors() -> Iterator[torch.Tensor]:
         for st in rt.states:
+            release_free_heap()  # the last block's buffer, freed, would stay in the heap (memory.heap)
             yield from _split(st, _read(rt, st.master))
     return TensorStream(specs, tensors)
 
@@ -58,10 +60,12 @@ def optimizer_stream(rt: Runtime) -> TensorStream:
             stepped = _stepped(st)
             if not stepped:
                 continue
+            release_free_heap()
             moments = [_split(st, _read(rt, getattr(st, k))) for k in _MOMENTS]
             for i in stepped:
                 yield st.steps[i].detach().clone()
                 yield from (m[i] for m in moments)
+            del moments
     return TensorStream(specs, tensors)
 
 
@@ -110,3 +114,4 @@ def import_state(rt: Runtime, weights: Mapping[str, torch.Tensor], optim: Mappin
             st.steps[i].copy_(optim.get(f"{n}::step", torch.zeros((), dtype=F32)))
         rt.cache.invalidate(st)
         st.has_grad = [False] * len(st.params)
+        release_free_heap()

@@ -123,6 +123,13 @@ class Plan:
             raise ConfigError(f"plan is not valid JSON of a plan: {exc}") from None
 
 
+def needs_all_grads(clips: bool, grad_accum: int, compute_dtype: str) -> bool:
+    """Whether a step needs every gradient before any update: for the global norm (clipping), the
+    fp16 overflow check, or the last micro-batch of an accumulation. An overlapped step that does
+    not updates each block's gradients away as backward makes them (transient gradients)."""
+    return clips or grad_accum > 1 or compute_dtype == "fp16"
+
+
 def check_update_mode(update: str, compute_dtype: str, grad_accum: int, clips: bool) -> None:
     """Refuse the update modes a run's other options contradict, before anything is planned or allocated."""
     if update == "lockfree" and compute_dtype == "fp16":

@@ -364,7 +364,7 @@ def plan_cmd(model: str | None, batch: int, seq: int | None, precision: str, dev
 
     from tiertrain.cli.plan import print_plan, write_png
     from tiertrain.memory import Budgets
-    from tiertrain.plan import check_update_mode
+    from tiertrain.plan import check_update_mode, needs_all_grads
     from tiertrain.planner.auto import choose, run_profile
     from tiertrain.planner.profile import Profile
     from tiertrain.planner.solvers import SOLVERS, Problem
@@ -394,10 +394,10 @@ def plan_cmd(model: str | None, batch: int, seq: int | None, precision: str, dev
         page = page_size_for(parse_size(page_size) if page_size else None,
                              budgets.disk_dir if budgets.disk else None, compute_device())
         profile = dataclasses.replace(profile, page=page)
-    needs_all_grads = grad_clip > 0 or grad_accum > 1
-    profile = run_profile(profile, update, max_staleness, needs_all_grads)
+    all_grads = needs_all_grads(grad_clip > 0, grad_accum, precision)
+    profile = run_profile(profile, update, max_staleness, all_grads)
     pb = Problem(profile, budgets.device, budgets.host, budgets.disk, levels=levels)
-    chosen, cands = choose(pb, solvers or tuple(SOLVERS), update, needs_all_grads, max_staleness)
+    chosen, cands = choose(pb, solvers or tuple(SOLVERS), update, all_grads, max_staleness)
     print_plan(chosen, cands, profile, Console())
     Path(out).write_text(chosen.plan.to_json())
     click.echo(f"plan written to {out}")

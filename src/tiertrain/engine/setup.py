@@ -26,7 +26,7 @@ from tiertrain.memory.page_size import page_size_for
 from tiertrain.memory.system import compute_device
 from tiertrain.runtime.blocks import find_blocks
 from tiertrain.runtime.budget_check import check_fits, fits, widest_read_ahead
-from tiertrain.plan import DEFAULT_MAX_STALENESS, Plan, check_update_mode, load_plan
+from tiertrain.plan import DEFAULT_MAX_STALENESS, Plan, check_update_mode, load_plan, needs_all_grads
 from tiertrain.runtime.runtime import Runtime
 
 if TYPE_CHECKING:
@@ -142,7 +142,7 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None, memory: Bud
         # refused before profiling, not after it
         check_update_mode(update or "sync", compute_dtype or "fp32", grad_accum, max_grad_norm is not None)
         auto = _auto(model, profile_step, memory, page, compute_dtype or "fp32", update or "sync",
-                     needs_all_grads=max_grad_norm is not None or grad_accum > 1 or compute_dtype == "fp16",
+                     needs_all_grads=needs_all_grads(max_grad_norm is not None, grad_accum, compute_dtype or "fp32"),
                      blocks=blocks, max_staleness=DEFAULT_MAX_STALENESS if max_staleness is None else max_staleness)
         plan = auto.plan
     chosen = load_plan(plan, len(found) - 1, disk=memory.disk > 0, update=update)
@@ -153,8 +153,8 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None, memory: Bud
     check_update_mode(chosen.update, chosen.compute_dtype, grad_accum, max_grad_norm is not None)
     if chosen.uses_disk and not memory.disk:
         raise ConfigError("this plan homes states on disk; give a disk budget: Budgets(..., disk=SIZE, disk_dir=DIR)")
-    transient = (chosen.update == "overlap" and max_grad_norm is None and grad_accum == 1
-                 and not (train and chosen.compute_dtype == "fp16"))
+    transient = chosen.update == "overlap" and not needs_all_grads(max_grad_norm is not None, grad_accum,
+                                                                    chosen.compute_dtype if train else "fp32")
     check_fits(found, chosen, memory, page, train, transient)
     # Bounding the gradients alive makes backward wait for the optimizer: only when the host needs it
     bound_grads = transient and not fits(found, chosen, memory, page, train, transient_grads=False)

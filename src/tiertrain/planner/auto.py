@@ -121,11 +121,10 @@ def _transient_hint(pb: Problem) -> str:
     if pb.profile.transient_grads:
         return ""
     away = run_profile(pb.profile, "overlap", DEFAULT_MAX_STALENESS, needs_all_grads=False)
-    if dynamic_programming(dataclasses.replace(pb, profile=away)) is None:
-        if dynamic_programming(dataclasses.replace(pb, profile=dataclasses.replace(away, read_ahead=1,
-                                                                                   update_workers=1))) is None:
-            return ""
-    return f"; or plan for a run where {TRANSIENT_HINT}"
+    pipelines = (away, dataclasses.replace(away, read_ahead=1, update_workers=1))  # as choose falls back
+    if any(dynamic_programming(dataclasses.replace(pb, profile=p)) for p in pipelines):
+        return f"; or plan for a run where {TRANSIENT_HINT}"
+    return ""
 
 
 def _smallest_device(pb: Problem) -> int | None:

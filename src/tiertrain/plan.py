@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tiertrain import typed
 from tiertrain.errors import ConfigError
 from tiertrain.memory.tiers import Tier
+from tiertrain.typed import at_least, one_of
 
 if TYPE_CHECKING:
     import torch
@@ -43,14 +45,7 @@ class BlockPlan:
 
     @classmethod
     def from_dict(cls, d: dict) -> "BlockPlan":
-        unknown = set(d) - set(_BLOCK_FIELDS)
-        if unknown:
-            raise ConfigError(f"unknown block plan field(s) {sorted(unknown)}; valid: {', '.join(_BLOCK_FIELDS)}")
-        try:
-            return cls(home=Tier(d.get("home", "host")),
-                       **{f: bool(d.get(f, False)) for f in _BLOCK_FIELDS if f != "home"})
-        except ValueError:
-            raise ConfigError(f"block home {d.get('home')!r} is not one of device, host, disk") from None
+        return typed.load(cls, d, "block plan")
 
 
 _BLOCK_FIELDS = tuple(f.name for f in dataclasses.fields(BlockPlan))
@@ -63,16 +58,17 @@ DEFAULT_MAX_STALENESS = 1
 class Plan:
     blocks: tuple[BlockPlan, ...]          # one per repeated block, in order
     rest: BlockPlan = BlockPlan()          # embeddings, head, final norm (never streamed)
-    window: int = 2                        # device slots shared by streamed blocks (STRONGHOLD)
-    cache: int = 0                         # more such slots, keeping blocks for reuse (Elixir; Belady eviction)
-    prefetch: int = 1                      # streamed blocks fetched ahead of the one computing
-    update: str = "sync"
+    window: int = field(default=2, metadata=at_least(1))  # device slots shared by streamed blocks (STRONGHOLD)
+    cache: int = field(default=0, metadata=at_least(0))   # more such slots, keeping blocks for reuse (Elixir; Belady)
+    prefetch: int = field(default=1, metadata=at_least(0))  # streamed blocks fetched ahead of the one computing
+    update: str = field(default="sync", metadata=one_of(*UPDATE_MODES))
     name: str = "custom"
-    read_ahead: int = 2                    # disk-homed blocks whose states are read in ahead of their update
-    update_workers: int = 2                # CPU optimizer threads (each holds one block's states in host)
-    max_staleness: int = DEFAULT_MAX_STALENESS  # lockfree: steps a block's params may lag behind
-    compute_dtype: str = "fp32"            # fp32 | bf16 | fp16: the dtype of device params (master stays fp32;
-    #                                        fp16 brings dynamic loss scaling)
+    read_ahead: int = field(default=2, metadata=at_least(0))  # disk-homed blocks whose states are read in ahead
+    update_workers: int = field(default=2, metadata=at_least(1))  # CPU optimizer threads (each holds one block's
+    #                                                               states in host)
+    max_staleness: int = field(default=DEFAULT_MAX_STALENESS, metadata=at_least(0))  # lockfree: steps params may lag
+    compute_dtype: str = field(default="fp32", metadata=one_of(*COMPUTE_DTYPES))  # fp32 | bf16 | fp16: the dtype of
+    #                                        device params (master stays fp32; fp16 brings dynamic loss scaling)
 
     def validate(self, n_blocks: int) -> "Plan":
         if len(self.blocks) != n_blocks:
@@ -109,18 +105,14 @@ class Plan:
                            "blocks": [b.to_dict() for b in self.blocks]}, indent=1)
 
     @classmethod
-    def from_json(cls, text: str) -> "Plan":
+    def from_json(cls, text: str, where: str = "plan") -> "Plan":
+        """Every field checked for type and range (``typed``); unknown keys refused by name."""
         try:
-            d = json.loads(text)
-            return cls(blocks=tuple(BlockPlan.from_dict(b) for b in d["blocks"]),
-                       rest=BlockPlan.from_dict(d.get("rest", {})), window=int(d.get("window", 2)),
-                       cache=int(d.get("cache", 0)),
-                       prefetch=int(d.get("prefetch", 1)), update=d.get("update", "sync"),
-                       name=d.get("name", "custom"), read_ahead=int(d.get("read_ahead", 2)),
-                       update_workers=int(d.get("update_workers", 2)), max_staleness=int(d.get("max_staleness", 1)),
-                       compute_dtype=d.get("compute_dtype", "fp32"))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ConfigError(f"plan is not valid JSON of a plan: {exc}") from None
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ConfigError(f"{where} is not valid JSON ({exc}); write it with `tiertrain plan` "
+                              "or tiertrain.Plan.to_json()") from None
+        return typed.load(cls, data, where)
 
 
 def needs_all_grads(clips: bool, grad_accum: int, compute_dtype: str) -> bool:
@@ -170,7 +162,11 @@ def load_plan(spec: "str | Plan", n_blocks: int, disk: bool, update: str | None 
         path = Path(spec)
         if not path.is_file():
             raise ConfigError(f"plan {spec!r} is neither a built-in plan ({', '.join(BUILTIN_PLANS)}) nor a file")
-        plan = Plan.from_json(path.read_text())
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"plan file {path} cannot be read ({exc}); give a plan JSON file") from None
+        plan = Plan.from_json(text, f"plan file {path}")
     if update is not None and update != plan.update:
         plan = dataclasses.replace(plan, update=update)
     return plan.validate(n_blocks)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from tiertrain.errors import ConfigError
@@ -30,11 +31,14 @@ def parse_size(text: str | int) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-def format_bytes(n: float) -> str:
-    """Format bytes with binary units, e.g. 1536 -> '1.50 KiB'."""
+def format_bytes(n: float, up: bool = False) -> str:
+    """Format bytes with binary units, e.g. 1536 -> '1.50 KiB'. ``up``: round up, not to nearest,
+    for a smallest budget the user will type back (1.0625 MiB must not read as 1.06 MiB)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+            if unit == "B":
+                return f"{math.ceil(n) if up else n:.0f} {unit}"
+            return f"{math.ceil(n * 100 - 1e-9) / 100 if up else n:.2f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
 

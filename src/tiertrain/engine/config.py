@@ -7,76 +7,69 @@ import difflib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any
 
 import yaml
 
+from tiertrain import typed
 from tiertrain.errors import ConfigError
+from tiertrain.plan import COMPUTE_DTYPES as PRECISIONS
+from tiertrain.plan import UPDATE_MODES
+from tiertrain.typed import above, at_least, between, one_of
 
-PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass
 class TrainConfig:
-    """Everything a run needs. Defaults train the built-in default in about a minute on 2 CPU cores."""
+    """Everything a run needs. Defaults train the built-in default in about a minute on 2 CPU cores.
+
+    Every field is checked for type and range when the config is made (``typed.check``): a
+    boolean is not a count, 2.7 is not a whole number, and NaN or infinite rates are refused."""
 
     model: Any = "gpt-small"          # a name in tiertrain.models.CONFIGS, a config file, or a mapping
     data: str = "builtin"             # "builtin", a token file (.bin/.npy), a text file or directory
     tokenizer: str | None = None      # local Hugging Face tokenizer directory for text data
-    steps: int = 200
-    batch_size: int = 16
-    seq_len: int = 128
-    grad_accum: int = 1
-    lr: float = 2e-3
-    min_lr: float | None = None       # cosine floor; default lr / 10
-    warmup_steps: int | None = None   # default: 10% of steps, at most 100
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    grad_clip: float = 1.0            # 0 turns clipping off
-    precision: str | None = None      # fp32 | bf16 | fp16; default bf16 on CUDA, fp32 on CPU
-    device: str = "auto"
-    seed: int = 0
+    steps: int = field(default=200, metadata=at_least(1))
+    batch_size: int = field(default=16, metadata=at_least(1))
+    seq_len: int = field(default=128, metadata=at_least(1))
+    grad_accum: int = field(default=1, metadata=at_least(1))
+    lr: float = field(default=2e-3, metadata=above(0))
+    min_lr: float | None = field(default=None, metadata=at_least(0))  # cosine floor; default lr / 10
+    warmup_steps: int | None = field(default=None, metadata=at_least(0))  # default: 10% of steps, at most 100
+    weight_decay: float = field(default=0.1, metadata=at_least(0))
+    betas: tuple[float, float] = field(default=(0.9, 0.95), metadata=between(0, 1, high_open=True))
+    eps: float = field(default=1e-8, metadata=above(0))
+    grad_clip: float = field(default=1.0, metadata=at_least(0))  # 0 turns clipping off
+    precision: str | None = field(default=None, metadata=one_of(*PRECISIONS))  # default bf16 on CUDA, fp32 on CPU
+    device: str = field(default="auto", metadata=one_of(*DEVICES))
+    seed: int = field(default=0, metadata=at_least(0))
     out: str = "runs/tiertrain"
     resume: str | None = None         # a run directory or one checkpoint directory
-    save_every: int = 0               # 0: save only at the end
-    keep_checkpoints: int = 2
-    log_every: int = 10               # printed lines; metrics.jsonl gets every step
+    overwrite: bool = False           # a new run may replace the checkpoints and metrics of another in ``out``
+    save_every: int = field(default=0, metadata=at_least(0))  # 0: save only at the end
+    keep_checkpoints: int = field(default=2, metadata=at_least(1))
+    log_every: int = field(default=10, metadata=at_least(1))  # printed lines; metrics.jsonl gets every step
     plan: str | None = None           # None: plain PyTorch; resident | stream | max-offload | auto | a plan JSON file
-    update: str | None = None         # sync | overlap | lockfree (with a plan); None: a plan file's, else sync
-    max_staleness: int | None = None  # lockfree: steps a block's params may lag; None: a plan file's, else 1
+    update: str | None = field(default=None, metadata=one_of(*UPDATE_MODES))  # None: a plan file's, else sync
+    max_staleness: int | None = field(default=None, metadata=at_least(0))  # lockfree lag; None: a plan file's, else 1
     device_memory: str | None = None  # device budget with a plan, e.g. "2GiB" (default: 90% of the GPU, 4GiB on CPU)
     host_memory: str | None = None    # host budget with a plan (default: half the RAM)
     disk: str | None = None           # "DIR[:SIZE]": disk tier for a plan
     page_size: str | None = None      # memory page size, e.g. "4MiB" (default: measured for this machine)
-    extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
+        typed.check(self, "config")
         self.validate()
 
     def validate(self) -> None:
-        for name in ("steps", "batch_size", "seq_len", "grad_accum", "keep_checkpoints", "log_every"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be a positive whole number, got {getattr(self, name)!r}")
-        for name in ("save_every", "seed"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be a whole number >= 0, got {getattr(self, name)!r}")
-        if not self.lr > 0:
-            raise ConfigError(f"lr must be positive, got {self.lr}")
-        if self.grad_clip < 0:
-            raise ConfigError(f"grad_clip must be >= 0 (0 turns clipping off), got {self.grad_clip}")
-        if self.precision is not None and self.precision not in PRECISIONS:
-            raise ConfigError(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
-        if self.update not in (None, "sync", "overlap", "lockfree"):
-            raise ConfigError(f"update {self.update!r} is not one of sync, overlap, lockfree")
+        """What one field alone cannot say."""
         if self.plan is None and any((self.device_memory, self.host_memory, self.disk)):
             raise ConfigError("memory budgets apply to a plan; add --plan resident|stream|max-offload|auto|FILE")
-        if self.device not in DEVICES:
-            raise ConfigError(f"device {self.device!r} is not one of {', '.join(DEVICES)}")
-        self.betas = tuple(self.betas)  # YAML/JSON give lists
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ConfigError(f"betas must be two numbers in [0, 1), got {list(self.betas)}")
+        if self.resume and self.overwrite:
+            raise ConfigError("--resume continues a run and --overwrite replaces it; give one of them")
+        if self.min_lr is not None and self.min_lr > self.lr:
+            raise ConfigError(f"min_lr {self.min_lr} is above lr {self.lr}; give min_lr <= lr")
 
     @property
     def final_lr(self) -> float:
@@ -88,14 +81,12 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        data.pop("extra")
         data["betas"] = list(self.betas)
         return data
 
 
-def _fields() -> dict[str, Any]:
-    hints = get_type_hints(TrainConfig)
-    return {f.name: hints[f.name] for f in dataclasses.fields(TrainConfig) if f.name != "extra"}
+def _fields() -> list[str]:
+    return [f.name for f in dataclasses.fields(TrainConfig)]
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -103,7 +94,10 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist; check the path given to --config")
-    text = path.read_text()
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path} cannot be read as text ({exc}); give a YAML or JSON file") from None
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except json.JSONDecodeError as exc:

@@ -54,15 +54,13 @@ def _read_model_file(path: Path) -> dict[str, Any]:
         path = path / "config.json"
     if not path.is_file():
         raise ConfigError(f"model config file {path} does not exist; give a model name or an existing file")
-    try:
-        if path.suffix == ".json":
-            data = json.loads(path.read_text())
-        else:
-            import yaml
+    import yaml
 
-            data = yaml.safe_load(path.read_text())
-    except (ValueError, OSError) as exc:
-        raise ConfigError(f"cannot read model config {path}: {exc}") from None
+    try:
+        text = path.read_text()
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (ValueError, OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read model config {path} ({_one_line(exc)}); fix its syntax") from None
     if not isinstance(data, dict):
         raise ConfigError(f"model config {path} must hold a mapping of fields")
     return data
@@ -78,8 +76,12 @@ def _hf_config(data: dict[str, Any]) -> Any:
     data = dict(data)
     try:
         return AutoConfig.for_model(data.pop("model_type"), **data)
-    except (ValueError, KeyError) as exc:
-        raise ConfigError(f"Hugging Face config not usable: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - transformers validates configs with several error types of its own
+        raise ConfigError(f"Hugging Face config not usable: {_one_line(exc)}; fix the config's values") from None
+
+
+def _one_line(exc: Exception) -> str:
+    return (" ".join(str(exc).split()) or type(exc).__name__)[:300]
 
 
 def build(spec: Any, device: torch.device | str | None = None) -> nn.Module:
@@ -91,6 +93,16 @@ def build(spec: Any, device: torch.device | str | None = None) -> nn.Module:
     with torch.device(device or "cpu"):
         if isinstance(cfg, ModelConfig):
             return GPT(cfg)
-        from transformers import AutoModelForCausalLM
+        return _build_hf(cfg)
 
+
+def _build_hf(cfg: Any) -> nn.Module:
+    """transformers checks few of a config's values until it builds the model (heads that do not
+    divide the width, a width given as text): what the build raises is the config's fault."""
+    from transformers import AutoModelForCausalLM
+
+    try:
         return AutoModelForCausalLM.from_config(cfg)
+    except Exception as exc:  # noqa: BLE001 - whatever the build raises, the config's values caused it
+        raise ConfigError(f"the transformers config ({getattr(cfg, 'model_type', '?')}) does not build a model: "
+                          f"{_one_line(exc)}; fix the config's values") from None

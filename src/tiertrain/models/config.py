@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tiertrain import typed
 from tiertrain.errors import ConfigError
+from tiertrain.typed import at_least, between
 
 
 @dataclass(frozen=True)
@@ -17,25 +19,23 @@ class ModelConfig:
     structure, which is what the runtime's block finder relies on.
     """
 
-    n_layer: int
-    n_head: int
-    d_model: int
-    d_ffn: int
-    vocab_size: int
-    max_seq_len: int
+    n_layer: int = field(metadata=at_least(1))
+    n_head: int = field(metadata=at_least(1))
+    d_model: int = field(metadata=at_least(1))
+    d_ffn: int = field(metadata=at_least(1))
+    vocab_size: int = field(metadata=at_least(1))
+    max_seq_len: int = field(metadata=at_least(1))
     bias: bool = True
     tie_embeddings: bool = True
-    dropout: float = 0.0
+    dropout: float = field(default=0.0, metadata=between(0, 1, high_open=True))
     causal: bool = True
-    n_experts: int = 0
-    top_k: int = 1
-    aux_loss_coef: float = 0.01
+    n_experts: int = field(default=0, metadata=at_least(0))
+    top_k: int = field(default=1, metadata=at_least(1))
+    aux_loss_coef: float = field(default=0.01, metadata=at_least(0))
     name: str = ""
 
     def __post_init__(self) -> None:
-        for f in ("n_layer", "n_head", "d_model", "d_ffn", "vocab_size", "max_seq_len"):
-            if getattr(self, f) <= 0:
-                raise ConfigError(f"model {f} must be positive, got {getattr(self, f)}")
+        typed.check(self, "model")
         if self.d_model % self.n_head:
             raise ConfigError(
                 f"model d_model={self.d_model} is not divisible by n_head={self.n_head}; "
@@ -43,8 +43,6 @@ class ModelConfig:
             )
         if self.n_experts and not 1 <= self.top_k <= self.n_experts:
             raise ConfigError(f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"dropout={self.dropout} must be in [0, 1)")
 
     @property
     def head_dim(self) -> int:
@@ -59,13 +57,4 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(
-                f"unknown model field(s) {', '.join(unknown)}; valid fields: {', '.join(sorted(known))}"
-            )
-        try:
-            return cls(**data)
-        except TypeError as exc:  # a required field is missing
-            raise ConfigError(f"model config incomplete: {exc}") from None
+        return typed.load(cls, data, "model")

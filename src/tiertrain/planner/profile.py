@@ -9,21 +9,26 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from tiertrain import typed
 from tiertrain.errors import ConfigError
+from tiertrain.typed import above, at_least
+
+_TIME = at_least(0)
+_RATE = above(0)
 
 
 @dataclass(frozen=True)
 class BlockProfile:
     name: str
-    forward_s: float             # one forward of the block
-    backward_s: float            # its backward, without recompute
-    params: int                  # parameter count
-    act_bytes: int               # everything autograd saves inside the block
-    hidden_bytes: int            # the block's input: all that recompute keeps
-    recompute_s: float | None = None  # the forward again inside backward (None: as long as forward_s)
+    forward_s: float = field(metadata=_TIME)      # one forward of the block
+    backward_s: float = field(metadata=_TIME)     # its backward, without recompute
+    params: int = field(metadata=at_least(0))     # parameter count
+    act_bytes: int = field(metadata=at_least(0))  # everything autograd saves inside the block
+    hidden_bytes: int = field(metadata=at_least(0))  # the block's input: all that recompute keeps
+    recompute_s: float | None = field(default=None, metadata=_TIME)  # forward again in backward (None: forward_s)
 
     @property
     def recompute_seconds(self) -> float:
@@ -35,13 +40,13 @@ class BlockProfile:
 
 @dataclass(frozen=True)
 class MachineProfile:
-    h2d_bps: float               # host -> device bytes/s (pinned)
-    d2h_bps: float
-    disk_read_bps: float
-    disk_write_bps: float
-    adam_params_per_s: float     # CPU AdamW throughput on the update workers
+    h2d_bps: float = field(metadata=_RATE)        # host -> device bytes/s (pinned)
+    d2h_bps: float = field(metadata=_RATE)
+    disk_read_bps: float = field(metadata=_RATE)
+    disk_write_bps: float = field(metadata=_RATE)
+    adam_params_per_s: float = field(metadata=_RATE)  # CPU AdamW throughput on the update workers
     device_is_host: bool = False  # CPU-only: "device" memory is host RAM, copies are memcpy
-    disk_cpu_s_per_byte: float = 0.0  # CPU time the disk tier spends per byte (syscalls, checksums)
+    disk_cpu_s_per_byte: float = field(default=0.0, metadata=_TIME)  # CPU time the disk tier spends per byte
 
 
 @dataclass(frozen=True)
@@ -49,15 +54,15 @@ class Profile:
     blocks: tuple[BlockProfile, ...]   # the repeated blocks, in forward order
     rest: BlockProfile                 # embeddings, head, final norm
     machine: MachineProfile
-    compute_bytes: int = 4             # bytes per compute param (fp32 4, bf16/fp16 2)
+    compute_bytes: int = field(default=4, metadata=at_least(1))  # bytes per compute param (fp32 4, bf16/fp16 2)
     key: str = ""                      # machine + model + batch shape it was measured for
-    page: int = 0                      # the runtime's page size: chunks take whole pages (0: unpaged)
+    page: int = field(default=0, metadata=at_least(0))  # the runtime's page size: chunks take whole pages (0: unpaged)
     order: tuple[int, ...] = ()        # blocks in the order one forward called them (measured profiles)
-    grad_copies: int = 1               # the run's gradient chunks per block at once (plan_bytes.grad_copies)
-    disk_passes: float = 1.0           # a disk-homed block's update passes per step (plan_bytes.disk_passes_per_step)
+    grad_copies: int = field(default=1, metadata=at_least(1))  # gradient chunks per block at once (plan_bytes)
+    disk_passes: float = field(default=1.0, metadata=_TIME)  # a disk-homed block's update passes per step
     transient_grads: bool = False      # overlap without clipping or accumulation: few grad chunks at once
-    read_ahead: int = 2                # the plan's disk-homed blocks read in ahead (Plan.read_ahead)
-    update_workers: int = 2            # the plan's optimizer threads, each holding a block's states (Plan.update_workers)
+    read_ahead: int = field(default=2, metadata=at_least(0))  # the plan's disk-homed blocks read in ahead
+    update_workers: int = field(default=2, metadata=at_least(1))  # the plan's optimizer threads (Plan.update_workers)
 
     @property
     def acts_on_device(self) -> bool:
@@ -69,18 +74,12 @@ class Profile:
         return json.dumps(dataclasses.asdict(self), indent=1)
 
     @classmethod
-    def from_json(cls, text: str) -> "Profile":
+    def from_json(cls, text: str, where: str = "profile") -> "Profile":
         try:
-            d = json.loads(text)
-            return cls(blocks=tuple(BlockProfile(**b) for b in d["blocks"]), rest=BlockProfile(**d["rest"]),
-                       machine=MachineProfile(**d["machine"]), compute_bytes=int(d.get("compute_bytes", 4)),
-                       key=d.get("key", ""), page=int(d.get("page", 0)),
-                       order=tuple(int(i) for i in d.get("order", ())), grad_copies=int(d.get("grad_copies", 1)),
-                       disk_passes=float(d.get("disk_passes", 1.0)),
-                       transient_grads=bool(d.get("transient_grads", False)), read_ahead=int(d.get("read_ahead", 2)),
-                       update_workers=int(d.get("update_workers", 2)))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ConfigError(f"not a tiertrain profile: {exc}") from None
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ConfigError(f"{where} is not a tiertrain profile ({exc})") from None
+        return typed.load(cls, data, where)
 
     def save(self, path: Path) -> None:
         tmp = path.with_suffix(path.suffix + ".tmp")
@@ -91,4 +90,8 @@ class Profile:
     def load(cls, path: Path) -> "Profile":
         if not path.is_file():
             raise ConfigError(f"profile {path} does not exist; run `tiertrain plan` without --profile to measure one")
-        return cls.from_json(path.read_text())
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"profile {path} cannot be read ({exc}); give a profile JSON file") from None
+        return cls.from_json(text, f"profile {path}")

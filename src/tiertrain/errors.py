@@ -33,10 +33,13 @@ class OutputError(UserError):
 class BudgetError(UserError):
     """An allocation that would take a tier past the budget the user gave it."""
 
-    def __init__(self, tier: str, needed: int, budget: int, in_use: int) -> None:
+    def __init__(self, tier: str, needed: int, budget: int, in_use: int, detail: str = "") -> None:
         from tiertrain.units import format_bytes
 
         self.tier, self.needed, self.budget, self.in_use = tier, needed, budget, in_use
+        if detail:
+            super().__init__(f"{tier} tier cannot reserve {format_bytes(needed)}: {detail}; lower the {tier} budget")
+            return
         super().__init__(
             f"{tier} tier cannot hold {format_bytes(needed)} more: budget {format_bytes(budget)}, "
             f"{format_bytes(in_use)} in use; raise the {tier} budget or place these states elsewhere"

@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from tiertrain.errors import ConfigError
 from tiertrain.memory import Budgets, MemorySystem
+from tiertrain.memory.capacity import check_budgets
 from tiertrain.memory.page_size import page_size_for
 from tiertrain.memory.system import compute_device
 from tiertrain.runtime.blocks import find_blocks
@@ -128,6 +129,8 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None, memory: Bud
     """
     if next(model.parameters()).dtype != torch.float32:
         raise ConfigError("tiertrain keeps an fp32 model; build it in fp32 (mixed precision comes from the plan)")
+    device = compute_device()
+    check_budgets(memory, device)  # before anything is profiled, measured or reserved
     if train:
         if optimizer is None:
             raise ConfigError("training needs an optimizer: pass torch.optim.AdamW(model.parameters(), ...)")
@@ -135,7 +138,6 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None, memory: Bud
     else:
         groups, group_of = [], {}
     found = find_blocks(model, blocks)
-    device = compute_device()
     page = page_size_for(page_size, memory.disk_dir if memory.disk else None, device)
     auto = None
     if isinstance(plan, str) and plan == "auto" and profile_step is not None:
@@ -160,7 +162,7 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None, memory: Bud
     bound_grads = transient and not fits(found, chosen, memory, page, train, transient_grads=False)
     if train:
         chosen = widest_read_ahead(found, chosen, memory, page, transient_grads=bound_grads)
-    mem = MemorySystem(memory, page_size=page)
+    mem = MemorySystem(memory, page_size=page, check_machine=False)
     runtime = Runtime(model, groups, group_of, mem, chosen, grad_accum, max_grad_norm, blocks, train, bound_grads,
                       init_states)
     _buffers_to(model, device)

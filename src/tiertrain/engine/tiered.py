@@ -12,6 +12,7 @@ from tiertrain.engine.config import TrainConfig
 from tiertrain.engine.precision import Precision
 from tiertrain.errors import ConfigError
 from tiertrain.memory import Budgets
+from tiertrain.memory.capacity import host_available
 from tiertrain.units import parse_size
 
 
@@ -23,7 +24,10 @@ def default_budgets(cfg: TrainConfig, device: torch.device) -> Budgets:
     else:
         dev = 4 << 30
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    host = parse_size(cfg.host_memory) if cfg.host_memory else ram // 2
+    # half the RAM, but never more than the machine can give now beside the device tier (on CPU the
+    # device tier is host memory too): a default must not be refused by the capacity check
+    room = host_available() - (dev if device.type == "cpu" else 0)
+    host = parse_size(cfg.host_memory) if cfg.host_memory else max(0, min(ram // 2, int(0.9 * room)))
     disk_dir, disk = None, 0
     if cfg.disk:
         spec = Budgets.parse(0, 0, cfg.disk)

@@ -19,6 +19,8 @@ import json
 import logging
 import os
 import shutil
+import socket
+import stat
 import tempfile
 import weakref
 from pathlib import Path
@@ -38,6 +40,10 @@ RUN_PREFIX = "tiertrain-run-"
 OWNER_FILE = "owner.json"
 
 
+MARKER = "tiertrain-disk-tier"  # what a marker says, so no other file can pass for one
+PAGES_FILE = "pages.bin"
+
+
 def _start_time(pid: int) -> int | None:
     """Process start time in clock ticks since boot; tells a live owner from a reused pid."""
     try:
@@ -47,18 +53,45 @@ def _start_time(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[19])
 
 
+def _identity() -> dict:
+    """Who made a disk-tier directory: this process, on this machine, as this user."""
+    return {"marker": MARKER, "pid": os.getpid(), "start": _start_time(os.getpid()), "host": socket.gethostname(),
+            "uid": os.getuid()}
+
+
+def _ours_and_abandoned(path: Path) -> bool:
+    """Whether ``path`` is a disk-tier directory a tiertrain run made here and left behind: its marker
+    says so, it belongs to this user, its owner process is gone, and it holds nothing but our files.
+    Anything else under the same name pattern is somebody's data and is never touched."""
+    try:
+        info = os.lstat(path)
+        owner = json.loads((path / OWNER_FILE).read_text())
+        names = set(os.listdir(path))
+    except (OSError, ValueError):
+        return False
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or not isinstance(owner, dict):
+        return False
+    if owner.get("marker") != MARKER or owner.get("host") != socket.gethostname() or owner.get("uid") != os.getuid():
+        return False
+    if not names <= {OWNER_FILE, PAGES_FILE}:
+        return False
+    pid = owner.get("pid")
+    return not (isinstance(pid, int) and _start_time(pid) == owner.get("start"))
+
+
 def remove_stale(root: Path) -> list[Path]:
-    """Remove run directories under ``root`` whose owning process is gone (a crashed run)."""
+    """Remove the disk-tier directories under ``root`` that crashed runs left (``_ours_and_abandoned``);
+    an empty one (a run killed before it wrote its marker) goes too, since removing it loses nothing."""
     removed = []
     for path in root.glob(f"{RUN_PREFIX}*"):
+        if _ours_and_abandoned(path):
+            for name in (PAGES_FILE, OWNER_FILE):
+                (path / name).unlink(missing_ok=True)
         try:
-            owner = json.loads((path / OWNER_FILE).read_text())
-            alive = _start_time(owner["pid"]) == owner["start"]
-        except (OSError, ValueError, KeyError):
-            alive = False  # no readable owner: a run that died while creating it
-        if not alive:
-            shutil.rmtree(path, ignore_errors=True)
+            path.rmdir()  # only ever succeeds on an empty directory
             removed.append(path)
+        except OSError:
+            continue
     if removed:
         log.warning("removed %d stale disk-tier director%s left by crashed runs under %s",
                     len(removed), "y" if len(removed) == 1 else "ies", root)
@@ -72,18 +105,36 @@ class DiskDir:
         root = Path(root)
         try:
             root.mkdir(parents=True, exist_ok=True)
+            self.stale_removed = remove_stale(root)
+            self.path = Path(tempfile.mkdtemp(prefix=RUN_PREFIX, dir=root))  # mkdtemp: mode 0700
         except OSError as exc:
-            raise ConfigError(f"disk directory {root} cannot be created ({exc.strerror}); name another with --disk") from None
-        self.stale_removed = remove_stale(root)
-        self.path = Path(tempfile.mkdtemp(prefix=RUN_PREFIX, dir=root))  # mkdtemp: mode 0700
-        owner = {"pid": os.getpid(), "start": _start_time(os.getpid())}
-        fd = os.open(self.path / OWNER_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(owner, f)
-        self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.path), True)
+            raise ConfigError(f"disk directory {root} cannot be written ({_errname(exc)}: {exc.strerror}); "
+                              "name a writable directory with --disk") from None
+        self._finalizer = weakref.finalize(self, _remove_own, self.path)
+        try:
+            fd = os.open(self.path / OWNER_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(_identity(), f)
+        except OSError as exc:
+            self.close()
+            raise ConfigError(f"disk directory {root} cannot be written ({_errname(exc)}: {exc.strerror}); "
+                              "name a writable directory with --disk") from None
 
     def close(self) -> None:
         self._finalizer()
+
+
+def _remove_own(path: Path) -> None:
+    """Remove this run's own directory: only the files the disk tier puts there, then the directory."""
+    for name in (PAGES_FILE, OWNER_FILE):
+        try:
+            (path / name).unlink()
+        except OSError:
+            pass
+    try:
+        path.rmdir()
+    except OSError:
+        log.warning("disk-tier directory %s was not empty at the end of the run; left in place", path)
 
 
 def _errname(exc: OSError) -> str:
@@ -96,7 +147,7 @@ class DiskPool(Pool):
     def __init__(self, budget: int, page_size: int, directory: DiskDir, reserve: bool = True) -> None:
         super().__init__(Tier.DISK, budget, page_size, share_pages=False)
         self.dir = directory
-        self.file = directory.path / "pages.bin"
+        self.file = directory.path / PAGES_FILE
         self._checksums: dict[int, tuple[int, int]] = {}
         self.direct = self._open()
         if reserve and self.capacity:

@@ -15,7 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from tiertrain.errors import ConfigError, DiskError
 from tiertrain.memory.disk import checksum
+from tiertrain.units import format_bytes
 from tiertrain.memory.pool import host_buffer
 
 
@@ -33,13 +35,17 @@ class DiskRates:
 
 def measure_disk(directory: Path, page: int, total: int, in_flight: int, verify: bool = False) -> DiskRates:
     """``verify``: checksum every page written and read, as the disk tier does."""
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, path = tempfile.mkstemp(dir=directory, prefix=".tiertrain-probe-")
+    except OSError as exc:
+        raise ConfigError(f"disk directory {directory} cannot be written ({exc.strerror}); "
+                          "name a writable directory with --disk") from None
+    os.close(fd)
+    fd = -1
     buffers = [host_buffer(page, pin=False) for _ in range(in_flight)]  # (tensor, its mapping): keep both
     views = [memoryview(b.random_(0, 256).numpy()) for b, _ in buffers]
     n = max(in_flight, total // page)
-    fd, path = tempfile.mkstemp(dir=directory, prefix=".tiertrain-probe-")
-    os.close(fd)
-    fd = -1
 
     def write(i: int) -> None:
         if verify:
@@ -63,6 +69,9 @@ def measure_disk(directory: Path, page: int, total: int, in_flight: int, verify:
             list(pool.map(read, range(n)))
             read_s = time.perf_counter() - t
             cpu_s = time.process_time() - cpu
+    except OSError as exc:  # a full or failing disk: the probe's file goes, the user learns why
+        raise DiskError(f"measuring the disk under {directory} failed ({exc.strerror}): the probe writes "
+                        f"{format_bytes(n * page)}; free space there, or give --page-size to skip the measurement") from None
     finally:
         if fd >= 0:
             os.close(fd)

@@ -9,6 +9,7 @@ Pools that do whole-page I/O (disk) turn sharing off: every chunk starts on a pa
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 
@@ -29,20 +30,24 @@ class PagesExhausted(Exception):
 
 
 class PageTable:
+    """Free and owned pages, in memory proportional to the pages in use, not to the budget: a
+    1000 TiB budget (or 100 TiB of 4 KiB pages) costs nothing until its pages are taken.
+
+    Pages at or past ``_frontier`` have never been handed out; ``_holes`` are the sorted, disjoint
+    ``[start, end)`` runs freed below it (a hole never touches the frontier: it lowers it instead).
+    Allocation is first fit in address order, as a scan of a free bitmap would be."""
+
     def __init__(self, n_pages: int, page_size: int, share_pages: bool) -> None:
         self.n_pages, self.page_size, self.share_pages = n_pages, page_size, share_pages
-        self._free = bytearray(b"\x01") * n_pages  # 1 = free; bytes.find locates runs in C
-        self._owners = [0] * n_pages
+        self._owners: dict[int, int] = {}
+        self._frontier = 0
+        self._holes: list[list[int]] = []
         self.free_pages = n_pages
         self._open_tail: tuple[int, int] | None = None  # (page, bytes used) a large chunk may start in
 
     @property
     def used_pages(self) -> int:
         return self.n_pages - self.free_pages
-
-    def pages_needed(self, nbytes: int) -> int:
-        head = self._head_room(nbytes)
-        return -(-(nbytes - head) // self.page_size)
 
     def _head_room(self, nbytes: int) -> int:
         if self.share_pages and self._open_tail is not None and nbytes >= self.page_size:
@@ -55,7 +60,7 @@ class PageTable:
             return []
         ps, head = self.page_size, 0 if contiguous else self._head_room(nbytes)
         n_new = -(-(nbytes - head) // ps)
-        if n_new > self.free_pages or (contiguous and self._free.find(b"\x01" * n_new) < 0):
+        if n_new > self.free_pages or (contiguous and self._find_run(n_new) is None):
             raise PagesExhausted(n_new)
         extents: list[Extent] = []
         if head:
@@ -75,33 +80,73 @@ class PageTable:
             self._open_tail = (last.page, last.length)
         return extents
 
+    def _is_free_run(self, start: int, n: int) -> bool:
+        if start >= self._frontier:
+            return start + n <= self.n_pages
+        i = bisect.bisect_right(self._holes, [start, self.n_pages + 1]) - 1
+        return i >= 0 and self._holes[i][0] <= start and start + n <= self._holes[i][1]
+
+    def _find_run(self, n: int) -> int | None:
+        """The first free run of ``n`` pages, in address order."""
+        for lo, hi in self._holes:
+            if hi - lo >= n:
+                return lo
+        return self._frontier if self._frontier + n <= self.n_pages else None
+
     def _take(self, n: int, prefer: int | None) -> list[int]:
         """n free pages: a run starting at ``prefer`` if free, else the first run, else any."""
         if n == 0:
             return []
-        run = b"\x01" * n
-        if prefer is not None and self._free[prefer : prefer + n] == run:
-            start = prefer
-        else:
-            start = self._free.find(run)
-        if start >= 0:
+        start = prefer if prefer is not None and self._is_free_run(prefer, n) else self._find_run(n)
+        if start is not None:
             pages = list(range(start, start + n))
-        else:
-            pages = [i for i, f in enumerate(self._free) if f][:n]
+        else:  # scattered: the lowest free pages
+            pages = [p for lo, hi in self._holes for p in range(lo, hi)][:n]
+            pages += range(self._frontier, self._frontier + n - len(pages))
         for p in pages:
-            self._free[p] = 0
+            self._mark_used(p)
         self.free_pages -= n
         return pages
 
+    def _mark_used(self, page: int) -> None:
+        if page >= self._frontier:
+            if page > self._frontier:  # the pages skipped over become a hole
+                self._holes.append([self._frontier, page])
+            self._frontier = page + 1
+            return
+        i = bisect.bisect_right(self._holes, [page, self.n_pages + 1]) - 1
+        lo, hi = self._holes[i]
+        replacement = [r for r in ([lo, page], [page + 1, hi]) if r[1] > r[0]]
+        self._holes[i : i + 1] = replacement
+
+    def _mark_free(self, page: int) -> None:
+        i = bisect.bisect_left(self._holes, [page, page])
+        left = self._holes[i - 1] if i > 0 and self._holes[i - 1][1] == page else None
+        right = self._holes[i] if i < len(self._holes) and self._holes[i][0] == page + 1 else None
+        if left and right:
+            left[1] = right[1]
+            del self._holes[i]
+        elif left:
+            left[1] = page + 1
+        elif right:
+            right[0] = page
+        else:
+            self._holes.insert(i, [page, page + 1])
+        if self._holes and self._holes[-1][1] == self._frontier:  # a hole reaching the frontier lowers it
+            self._frontier = self._holes.pop()[0]
+
     def release(self, extents: list[Extent]) -> None:
         for e in extents:
-            self._owners[e.page] -= 1
-            assert self._owners[e.page] >= 0, f"page {e.page} released twice"
-            if self._owners[e.page] == 0:
-                self._free[e.page] = 1
-                self.free_pages += 1
-                if self._open_tail is not None and self._open_tail[0] == e.page:
-                    self._open_tail = None
+            left = self._owners[e.page] - 1
+            assert left >= 0, f"page {e.page} released twice"
+            if left:
+                self._owners[e.page] = left
+                continue
+            del self._owners[e.page]
+            self._mark_free(e.page)
+            self.free_pages += 1
+            if self._open_tail is not None and self._open_tail[0] == e.page:
+                self._open_tail = None
 
     def owners(self, page: int) -> int:
-        return self._owners[page]
+        return self._owners.get(page, 0)

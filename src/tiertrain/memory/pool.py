@@ -64,7 +64,10 @@ def host_buffer(nbytes: int, pin: bool) -> tuple[torch.Tensor, mmap.mmap | None]
     """
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8), None
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as exc:  # the kernel refused the reservation (overcommit limits)
+        raise BudgetError("host", nbytes, nbytes, 0, detail=f"the kernel refused to map it ({exc.strerror})") from None
     tensor = torch.frombuffer(region, dtype=torch.uint8)
     if pin:
         err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)

@@ -8,6 +8,7 @@ import torch
 
 from tiertrain.memory.accounting import Accounting
 from tiertrain.memory.budgets import Budgets
+from tiertrain.memory.capacity import check_budgets
 from tiertrain.memory.chunk import Chunk
 from tiertrain.memory.disk import DiskDir, DiskPool
 from tiertrain.memory.movement import Handle, Mover
@@ -28,8 +29,12 @@ class MemorySystem:
     """
 
     def __init__(self, budgets: Budgets, page_size: int | None = None, io_workers: int = 8,
-                 device: torch.device | None = None, reserve_disk: bool = True) -> None:
+                 device: torch.device | None = None, reserve_disk: bool = True, check_machine: bool = True) -> None:
+        """``check_machine=False``: the caller has already held the budgets against the machine
+        (``tiertrain.setup`` does, before it profiles or builds anything)."""
         self.device = device or compute_device()
+        if check_machine:
+            check_budgets(budgets, self.device)
         self.page_size = page_size_for(page_size, budgets.disk_dir if budgets.disk else None, self.device)
         self.accounting = Accounting()
         self.pools: dict[Tier, Pool] = {

@@ -62,7 +62,8 @@ def test_model_states_8x_the_memory_cap_train_with_optimizer_states_on_disk(tmp_
                     "--disk", f"{disk}:7GiB", "--page-size", "1MiB", "--batch-size", "1", "--seq-len", "32",
                     "--steps", "1", "--out", str(out))
     assert "building it on the meta device" in first.stdout
-    second = _capped(memory_cgroup, "train", "--resume", str(out), "--steps", "2")  # the checkpoint, read back
+    # the checkpoint, read back; --disk again: a checkpoint never chooses where tiertrain writes
+    second = _capped(memory_cgroup, "train", "--resume", str(out), "--steps", "2", "--disk", f"{disk}:7GiB")
     assert "resumed from" in second.stdout
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2] and rows[1]["loss"] < rows[0]["loss"]

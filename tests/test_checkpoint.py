@@ -1,5 +1,8 @@
+import errno
 import hashlib
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -8,11 +11,15 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from conftest import tiny_config
-from tiertrain.engine.checkpoint import find_checkpoint, load_checkpoint
+from tiertrain.cli.main import main
+from tiertrain.engine.checkpoint import (NEEDED, TrainerState, file_digest, find_checkpoint, load_checkpoint,
+                                         save_checkpoint, saved_run_options)
 from tiertrain.engine.loop import Trainer, train
-from tiertrain.errors import CheckpointError
+from tiertrain.errors import CheckpointError, OutputError
 
 
 def tree_digest(root: Path) -> dict[str, str]:
@@ -66,7 +73,7 @@ def test_sigkill_during_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     ckpt = find_checkpoint(out)
     assert ckpt.name == "step-00000003"
     assert tree_digest(ckpt) == before
-    t = Trainer(tiny_config(out, steps=6))
+    t = Trainer(tiny_config(tmp_path / "loader", steps=6))  # a state to load into; a run dir of its own
     state = load_checkpoint(ckpt, t.state)
     assert state.step == 3
     # The next save cleans up what the crash left.
@@ -169,13 +176,14 @@ def test_checkpoints_whose_manifest_holds_sha256_digests_still_verify(tmp_path):
     assert all(d.startswith("crc32c:") for d in trainer["files"].values())
     trainer["files"] = {name: hashlib.sha256((ckpt / name).read_bytes()).hexdigest() for name in trainer["files"]}
     (ckpt / "trainer.json").write_text(json.dumps(trainer))
-    assert load_checkpoint(ckpt, Trainer(tiny_config(tmp_path, steps=4)).state).step == 2
+    state = Trainer(tiny_config(tmp_path / "loader", steps=4)).state  # a run dir of its own: tmp_path holds a run
+    assert load_checkpoint(ckpt, state).step == 2
     path = ckpt / "model.safetensors"
     data = bytearray(path.read_bytes())
     data[-3] ^= 0x10
     path.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="model.safetensors is missing or damaged"):
-        load_checkpoint(ckpt, Trainer(tiny_config(tmp_path, steps=4)).state)
+        load_checkpoint(ckpt, state)
 
 
 def test_states_set_up_for_a_resume_are_written_once_by_the_checkpoint_and_never_drawn(tmp_path, monkeypatch):
@@ -258,3 +266,344 @@ def test_streaming_a_checkpoint_gives_each_blocks_freed_buffers_back_to_the_os(t
     finally:
         tm.runtime.close()
         tm.runtime.mem.close()
+
+
+# ---------------------------------------------------------------- issue 16: pruning, confinement, bad insides, full disks
+
+TINY = ["--model", "tiny", "--batch-size", "4", "--seq-len", "32"]
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory) -> Path:
+    """One tiny run with one checkpoint (step 2), trained once for the tests below; each works on a copy."""
+    out = tmp_path_factory.mktemp("saved") / "run"
+    train(tiny_config(out, steps=2))
+    return out
+
+
+@pytest.fixture(scope="module")
+def loader(tmp_path_factory):
+    """A tiny model's training state to load checkpoints into (in a run directory of its own)."""
+    return Trainer(tiny_config(tmp_path_factory.mktemp("loader") / "out", steps=4)).state
+
+
+@pytest.fixture
+def run(saved_run, tmp_path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(saved_run, out, symlinks=True)
+    return out
+
+
+def ckpt_of(run: Path) -> Path:
+    return run / "checkpoints" / "step-00000002"
+
+
+def names(out: Path) -> list[str]:
+    return sorted(p.name for p in (out / "checkpoints").glob("step-*"))
+
+
+def edit_trainer(ckpt: Path, edit) -> None:
+    """Apply ``edit`` to trainer.json (it may change the mapping in place or return a new value)."""
+    data = json.loads((ckpt / "trainer.json").read_text())
+    new = edit(data)
+    (ckpt / "trainer.json").write_text(json.dumps(data if new is None else new))
+
+
+def refresh_digest(ckpt: Path, name: str) -> None:
+    """Record the file's current checksum, so that only the check under test can refuse it."""
+    edit_trainer(ckpt, lambda d: d["files"].__setitem__(name, file_digest(ckpt / name)))
+
+
+def assert_refused(call, *phrases: str) -> str:
+    with pytest.raises(CheckpointError) as info:
+        call()
+    message = str(info.value)
+    assert "\n" not in message, message
+    for phrase in phrases:
+        assert phrase in message, message
+    return message
+
+
+def at(step: int) -> TrainerState:
+    return TrainerState(step=step, data_position=step, scaler={}, run_config={})
+
+
+def test_a_second_run_writing_lower_steps_keeps_its_own_checkpoints(tmp_path, loader):
+    """Issue 16.1: pruning kept the highest step numbers, so a new run into a directory holding a
+    longer run's checkpoints deleted its own, and ``latest`` named a deleted one."""
+    out = tmp_path / "run"
+    for step in (5, 10):  # an earlier, longer run
+        save_checkpoint(out, loader, at(step), keep=2)
+    for step in (2, 4):  # a new run into the same directory
+        written = save_checkpoint(out, loader, at(step), keep=2)
+        assert written.is_dir()
+    assert names(out) == ["step-00000002", "step-00000004"]
+    assert find_checkpoint(out).name == "step-00000004"
+
+
+def test_resuming_from_an_earlier_checkpoint_keeps_what_it_writes(tmp_path, loader):
+    out = tmp_path / "run"
+    train(tiny_config(out, steps=10, save_every=2, keep_checkpoints=5))
+    summary = train(tiny_config(out, steps=4, keep_checkpoints=2, resume=str(out / "checkpoints" / "step-00000002")))
+    assert summary.checkpoint == out / "checkpoints" / "step-00000004" and summary.checkpoint.is_dir()
+    assert find_checkpoint(out) == summary.checkpoint
+    assert names(out) == ["step-00000004", "step-00000010"]  # the one written, and the most recent of the others
+    assert load_checkpoint(summary.checkpoint, loader).step == 4
+
+
+def test_checkpoints_without_a_write_stamp_count_as_older_ordered_by_step(tmp_path, loader):
+    out = tmp_path / "run"
+    for step in (1, 2, 3):
+        save_checkpoint(out, loader, at(step), keep=10)
+    for step in (2, 3):  # as an older tiertrain wrote them
+        edit_trainer(out / "checkpoints" / f"step-{step:08d}", lambda d: d.pop("saved_at_ns") and None)
+    save_checkpoint(out, loader, at(7), keep=3)
+    assert names(out) == ["step-00000001", "step-00000003", "step-00000007"]
+
+
+def test_pruning_never_removes_the_checkpoint_just_written(tmp_path, loader, monkeypatch):
+    import tiertrain.engine.checkpoint as ck
+
+    out = tmp_path / "run"
+    for step in (1, 2):
+        save_checkpoint(out, loader, at(step), keep=2)
+    monkeypatch.setattr(ck, "_write_stamp", lambda: 1)  # a clock set back: the new one looks the oldest
+    written = save_checkpoint(out, loader, at(3), keep=2)
+    assert written.is_dir() and find_checkpoint(out) == written
+    assert names(out) == ["step-00000002", "step-00000003"]
+
+
+@pytest.mark.parametrize("name", ["../../../outside/secret.txt", "ABSOLUTE", "sub/secret.txt", "..", ".", "",
+                                  "model.safetensors/", ".hidden", "a\nb"])
+def test_manifest_names_never_lead_outside_the_checkpoint(run, loader, tmp_path, name):
+    """Issue 16.3: a manifest entry such as ../../../../etc/passwd or an absolute path was opened and read."""
+    outside = tmp_path / "outside"
+    (outside / "sub").mkdir(parents=True)
+    secret = outside / "secret.txt"
+    secret.write_bytes(b"not the checkpoint's")
+    (outside / "sub" / "secret.txt").write_bytes(b"nor this")
+    (ckpt_of(run) / "sub").symlink_to(outside / "sub")
+    name = str(secret) if name == "ABSOLUTE" else name
+    edit_trainer(ckpt_of(run), lambda d: d["files"].__setitem__(name, file_digest(secret)))  # it would even verify
+    before = tree_digest(outside)
+    assert_refused(lambda: saved_run_options(run), "not a plain file name")
+    assert_refused(lambda: load_checkpoint(ckpt_of(run), loader), "not a plain file name")
+    assert tree_digest(outside) == before
+
+
+def test_a_checkpoint_file_that_is_a_symlink_is_never_followed(run, loader, tmp_path):
+    ckpt = ckpt_of(run)
+    real = tmp_path / "elsewhere.safetensors"
+    shutil.move(ckpt / "model.safetensors", real)
+    (ckpt / "model.safetensors").symlink_to(real)  # the same bytes: its checksum matches
+    assert_refused(lambda: load_checkpoint(ckpt, loader), "model.safetensors", "symbolic link")
+
+
+@pytest.mark.parametrize("name", NEEDED)
+def test_every_file_the_loader_reads_is_listed_and_verified_before_it_is_read(run, loader, name):
+    """config.json (and any file left out of the manifest) was read without being verified."""
+    ckpt = ckpt_of(run)
+    edit_trainer(ckpt, lambda d: d["files"].pop(name) and None)
+    if name == "config.json":
+        (ckpt / name).write_text(json.dumps({"tiertrain_model": "x"}))
+    else:
+        data = bytearray((ckpt / name).read_bytes())
+        data[-1] ^= 0xFF
+        (ckpt / name).write_bytes(bytes(data))
+    assert_refused(lambda: load_checkpoint(ckpt, loader), f"no checksum for {name}")
+
+
+@pytest.mark.parametrize("how", ["relative", "absolute", "symlinked sibling", "latest a symlink", "not a step"])
+def test_latest_names_only_a_checkpoint_directory_beside_it(run, tmp_path, how):
+    """Issue 16.3: ``latest`` set to ../../../elsewhere/step-x resumed from outside the run."""
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(run, elsewhere)  # a complete, valid checkpoint outside the run
+    target = elsewhere / "checkpoints" / "step-00000002"
+    latest = run / "checkpoints" / "latest"
+    if how == "relative":
+        latest.write_text("../../elsewhere/checkpoints/step-00000002")
+    elif how == "absolute":
+        latest.write_text(str(target))
+    elif how == "symlinked sibling":
+        (run / "checkpoints" / "step-00000099").symlink_to(target)
+        latest.write_text("step-00000099")
+    elif how == "latest a symlink":
+        latest.unlink()
+        latest.symlink_to(elsewhere / "checkpoints" / "latest")
+    else:
+        latest.write_text("step-00000002/..")
+    assert_refused(lambda: find_checkpoint(run), str(latest))
+    assert_refused(lambda: saved_run_options(run), str(latest))
+
+
+def test_run_options_naming_places_are_never_taken_from_a_checkpoint(run, tmp_path, capsys):
+    """Issue 16.3: trainer.json's run_config.disk made a resume remove a tiertrain-run-* directory
+    elsewhere and reserve space there; out, resume and overwrite are no better."""
+    victim = tmp_path / "victim"
+    (victim / "tiertrain-run-1234").mkdir(parents=True)
+    (victim / "tiertrain-run-1234" / "data").write_bytes(b"user data")
+    edit_trainer(ckpt_of(run), lambda d: d["run_config"].update(
+        out=str(victim), resume=str(victim), disk=f"{victim}:3GiB", overwrite=True))
+    options = saved_run_options(run)
+    assert not {"out", "resume", "disk", "overwrite"} & set(options) and options["model"] == "tiny"
+    before = tree_digest(victim)
+    assert main(["train", "--resume", str(run), "--steps", "3", "--quiet"]) == 0, capsys.readouterr().err
+    assert tree_digest(victim) == before and sorted(p.name for p in victim.rglob("*")) == ["data", "tiertrain-run-1234"]
+    assert find_checkpoint(run).name == "step-00000003"
+
+
+def _set(key, value):
+    return lambda d: d.__setitem__(key, value)
+
+
+BAD_TRAINER = {
+    "a list": lambda d: [d],
+    "a number": lambda d: 3,
+    "no files": lambda d: d.pop("files") and None,
+    "step abc": _set("step", "abc"),
+    "step true": _set("step", True),
+    "step fractional": _set("step", 2.5),
+    "negative data_position": _set("data_position", -1),
+    "run_config a list": _set("run_config", ["tiny"]),
+    "rng a list": _set("rng", [1, 2]),
+    "python rng short": lambda d: d["rng"]["python"].__setitem__(1, d["rng"]["python"][1][:10]),
+    "python rng version": lambda d: d["rng"]["python"].__setitem__(0, 2),
+    "python rng word": lambda d: d["rng"]["python"][1].__setitem__(0, 2**40),
+    "numpy rng position": lambda d: d["rng"]["numpy"].__setitem__(2, 700),
+    "numpy rng kind": lambda d: d["rng"]["numpy"].__setitem__(0, "PCG64"),
+    "param_groups a mapping": _set("param_groups", {"lr": 1e-3}),
+    "param_groups one more": lambda d: d["param_groups"].append(d["param_groups"][0]),
+    "param_groups lr a string": lambda d: d["param_groups"][0].__setitem__("lr", "fast"),
+    "param_groups betas short": lambda d: d["param_groups"][0].__setitem__("betas", [0.9]),
+    "param_groups eps negative": lambda d: d["param_groups"][1].__setitem__("eps", -1),
+    "param_groups group a list": lambda d: d["param_groups"].__setitem__(0, [1]),
+    "scaler a list": _set("scaler", [1]),
+    "scaler scale a string": _set("scaler", {"scale": "big", "growth_factor": 2.0, "backoff_factor": 0.5,
+                                             "growth_interval": 2000, "_growth_tracker": 0}),
+    "scaler incomplete": _set("scaler", {"scale": 1024.0}),
+    "format_version": _set("format_version", 2),
+    "files a list": _set("files", ["model.safetensors"]),
+    "digest a number": lambda d: d["files"].__setitem__("model.safetensors", 5),
+    "unknown field": _set("bogus", 1),
+    "saved_at_ns negative": _set("saved_at_ns", -5),
+}
+
+
+@pytest.mark.parametrize("case", BAD_TRAINER)
+def test_trainer_json_wrong_inside_is_one_checkpoint_error(run, loader, case):
+    """Issue 16.5: valid JSON but wrong inside ended in a traceback (or was taken as it was)."""
+    ckpt = ckpt_of(run)
+    edit_trainer(ckpt, BAD_TRAINER[case])
+    before, rng = tree_digest(run), torch.get_rng_state()
+    assert_refused(lambda: load_checkpoint(ckpt, loader))
+    assert tree_digest(run) == before and torch.equal(torch.get_rng_state(), rng)
+
+
+@pytest.mark.parametrize("bad", ["float32", "short", "unknown key", "missing"])
+def test_torch_rng_states_must_be_uint8_states_of_the_right_size(run, loader, bad):
+    """Issue 16.5: an rng.safetensors holding float32 ended in a traceback."""
+    ckpt = ckpt_of(run)
+    rng = load_file(ckpt / "rng.safetensors")
+    if bad == "float32":
+        rng["torch_cpu"] = rng["torch_cpu"].float()
+    elif bad == "short":
+        rng["torch_cpu"] = rng["torch_cpu"][:100].clone()
+    elif bad == "unknown key":
+        rng["numpy"] = torch.zeros(3, dtype=torch.uint8)
+    else:
+        rng = {"torch_cuda_0": rng["torch_cpu"]}
+    save_file(rng, ckpt / "rng.safetensors")
+    refresh_digest(ckpt, "rng.safetensors")
+    before = torch.get_rng_state()
+    assert_refused(lambda: load_checkpoint(ckpt, loader), "rng.safetensors")
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+@pytest.mark.parametrize("bad", ["float16 moment", "transposed moment", "missing step", "unknown kind",
+                                 "step a vector"])
+def test_optimizer_state_must_fit_the_models_parameters(run, loader, bad):
+    ckpt = ckpt_of(run)
+    opt = load_file(ckpt / "optimizer.safetensors")
+    key = "blocks.0.attn.qkv.weight"  # 96 x 32
+    if bad == "float16 moment":
+        opt[f"{key}::exp_avg"] = opt[f"{key}::exp_avg"].half()
+    elif bad == "transposed moment":
+        opt[f"{key}::exp_avg"] = opt[f"{key}::exp_avg"].t().contiguous()
+    elif bad == "missing step":
+        del opt[f"{key}::step"]
+    elif bad == "unknown kind":
+        opt[f"{key}::momentum"] = opt[f"{key}::exp_avg"]
+    else:
+        opt[f"{key}::step"] = torch.ones(3)
+    save_file({k: v.clone() for k, v in opt.items()}, ckpt / "optimizer.safetensors")
+    refresh_digest(ckpt, "optimizer.safetensors")
+    assert_refused(lambda: load_checkpoint(ckpt, loader), "optimizer")
+
+
+@pytest.mark.parametrize("config", [[], "tiny", {"tiertrain_model": ["tiny"]}])
+def test_config_json_that_describes_no_model_is_refused(run, loader, config):
+    ckpt = ckpt_of(run)
+    (ckpt / "config.json").write_text(json.dumps(config))
+    refresh_digest(ckpt, "config.json")
+    assert_refused(lambda: load_checkpoint(ckpt, loader), "config.json")
+
+
+def test_a_save_that_fails_removes_its_temporary_directory_and_keeps_the_last(run, monkeypatch):
+    """Issue 16.5: ENOSPC during a save was a traceback and left a hidden temporary directory."""
+    import tiertrain.engine.checkpoint as ck
+
+    root = run / "checkpoints"
+    before = tree_digest(root)
+    real = ck.write_streamed
+
+    def full_disk(path, stream, metadata=None):
+        if path.name == "optimizer.safetensors":
+            path.write_bytes(b"\0" * 1000)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real(path, stream, metadata)
+
+    monkeypatch.setattr(ck, "write_streamed", full_disk)
+    with pytest.raises(OutputError) as info:
+        train(tiny_config(run, steps=4, resume=str(run)))
+    message = str(info.value)
+    assert "\n" not in message and str(root) in message and "No space left on device" in message
+    assert "free there" in message and "choose another --out" in message
+    assert not list(root.glob(".*")) and tree_digest(root) == before
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 4 MiB tmpfs mounted for the test (root only), unmounted after it."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True,
+                              text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_out_of_space_during_a_save_is_one_error_line_and_loses_nothing(small_tmpfs, loader, capsys):
+    """Issue 16, must hold: ENOSPC during a save on a small tmpfs: the previous checkpoint intact,
+    ``latest`` unchanged, no temporary directory left, exit 2 with one ``error:`` line."""
+    out = small_tmpfs / "run"
+    assert main(["train", *TINY, "--steps", "2", "--out", str(out), "--quiet"]) == 0, capsys.readouterr().err
+    root = out / "checkpoints"
+    before = tree_digest(root)
+    with open(small_tmpfs / "filler", "wb") as f:  # leave room for metrics rows, not for a checkpoint
+        while shutil.disk_usage(small_tmpfs).free > 96 << 10:
+            f.write(b"\xff" * min(1 << 20, shutil.disk_usage(small_tmpfs).free - (96 << 10) + 4096))
+            f.flush()
+    capsys.readouterr()
+    assert main(["train", "--resume", str(out), "--steps", "4", "--quiet"]) == 2
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: cannot save checkpoint step-00000004"), lines
+    assert "No space left on device" in lines[0] and str(root) in lines[0] and "free there" in lines[0]
+    assert tree_digest(root) == before and not list(root.glob(".*")) and names(out) == ["step-00000002"]
+    assert load_checkpoint(find_checkpoint(out), loader).step == 2

@@ -27,6 +27,7 @@ DIRTY_BYTES = 64 << 20  # written through the page cache before it is flushed an
 _CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
           torch.bool: "BOOL"}
+_DTYPES = {code: dtype for dtype, code in _CODES.items()}
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,13 @@ def _settle(f: BinaryIO) -> None:
 
 
 class LazyTensors(Mapping[str, torch.Tensor]):
-    """A safetensors file as a mapping whose tensors are read when looked up, one at a time."""
+    """A safetensors file as a mapping whose tensors are read when looked up, one at a time.
+
+    Names, dtypes and shapes come from the header alone (the file is mapped, not read), so a
+    checkpoint's tensors are checked against the model before a byte of them is loaded, and a
+    damaged header that declares huge sizes is refused by safetensors' own checks (sizes must
+    match the file) without anything of that size being allocated. Every failure to read is one
+    ``CheckpointError`` naming the file."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -114,10 +121,22 @@ class LazyTensors(Mapping[str, torch.Tensor]):
             self._keys = list(self._file.keys())
             self._names = set(self._keys)
         except (SafetensorError, OSError) as exc:
-            raise CheckpointError(f"cannot read {path}: {exc}") from None
+            raise CheckpointError(f"cannot read {path}: {_one_line(exc)}; the file is damaged: "
+                                  "resume from another checkpoint") from None
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._file.get_slice(name).get_shape())
+        return tuple(self._slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype | None:
+        """The tensor's dtype as the header declares it; None for one torch cannot hold here."""
+        return _DTYPES.get(self._slice(name).get_dtype())
+
+    def _slice(self, name: str):  # noqa: ANN202 (safetensors' PySafeSlice)
+        try:
+            return self._file.get_slice(name)
+        except SafetensorError as exc:
+            raise CheckpointError(f"cannot read {name!r} in {self.path}: {_one_line(exc)}; "
+                                  "resume from another checkpoint") from None
 
     def __contains__(self, name: object) -> bool:  # without reading the tensor, as Mapping's default would
         return name in self._names
@@ -125,10 +144,19 @@ class LazyTensors(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._names:
             raise KeyError(name)
-        return self._file.get_tensor(name)
+        try:
+            return self._file.get_tensor(name)
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"cannot read {name!r} in {self.path}: {_one_line(exc)}; "
+                                  "resume from another checkpoint") from None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._keys)
 
     def __len__(self) -> int:
         return len(self._keys)
+
+
+def _one_line(exc: BaseException) -> str:
+    """A library's message on one line (an ``error:`` line must stay one line)."""
+    return " ".join(str(exc).split())

@@ -6,14 +6,18 @@ Both speak the same names: ``model.state_dict()`` keys for weights and
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
 
+from tiertrain import typed
 from tiertrain.errors import CheckpointError
-from tiertrain.tensor_file import TensorStream
+from tiertrain.tensor_file import TensorSpec, TensorStream
+
+F32 = torch.float32
 
 
 class TrainState(Protocol):
@@ -22,31 +26,75 @@ class TrainState(Protocol):
     def weights(self) -> TensorStream: ...
     def optimizer_tensors(self) -> TensorStream: ...
     def group_hparams(self) -> list[dict[str, Any]]: ...
-    def expected_weights(self) -> dict[str, torch.Size]: ...
+    def expected_weights(self) -> dict[str, TensorSpec]: ...
+    def expected_moments(self) -> dict[str, TensorSpec]: ...
     def load(self, weights: Mapping[str, torch.Tensor], optim: Mapping[str, torch.Tensor],
              groups: list[dict[str, Any]]) -> None: ...
 
 
-def weights_to_save(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The state dict without aliases: tied weights are stored once (safetensors refuses shared storage)."""
+def _unaliased(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The state dict's entries without aliases: tied weights appear once."""
     seen: set[tuple[int, int]] = set()
-    out = {}
     for name, t in model.state_dict().items():
         key = (t.untyped_storage().data_ptr(), t.storage_offset())
         if key in seen:
             continue
         seen.add(key)
-        out[name] = t.detach().contiguous().cpu()
-    return out
+        yield name, t
+
+
+def weights_to_save(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict without aliases: tied weights are stored once (safetensors refuses shared storage)."""
+    return {name: t.detach().contiguous().cpu() for name, t in _unaliased(model)}
 
 
 def _plain_hparams(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"} for g in groups]
 
 
-def _check_groups(saved: list[dict[str, Any]], current: list[dict[str, Any]]) -> None:
-    if len(saved) != len(current):
-        raise CheckpointError(f"the checkpoint's optimizer has {len(saved)} parameter groups, this run {len(current)}")
+@dataclass(frozen=True)
+class GroupHparams:
+    """What a resumed run takes from each saved parameter group: the numbers that define AdamW's
+    update. The rest of a group (fused, foreach, amsgrad...) is how this run was built, and a
+    checkpoint must not switch it (amsgrad on would need state no checkpoint holds)."""
+
+    lr: float = field(metadata=typed.at_least(0))
+    betas: tuple[float, float] = field(metadata=typed.between(0, 1, high_open=True))
+    eps: float = field(metadata=typed.at_least(0))
+    weight_decay: float = field(metadata=typed.at_least(0))
+
+
+HPARAMS = tuple(GroupHparams.__dataclass_fields__)
+
+
+def checked_groups(saved: Any, current: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
+    """The saved parameter groups' hyperparameters, each checked for type and range, one per group
+    of this run; refused with one ``CheckpointError`` before anything is loaded."""
+    if not isinstance(saved, list) or len(saved) != len(current):
+        count = len(saved) if isinstance(saved, list) else "no list of"
+        raise CheckpointError(f"{where}: the optimizer has {count} parameter groups, this run {len(current)}; "
+                              "resume the run it was saved from")
+    groups = []
+    for i, group in enumerate(saved):
+        if not isinstance(group, Mapping):
+            raise CheckpointError(f"{where}: param_groups[{i}] must be a mapping; resume from another checkpoint")
+        try:
+            hp = typed.load(GroupHparams, {k: group[k] for k in HPARAMS if k in group}, f"{where}: param_groups[{i}]",
+                            error=CheckpointError)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{exc}; resume from another checkpoint") from None
+        groups.append({k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(hp).items()})
+    return groups
+
+
+def _merge_groups(targets: list[dict[str, Any]], saved: list[dict[str, Any]]) -> None:
+    """Set each group's AdamW hyperparameters from the checkpoint (lists back to tuples); only those."""
+    if len(saved) != len(targets):
+        raise CheckpointError(f"the checkpoint's optimizer has {len(saved)} parameter groups, this run {len(targets)}; "
+                              "resume the run it was saved from")
+    for group, values in zip(targets, saved):
+        group.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in values.items()
+                      if k in HPARAMS and k in group})
 
 
 class PlainState:
@@ -56,8 +104,15 @@ class PlainState:
     def weights(self) -> TensorStream:
         return TensorStream.of(weights_to_save(self.module))
 
-    def expected_weights(self) -> dict[str, torch.Size]:
-        return {k: v.shape for k, v in weights_to_save(self.module).items()}
+    def expected_weights(self) -> dict[str, TensorSpec]:
+        """What model.safetensors must hold, from the tensors' metadata (nothing is copied)."""
+        return {k: TensorSpec(k, v.dtype, tuple(v.shape)) for k, v in _unaliased(self.module)}
+
+    def expected_moments(self) -> dict[str, TensorSpec]:
+        """Per parameter name, the dtype and shape its AdamW moments have (torch keeps them in the
+        parameter's)."""
+        params = [p for g in self.opt.param_groups for p in g["params"]]
+        return {name: TensorSpec(name, params[idx].dtype, tuple(params[idx].shape)) for idx, name in self.names.items()}
 
     def optimizer_tensors(self) -> TensorStream:
         return TensorStream.of({f"{self.names[idx]}::{key}": torch.as_tensor(value).detach().contiguous().cpu()
@@ -76,9 +131,7 @@ class PlainState:
             if name not in index:
                 raise CheckpointError(f"the checkpoint's optimizer state names parameter {name!r} that this model lacks")
             state.setdefault(index[name], {})[kind] = value
-        _check_groups(groups, sd["param_groups"])
-        for group, saved in zip(sd["param_groups"], groups):
-            group.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k in group})
+        _merge_groups(sd["param_groups"], groups)
         sd["state"] = state
         self.opt.load_state_dict(sd)
 
@@ -95,8 +148,11 @@ class TieredState:
 
         return weight_stream(self.rt)
 
-    def expected_weights(self) -> dict[str, torch.Size]:
-        return {n: p.shape for st in self.rt.states for n, p in st.block.params}
+    def expected_weights(self) -> dict[str, TensorSpec]:
+        return {n: TensorSpec(n, F32, tuple(p.shape)) for st in self.rt.states for n, p in st.block.params}
+
+    def expected_moments(self) -> dict[str, TensorSpec]:
+        return self.expected_weights()  # fp32 moments beside each fp32 master
 
     def optimizer_tensors(self) -> TensorStream:
         from tiertrain.runtime.state_io import optimizer_stream
@@ -109,7 +165,5 @@ class TieredState:
     def load(self, weights, optim, groups) -> None:
         from tiertrain.runtime.state_io import import_state
 
-        _check_groups(groups, self.rt.groups)
-        for group, saved in zip(self.rt.groups, groups):
-            group.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k in group})
+        _merge_groups(self.rt.groups, groups)
         import_state(self.rt, weights, optim)

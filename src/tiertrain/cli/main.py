@@ -14,6 +14,44 @@ from tiertrain.plan import DEFAULT_MAX_STALENESS
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
+class AtLeast(click.ParamType):
+    """A whole-number flag with a lower bound, refused as "--x must be at least N"."""
+
+    name = "integer"
+
+    def __init__(self, low: int) -> None:
+        self.low = low
+
+    def convert(self, value, param, ctx):  # type: ignore[no-untyped-def]
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            self.fail(f"{value!r} is not a whole number", param, ctx)
+        try:
+            number = int(value)
+        except ValueError:
+            self.fail(f"{value!r} is not a whole number", param, ctx)
+        if number < self.low:
+            self.fail(f"must be at least {self.low}, got {number}", param, ctx)
+        return number
+
+
+POSITIVE = AtLeast(1)
+
+
+class Finite(click.FloatRange):
+    """A float flag that refuses NaN and infinities (``click.FloatRange`` lets NaN through: every
+    comparison with it is false)."""
+
+    name = "finite float"
+
+    def convert(self, value, param, ctx):  # type: ignore[no-untyped-def]
+        import math
+
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
+
+
 @click.group(context_settings=CONTEXT)
 @click.version_option(package_name="tiertrain")
 def cli() -> None:
@@ -39,6 +77,8 @@ def cli() -> None:
 @click.option("--seed", type=int, help="Seed for weights, data order and masking (default 0).")
 @click.option("--out", type=click.Path(file_okay=False), help="Run directory: metrics.jsonl and checkpoints/ (default runs/tiertrain).")
 @click.option("--resume", type=click.Path(), help="Continue from a run directory or a checkpoint directory.")
+@click.option("--overwrite", is_flag=True, default=None,
+              help="Start a new run in an --out that holds another run's checkpoints and metrics, removing them.")
 @click.option("--save-every", type=int, help="Save a checkpoint every N steps (default: only at the end).")
 @click.option("--log-every", type=int, help="Print a line every N steps when not on a terminal (default 10).")
 @click.option("--plan", help="Put training state in tiers: resident, stream, max-offload, auto (profile and solve for the budgets), or a plan JSON file (default: plain PyTorch).")
@@ -71,7 +111,10 @@ def train(config_file: str | None, quiet: bool, **flags: Any) -> None:
     if flags.get("resume"):
         if not flags.get("out") and "out" not in file_values:
             flags["out"] = _run_dir_of(flags["resume"])
-        file_values = {**saved_run_options(Path(flags["resume"])), **file_values}
+        saved = saved_run_options(Path(flags["resume"]))
+        if saved.get("plan") and not (flags.get("disk") or file_values.get("disk")):
+            _refuse_resume_without_disk(Path(flags["resume"]))
+        file_values = {**saved, **file_values}
     cfg = make_config(file_values, flags)
     console = Console()
     reporter = Reporter(cfg.steps, cfg.log_every, quiet=quiet)
@@ -79,6 +122,17 @@ def train(config_file: str | None, quiet: bool, **flags: Any) -> None:
     reporter.message(trainer.describe())
     summary = trainer.run()
     print_summary(summary, console)
+
+
+def _refuse_resume_without_disk(resume: "Path") -> None:
+    """A run whose states lived on disk resumes only with --disk given again: a checkpoint never
+    chooses where tiertrain writes (or, at the end, deletes)."""
+    from tiertrain.engine.checkpoint import find_checkpoint, read_trainer
+
+    disk = read_trainer(find_checkpoint(resume)).run_config.get("disk")
+    if disk:
+        raise ConfigError(f"the run in {resume} kept states on disk (--disk {disk}); give --disk again to resume "
+                          "it: paths are never taken from a checkpoint")
 
 
 def _run_dir_of(resume: str) -> str:
@@ -93,8 +147,8 @@ def _run_dir_of(resume: str) -> str:
 
 @cli.command(context_settings=CONTEXT)
 @click.option("--model", default=None, help="Model name or config file.")
-@click.option("--batch-size", type=int, default=1, show_default=True, help="Sequences per micro-batch.")
-@click.option("--seq-len", type=int, default=None, help="Tokens per sequence (default: the model's maximum).")
+@click.option("--batch-size", type=POSITIVE, default=1, show_default=True, help="Sequences per micro-batch.")
+@click.option("--seq-len", type=POSITIVE, default=None, help="Tokens per sequence (default: the model's maximum).")
 @click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]), default="bf16", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 @click.option("--list", "list_models", is_flag=True, help="List the named models.")
@@ -127,8 +181,8 @@ def bench() -> None:
 @click.option("--size", default="1GiB", show_default=True, help="Bytes moved per direction and repeat.")
 @click.option("--page-sizes", default="1MiB,4MiB,16MiB", show_default=True, help="Page sizes to compare; the picked size is added.")
 @click.option("--chunk", default="64MiB", show_default=True, help="Chunk size moved through the tier.")
-@click.option("--repeats", type=int, default=3, show_default=True)
-@click.option("--io-workers", type=int, default=8, show_default=True, help="Disk requests in flight.")
+@click.option("--repeats", type=POSITIVE, default=3, show_default=True)
+@click.option("--io-workers", type=POSITIVE, default=8, show_default=True, help="Disk requests in flight.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Also write the figures to this JSON file.")
 def bench_memory(disk_dir: str | None, size: str, page_sizes: str, chunk: str, repeats: int, io_workers: int,
                  json_out: str | None) -> None:
@@ -146,9 +200,9 @@ def bench_memory(disk_dir: str | None, size: str, page_sizes: str, chunk: str, r
 
 
 @bench.command("optimizer", context_settings=CONTEXT)
-@click.option("--d-model", type=int, default=768, show_default=True)
-@click.option("--layers", type=int, default=8, show_default=True)
-@click.option("--repeats", type=int, default=5, show_default=True)
+@click.option("--d-model", type=POSITIVE, default=768, show_default=True)
+@click.option("--layers", type=POSITIVE, default=8, show_default=True)
+@click.option("--repeats", type=POSITIVE, default=5, show_default=True)
 def bench_optimizer_cmd(d_model: int, layers: int, repeats: int) -> None:
     """tiertrain's per-block AdamW against the memory-bandwidth bound and torch's fused AdamW."""
     from tiertrain.bench.machine import describe
@@ -160,11 +214,11 @@ def bench_optimizer_cmd(d_model: int, layers: int, repeats: int) -> None:
 
 def _disk_bound_shape(command: Callable) -> Callable:
     """The model and batch options of the disk-bound benches (offload, convergence)."""
-    options = [click.option("--d-model", type=int, default=512, show_default=True),
-               click.option("--layers", type=int, default=8, show_default=True),
-               click.option("--batch-size", type=int, default=1, show_default=True,
+    options = [click.option("--d-model", type=POSITIVE, default=512, show_default=True),
+               click.option("--layers", type=POSITIVE, default=8, show_default=True),
+               click.option("--batch-size", type=POSITIVE, default=1, show_default=True,
                             help="Sequences per step; the default makes the step disk-bound on a 2-core CPU machine."),
-               click.option("--seq-len", type=int, default=128, show_default=True)]
+               click.option("--seq-len", type=POSITIVE, default=128, show_default=True)]
     for option in reversed(options):
         command = option(command)
     return command
@@ -173,7 +227,7 @@ def _disk_bound_shape(command: Callable) -> Callable:
 @bench.command("offload", context_settings=CONTEXT)
 @_disk_bound_shape
 @click.option("--disk", "disk_dir", type=click.Path(file_okay=False), help="Directory on the disk (default: a temporary one here).")
-@click.option("--repeats", type=int, default=8, show_default=True,
+@click.option("--repeats", type=POSITIVE, default=8, show_default=True,
               help="Timed steps per plan (a multiple of each staleness, so lockfree's passes are all counted).")
 @click.option("--page-size", help='Memory page size, e.g. "1MiB" (default: measured, as train uses).')
 @click.option("--max-staleness", "stalenesses", default="1,4", show_default=True,
@@ -195,8 +249,8 @@ def bench_offload_cmd(d_model: int, layers: int, batch_size: int, seq_len: int, 
 
 @bench.command("convergence", context_settings=CONTEXT)
 @_disk_bound_shape
-@click.option("--steps", type=int, default=200, show_default=True)
-@click.option("--lr", type=float, default=2e-3, show_default=True)
+@click.option("--steps", type=POSITIVE, default=200, show_default=True)
+@click.option("--lr", type=Finite(min=0, min_open=True), default=2e-3, show_default=True)
 @click.option("--disk", "disk_dir", type=click.Path(file_okay=False), help="Directory on the disk (default: a temporary one here).")
 @click.option("--max-staleness", "stalenesses", default="1,4", show_default=True,
               help="Lockfree runs, one per max staleness (comma-separated).")
@@ -211,8 +265,8 @@ def bench_convergence_cmd(d_model: int, layers: int, batch_size: int, seq_len: i
     from tiertrain.units import parse_size
 
     staleness = _stalenesses(stalenesses)
-    if steps < 1 or seq_len < 1 or seq_len > 256 or batch_size < 1:
-        raise ConfigError("--steps and --batch-size must be at least 1, and --seq-len between 1 and 256")
+    if seq_len > 256:
+        raise ConfigError("--seq-len must be at most 256 (the bench model's maximum)")
     click.echo(f"machine: {describe(disk_dir)}")
     page = page_size_for(parse_size(page_size) if page_size else None, disk_dir, compute_device())
     bench_convergence(d_model, layers, batch_size, seq_len, steps, lr, disk_dir, staleness, click.echo, page)
@@ -231,15 +285,15 @@ def _stalenesses(text: str) -> tuple[int, ...]:
 
 @bench.command("overhead", context_settings=CONTEXT)
 @click.option("--model", default=None, help="A named model (tiertrain info); default: a 25M GPT of --d-model, --layers.")
-@click.option("--d-model", type=int, default=512, show_default=True)
-@click.option("--layers", type=int, default=8, show_default=True)
-@click.option("--batch-size", type=int, default=4, show_default=True)
-@click.option("--seq-len", type=int, default=128, show_default=True)
+@click.option("--d-model", type=POSITIVE, default=512, show_default=True)
+@click.option("--layers", type=POSITIVE, default=8, show_default=True)
+@click.option("--batch-size", type=POSITIVE, default=4, show_default=True)
+@click.option("--seq-len", type=POSITIVE, default=128, show_default=True)
 @click.option("--precision", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
 @click.option("--update", "updates", default="sync,overlap", show_default=True,
               help="Update modes of the resident plan to compare with plain PyTorch (comma-separated).")
-@click.option("--rounds", type=int, default=5, show_default=True, help="Interleaved rounds (the median is taken).")
-@click.option("--steps", type=int, default=4, show_default=True, help="Timed steps per variant per round.")
+@click.option("--rounds", type=POSITIVE, default=5, show_default=True, help="Interleaved rounds (the median is taken).")
+@click.option("--steps", type=POSITIVE, default=4, show_default=True, help="Timed steps per variant per round.")
 def bench_overhead_cmd(model: str | None, d_model: int, layers: int, batch_size: int, seq_len: int, precision: str,
                        updates: str, rounds: int, steps: int) -> None:
     """Plain PyTorch against the resident plan on a model that fits: overhead, tokens/s, MFU."""
@@ -252,8 +306,6 @@ def bench_overhead_cmd(model: str | None, d_model: int, layers: int, batch_size:
     if not modes or any(u not in ("sync", "overlap") for u in modes):
         raise ConfigError(f"--update {updates!r}: give sync and/or overlap, comma-separated (lockfree changes the "
                           "numerics, so it has no plain peer)")
-    if rounds < 1 or steps < 1:
-        raise ConfigError("--rounds and --steps must be at least 1")
     cfg = resolve_config(model) if model else model_cfg(d_model, layers)
     if seq_len > cfg.max_seq_len:
         raise ConfigError(f"--seq-len {seq_len} exceeds the model's maximum {cfg.max_seq_len}")
@@ -264,8 +316,8 @@ def bench_overhead_cmd(model: str | None, d_model: int, layers: int, batch_size:
 @bench.command("peers", context_settings=CONTEXT)
 @click.option("--model", default="gpt-small", show_default=True,
               help="A named model (tiertrain info --list) or one of our model config JSONs.")
-@click.option("--batch-size", type=int, default=2, show_default=True)
-@click.option("--seq-len", type=int, default=128, show_default=True)
+@click.option("--batch-size", type=POSITIVE, default=2, show_default=True)
+@click.option("--seq-len", type=POSITIVE, default=128, show_default=True)
 @click.option("--precision", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
 @click.option("--device-memory", default="1GiB", show_default=True,
               help="tiertrain's device budget; on CUDA the peers are held to it too.")
@@ -274,8 +326,8 @@ def bench_overhead_cmd(model: str | None, d_model: int, layers: int, batch_size:
               help="tiertrain's update mode (sync and overlap are exact, as the peers are).")
 @click.option("--peers", "peer_list", default="deepspeed,fsdp2", show_default=True,
               help="Comma-separated: deepspeed (ZeRO-3, params and optimizer on host), fsdp2 (CPUOffloadPolicy).")
-@click.option("--steps", type=int, default=4, show_default=True, help="Timed steps per system (the median is taken).")
-@click.option("--warmup", type=int, default=2, show_default=True, help="Untimed steps first.")
+@click.option("--steps", type=POSITIVE, default=4, show_default=True, help="Timed steps per system (the median is taken).")
+@click.option("--warmup", type=AtLeast(0), default=2, show_default=True, help="Untimed steps first.")
 def bench_peers_cmd(model: str, batch_size: int, seq_len: int, precision: str, device_memory: str, host_memory: str,
                     update: str, peer_list: str, steps: int, warmup: int) -> None:
     """tiertrain (plan auto) beside DeepSpeed ZeRO-Offload and FSDP2 CPU offload: tokens/s, MFU, device peak."""
@@ -287,8 +339,6 @@ def bench_peers_cmd(model: str, batch_size: int, seq_len: int, precision: str, d
     peers = tuple(p for p in peer_list.split(",") if p)
     if any(p not in PEERS for p in peers):
         raise ConfigError(f"--peers {peer_list!r}: choose from {', '.join(PEERS)}, comma-separated")
-    if steps < 1 or warmup < 0:
-        raise ConfigError("--steps must be at least 1 and --warmup at least 0")
     cfg = resolve_config(model)
     if not isinstance(cfg, ModelConfig):
         raise ConfigError(f"--model {model!r}: bench peers runs our GPT configs (tiertrain info --list), "
@@ -303,11 +353,11 @@ def bench_peers_cmd(model: str, batch_size: int, seq_len: int, precision: str, d
 
 
 @bench.command("planner", context_settings=CONTEXT)
-@click.option("--d-model", type=int, default=512, show_default=True)
-@click.option("--layers", type=int, default=6, show_default=True)
-@click.option("--batch-size", type=int, default=8, show_default=True)
-@click.option("--seq-len", type=int, default=256, show_default=True)
-@click.option("--steps", type=int, default=6, show_default=True, help="Measured steps per plan, after 2 of warm-up.")
+@click.option("--d-model", type=POSITIVE, default=512, show_default=True)
+@click.option("--layers", type=POSITIVE, default=6, show_default=True)
+@click.option("--batch-size", type=POSITIVE, default=8, show_default=True)
+@click.option("--seq-len", type=POSITIVE, default=256, show_default=True)
+@click.option("--steps", type=POSITIVE, default=6, show_default=True, help="Measured steps per plan, after 2 of warm-up.")
 @click.option("--disk-dir", type=click.Path(file_okay=False), help="Disk tier directory (default: a temporary one here).")
 @click.option("--part", type=click.Choice(["solver", "fidelity", "auto", "estimate", "all"]), default="all",
               show_default=True)
@@ -333,8 +383,8 @@ def bench_planner_cmd(d_model: int, layers: int, batch_size: int, seq_len: int, 
 
 @cli.command("plan", context_settings=CONTEXT)
 @click.option("--model", help="Model name or config file (profiled from its config at this machine's measured speeds).")
-@click.option("--batch", "batch", type=int, default=1, show_default=True, help="Sequences per micro-batch.")
-@click.option("--seq", "seq", type=int, default=None, help="Tokens per sequence (default: the model's maximum).")
+@click.option("--batch", "batch", type=POSITIVE, default=1, show_default=True, help="Sequences per micro-batch.")
+@click.option("--seq", "seq", type=POSITIVE, default=None, help="Tokens per sequence (default: the model's maximum).")
 @click.option("--precision", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
 @click.option("--device-memory", required=True, help='Device budget, e.g. "8GiB".')
 @click.option("--host-memory", required=True, help='Host budget, e.g. "64GiB".')
@@ -342,15 +392,16 @@ def bench_planner_cmd(d_model: int, layers: int, batch_size: int, seq_len: int, 
 @click.option("--profile", "profile_file", type=click.Path(dir_okay=False), help="Plan from this profile JSON instead.")
 @click.option("--solver", "solvers", multiple=True, type=click.Choice(["dp", "greedy", "random", "stronghold"]),
               help="Solvers to run (default: all); the best predicted plan is chosen.")
-@click.option("--levels", type=int, default=128, show_default=True, help="Device memory discretisation of the DP.")
+@click.option("--levels", type=click.IntRange(min=2, max=1 << 16), default=128, show_default=True,
+              help="Device memory discretisation of the DP.")
 @click.option("--page-size", help='Memory page size the plan will run with, e.g. "4MiB" (default: measured, as train).')
 @click.option("--update", type=click.Choice(["sync", "overlap", "lockfree"]), default="sync", show_default=True,
               help="The update mode the run will use (as train's --update): it sets how many gradients the host holds.")
-@click.option("--max-staleness", type=int, default=DEFAULT_MAX_STALENESS, show_default=True,
+@click.option("--max-staleness", type=AtLeast(0), default=DEFAULT_MAX_STALENESS, show_default=True,
               help="With --update lockfree: steps a block's params may lag.")
-@click.option("--grad-clip", type=float, default=1.0, show_default=True,
+@click.option("--grad-clip", type=Finite(min=0), default=1.0, show_default=True,
               help="The run's clipping norm (0: off). Clipping waits for every gradient, so the host holds them all.")
-@click.option("--grad-accum", type=int, default=1, show_default=True, help="The run's micro-batches per step.")
+@click.option("--grad-accum", type=POSITIVE, default=1, show_default=True, help="The run's micro-batches per step.")
 @click.option("--out", type=click.Path(dir_okay=False), default="plan.json", show_default=True, help="Write the plan JSON here.")
 @click.option("--png", type=click.Path(dir_okay=False), help="Write the resource timelines and tier memory here.")
 def plan_cmd(model: str | None, batch: int, seq: int | None, precision: str, device_memory: str, host_memory: str,
@@ -369,8 +420,6 @@ def plan_cmd(model: str | None, batch: int, seq: int | None, precision: str, dev
     from tiertrain.planner.profile import Profile
     from tiertrain.planner.solvers import SOLVERS, Problem
 
-    if max_staleness < 0 or grad_accum < 1 or grad_clip < 0:
-        raise ConfigError("--max-staleness and --grad-clip must be >= 0 and --grad-accum >= 1")
     check_update_mode(update, precision, grad_accum, grad_clip > 0)
     budgets = Budgets.parse(device_memory, host_memory, disk)
     if profile_file:
@@ -399,11 +448,22 @@ def plan_cmd(model: str | None, batch: int, seq: int | None, precision: str, dev
     pb = Problem(profile, budgets.device, budgets.host, budgets.disk, levels=levels)
     chosen, cands = choose(pb, solvers or tuple(SOLVERS), update, all_grads, max_staleness)
     print_plan(chosen, cands, profile, Console())
-    Path(out).write_text(chosen.plan.to_json())
+    _write_output(Path(out), chosen.plan.to_json().encode())
     click.echo(f"plan written to {out}")
     if png:
         write_png(chosen.sim, Path(png))
         click.echo(f"timelines written to {png}")
+
+
+def _write_output(path: "Path", data: bytes) -> None:
+    """An output file written whole (atomically) or one clear error: an unwritable place is the user's to fix."""
+    from tiertrain.engine.atomic import write_atomic
+    from tiertrain.errors import OutputError
+
+    try:
+        write_atomic(path, data)
+    except OSError as exc:
+        raise OutputError(f"cannot write {path} ({exc.strerror}); give a writable place with --out") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -415,8 +475,10 @@ def main(argv: list[str] | None = None) -> int:
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         return 130
-    except click.ClickException as exc:
-        exc.show()
+    except click.ClickException as exc:  # a bad flag: one line, as every other user error
+        ctx = getattr(exc, "ctx", None)
+        hint = f"; see {ctx.command_path} --help" if ctx is not None else ""
+        click.echo(f"error: {' '.join(exc.format_message().split())}{hint}", err=True)
         return exc.exit_code
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)

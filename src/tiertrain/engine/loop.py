@@ -27,11 +27,12 @@ from tiertrain.engine.metrics import MetricsFile, Reporter, StepTimer, device_pe
 from tiertrain.engine.objective import causal_lm_pair, is_encoder, lm_loss, masked_lm_pair
 from tiertrain.engine.optimizer import make_adamw
 from tiertrain.engine.precision import Precision, choose_device, choose_precision
+from tiertrain.engine.run_dir import METRICS_FILE, PLAN_FILE, RunDir
 from tiertrain.engine.schedule import lr_at
 from tiertrain.engine.stop import StopFlag
 from tiertrain.engine.tiered import default_budgets, setup_tiered
 from tiertrain.engine.train_state import PlainState, TieredState, TrainState
-from tiertrain.errors import ConfigError, OutputError
+from tiertrain.errors import CheckpointError, ConfigError, OutputError, UserError
 from tiertrain.memory import Tier
 from tiertrain.models import build, flops_per_token, resolve_config
 from tiertrain.models.config import ModelConfig
@@ -39,6 +40,10 @@ from tiertrain.units import format_bytes, format_count
 
 
 WARMUP_STEPS = 2  # steps before a run's timings settle (allocations, the cache's recorded access order)
+
+
+class TrainingDiverged(UserError):
+    """The loss or the gradient norm stopped being a finite number."""
 
 
 @dataclass
@@ -97,6 +102,17 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, reporter: Reporter | None = None) -> None:
         self.cfg = cfg
         self.out = prepare_out(Path(cfg.out))
+        self.run_dir = RunDir(self.out)
+        self.run_dir.lock()  # before anything in OUT is read or written; released by run() (or by dying)
+        try:
+            self._start(cfg, reporter)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, cfg: TrainConfig, reporter: Reporter | None) -> None:
+        if not cfg.resume:
+            self.run_dir.claim_for_new_run(cfg.overwrite)
         self.device = choose_device(cfg.device)
         self.precision: Precision = choose_precision(cfg.precision, self.device)
         model_cfg = resolve_config(cfg.model)
@@ -121,7 +137,12 @@ class Trainer:
         self.flops_per_token = model_flops_per_token(self.state.module, cfg.seq_len)
         if cfg.resume:
             self._resume(Path(cfg.resume))
-        self.metrics = MetricsFile(self.out / "metrics.jsonl", self.step if cfg.resume else None)
+        if self.tiered:  # only once a resume is accepted: a refused one changes nothing in OUT
+            write_atomic(self.out / PLAN_FILE, self.model.runtime.plan.to_json().encode())
+        self.metrics = MetricsFile(self.out / METRICS_FILE, self.step if cfg.resume else None)
+        if self.metrics.dropped:
+            self.reporter.message(f"metrics.jsonl: {self.metrics.dropped} line(s) that were not whole rows "
+                                  "(a run killed mid-write) cut off")
 
     def _build(self, model_cfg: Any) -> nn.Module:
         """A plain run's model on its device. A tiered run's stays on the host (setup places its
@@ -155,7 +176,6 @@ class Trainer:
         self.auto = self.model.auto_plan
         if self.auto is not None:
             self.reporter.message(self.auto.describe())
-        write_atomic(self.out / "plan.json", self.model.runtime.plan.to_json().encode())
 
     def describe(self) -> str:
         n = sum(p.numel() for p in self.model.parameters())
@@ -196,6 +216,7 @@ class Trainer:
             x, y = self.batch()
             with self.precision.autocast():
                 loss = lm_loss(self.model, x, y) / cfg.grad_accum
+            self._stop_if_not_finite("loss", loss.detach())  # before backward: overlap updates start in it
             self.scaler.scale(loss).backward()
             total += loss.detach()
         self.scaler.unscale_(self.opt)
@@ -204,11 +225,27 @@ class Trainer:
             clip = self.model.clip_grad_norm_ if self.tiered else (
                 lambda m: torch.nn.utils.clip_grad_norm_(self.model.parameters(), m))
             norm = float(clip(cfg.grad_clip))
+            if self.precision.name != "fp16":  # fp16 skips such a step and lowers its loss scale
+                self._stop_if_not_finite("gradient norm", torch.tensor(norm))
         self.scaler.step(self.opt)
         self.scaler.update()
         self.opt.zero_grad(set_to_none=True)
         self.step += 1
         return float(total), norm
+
+    def _stop_if_not_finite(self, what: str, value: torch.Tensor) -> None:
+        """A NaN or infinite loss (or gradient norm) ends the run before the step updates anything,
+        so no checkpoint of non-finite weights is ever written."""
+        if bool(torch.isfinite(value)):
+            return
+        try:
+            latest = find_checkpoint(self.out) if checkpoint_root(self.out).exists() else None
+        except CheckpointError:  # a damaged ``latest`` must not hide why the run stopped
+            latest = None
+        kept = f"the last checkpoint, {latest}, is intact" if latest else "no checkpoint was written"
+        raise TrainingDiverged(f"the {what} became {float(value)} at step {self.step + 1}, so the run stopped "
+                               f"before updating the weights; {kept}. Lower --lr (now {self.cfg.lr:g}) or clip "
+                               "with --grad-clip, then start again or --resume")
 
     def save(self) -> Path:
         state = TrainerState(step=self.step, data_position=self.sampler.position,
@@ -227,14 +264,34 @@ class Trainer:
         finally:
             self.metrics.close()
             self.reporter.close()
-            if self.tiered:
-                self.model.runtime.close()
-                self.model.runtime.mem.close()
+            self.close()
         med = (lambda v: float(np.median(v)) if v else 0.0)
         return RunSummary(steps=self.step, first_loss=losses[0] if losses else float("nan"),
                           last_loss=losses[-1] if losses else float("nan"), tokens_per_s=med(tokens_s),
                           tflops=med(tflops), seconds=began.elapsed(), checkpoint=checkpoint,
                           out=self.out, losses=losses, stopped_early=self.step < cfg.steps)
+
+    def close(self) -> None:
+        """Give back what the Trainer holds (its tiers, the run directory's lock); ``run`` ends with it,
+        and a Trainer that will not run should call it (or be used as a context manager)."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        self._close_tiers()
+        self.run_dir.release()
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _close_tiers(self) -> None:
+        model = getattr(self, "model", None)
+        runtime = getattr(model, "runtime", None) if getattr(self, "tiered", False) else None
+        if runtime is not None:
+            runtime.close()
+            runtime.mem.close()
 
     def _loop(self, stop: StopFlag, losses: list[float], tokens_s: list[float], tflops: list[float]) -> Path | None:
         cfg, checkpoint = self.cfg, None

@@ -12,6 +12,7 @@ from typing import Any, TextIO
 
 import torch
 
+from tiertrain.engine.atomic import write_atomic
 from tiertrain.units import format_bytes
 
 
@@ -33,20 +34,29 @@ def device_peak_with_activations(pages_peak: int, pool_bytes: int, device: torch
 
 
 class MetricsFile:
-    """``OUT/metrics.jsonl``: one JSON object per optimizer step.
+    """``OUT/metrics.jsonl``: one JSON object per optimizer step, only ever appended to.
 
-    On resume, rows past the resumed step are dropped first, so the file always reads as
-    one run with no repeated steps.
+    On resume the rows of steps past the resumed one (which the run is about to redo) and a torn
+    last line (a run killed mid-write) are cut off, by an atomic rewrite, so the file reads as one
+    run with no repeated steps and every later resume reads it.
     """
 
     def __init__(self, path: Path, resume_step: int | None) -> None:
         self.path = path
+        self.dropped = 0  # lines cut off on resume that were not whole rows
         if resume_step is not None and path.exists():
-            kept = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= resume_step]
-            path.write_text("".join(ln + "\n" for ln in kept))
-        elif resume_step is None:
-            path.write_text("")
+            self._cut_after(resume_step)
         self._file = path.open("a")
+
+    def _cut_after(self, step: int) -> None:
+        kept = []
+        for line in path_lines(self.path):
+            row = _row(line)
+            if row is None:
+                self.dropped += 1
+            elif row["step"] <= step:
+                kept.append(line)
+        write_atomic(self.path, "".join(ln + "\n" for ln in kept).encode())
 
     def write(self, row: dict[str, Any]) -> None:
         self._file.write(json.dumps(row) + "\n")
@@ -54,6 +64,20 @@ class MetricsFile:
 
     def close(self) -> None:
         self._file.close()
+
+
+def path_lines(path: Path) -> list[str]:
+    return [ln for ln in path.read_bytes().decode(errors="replace").splitlines() if ln.strip()]
+
+
+def _row(line: str) -> dict[str, Any] | None:
+    """A metrics row, or None for a line that is not one (torn, or edited by hand)."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    ok = isinstance(row, dict) and isinstance(row.get("step"), int) and not isinstance(row["step"], bool)
+    return row if ok else None
 
 
 @dataclass

@@ -107,13 +107,46 @@ def choose(pb: Problem, solvers: tuple[str, ...] = tuple(SOLVERS), update: str =
         # update of each disk-homed block then overlaps less, but the run fits where it did not)
         return choose(dataclasses.replace(pb, profile=lean), solvers, update, needs_all_grads, max_staleness)
     if chosen is None:
-        smallest = _smallest_device(pb)
-        hint = f"a device budget of {format_bytes(smallest)} would" if smallest else "no device budget up to 1 TiB would"
-        more = "more host memory" + ("" if pb.disk else " or a disk")
         raise NoPlanFits(f"no plan fits device {format_bytes(pb.device)}, host {format_bytes(pb.host)}, disk "
-                         f"{format_bytes(pb.disk)} with solvers {', '.join(solvers)}; {hint} (with this host and "
-                         f"disk); or give {more}{_transient_hint(pb)}")
+                         f"{format_bytes(pb.disk)} with solvers {', '.join(solvers)}; {_smallest_hint(pb)}"
+                         f"{_transient_hint(pb)}")
     return chosen, cands
+
+
+def _smallest_hint(pb: Problem) -> str:
+    """The smallest budgets that would work: more device alone if that does it, else more host
+    (at this device budget, then at the smallest device that pairs with it)."""
+    device = _smallest(pb, "device")
+    if device is not None:
+        return f"a device budget of {format_bytes(device, up=True)} would (with this host and disk)"
+    host = _smallest(pb, "host")
+    if host is not None:
+        return f"a host budget of {format_bytes(host, up=True)} would (with this device and disk)"
+    roomy = dataclasses.replace(pb, device=_LIMIT)
+    host = _smallest(roomy, "host")
+    if host is None:
+        return "no budgets up to 1 TiB each would with this disk; give a disk (--disk DIR:SIZE) or a larger one"
+    device = _smallest(dataclasses.replace(pb, host=host), "device")
+    return (f"the smallest budgets that would: device {format_bytes(device or _LIMIT, up=True)} and host "
+            f"{format_bytes(host, up=True)} (with this disk)")
+
+
+_LIMIT = 1 << 40
+
+
+def _smallest(pb: Problem, tier: str) -> int | None:
+    """The smallest budget of ``tier`` ("device" or "host"), to 1%, for which the DP finds a plan,
+    keeping the others; None if even 1 TiB fails."""
+    def fits(nbytes: int) -> bool:
+        return dynamic_programming(dataclasses.replace(pb, **{tier: nbytes})) is not None
+
+    lo, hi = getattr(pb, tier), _LIMIT
+    if lo >= hi or not fits(hi):
+        return None
+    while hi - lo > max(lo // 100, 1 << 20):
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
 
 
 def _transient_hint(pb: Problem) -> str:
@@ -125,17 +158,3 @@ def _transient_hint(pb: Problem) -> str:
     if any(dynamic_programming(dataclasses.replace(pb, profile=p)) for p in pipelines):
         return f"; or plan for a run where {TRANSIENT_HINT}"
     return ""
-
-
-def _smallest_device(pb: Problem) -> int | None:
-    """The smallest device budget (to 1%) the DP finds a plan for, keeping host and disk; None if even 1 TiB fails."""
-    def fits(device: int) -> bool:
-        return dynamic_programming(dataclasses.replace(pb, device=device)) is not None
-
-    lo, hi = pb.device, 1 << 40
-    if not fits(hi):
-        return None
-    while hi - lo > max(lo // 100, 1 << 20):
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
-    return hi

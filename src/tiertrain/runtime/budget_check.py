@@ -77,4 +77,4 @@ def check_fits(blocks: list[Block], plan: Plan, budgets: Budgets, page: int, tra
 
 
 def _budgets(need: dict[Tier, int]) -> str:
-    return ", ".join(f"{t.value} {format_bytes(need[t])}" for t in (Tier.DEVICE, Tier.HOST, Tier.DISK))
+    return ", ".join(f"{t.value} {format_bytes(need[t], up=True)}" for t in (Tier.DEVICE, Tier.HOST, Tier.DISK))

@@ -69,6 +69,7 @@ class Runtime:
         self.clip_coef: torch.Tensor | None = None
         self.updates_started = False
         self.skip_step = False       # fp16: this step's gradients overflowed; no block is updated
+        self.nonfinite_norm = False  # overlap with clipping: the norm was NaN/inf, so no update was started
         self.scaler = LossScaler() if train and plan.compute_dtype == "fp16" else None
         # clipping and fp16 overflow checks need every gradient of the step before any update
         self.needs_all_grads = max_grad_norm is not None or self.scaler is not None
@@ -199,6 +200,10 @@ class Runtime:
         if final and self.plan.update == "overlap" and self.needs_all_grads:
             if self.max_grad_norm is not None:
                 self.clip_grad_norm_(self.max_grad_norm)
+                if self.scaler is None and not bool(torch.isfinite(self.last_norm)):
+                    self.nonfinite_norm = True  # updating would write NaN into every master: none starts
+                    self.updates_started = True
+                    return
             coef = self._grad_coefficient()
             if not self.skip_step:
                 for st in self.states[-1:] + self.states[:-1]:  # rest (embeddings) first: the next forward starts there
@@ -234,6 +239,9 @@ class Runtime:
         return inv if self.clip_coef is None else self.clip_coef * inv
 
     def step(self) -> None:
+        if self.nonfinite_norm:
+            raise FloatingPointError(f"the gradient norm is {float(self.last_norm)}: no block was updated; lower "
+                                     "the learning rate, or find where the loss or the gradients overflow")
         self.steps_taken += 1
         if self.plan.update == "lockfree":  # updates are already running; the device does not wait
             self.micro = 0

@@ -194,7 +194,7 @@ def test_states_set_up_for_a_resume_are_written_once_by_the_checkpoint_and_never
     import torch
 
     import tiertrain
-    import tiertrain.runtime.block_state as block_state
+    import tiertrain.runtime.build as block_state
     from tiertrain.errors import DiskError
     from tiertrain.memory import Budgets, Tier
     from tiertrain.models import ModelConfig, build
@@ -225,8 +225,8 @@ def test_states_set_up_for_a_resume_are_written_once_by_the_checkpoint_and_never
     monkeypatch.setattr(block_state, "init_in_place", lambda *a: drawn.append(a))
     fresh, fresh_opt = run(False)
     assert not drawn
-    on_disk = [c for st in fresh.runtime.states for c in (st.master, st.exp_avg, st.exp_avg_sq) if c.tier is Tier.DISK]
-    assert len(on_disk) == 3 * len(fresh.runtime.states)
+    on_disk = [c for st in fresh.runtime.groups for c in (st.master, st.exp_avg, st.exp_avg_sq) if c.tier is Tier.DISK]
+    assert len(on_disk) == 3 * len(fresh.runtime.groups)
     for chunk in on_disk:
         with pytest.raises(DiskError, match="never written"):
             fresh.runtime.mem.to_tensor(chunk)
@@ -259,7 +259,7 @@ def test_streaming_a_checkpoint_gives_each_blocks_freed_buffers_back_to_the_os(t
         tm(x[:, :-1], x[:, 1:]).backward()
         topt.step()
         weights, optim = state_io.export_state(tm.runtime)
-        blocks = len(tm.runtime.states)
+        blocks = len(tm.runtime.groups)
         assert len(calls) == 2 * blocks  # the weights' stream and the moments' stream
         state_io.import_state(tm.runtime, weights, optim)
         assert len(calls) == 3 * blocks

@@ -58,7 +58,7 @@ def test_the_next_forward_runs_while_the_states_are_still_written_back(tmp_path,
     want = train_plain(TINY4, 3, 1, None)
     tm, topt = _setup(tmp_path, disk_plan("overlap", stream))
     rt = tm.runtime
-    rest = rt.states[-1]
+    rest = rt.groups[-1]
     move = rt.mem.move
 
     def held_move(chunk, tier, contiguous=False):

@@ -3,7 +3,8 @@ import random
 import pytest
 
 from tiertrain.memory import layout as L
-from tiertrain.memory import page_size as P
+from tiertrain.engine.measure import page_size as P
+from tiertrain.memory.pool import check_page_size
 from tiertrain.memory.budgets import Budgets
 from tiertrain.errors import ConfigError
 
@@ -120,7 +121,7 @@ def test_budgets_parse_sizes_and_disk_spec():
     with pytest.raises(ConfigError, match="cannot read size '8 gigs'"):
         Budgets.parse("8 gigs", "1GiB")
     with pytest.raises(ConfigError, match="page size 1000"):
-        P.check_page_size(1000)
+        check_page_size(1000)
 
 
 def test_bench_memory_prints_tier_figures_beside_the_raw_disk(tmp_path):

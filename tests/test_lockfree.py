@@ -59,8 +59,8 @@ def test_a_publish_during_a_blocks_backward_leaves_its_slot_in_place(tmp_path):
     model, opt = _fresh(TINY4)
     tm, topt = tiertrain.setup(model, opt, budgets(tmp_path), plan=sync, page_size=64 * 1024)
     rt = tm.runtime
-    for st in rt.states[:-1]:
-        st.block.module.register_full_backward_pre_hook(lambda m, g, st=st: rt.updater.on_params_written(st))
+    for st in rt.groups[:-1]:
+        st.block.module.register_full_backward_pre_hook(lambda m, g, st=st: rt.cache.invalidate(st))
     try:
         got = _loop(tm, topt, tm.clip_grad_norm_, 6, 1, None)
     finally:
@@ -74,11 +74,11 @@ def test_lockfree_leaves_a_blocks_states_to_its_update_loop(tmp_path, monkeypatc
     may be reading or writing them back whenever backward reaches the block, so backward starts no
     reads of its own there (it did, and under load a loop's write-back and backward's read collided:
     'is moving'); overlap, where updates follow the block's backward, still reads ahead."""
-    import tiertrain.optim.updater as updater
+    from tiertrain.runtime.state_moves import StateMoves
 
     calls = []
-    read_ahead = updater.Updater.read_ahead
-    monkeypatch.setattr(updater.Updater, "read_ahead",
+    read_ahead = StateMoves.read_ahead
+    monkeypatch.setattr(StateMoves, "read_ahead",
                         lambda self, st, *a, **k: (calls.append(st.index), read_ahead(self, st, *a, **k)))
     train_tiered(TINY4, 3, 1, None, plan(Tier.DISK, 1), budgets(tmp_path))
     assert calls == []
@@ -88,7 +88,7 @@ def test_lockfree_leaves_a_blocks_states_to_its_update_loop(tmp_path, monkeypatc
 
 def _counting_passes(monkeypatch) -> dict[int, int]:
     """Update passes per block index, counted where AdamW runs."""
-    import tiertrain.optim.updater as updater
+    import tiertrain.runtime.block_group as updater
 
     passes: dict[int, int] = {}
     adamw = updater.adamw_block
@@ -120,7 +120,7 @@ def test_disk_homed_lockfree_passes_carry_as_many_steps_as_the_staleness_allows(
             _loop(tm, topt, tm.clip_grad_norm_, 1, 1, None)
             seen.append(rt.pop_staleness())
         rt.wait_updates()
-        versions = [st.version for st in rt.states]
+        versions = [st.version for st in rt.groups]
     finally:
         rt.close()
         rt.mem.close()
@@ -144,11 +144,11 @@ def test_a_block_staler_than_allowed_gets_its_held_back_gradients_before_use(tmp
     rt = tm.runtime
     try:
         _loop(tm, topt, tm.clip_grad_norm_, 1, 1, None)  # one step of gradients: a pass is not due yet
-        assert all(st.grad is not None and st.version == 0 for st in rt.states)
+        assert all(st.grads.chunk is not None and st.version == 0 for st in rt.groups)
         rt.steps_taken += 3  # now 4 steps on: one past the staleness allowed
-        st = rt.states[0]
+        st = rt.groups[0]
         rt.params_ready(st)
-        assert st.version == 1 and st.grad is None
+        assert st.version == 1 and st.grads.chunk is None
         assert rt.pop_staleness() == 3
     finally:
         rt.close()
@@ -165,7 +165,7 @@ def test_lagging_lockfree_updates_stay_within_the_host_budget_the_plan_was_check
     import time
 
     import tiertrain
-    import tiertrain.optim.updater as updater
+    import tiertrain.runtime.block_group as updater
     from tiered_harness import _fresh, _loop
     from tiertrain.runtime.blocks import find_blocks
     from tiertrain.runtime.budget_check import needs
@@ -197,7 +197,7 @@ def test_lockfree_at_zero_staleness_follows_a_learning_rate_schedule_bitwise_eve
     import time
 
     import tiertrain
-    import tiertrain.optim.updater as updater
+    import tiertrain.runtime.block_group as updater
     from tiered_harness import _fresh, batches
     from tiertrain.engine.objective import lm_loss
 

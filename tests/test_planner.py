@@ -201,7 +201,7 @@ def _measured(model, batch: int = 4, seq: int = 32, page: int = 64 << 10):
     import torch
 
     from tiertrain.engine.objective import lm_loss
-    from tiertrain.engine.profiling import measure_profile
+    from tiertrain.engine.measure.model import measure_profile
     from tiertrain.runtime.blocks import find_blocks
 
     x = torch.randint(0, 256, (batch, seq + 1), generator=torch.Generator().manual_seed(1))
@@ -233,9 +233,10 @@ def test_the_profiler_measures_each_block_and_leaves_the_model_as_it_was():
 
 
 def test_profiles_are_cached_per_key_and_a_damaged_cache_is_measured_again(tmp_path, monkeypatch):
-    from tiertrain.engine import profiling
+    from tiertrain.engine.measure import cache
+    from tiertrain.engine.measure import model as profiling
 
-    monkeypatch.setattr(profiling, "cache_dir", lambda: tmp_path)
+    monkeypatch.setenv("TIERTRAIN_CACHE_DIR", str(tmp_path))
     calls = []
 
     def measure():
@@ -246,7 +247,7 @@ def test_profiles_are_cached_per_key_and_a_damaged_cache_is_measured_again(tmp_p
     assert not cached and len(calls) == 1
     again, cached = profiling.cached_profile("k1", measure)
     assert cached and len(calls) == 1 and again == first
-    profiling._cache_path("k1").write_text("{ not json")
+    cache._path("profiles", "k1").write_text("{ not json")
     _, cached = profiling.cached_profile("k1", measure)
     assert not cached and len(calls) == 2
 
@@ -310,7 +311,7 @@ def test_lockfree_plans_count_the_gradients_a_block_holds_while_its_update_lags(
     import dataclasses
 
     from tiertrain.memory import Tier
-    from tiertrain.plan_bytes import grad_copies
+    from tiertrain.plan.bytes import grad_copies
     from tiertrain.planner.auto import candidates
     from tiertrain.planner.solvers import SOLVERS
     from tiertrain.runtime.blocks import find_blocks
@@ -350,7 +351,7 @@ def test_auto_plans_a_host_smaller_than_the_weights_when_gradients_are_updated_a
     from tiertrain.memory import Budgets, Tier
     from tiertrain.models import ModelConfig, build
     from tiertrain.planner.auto import NoPlanFits, choose
-    from tiertrain.planner.profiler import analytic_profile
+    from tiertrain.engine.measure.analytic import analytic_profile
     from tiertrain.runtime.blocks import find_blocks
     from tiertrain.runtime.budget_check import needs
 
@@ -391,7 +392,7 @@ def test_the_planner_counts_transient_gradients_as_the_runtime_does_with_a_wide_
     from tiertrain.memory import Tier
     from tiertrain.models import ModelConfig, build
     from tiertrain.planner.auto import choose, run_profile
-    from tiertrain.planner.profiler import analytic_profile
+    from tiertrain.engine.measure.analytic import analytic_profile
     from tiertrain.runtime.blocks import find_blocks
     from tiertrain.runtime.budget_check import needs
 
@@ -459,7 +460,7 @@ def test_the_simulator_reads_a_disk_master_from_disk_charges_disk_io_to_the_core
     def publishes(home: Tier, machine, compute_bytes: int = 4) -> int:  # updated params copied into slots
         b = BlockPlan(home=home)
         sim = simulate(Plan((b,) * 4, BlockPlan(), update="overlap", name="r"),
-                       dataclasses.replace(prof, machine=machine, compute_bytes=compute_bytes))
+                       dataclasses.replace(prof, machine=machine, compute_dtype={4: "fp32", 2: "bf16"}[compute_bytes]))
         return sum(label.startswith("publish") and r == "h2d" for r, _, _, label in sim.timeline.tasks)
 
     # on a CPU-only machine a device-homed fp32 block's slot is its master; in bf16 the update copies
@@ -476,7 +477,7 @@ def test_the_simulator_charges_a_lockfree_disk_pass_to_the_steps_it_serves():
 
     from tiertrain.memory import Tier
     from tiertrain.plan import BlockPlan, Plan
-    from tiertrain.plan_bytes import disk_passes_per_step
+    from tiertrain.plan.bytes import disk_passes_per_step
     from tiertrain.planner.costs import Choice, block_seconds
     from tiertrain.planner.simulator import simulate
 
@@ -536,7 +537,7 @@ def test_plan_auto_on_a_model_built_on_the_meta_device_measures_one_block_for_al
 
     import tiertrain
     from conftest import train_losses
-    from tiertrain.engine.profiling import measure_profile
+    from tiertrain.engine.measure.model import measure_profile
     from tiertrain.engine.objective import lm_loss
     from tiertrain.memory import Budgets
     from tiertrain.models import ModelConfig, build
@@ -572,7 +573,7 @@ def test_one_block_is_run_on_the_inputs_the_model_gives_it_and_nothing_after_it(
     shape is the run's hidden state, and no later block runs (on a meta model nothing could)."""
     import torch
 
-    from tiertrain.engine.block_profile import block_inputs, real_copy
+    from tiertrain.engine.measure.one_block import block_inputs, real_copy
     from tiertrain.models import ModelConfig, build
 
     model = build(ModelConfig(n_layer=3, n_head=4, d_model=64, d_ffn=256, vocab_size=256, max_seq_len=64, name="t"),
@@ -594,7 +595,7 @@ def test_plan_auto_on_a_model_that_does_not_fit_plain_estimates_or_says_what_to_
     import torch
 
     import tiertrain
-    import tiertrain.engine.block_profile as block_profile
+    import tiertrain.engine.measure.one_block as block_profile
     from tiertrain.engine.objective import lm_loss
     from tiertrain.errors import ConfigError
     from tiertrain.memory import Budgets
@@ -649,7 +650,7 @@ def test_plan_auto_measures_one_block_of_a_transformers_model_that_does_not_fit_
     import tiertrain
     from conftest import train_losses
     from tiertrain.engine.objective import lm_loss
-    from tiertrain.engine.profiling import measure_profile
+    from tiertrain.engine.measure.model import measure_profile
     from tiertrain.memory import Budgets
     from tiertrain.models import build
     from tiertrain.runtime.blocks import find_blocks
@@ -719,7 +720,7 @@ def test_the_device_memory_a_plan_leaves_becomes_cache_slots_that_save_fetches()
 
     from tiertrain.memory import Tier
     from tiertrain.plan import builtin_plan
-    from tiertrain.plan_bytes import tier_bytes
+    from tiertrain.plan.bytes import tier_bytes
     from tiertrain.planner.auto import size_cache
     from tiertrain.planner.simulator import simulate
 
@@ -746,7 +747,7 @@ def test_cache_slots_leave_room_for_the_gradients_of_device_homed_blocks():
 
     from tiertrain.memory import Tier
     from tiertrain.plan import BlockPlan, Plan
-    from tiertrain.plan_bytes import tier_bytes
+    from tiertrain.plan.bytes import tier_bytes
     from tiertrain.planner.auto import size_cache
     from tiertrain.planner.simulator import simulate
 

@@ -262,10 +262,10 @@ def test_offload_hidden_moves_saved_activations_to_the_host_and_brings_them_back
     try:
         names = [n for n, _ in tm.module.named_parameters()]
         host_grads = {}
-        tm.runtime.updater.update = lambda st, coef, groups=None: host_grads.update(
-            {n: v.clone() for (n, _), v in zip(st.block.params, st.views(st.grad))})
+        tm.runtime.mode.update_now = lambda st, coef, hypers: host_grads.update(
+            {n: v.clone() for (n, _), v in zip(st.block.params, st.views(st.grads.chunk))})
         loss = lm_loss(tm, b[:, :-1], b[:, 1:])
-        stashes = [st.stash for st in tm.runtime.states[:4]]
+        stashes = [tm.runtime.stashes[i] for i in range(4)]
         hidden = 4 * 16 * 32 * 4
         stashed = [s.stashed_bytes for s in stashes]
         if recompute:
@@ -403,7 +403,7 @@ def test_transient_gradients_count_a_wide_embedding_once_not_once_per_worker(mon
     import time
 
     import tiertrain
-    import tiertrain.optim.updater as updater
+    import tiertrain.runtime.block_group as updater
     from tiered_harness import _fresh, _loop
     from tiertrain.plan import builtin_plan
     from tiertrain.runtime.blocks import find_blocks
@@ -436,7 +436,7 @@ def test_overlap_bounds_the_gradients_in_host_only_where_the_host_budget_needs_i
     import time
 
     import tiertrain
-    import tiertrain.optim.updater as updater
+    import tiertrain.runtime.block_group as updater
 
     slow = updater.adamw_block
     monkeypatch.setattr(updater, "adamw_block", lambda *a: (time.sleep(0.2), slow(*a)))
@@ -458,7 +458,7 @@ def test_overlap_bounds_the_gradients_in_host_only_where_the_host_budget_needs_i
             assert _loop(tm, topt, tm.clip_grad_norm_, 4, 1, None) == want
             stats = tm.runtime.mem.stats()["host"]
             assert stats["pages_peak_bytes"] <= host
-            reserved = (plan.update_workers + 1) * max(st.nbytes for st in tm.runtime.states)
+            reserved = (plan.update_workers + 1) * max(st.nbytes for st in tm.runtime.groups)
             # bounded: never more grad chunks than reserved, counting those an update holds; else all at once
             assert (stats["peak_by_kind"]["grad"] <= reserved) is bounded
         finally:
@@ -495,9 +495,9 @@ def test_device_homed_blocks_keep_gradients_on_the_device_and_fp32_ones_update_t
         try:
             x = batches(1)[0]
             lm_loss(tm, x[:, :-1], x[:, 1:]).backward()
-            on_device = [st for st in rt.states if st.plan.home is Tier.DEVICE]
+            on_device = [st for st in rt.groups if st.plan.home is Tier.DEVICE]
             assert acc.chunks(Tier.DEVICE, Kind.GRAD) == len(on_device)
-            assert acc.chunks(Tier.HOST, Kind.GRAD) == len(rt.states) - len(on_device)
+            assert acc.chunks(Tier.HOST, Kind.GRAD) == len(rt.groups) - len(on_device)
             topt.step()
             topt.zero_grad()
             for st in on_device:

@@ -1,6 +1,7 @@
 """Every value a user can get wrong, from a flag, a config, a model or plan file, ends in one
 `error:` line and exit status 2, with nothing saved before touched (issue 16, items 4, 5 and 7)."""
 
+import contextlib
 import json
 import math
 import os
@@ -190,29 +191,31 @@ def test_the_sparse_page_table_hands_out_what_a_first_fit_bitmap_would():
             assert table.free_pages == free.count(1)
 
 
-def _mount(kind: str, target: Path, options: str) -> None:
+@contextlib.contextmanager
+def _tmpfs(target: Path, options: str):
+    """A tmpfs mounted at ``target`` for the test (root only; skipped elsewhere), unmounted after."""
     if os.geteuid() != 0:
         pytest.skip("mounting a filesystem for this test needs root")
     target.mkdir(exist_ok=True)
-    r = subprocess.run(["mount", "-t", kind, "-o", options, kind, str(target)], capture_output=True, text=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)], capture_output=True, text=True)
     if r.returncode:
-        pytest.skip(f"cannot mount a {kind} here ({r.stderr.strip()})")
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()})")
+    try:
+        yield target
+    finally:
+        subprocess.run(["umount", "-l", str(target)], check=False)
 
 
 @pytest.fixture
 def read_only_dir(tmp_path):
-    target = tmp_path / "ro"
-    _mount("tmpfs", target, "size=64m,ro")
-    yield target
-    subprocess.run(["umount", "-l", str(target)], check=False)
+    with _tmpfs(tmp_path / "ro", "size=64m,ro") as target:
+        yield target
 
 
 @pytest.fixture
 def small_disk(tmp_path):
-    target = tmp_path / "small"
-    _mount("tmpfs", target, "size=8m")
-    yield target
-    subprocess.run(["umount", "-l", str(target)], check=False)
+    with _tmpfs(tmp_path / "small", "size=8m") as target:
+        yield target
 
 
 def test_a_disk_directory_that_cannot_be_written_is_one_error(capsys, tmp_path, read_only_dir):
@@ -286,13 +289,13 @@ def test_a_non_finite_loss_stops_the_run_before_any_non_finite_checkpoint(capsys
 def test_a_non_finite_gradient_norm_starts_no_overlapped_update(tmp_path):
     trainer = Trainer(tiny_config(tmp_path / "run", plan="stream", update="overlap", grad_clip=1.0))
     rt = trainer.model.runtime
-    before = [st.master.typed(torch.float32).clone() for st in rt.states]
+    before = [st.master.typed(torch.float32).clone() for st in rt.groups]
     for p in trainer.model.parameters():
         p.register_hook(lambda g: g * math.inf)
     with pytest.raises(TrainingDiverged, match="gradient norm became"):
         trainer.train_step()
     rt.wait_updates()
-    assert all(torch.equal(b, st.master.typed(torch.float32)) for b, st in zip(before, rt.states))
+    assert all(torch.equal(b, st.master.typed(torch.float32)) for b, st in zip(before, rt.groups))
     trainer.close()
 
 

@@ -8,6 +8,11 @@ status 2; any other exception is a bug in tiertrain and keeps its traceback.
 from __future__ import annotations
 
 
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """A library's message on one line (an ``error:`` line must stay one line), cut at ``limit``."""
+    return (" ".join(str(exc).split()) or type(exc).__name__)[:limit]
+
+
 class UserError(Exception):
     """A problem with what the user asked for; the message names it and the fix."""
 

@@ -21,7 +21,7 @@ import torch
 from crc32c import crc32c
 from safetensors import SafetensorError, safe_open
 
-from tiertrain.errors import CheckpointError
+from tiertrain.errors import CheckpointError, one_line
 
 DIRTY_BYTES = 64 << 20  # written through the page cache before it is flushed and dropped (``_settle``)
 _CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -121,7 +121,7 @@ class LazyTensors(Mapping[str, torch.Tensor]):
             self._keys = list(self._file.keys())
             self._names = set(self._keys)
         except (SafetensorError, OSError) as exc:
-            raise CheckpointError(f"cannot read {path}: {_one_line(exc)}; the file is damaged: "
+            raise CheckpointError(f"cannot read {path}: {one_line(exc)}; the file is damaged: "
                                   "resume from another checkpoint") from None
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -135,7 +135,7 @@ class LazyTensors(Mapping[str, torch.Tensor]):
         try:
             return self._file.get_slice(name)
         except SafetensorError as exc:
-            raise CheckpointError(f"cannot read {name!r} in {self.path}: {_one_line(exc)}; "
+            raise CheckpointError(f"cannot read {name!r} in {self.path}: {one_line(exc)}; "
                                   "resume from another checkpoint") from None
 
     def __contains__(self, name: object) -> bool:  # without reading the tensor, as Mapping's default would
@@ -147,7 +147,7 @@ class LazyTensors(Mapping[str, torch.Tensor]):
         try:
             return self._file.get_tensor(name)
         except (SafetensorError, OSError) as exc:
-            raise CheckpointError(f"cannot read {name!r} in {self.path}: {_one_line(exc)}; "
+            raise CheckpointError(f"cannot read {name!r} in {self.path}: {one_line(exc)}; "
                                   "resume from another checkpoint") from None
 
     def __iter__(self) -> Iterator[str]:
@@ -155,8 +155,3 @@ class LazyTensors(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self._keys)
-
-
-def _one_line(exc: BaseException) -> str:
-    """A library's message on one line (an ``error:`` line must stay one line)."""
-    return " ".join(str(exc).split())

@@ -17,12 +17,23 @@ import math
 import types
 import typing
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 from tiertrain.errors import ConfigError, UserError
 
 T = TypeVar("T")
 _NONE = type(None)
+
+
+def read_text(path: Path, what: str, fix: str, error: type[UserError] = ConfigError) -> str:
+    """A file the user named, as text, or one error naming it and ``fix``: missing, unreadable, or not text."""
+    if not path.is_file():
+        raise error(f"{what} {path} does not exist; {fix}")
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise error(f"{what} {path} cannot be read as text ({exc}); {fix}") from None
 
 
 def at_least(low: float) -> dict[str, Any]:

@@ -26,16 +26,16 @@ from tiertrain.memory import Budgets
 from tiertrain.memory.system import compute_device
 from tiertrain.models import ModelConfig, build, param_count
 from tiertrain.models.accounting import flops_per_token
+from tiertrain.precisions import torch_dtype
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the benches' --precision choices
 
 
 def matmul_peak(device: torch.device, precision: str) -> float:
     """FLOP/s of a square matrix product at ``precision`` on ``device`` (best of 5, after a warm-up),
     on random data: the ceiling model FLOPs utilisation is measured against."""
     n = 8192 if device.type == "cuda" else 1024
-    a = torch.randn(n, n, device=device, dtype=DTYPES[precision])
-    b = torch.randn(n, n, device=device, dtype=DTYPES[precision])
+    a = torch.randn(n, n, device=device, dtype=torch_dtype(precision))
+    b = torch.randn(n, n, device=device, dtype=torch_dtype(precision))
     a @ b
     best = 0.0
     for _ in range(5):

@@ -37,7 +37,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from tiertrain.bench.machine import synchronize
-from tiertrain.bench.overhead import DTYPES, matmul_peak
+from tiertrain.bench.overhead import matmul_peak
 from tiertrain.engine.auto_plan import ProfileStep
 from tiertrain.engine.objective import lm_loss
 from tiertrain.engine.optimizer import make_adamw
@@ -45,6 +45,7 @@ from tiertrain.engine.precision import Precision
 from tiertrain.memory import Budgets
 from tiertrain.memory.system import compute_device
 from tiertrain.models import ModelConfig, build, flops_per_token, param_count
+from tiertrain.precisions import torch_dtype
 from tiertrain.runtime.blocks import find_block_list
 from tiertrain.units import format_bytes
 
@@ -171,7 +172,7 @@ def _run_fsdp2(bench: PeerBench, device: torch.device, recompute: bool) -> Row:
 
     mesh = init_device_mesh(device.type, (1,))
     policy = {"mesh": mesh, "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda"),
-              "mp_policy": MixedPrecisionPolicy(param_dtype=DTYPES[bench.precision], reduce_dtype=torch.float32)}
+              "mp_policy": MixedPrecisionPolicy(param_dtype=torch_dtype(bench.precision), reduce_dtype=torch.float32)}
     model = bench.fresh_model()
     for block in _blocks(model, recompute):
         fully_shard(block, **policy)
@@ -195,7 +196,7 @@ def _run_deepspeed(bench: PeerBench, device: torch.device, recompute: bool) -> R
     model = bench.fresh_model()
     _blocks(model, recompute)
     opt, _ = make_adamw(model, _LR, _BETAS, _EPS, _WD)  # groups need the full shapes: before partitioning
-    model.to(DTYPES[bench.precision])  # DeepSpeed computes in its params' dtype and keeps fp32 masters itself
+    model.to(torch_dtype(bench.precision))  # DeepSpeed computes in its params' dtype and keeps fp32 masters itself
     # partition the built model (its weights as every system has them) onto the host, param by param
     deepspeed.zero.Init(module=model, config_dict_or_path=conf, remote_device="cpu", pin_memory=pin)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=conf)

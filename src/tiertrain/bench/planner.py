@@ -26,16 +26,17 @@ from typing import Callable
 import torch
 
 from tiertrain.bench.machine import synchronize
+from tiertrain.bench.runtime import model_cfg
+from tiertrain.engine.measure.machine import probe_machine
+from tiertrain.engine.measure.model import measure_profile, profile_key
 from tiertrain.engine.objective import lm_loss
 from tiertrain.engine.optimizer import make_adamw
-from tiertrain.engine.profiling import measure_profile, profile_key
 from tiertrain.memory import Budgets, Tier
 from tiertrain.memory.system import compute_device
 from tiertrain.models import ModelConfig, build, param_count
 from tiertrain.plan import BlockPlan, Plan, builtin_plan
-from tiertrain.plan_bytes import pages, steps_per_disk_pass
+from tiertrain.plan.bytes import pages, steps_per_disk_pass
 from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
-from tiertrain.planner.profiler import probe_machine
 from tiertrain.planner.simulator import simulate
 from tiertrain.planner.solvers import Problem, dynamic_programming
 from tiertrain.runtime.blocks import find_blocks
@@ -67,11 +68,6 @@ def bench_solver(n_blocks: int, levels: int, out: Callable[[str], None]) -> dict
         f"windows {pb.windows}: {min(times):.3f} s (best of 3; max {max(times):.3f} s); limit 2 s"
         + ("" if found else "  [found no plan: the instance is too tight]"))
     return {"seconds": min(times), "found": found is not None}
-
-
-def _bench_model(d: int, layers: int) -> ModelConfig:
-    return ModelConfig(n_layer=layers, n_head=8, d_model=d, d_ffn=4 * d, vocab_size=256, max_seq_len=1024,
-                       name=f"bench-d{d}-l{layers}")
 
 
 def fidelity_plans(n: int, disk: bool) -> dict[str, Plan]:
@@ -146,7 +142,7 @@ def bench_fidelity(d: int, layers: int, batch: int, seq: int, steps: int, disk_d
     """Each round profiles the model and then runs every plan (interleaved), and each plan's
     prediction is checked against the measurement of the same round: the profile and the runs it
     predicts see the same spell of a shared machine. The figure is the median over rounds."""
-    cfg = _bench_model(d, layers)
+    cfg = model_cfg(d, layers, max(256, seq))
     run, page = _Run(cfg, batch, seq), MiB
     directory = Path(disk_dir or tempfile.mkdtemp(prefix="tiertrain-bench-", dir="."))
     n = param_count(cfg)
@@ -189,10 +185,10 @@ def bench_estimate(d: int, layers: int, batch: int, seq: int, out: Callable[[str
     """What ``plan auto`` plans a model from when it cannot run the plain model (built on meta, or
     too big for the device): one of its blocks measured, and the analytic estimate where even that
     does not fit, each against the whole model measured here, in turns over ``rounds`` rounds."""
-    from tiertrain.engine.block_profile import measure_one_block
-    from tiertrain.planner.profiler import analytic_profile
+    from tiertrain.engine.measure.analytic import analytic_profile
+    from tiertrain.engine.measure.one_block import measure_one_block
 
-    cfg = _bench_model(d, layers)
+    cfg = model_cfg(d, layers, max(256, seq))
     run = _Run(cfg, batch, seq)
     machine, flops = probe_machine(None)
     meta = build(cfg, device="meta")
@@ -232,7 +228,7 @@ def bench_auto(d: int, layers: int, batch: int, seq: int, steps: int, out: Calla
                rounds: int = 3) -> dict:
     """Under each device budget, every built-in plan that fits and the auto plan, all with overlapped
     updates; the plans take turns over ``rounds`` rounds and each figure is the median of its rounds."""
-    cfg = _bench_model(d, layers)
+    cfg = model_cfg(d, layers, max(256, seq))
     run, page, n = _Run(cfg, batch, seq), MiB, param_count(cfg)
     per_block = sum(p.numel() for p in run.fresh().blocks[0].parameters())
     blk, rest = pages(per_block * 4, page), pages((n - layers * per_block) * 4, page)

@@ -58,9 +58,10 @@ def stream_inplace_add(nbytes: int, threads: int) -> float:
     return best
 
 
-def model_cfg(d: int, layers: int) -> ModelConfig:
+def model_cfg(d: int, layers: int, max_seq_len: int = 256) -> ModelConfig:
     """The benches' GPT: byte-level vocabulary, so the built-in corpus trains it as it is."""
-    return ModelConfig(n_layer=layers, n_head=8, d_model=d, d_ffn=4 * d, vocab_size=256, max_seq_len=256, name="bench")
+    return ModelConfig(n_layer=layers, n_head=8, d_model=d, d_ffn=4 * d, vocab_size=256, max_seq_len=max_seq_len,
+                       name="bench")
 
 
 def _fill_grads(model: torch.nn.Module) -> None:
@@ -97,7 +98,7 @@ def _tiered(cfg: ModelConfig, budgets: Budgets, plan, update: str, page: int):
 
 def bench_optimizer(d: int, layers: int, repeats: int, out: Callable[[str], None]) -> dict:
     from tiertrain.memory import Kind, Tier
-    from tiertrain.runtime.block_state import F32
+    from tiertrain.runtime.block_group import F32
 
     cfg = model_cfg(d, layers)
     n = param_count(cfg)
@@ -113,13 +114,13 @@ def bench_optimizer(d: int, layers: int, repeats: int, out: Callable[[str], None
         t = time.perf_counter()
         opt.step()
         peer.append(n / (time.perf_counter() - t))
-        for st in rt.states:  # gradients as backward would leave them (untimed)
-            st.grad = rt.mem.allocate(f"{st.block.name}.grad", st.nbytes, Tier.HOST, Kind.GRAD, contiguous=True)
-            st.grad.typed(F32).normal_(0, 1e-3)
-            st.has_grad = [True] * len(st.params)
+        for g in rt.groups:  # gradients as backward would leave them (untimed)
+            g.grads.chunk = rt.mem.allocate(f"{g.block.name}.grad", g.nbytes, Tier.HOST, Kind.GRAD, contiguous=True)
+            g.grads.chunk.typed(F32).normal_(0, 1e-3)
+            g.grads.has_grad = [True] * len(g.params)
         t = time.perf_counter()
-        for st in rt.states:
-            rt.updater.update(st, None)
+        for g in rt.groups:
+            rt.mode.update_now(g, None, None)
         ours.append(n / (time.perf_counter() - t))
     rt.close()
     rt.mem.close()

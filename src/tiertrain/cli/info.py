@@ -10,9 +10,10 @@ from rich.table import Table
 
 from tiertrain.errors import ConfigError
 from tiertrain.models import resolve_config
-from tiertrain.models.accounting import (PRECISION_BYTES, flops_per_token, param_count, state_bytes,
+from tiertrain.models.accounting import (flops_per_token, param_count, state_bytes,
                                          tier_totals)
 from tiertrain.models.config import ModelConfig
+from tiertrain.precisions import PRECISIONS
 from tiertrain.units import format_bytes, format_count
 
 
@@ -21,8 +22,8 @@ def model_info(model: str, batch_size: int, seq_len: int | None, precision: str)
     if not isinstance(cfg, ModelConfig):
         raise ConfigError("info describes tiertrain's own model configs; for a transformers config use tiertrain train")
     seq = seq_len or cfg.max_seq_len
-    if precision not in PRECISION_BYTES:
-        raise ConfigError(f"precision {precision!r} is not one of {', '.join(PRECISION_BYTES)}")
+    if precision not in PRECISIONS:
+        raise ConfigError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
     sb = state_bytes(cfg, batch_size, seq, precision)
     return {"model": cfg.name or "custom", "config": cfg.to_dict(), "params": param_count(cfg),
             "flops_per_token": flops_per_token(cfg, seq), "batch_size": batch_size, "seq_len": seq,

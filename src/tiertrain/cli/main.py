@@ -10,6 +10,7 @@ from rich.console import Console
 
 from tiertrain.errors import ConfigError, UserError
 from tiertrain.plan import DEFAULT_MAX_STALENESS
+from tiertrain.precisions import PRECISIONS
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -35,6 +36,7 @@ class AtLeast(click.ParamType):
 
 
 POSITIVE = AtLeast(1)
+BENCH_PRECISIONS = PRECISIONS[:2]  # the benches and `tiertrain plan` compare fp32 and bf16 (fp16 needs loss scaling)
 
 
 class Finite(click.FloatRange):
@@ -72,7 +74,7 @@ def cli() -> None:
 @click.option("--seq-len", type=int, help="Tokens per sequence (default 128).")
 @click.option("--grad-accum", type=int, help="Micro-batches per optimizer step (default 1).")
 @click.option("--lr", type=float, help="Peak learning rate, after warm-up (default 2e-3).")
-@click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]), help="Compute precision (default: bf16 on GPU, fp32 on CPU).")
+@click.option("--precision", type=click.Choice(PRECISIONS), help="Compute precision (default: bf16 on GPU, fp32 on CPU).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), help="Where to compute (default auto).")
 @click.option("--seed", type=int, help="Seed for weights, data order and masking (default 0).")
 @click.option("--out", type=click.Path(file_okay=False), help="Run directory: metrics.jsonl and checkpoints/ (default runs/tiertrain).")
@@ -149,7 +151,7 @@ def _run_dir_of(resume: str) -> str:
 @click.option("--model", default=None, help="Model name or config file.")
 @click.option("--batch-size", type=POSITIVE, default=1, show_default=True, help="Sequences per micro-batch.")
 @click.option("--seq-len", type=POSITIVE, default=None, help="Tokens per sequence (default: the model's maximum).")
-@click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]), default="bf16", show_default=True)
+@click.option("--precision", type=click.Choice(PRECISIONS), default="bf16", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 @click.option("--list", "list_models", is_flag=True, help="List the named models.")
 def info(model: str | None, batch_size: int, seq_len: int | None, precision: str, as_json: bool, list_models: bool) -> None:
@@ -237,7 +239,7 @@ def bench_offload_cmd(d_model: int, layers: int, batch_size: int, seq_len: int, 
     """Step time with states on disk against max(compute, disk I/O, optimizer) measured in the same run."""
     from tiertrain.bench.machine import describe
     from tiertrain.bench.runtime import bench_offload
-    from tiertrain.memory.page_size import page_size_for
+    from tiertrain.engine.measure.page_size import page_size_for
     from tiertrain.memory.system import compute_device
     from tiertrain.units import parse_size
 
@@ -260,7 +262,7 @@ def bench_convergence_cmd(d_model: int, layers: int, batch_size: int, seq_len: i
     """Loss against wall time, sync and lockfree, with states on disk: what lockfree's faster steps learn."""
     from tiertrain.bench.convergence import bench_convergence
     from tiertrain.bench.machine import describe
-    from tiertrain.memory.page_size import page_size_for
+    from tiertrain.engine.measure.page_size import page_size_for
     from tiertrain.memory.system import compute_device
     from tiertrain.units import parse_size
 
@@ -289,7 +291,7 @@ def _stalenesses(text: str) -> tuple[int, ...]:
 @click.option("--layers", type=POSITIVE, default=8, show_default=True)
 @click.option("--batch-size", type=POSITIVE, default=4, show_default=True)
 @click.option("--seq-len", type=POSITIVE, default=128, show_default=True)
-@click.option("--precision", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
+@click.option("--precision", type=click.Choice(BENCH_PRECISIONS), default="fp32", show_default=True)
 @click.option("--update", "updates", default="sync,overlap", show_default=True,
               help="Update modes of the resident plan to compare with plain PyTorch (comma-separated).")
 @click.option("--rounds", type=POSITIVE, default=5, show_default=True, help="Interleaved rounds (the median is taken).")
@@ -318,7 +320,7 @@ def bench_overhead_cmd(model: str | None, d_model: int, layers: int, batch_size:
               help="A named model (tiertrain info --list) or one of our model config JSONs.")
 @click.option("--batch-size", type=POSITIVE, default=2, show_default=True)
 @click.option("--seq-len", type=POSITIVE, default=128, show_default=True)
-@click.option("--precision", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
+@click.option("--precision", type=click.Choice(BENCH_PRECISIONS), default="fp32", show_default=True)
 @click.option("--device-memory", default="1GiB", show_default=True,
               help="tiertrain's device budget; on CUDA the peers are held to it too.")
 @click.option("--host-memory", default="16GiB", show_default=True, help="tiertrain's host budget.")
@@ -385,7 +387,7 @@ def bench_planner_cmd(d_model: int, layers: int, batch_size: int, seq_len: int, 
 @click.option("--model", help="Model name or config file (profiled from its config at this machine's measured speeds).")
 @click.option("--batch", "batch", type=POSITIVE, default=1, show_default=True, help="Sequences per micro-batch.")
 @click.option("--seq", "seq", type=POSITIVE, default=None, help="Tokens per sequence (default: the model's maximum).")
-@click.option("--precision", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
+@click.option("--precision", type=click.Choice(BENCH_PRECISIONS), default="fp32", show_default=True)
 @click.option("--device-memory", required=True, help='Device budget, e.g. "8GiB".')
 @click.option("--host-memory", required=True, help='Host budget, e.g. "64GiB".')
 @click.option("--disk", help='Disk tier "DIR:SIZE" (its speed is measured in DIR).')
@@ -415,7 +417,7 @@ def plan_cmd(model: str | None, batch: int, seq: int | None, precision: str, dev
 
     from tiertrain.cli.plan import print_plan, write_png
     from tiertrain.memory import Budgets
-    from tiertrain.plan import check_update_mode, needs_all_grads
+    from tiertrain.plan import RunOptions, check_update_mode
     from tiertrain.planner.auto import choose, run_profile
     from tiertrain.planner.profile import Profile
     from tiertrain.planner.solvers import SOLVERS, Problem
@@ -436,14 +438,14 @@ def plan_cmd(model: str | None, batch: int, seq: int | None, precision: str, dev
     else:
         raise click.UsageError("give --model NAME or --profile FILE")
     if page_size or not profile.page:   # chunks take whole pages: plan with the ones the run will use
-        from tiertrain.memory.page_size import page_size_for
+        from tiertrain.engine.measure.page_size import page_size_for
         from tiertrain.memory.system import compute_device
         from tiertrain.units import parse_size
 
         page = page_size_for(parse_size(page_size) if page_size else None,
                              budgets.disk_dir if budgets.disk else None, compute_device())
         profile = dataclasses.replace(profile, page=page)
-    all_grads = needs_all_grads(grad_clip > 0, grad_accum, precision)
+    all_grads = RunOptions(grad_accum=grad_accum, max_grad_norm=grad_clip or None).needs_all_grads(precision)
     profile = run_profile(profile, update, max_staleness, all_grads)
     pb = Problem(profile, budgets.device, budgets.host, budgets.disk, levels=levels)
     chosen, cands = choose(pb, solvers or tuple(SOLVERS), update, all_grads, max_staleness)

@@ -1,6 +1,6 @@
 """``--plan auto``: profile the model on this machine, run the solvers, take the best prediction.
 
-The profile is measured once per machine + model + batch shape (``engine.profiling``) and
+The profile is measured once per machine + model + batch shape (``engine.measure.model``) and
 cached; the solvers and the simulator are the planner's, the same ones ``tiertrain plan``
 runs, so what this logs is what ``tiertrain plan --profile`` would explain.
 """
@@ -16,7 +16,9 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
-from tiertrain.engine.profiling import cached_profile, measure_profile, profile_key
+from tiertrain.engine.measure.analytic import analytic_profile
+from tiertrain.engine.measure.machine import probe_machine
+from tiertrain.engine.measure.model import cached_profile, measure_profile, profile_key
 from tiertrain.errors import ConfigError
 from tiertrain.memory import Budgets
 from tiertrain.memory.system import compute_device
@@ -24,7 +26,6 @@ from tiertrain.models.config import ModelConfig
 from tiertrain.plan import DEFAULT_MAX_STALENESS, Plan
 from tiertrain.planner.auto import choose, run_profile
 from tiertrain.planner.profile import Profile
-from tiertrain.planner.profiler import analytic_profile, probe_machine
 from tiertrain.planner.simulator import Simulation
 from tiertrain.planner.solvers import Problem
 from tiertrain.runtime.blocks import find_blocks
@@ -89,8 +90,7 @@ def auto_plan(model: nn.Module, step: Callable[[], None], budgets: Budgets, page
                           needs_all_grads)
     chosen, _ = choose(Problem(profile, budgets.device, budgets.host, budgets.disk), update=update,
                        needs_all_grads=needs_all_grads, max_staleness=max_staleness)
-    plan = dataclasses.replace(chosen.plan, compute_dtype=precision)
-    return AutoPlan(plan, chosen.sim, chosen.solver, profile, cached)
+    return AutoPlan(chosen.plan, chosen.sim, chosen.solver, profile, cached)
 
 
 @contextlib.contextmanager
@@ -126,7 +126,7 @@ def _estimate(model: nn.Module, found: list, shape: tuple | None, precision: str
     """The plain model cannot be measured (``why``: it did not fit on the device, the case tiertrain
     exists for, or it has no weights yet): measure one of its blocks and scale; where even one
     block cannot run, fall back to the analytic estimate (our models) or say what to do (others)."""
-    from tiertrain.engine.block_profile import BlockInputsUnknown, measure_one_block
+    from tiertrain.engine.measure.one_block import BlockInputsUnknown, measure_one_block
 
     model.zero_grad(set_to_none=True)
     if torch.cuda.is_available():

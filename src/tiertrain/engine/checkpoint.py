@@ -52,7 +52,8 @@ from safetensors.torch import save_file
 from tiertrain import typed
 from tiertrain.engine.atomic import publish_dir, write_atomic
 from tiertrain.engine.train_state import TrainState, checked_groups
-from tiertrain.errors import CheckpointError, OutputError
+from tiertrain.errors import CheckpointError, OutputError, one_line
+from tiertrain.optim.hparams import MOMENTS
 from tiertrain.tensor_file import LazyTensors, TensorSpec, write_streamed
 from tiertrain.units import format_bytes
 
@@ -69,7 +70,6 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,254}")  # a plain file name: no
 _STEP_DIR = re.compile(r"step-[0-9]{8,20}")
 _DIGEST = re.compile(r"crc32c:[0-9a-f]{8}|[0-9a-f]{64}")
 _CUDA_RNG = re.compile(r"torch_cuda_[0-9]{1,4}")
-_MOMENTS = ("exp_avg", "exp_avg_sq")
 _FIX = "resume from another checkpoint"
 
 
@@ -168,7 +168,7 @@ def _read_json(path: Path) -> Any:
     try:
         return json.loads(_read_small(path, MAX_JSON_BYTES))
     except (ValueError, RecursionError) as exc:
-        raise CheckpointError(f"checkpoint file {path} is not valid JSON ({_one_line(exc)}); {_FIX}") from None
+        raise CheckpointError(f"checkpoint file {path} is not valid JSON ({one_line(exc)}); {_FIX}") from None
 
 
 def file_digest(path: Path) -> str:
@@ -253,7 +253,7 @@ def _save_failed(root: Path, name: str, exc: BaseException) -> OutputError:
         free = f"{format_bytes(shutil.disk_usage(root).free)} free there"
     except OSError:
         free = "free space unknown"
-    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else _one_line(exc)
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else one_line(exc)
     return OutputError(f"cannot save checkpoint {name} in {root}: {reason} ({free}); free some space there or "
                        "choose another --out (the previous checkpoint is intact)")
 
@@ -375,7 +375,7 @@ def read_trainer(ckpt: Path) -> TrainerFile:
             scaler = typed.load(SavedScaler, trainer.scaler, f"checkpoint file {path}: scaler", error=CheckpointError)
             trainer = _replace(trainer, scaler=asdict(scaler))
     except CheckpointError as exc:
-        raise CheckpointError(f"{_one_line(exc)}; the file is damaged or was edited: {_FIX}") from None
+        raise CheckpointError(f"{one_line(exc)}; the file is damaged or was edited: {_FIX}") from None
     _check_manifest(path, trainer.files)
     _check_plain_rng(path, trainer.rng)
     return trainer
@@ -415,7 +415,7 @@ def _check_plain_rng(path: Path, rng: SavedRng) -> None:
         random.Random().setstate((version, words, gauss))
         np.random.RandomState().set_state(_numpy_state(rng))
     except (ValueError, TypeError, OverflowError) as exc:
-        raise CheckpointError(f"{path}: rng is not a generator state ({_one_line(exc)}); {_FIX}") from None
+        raise CheckpointError(f"{path}: rng is not a generator state ({one_line(exc)}); {_FIX}") from None
 
 
 def _numpy_state(rng: SavedRng) -> tuple:
@@ -477,7 +477,7 @@ def _checked_optimizer(ckpt: Path, ts: TrainState) -> LazyTensors:
     for key in tensors:
         name, sep, kind = key.partition("::")
         spec = expected.get(name)
-        if not sep or spec is None or kind not in ("step", *_MOMENTS):
+        if not sep or spec is None or kind not in ("step", *MOMENTS):
             raise CheckpointError(f"optimizer state {_short(key)} in {path} is no AdamW state of this model's "
                                   "parameters; resume the model it came from")
         want = TensorSpec(key, torch.float32, ()) if kind == "step" else TensorSpec(key, spec.dtype, spec.shape)
@@ -486,7 +486,7 @@ def _checked_optimizer(ckpt: Path, ts: TrainState) -> LazyTensors:
             raise CheckpointError(f"optimizer state {key!r} in {path} is {_desc(*got)}, this model needs "
                                   f"{_desc(want.dtype, want.shape)}; resume the model it came from")
         kinds.setdefault(name, set()).add(kind)
-    partial = sorted(n for n, k in kinds.items() if len(k) != 1 + len(_MOMENTS))
+    partial = sorted(n for n, k in kinds.items() if len(k) != 1 + len(MOMENTS))
     if partial:
         raise CheckpointError(f"optimizer state in {path} lacks the step or a moment of {partial[0]!r}; {_FIX}")
     return tensors
@@ -510,7 +510,7 @@ def _checked_rng(ckpt: Path) -> dict[str, torch.Tensor]:
     try:
         torch.Generator().set_state(states["torch_cpu"])  # a scratch generator: the global one is set last
     except (RuntimeError, TypeError) as exc:
-        raise CheckpointError(f"{path}: torch_cpu is not a generator state ({_one_line(exc)}); {_FIX}") from None
+        raise CheckpointError(f"{path}: torch_cpu is not a generator state ({one_line(exc)}); {_FIX}") from None
     return states
 
 
@@ -558,7 +558,3 @@ def _short(value: Any, limit: int = 80) -> str:
 def _key(name: str) -> str:
     """A config key as is when it reads plainly, else quoted and cut short."""
     return name if name.isprintable() and len(name) <= 80 else _short(name)
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())

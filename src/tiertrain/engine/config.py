@@ -92,12 +92,7 @@ def _fields() -> list[str]:
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """Read a YAML or JSON config file into a mapping; refuse anything else clearly."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist; check the path given to --config")
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config file {path} cannot be read as text ({exc}); give a YAML or JSON file") from None
+    text = typed.read_text(path, "config file", "check the path given to --config (a YAML or JSON file)")
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except json.JSONDecodeError as exc:

@@ -9,8 +9,8 @@ from typing import ContextManager
 import torch
 
 from tiertrain.errors import ConfigError
-
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+from tiertrain.memory.system import compute_device
+from tiertrain.precisions import torch_dtype
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class Precision:
         """fp32 runs without autocast; bf16/fp16 autocast with fp32 weights (the master copy)."""
         if self.name == "fp32":
             return contextlib.nullcontext()
-        return torch.autocast(self.device_type, dtype=_DTYPES[self.name])
+        return torch.autocast(self.device_type, dtype=torch_dtype(self.name))
 
     def grad_scaler(self, tiered: bool = False) -> torch.amp.GradScaler:
         """Dynamic loss scaling for plain fp16; a disabled scaler (a no-op) otherwise. A tiered run
@@ -41,5 +41,5 @@ def choose_device(requested: str) -> torch.device:
     if requested == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda was asked for but no CUDA device is visible; use --device cpu")
     if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return compute_device()
     return torch.device(requested)

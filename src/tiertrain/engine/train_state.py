@@ -7,7 +7,7 @@ Both speak the same names: ``model.state_dict()`` keys for weights and
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any, Protocol
 
 import torch
@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from tiertrain import typed
 from tiertrain.errors import CheckpointError
+from tiertrain.optim.hparams import KEYS, AdamWHyper
 from tiertrain.tensor_file import TensorSpec, TensorStream
 
 F32 = torch.float32
@@ -52,21 +53,6 @@ def _plain_hparams(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"} for g in groups]
 
 
-@dataclass(frozen=True)
-class GroupHparams:
-    """What a resumed run takes from each saved parameter group: the numbers that define AdamW's
-    update. The rest of a group (fused, foreach, amsgrad...) is how this run was built, and a
-    checkpoint must not switch it (amsgrad on would need state no checkpoint holds)."""
-
-    lr: float = field(metadata=typed.at_least(0))
-    betas: tuple[float, float] = field(metadata=typed.between(0, 1, high_open=True))
-    eps: float = field(metadata=typed.at_least(0))
-    weight_decay: float = field(metadata=typed.at_least(0))
-
-
-HPARAMS = tuple(GroupHparams.__dataclass_fields__)
-
-
 def checked_groups(saved: Any, current: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
     """The saved parameter groups' hyperparameters, each checked for type and range, one per group
     of this run; refused with one ``CheckpointError`` before anything is loaded."""
@@ -79,7 +65,7 @@ def checked_groups(saved: Any, current: list[dict[str, Any]], where: str) -> lis
         if not isinstance(group, Mapping):
             raise CheckpointError(f"{where}: param_groups[{i}] must be a mapping; resume from another checkpoint")
         try:
-            hp = typed.load(GroupHparams, {k: group[k] for k in HPARAMS if k in group}, f"{where}: param_groups[{i}]",
+            hp = typed.load(AdamWHyper, {k: group[k] for k in KEYS if k in group}, f"{where}: param_groups[{i}]",
                             error=CheckpointError)
         except CheckpointError as exc:
             raise CheckpointError(f"{exc}; resume from another checkpoint") from None
@@ -94,7 +80,7 @@ def _merge_groups(targets: list[dict[str, Any]], saved: list[dict[str, Any]]) ->
                               "resume the run it was saved from")
     for group, values in zip(targets, saved):
         group.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in values.items()
-                      if k in HPARAMS and k in group})
+                      if k in KEYS and k in group})
 
 
 class PlainState:
@@ -149,7 +135,7 @@ class TieredState:
         return weight_stream(self.rt)
 
     def expected_weights(self) -> dict[str, TensorSpec]:
-        return {n: TensorSpec(n, F32, tuple(p.shape)) for st in self.rt.states for n, p in st.block.params}
+        return {n: TensorSpec(n, F32, tuple(p.shape)) for st in self.rt.groups for n, p in st.block.params}
 
     def expected_moments(self) -> dict[str, TensorSpec]:
         return self.expected_weights()  # fp32 moments beside each fp32 master
@@ -160,10 +146,10 @@ class TieredState:
         return optimizer_stream(self.rt)
 
     def group_hparams(self) -> list[dict[str, Any]]:
-        return _plain_hparams(self.rt.groups)
+        return _plain_hparams(self.rt.param_groups)
 
     def load(self, weights, optim, groups) -> None:
         from tiertrain.runtime.state_io import import_state
 
-        _merge_groups(self.rt.groups, groups)
+        _merge_groups(self.rt.param_groups, groups)
         import_state(self.rt, weights, optim)

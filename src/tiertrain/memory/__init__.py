@@ -5,6 +5,6 @@ from tiertrain.memory.chunk import Chunk
 from tiertrain.memory.layout import ChunkLayout, search_chunk_size
 from tiertrain.memory.movement import Handle
 from tiertrain.memory.system import MemorySystem
-from tiertrain.memory.tiers import Kind, Tier
+from tiertrain.plan.tiers import Kind, Tier
 
 __all__ = ["Budgets", "Chunk", "ChunkLayout", "Handle", "Kind", "MemorySystem", "Tier", "search_chunk_size"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 
-from tiertrain.memory.tiers import Kind, Tier
+from tiertrain.plan.tiers import Kind, Tier
 
 
 class Accounting:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 
 from tiertrain.memory.pages import Extent
-from tiertrain.memory.tiers import Kind, Tier
+from tiertrain.plan.tiers import Kind, Tier
 
 if TYPE_CHECKING:
     from tiertrain.memory.movement import Handle

@@ -32,7 +32,7 @@ except ImportError:  # pragma: no cover - the dependency is declared; keep worki
 
 from tiertrain.errors import ConfigError, DiskError
 from tiertrain.memory.pool import IO_ALIGN, Pool, host_buffer
-from tiertrain.memory.tiers import Tier
+from tiertrain.plan.tiers import Tier
 from tiertrain.units import format_bytes
 
 log = logging.getLogger("tiertrain")

@@ -51,10 +51,6 @@ class ChunkLayout:
         return sum(s.numel for s in self.slots)
 
     @property
-    def padding(self) -> int:
-        return self.numel - self.used
-
-    @property
     def shard_numel(self) -> int:
         return self.numel // self.shard_count
 

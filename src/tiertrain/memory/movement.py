@@ -25,7 +25,7 @@ from tiertrain.memory.disk import DiskPool
 from tiertrain.memory.io_queue import READ, WRITE, PriorityPool
 from tiertrain.memory.pages import Extent
 from tiertrain.memory.pool import IO_ALIGN, MemoryPool, Pool, host_buffer
-from tiertrain.memory.tiers import Tier
+from tiertrain.plan.tiers import Tier
 
 
 class Handle:

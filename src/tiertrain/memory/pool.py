@@ -12,11 +12,19 @@ import threading
 
 import torch
 
-from tiertrain.errors import BudgetError
+from tiertrain.errors import BudgetError, ConfigError
 from tiertrain.memory.pages import Extent, PagesExhausted, PageTable
-from tiertrain.memory.tiers import Tier
+from tiertrain.plan.tiers import Tier
 
 IO_ALIGN = 4096  # O_DIRECT needs buffers, offsets and lengths aligned to the logical block size
+DEFAULT_PAGE_SIZE = 1 << 20  # for a MemorySystem made without one; runs measure theirs (engine.measure.page_size)
+
+
+def check_page_size(size: int) -> int:
+    """A page size the pools can use: a positive multiple of the O_DIRECT alignment."""
+    if size < IO_ALIGN or size % IO_ALIGN:
+        raise ConfigError(f"page size {size} must be a positive multiple of {IO_ALIGN} bytes (e.g. 4MiB)")
+    return size
 
 
 class Pool:

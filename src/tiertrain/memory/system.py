@@ -12,9 +12,8 @@ from tiertrain.memory.capacity import check_budgets
 from tiertrain.memory.chunk import Chunk
 from tiertrain.memory.disk import DiskDir, DiskPool
 from tiertrain.memory.movement import Handle, Mover
-from tiertrain.memory.page_size import page_size_for
-from tiertrain.memory.pool import IO_ALIGN, MemoryPool, Pool, host_buffer
-from tiertrain.memory.tiers import Kind, Tier
+from tiertrain.memory.pool import DEFAULT_PAGE_SIZE, IO_ALIGN, MemoryPool, Pool, check_page_size, host_buffer
+from tiertrain.plan.tiers import Kind, Tier
 
 
 def compute_device() -> torch.device:
@@ -28,14 +27,14 @@ class MemorySystem:
     run killed before that has its files removed by the next run using the same directory.
     """
 
-    def __init__(self, budgets: Budgets, page_size: int | None = None, io_workers: int = 8,
+    def __init__(self, budgets: Budgets, page_size: int = DEFAULT_PAGE_SIZE, io_workers: int = 8,
                  device: torch.device | None = None, reserve_disk: bool = True, check_machine: bool = True) -> None:
         """``check_machine=False``: the caller has already held the budgets against the machine
         (``tiertrain.setup`` does, before it profiles or builds anything)."""
         self.device = device or compute_device()
         if check_machine:
             check_budgets(budgets, self.device)
-        self.page_size = page_size_for(page_size, budgets.disk_dir if budgets.disk else None, self.device)
+        self.page_size = check_page_size(page_size)  # runs measure theirs (engine.measure.page_size)
         self.accounting = Accounting()
         self.pools: dict[Tier, Pool] = {
             Tier.DEVICE: MemoryPool(Tier.DEVICE, budgets.device, self.page_size, self.device),

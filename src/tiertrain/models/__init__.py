@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from tiertrain.errors import ConfigError
+from tiertrain.errors import ConfigError, one_line
 from tiertrain.models.accounting import flops_per_token, param_count, state_bytes
 from tiertrain.models.config import ModelConfig
 from tiertrain.models.configs import CONFIGS, DEFAULT_MODEL
@@ -60,7 +60,7 @@ def _read_model_file(path: Path) -> dict[str, Any]:
         text = path.read_text()
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (ValueError, OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"cannot read model config {path} ({_one_line(exc)}); fix its syntax") from None
+        raise ConfigError(f"cannot read model config {path} ({one_line(exc)}); fix its syntax") from None
     if not isinstance(data, dict):
         raise ConfigError(f"model config {path} must hold a mapping of fields")
     return data
@@ -77,11 +77,8 @@ def _hf_config(data: dict[str, Any]) -> Any:
     try:
         return AutoConfig.for_model(data.pop("model_type"), **data)
     except Exception as exc:  # noqa: BLE001 - transformers validates configs with several error types of its own
-        raise ConfigError(f"Hugging Face config not usable: {_one_line(exc)}; fix the config's values") from None
+        raise ConfigError(f"Hugging Face config not usable: {one_line(exc)}; fix the config's values") from None
 
-
-def _one_line(exc: Exception) -> str:
-    return (" ".join(str(exc).split()) or type(exc).__name__)[:300]
 
 
 def build(spec: Any, device: torch.device | str | None = None) -> nn.Module:
@@ -105,4 +102,4 @@ def _build_hf(cfg: Any) -> nn.Module:
         return AutoModelForCausalLM.from_config(cfg)
     except Exception as exc:  # noqa: BLE001 - whatever the build raises, the config's values caused it
         raise ConfigError(f"the transformers config ({getattr(cfg, 'model_type', '?')}) does not build a model: "
-                          f"{_one_line(exc)}; fix the config's values") from None
+                          f"{one_line(exc)}; fix the config's values") from None

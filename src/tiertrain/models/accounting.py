@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from tiertrain.models.config import ModelConfig
 
-PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+from tiertrain.precisions import BYTES as PRECISION_BYTES
 
 
 def block_params(cfg: ModelConfig) -> int:

@@ -45,10 +45,6 @@ class ModelConfig:
             raise ConfigError(f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}")
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_head
-
-    @property
     def is_moe(self) -> bool:
         return self.n_experts > 0
 

@@ -7,9 +7,10 @@ import math
 from dataclasses import dataclass
 
 from tiertrain.errors import UserError
-from tiertrain.memory.tiers import Tier
+from tiertrain.plan.tiers import Tier
 from tiertrain.plan import DEFAULT_MAX_STALENESS, BlockPlan, Plan
-from tiertrain.plan_bytes import TRANSIENT_HINT, disk_passes_per_step, grad_copies, tier_bytes
+from tiertrain.plan.bytes import (TRANSIENT_HINT, disk_passes_per_step, grad_copies, tier_bytes, transient,
+                                  widen_read_ahead)
 from tiertrain.planner.profile import Profile
 from tiertrain.planner.simulator import Simulation, simulate
 from tiertrain.planner.solvers import SOLVERS, Problem, Solution, dynamic_programming
@@ -33,7 +34,7 @@ def to_plan(s: Solution, p: Profile, update: str = "overlap", max_staleness: int
     streams = any(c.stream for c in s.choices)
     return Plan(blocks, BlockPlan(home=Tier.HOST), window=s.window if streams else 1,
                 prefetch=lifetime_prefetch(p, s.window) if streams else 0, update=update, name=f"auto/{s.solver}",
-                compute_dtype={4: "fp32", 2: "bf16"}.get(p.compute_bytes, "fp32"), max_staleness=max_staleness,
+                compute_dtype=p.compute_dtype, max_staleness=max_staleness,
                 read_ahead=p.read_ahead, update_workers=p.update_workers)
 
 
@@ -43,7 +44,7 @@ def run_profile(p: Profile, update: str, max_staleness: int, needs_all_grads: bo
     auto`` and ``tiertrain plan`` both plan through this, so they choose the same plan for one run."""
     return dataclasses.replace(p, grad_copies=grad_copies(update, max_staleness),
                                disk_passes=disk_passes_per_step(update, max_staleness),
-                               transient_grads=update == "overlap" and not needs_all_grads)
+                               transient_grads=transient(update, needs_all_grads))
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,9 @@ def candidates(pb: Problem, update: str = "overlap", solvers: tuple[str, ...] = 
         if s is None:
             out.append(Candidate(name, None, None))
             continue
-        plan = to_plan(s, pb.profile, update, max_staleness)
+        plan = widen_read_ahead([b.params for b in (*pb.profile.blocks, pb.profile.rest)],
+                                to_plan(s, pb.profile, update, max_staleness), pb.profile.page, pb.budgets,
+                                pb.profile.transient_grads)
         out.append(Candidate(name, *size_cache(plan, simulate(plan, pb.profile, needs_all_grads), pb, needs_all_grads)))
     return out
 

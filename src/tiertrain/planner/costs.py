@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from tiertrain.plan_bytes import pages
+from tiertrain.plan.bytes import pages
 from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
 
 STATE_BYTES = 12      # fp32 master + exp_avg + exp_avg_sq per parameter

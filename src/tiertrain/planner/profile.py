@@ -14,7 +14,8 @@ from pathlib import Path
 
 from tiertrain import typed
 from tiertrain.errors import ConfigError
-from tiertrain.typed import above, at_least
+from tiertrain.precisions import BYTES, PRECISIONS
+from tiertrain.typed import above, at_least, one_of
 
 _TIME = at_least(0)
 _RATE = above(0)
@@ -34,9 +35,6 @@ class BlockProfile:
     def recompute_seconds(self) -> float:
         return self.forward_s if self.recompute_s is None else self.recompute_s
 
-    def param_bytes(self, dtype_bytes: int) -> int:
-        return self.params * dtype_bytes
-
 
 @dataclass(frozen=True)
 class MachineProfile:
@@ -54,7 +52,7 @@ class Profile:
     blocks: tuple[BlockProfile, ...]   # the repeated blocks, in forward order
     rest: BlockProfile                 # embeddings, head, final norm
     machine: MachineProfile
-    compute_bytes: int = field(default=4, metadata=at_least(1))  # bytes per compute param (fp32 4, bf16/fp16 2)
+    compute_dtype: str = field(default="fp32", metadata=one_of(*PRECISIONS))  # the compute params' precision
     key: str = ""                      # machine + model + batch shape it was measured for
     page: int = field(default=0, metadata=at_least(0))  # the runtime's page size: chunks take whole pages (0: unpaged)
     order: tuple[int, ...] = ()        # blocks in the order one forward called them (measured profiles)
@@ -63,6 +61,11 @@ class Profile:
     transient_grads: bool = False      # overlap without clipping or accumulation: few grad chunks at once
     read_ahead: int = field(default=2, metadata=at_least(0))  # the plan's disk-homed blocks read in ahead
     update_workers: int = field(default=2, metadata=at_least(1))  # the plan's optimizer threads (Plan.update_workers)
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes per compute parameter (fp32 4, bf16/fp16 2)."""
+        return BYTES[self.compute_dtype]
 
     @property
     def acts_on_device(self) -> bool:
@@ -81,17 +84,7 @@ class Profile:
             raise ConfigError(f"{where} is not a tiertrain profile ({exc})") from None
         return typed.load(cls, data, where)
 
-    def save(self, path: Path) -> None:
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(self.to_json())
-        tmp.replace(path)
-
     @classmethod
     def load(cls, path: Path) -> "Profile":
-        if not path.is_file():
-            raise ConfigError(f"profile {path} does not exist; run `tiertrain plan` without --profile to measure one")
-        try:
-            text = path.read_text()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"profile {path} cannot be read ({exc}); give a profile JSON file") from None
+        text = typed.read_text(path, "profile", "run `tiertrain plan` without --profile to measure one")
         return cls.from_json(text, f"profile {path}")

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tiertrain.memory.tiers import Tier
+from tiertrain.plan.tiers import Tier
 from tiertrain.plan import Plan
-from tiertrain.plan_bytes import disk_passes_per_step, grad_copies, grad_tier, pages, separate_param_home, tier_bytes
+from tiertrain.plan.bytes import disk_passes_per_step, grad_copies, grad_tier, pages, separate_param_home, tier_bytes
 from tiertrain.planner.costs import GRAD_BYTES, STATE_BYTES, grads_out_s, publishes_over_link
 from tiertrain.planner.profile import MachineProfile, Profile
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tiertrain.plan.tiers import Tier
 from tiertrain.planner import costs
 from tiertrain.planner.costs import CHOICES, Choice
 from tiertrain.planner.profile import Profile
@@ -34,6 +35,10 @@ class Problem:
     @property
     def unit(self) -> float:
         return self.device / self.levels
+
+    @property
+    def budgets(self) -> dict[Tier, int]:
+        return {Tier.DEVICE: self.device, Tier.HOST: self.host, Tier.DISK: self.disk}
 
     def capacity(self, window: int, any_stream: bool) -> int:
         """Whole units left for the blocks once the fixed bytes are placed (negative: none)."""

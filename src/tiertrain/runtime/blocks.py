@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from tiertrain.errors import ConfigError
+from tiertrain.memory.layout import ChunkLayout
 
 
 @dataclass
@@ -21,6 +22,16 @@ class Block:
     name: str
     module: nn.Module | None          # None for the rest block (no single module call)
     params: list[tuple[str, nn.Parameter]]  # (fully qualified name, parameter), in model order
+
+
+def block_layout(block: Block) -> ChunkLayout:
+    """Where each of the block's parameters sits in its chunks (every state kind shares it)."""
+    return ChunkLayout.build([(n, tuple(p.shape)) for n, p in block.params])
+
+
+def block_numel(block: Block) -> int:
+    """Elements in each of the block's chunks, padding included."""
+    return block_layout(block).numel
 
 
 def _signature(m: nn.Module) -> tuple:

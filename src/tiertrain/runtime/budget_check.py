@@ -6,13 +6,12 @@ when it does not fit, says the smallest budgets this plan and the max-offload pl
 
 from __future__ import annotations
 
-import dataclasses
-
 from tiertrain.errors import UserError
-from tiertrain.memory import Budgets, ChunkLayout, Tier
-from tiertrain.runtime.blocks import Block
+from tiertrain.memory import Budgets, Tier
 from tiertrain.plan import Plan, builtin_plan
-from tiertrain.plan_bytes import TRANSIENT_HINT, tier_bytes
+from tiertrain.plan.bytes import TRANSIENT_HINT, tier_bytes
+from tiertrain.plan.bytes import widest_read_ahead as bytes_widest
+from tiertrain.runtime.blocks import Block, block_numel
 from tiertrain.units import format_bytes
 
 
@@ -27,12 +26,22 @@ def needs(blocks: list[Block], plan: Plan, page: int, train: bool = True, transi
 
 
 def _numels(blocks: list[Block]) -> list[int]:
-    return [ChunkLayout.build([(n, tuple(p.shape)) for n, p in b.params]).numel for b in blocks]
+    return [block_numel(b) for b in blocks]
+
+
+def capacities(budgets: Budgets) -> dict[Tier, int]:
+    return {Tier.DEVICE: budgets.device, Tier.HOST: budgets.host, Tier.DISK: budgets.disk}
 
 
 def _short(need: dict[Tier, int], budgets: Budgets) -> list[Tier]:
-    have = {Tier.DEVICE: budgets.device, Tier.HOST: budgets.host, Tier.DISK: budgets.disk}
+    have = capacities(budgets)
     return [t for t in need if need[t] > have[t]]
+
+
+def widest_read_ahead(blocks: list[Block], plan: Plan, budgets: Budgets, page: int,
+                      transient_grads: bool = False) -> Plan:
+    """``plan.bytes.widest_read_ahead`` for this model's blocks under these budgets."""
+    return bytes_widest(_numels(blocks), plan, page, capacities(budgets), "transient" if transient_grads else "all")
 
 
 def fits(blocks: list[Block], plan: Plan, budgets: Budgets, page: int, train: bool = True,
@@ -40,28 +49,10 @@ def fits(blocks: list[Block], plan: Plan, budgets: Budgets, page: int, train: bo
     return not _short(needs(blocks, plan, page, train=train, transient_grads=transient_grads), budgets)
 
 
-def widest_read_ahead(blocks: list[Block], plan: Plan, budgets: Budgets, page: int,
-                      transient_grads: bool = False) -> Plan:
-    """The plan with as many disk-homed blocks read ahead as the host budget holds (never fewer
-    than it asks for). Reading states in ahead keeps the disk busy through forward and backward
-    instead of only after each block's backward; measured on the offload bench (stream-disk,
-    overlap): 0.555 s per step with 2 blocks ahead, 0.496 s with all 8. The host memory the
-    user gave is spent on that rather than left idle."""
-    on_disk = sum(b.home is Tier.DISK for b in (*plan.blocks, plan.rest))
-    numels, grads = _numels(blocks), "transient" if transient_grads else "all"
-    best = plan
-    for k in range(plan.read_ahead + 1, on_disk + 1):
-        wider = dataclasses.replace(plan, read_ahead=k)
-        if _short(tier_bytes(numels, wider, page, grads=grads), budgets):
-            break
-        best = wider
-    return best
-
-
 def check_fits(blocks: list[Block], plan: Plan, budgets: Budgets, page: int, train: bool = True,
                transient_grads: bool = False) -> None:
     need = needs(blocks, plan, page, train=train, transient_grads=transient_grads)
-    have = {Tier.DEVICE: budgets.device, Tier.HOST: budgets.host, Tier.DISK: budgets.disk}
+    have = capacities(budgets)
     short = _short(need, budgets)
     if not short:
         return

@@ -22,14 +22,15 @@ from bisect import bisect_right
 from typing import Callable
 
 from tiertrain.memory.movement import Handle, Mover
-from tiertrain.runtime.block_state import BlockState, Slot, rebind
+from tiertrain.runtime.block_group import BlockGroup
+from tiertrain.runtime.slots import Slot, rebind
 
 NEVER = float("inf")
 
 
 class DeviceCache:
-    def __init__(self, streamed: list[BlockState], slots: list[Slot], mover: Mover, prefetch: int,
-                 ready: Callable[[BlockState], None]) -> None:
+    def __init__(self, streamed: list[BlockGroup], slots: list[Slot], mover: Mover, prefetch: int,
+                 ready: Callable[[BlockGroup], None]) -> None:
         self.blocks = {st.index: st for st in streamed}
         self.slots, self.mover, self.prefetch = slots, mover, prefetch
         self._ready = ready  # waits until a block's params are final (its update written back)
@@ -72,7 +73,7 @@ class DeviceCache:
             self.pos = int(nxt)
 
     # -- residency ---------------------------------------------------------------------
-    def acquire(self, st: BlockState) -> None:
+    def acquire(self, st: BlockGroup) -> None:
         """Make sure ``st`` sits in a slot now, then start the prefetches this access triggers."""
         self.trace.append(st.index)
         self._last_use[st.index] = len(self.trace)
@@ -87,10 +88,10 @@ class DeviceCache:
         for q in range(self.pos + 1, min(len(self.order), self.pos + 1 + self.prefetch)):
             self._fetch(self.blocks[self.order[q]], q, demand=False)
 
-    def _resident(self, st: BlockState) -> bool:
+    def _resident(self, st: BlockGroup) -> bool:
         return st.slot.holder == st.index
 
-    def _fetch(self, st: BlockState, at: int, demand: bool) -> Handle | None:
+    def _fetch(self, st: BlockGroup, at: int, demand: bool) -> Handle | None:
         """Start copying ``st`` into a slot unless it is there or on its way; None when it is there
         (or, for a prefetch, when no slot may be taken for it yet)."""
         self._ready(st)  # an update may still rewrite this block's params (and invalidate its copy)
@@ -113,7 +114,7 @@ class DeviceCache:
         self.prefetched += not demand
         return handle
 
-    def _take_slot(self, st: BlockState, at: int, demand: bool) -> Slot | None:
+    def _take_slot(self, st: BlockGroup, at: int, demand: bool) -> Slot | None:
         """A slot for ``st``'s access at ``at``: a free one, else Belady's victim at that access. A
         prefetch takes it now only if that victim is not needed before ``at`` (nor computing now),
         so prefetching never adds a fetch to what demand fetching would do."""
@@ -146,7 +147,7 @@ class DeviceCache:
             handle.wait()
         self._inflight.clear()
 
-    def invalidate(self, st: BlockState) -> None:
+    def invalidate(self, st: BlockGroup) -> None:
         """Any thread: the block's params were rewritten at home, so its slot is refilled at its next access.
 
         Only marks it. Slots change hands in the main thread alone: an updater that cleared a
@@ -156,7 +157,7 @@ class DeviceCache:
             with self._stale_lock:
                 self._stale.add(st.index)
 
-    def _take_stale(self, st: BlockState) -> bool:
+    def _take_stale(self, st: BlockGroup) -> bool:
         with self._stale_lock:
             if st.index in self._stale:
                 self._stale.discard(st.index)

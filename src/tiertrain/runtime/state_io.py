@@ -15,11 +15,11 @@ import torch
 from tiertrain.memory import Tier
 from tiertrain.memory.chunk import Chunk
 from tiertrain.memory.heap import release_free_heap
-from tiertrain.runtime.block_state import F32, BlockState
+from tiertrain.runtime.block_group import F32, BlockGroup
 from tiertrain.runtime.runtime import Runtime
+from tiertrain.optim.hparams import MOMENTS
 from tiertrain.tensor_file import TensorSpec, TensorStream
 
-_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _read(rt: Runtime, chunk: Chunk) -> torch.Tensor:
@@ -28,11 +28,11 @@ def _read(rt: Runtime, chunk: Chunk) -> torch.Tensor:
     return chunk.typed(F32).detach().cpu().clone()
 
 
-def _split(st: BlockState, flat: torch.Tensor) -> list[torch.Tensor]:
+def _split(st: BlockGroup, flat: torch.Tensor) -> list[torch.Tensor]:
     return [flat[s.offset : s.offset + s.numel].view(s.shape) for s in st.layout.slots]
 
 
-def _stepped(st: BlockState) -> list[int]:
+def _stepped(st: BlockGroup) -> list[int]:
     """Parameters that have AdamW state: plain AdamW has none for a parameter it never stepped."""
     return [i for i in range(len(st.params)) if float(st.steps[i]) > 0]
 
@@ -40,10 +40,10 @@ def _stepped(st: BlockState) -> list[int]:
 def weight_stream(rt: Runtime) -> TensorStream:
     """The fp32 masters, one block's chunk in memory at a time (read from disk where they live)."""
     rt.wait_updates()
-    specs = [TensorSpec(n, F32, tuple(p.shape)) for st in rt.states for n, p in st.block.params]
+    specs = [TensorSpec(n, F32, tuple(p.shape)) for st in rt.groups for n, p in st.block.params]
 
     def tensors() -> Iterator[torch.Tensor]:
-        for st in rt.states:
+        for st in rt.groups:
             release_free_heap()  # the last block's buffer, freed, would stay in the heap (memory.heap)
             yield from _split(st, _read(rt, st.master))
     return TensorStream(specs, tensors)
@@ -53,15 +53,15 @@ def optimizer_stream(rt: Runtime) -> TensorStream:
     """AdamW state keyed ``<param>::step|exp_avg|exp_avg_sq``, one block's moments in memory at a time."""
     rt.wait_updates()
     specs = [TensorSpec(f"{st.block.params[i][0]}::{k}", F32, () if k == "step" else tuple(st.params[i].shape))
-             for st in rt.states for i in _stepped(st) for k in ("step", *_MOMENTS)]
+             for st in rt.groups for i in _stepped(st) for k in ("step", *MOMENTS)]
 
     def tensors() -> Iterator[torch.Tensor]:
-        for st in rt.states:
+        for st in rt.groups:
             stepped = _stepped(st)
             if not stepped:
                 continue
             release_free_heap()
-            moments = [_split(st, _read(rt, getattr(st, k))) for k in _MOMENTS]
+            moments = [_split(st, _read(rt, getattr(st, k))) for k in MOMENTS]
             for i in stepped:
                 yield st.steps[i].detach().clone()
                 yield from (m[i] for m in moments)
@@ -75,7 +75,7 @@ def export_state(rt: Runtime) -> tuple[dict[str, torch.Tensor], dict[str, torch.
                  for stream in (weight_stream(rt), optimizer_stream(rt)))  # type: ignore[return-value]
 
 
-def _flat(st: BlockState, tensors: list[torch.Tensor | None]) -> torch.Tensor:
+def _flat(st: BlockGroup, tensors: list[torch.Tensor | None]) -> torch.Tensor:
     """The block's chunk contents in layout order (zeros where a tensor is missing, and in the padding)."""
     flat = torch.zeros(st.layout.numel, dtype=F32)
     for s, t in zip(st.layout.slots, tensors):
@@ -102,16 +102,16 @@ def import_state(rt: Runtime, weights: Mapping[str, torch.Tensor], optim: Mappin
     when its block is written, so a model larger than memory resumes)."""
     rt.wait_updates()
     rt.cache.settle()
-    for st in rt.states:
+    for st in rt.groups:
         names = [n for n, _ in st.block.params]
         master = _flat(st, [weights[n] for n in names])
         _write(rt, st.master, master)
         target = st.param_home if st.param_home is not None else st.slot.chunk
         _write(rt, target, master, F32 if target is st.master else st.compute)
-        for k in _MOMENTS:
+        for k in MOMENTS:
             _write(rt, getattr(st, k), _flat(st, [optim.get(f"{n}::{k}") for n in names]))
         for i, n in enumerate(names):
             st.steps[i].copy_(optim.get(f"{n}::step", torch.zeros((), dtype=F32)))
         rt.cache.invalidate(st)
-        st.has_grad = [False] * len(st.params)
+        st.release()  # gradients gathered before the load belong to no step now
         release_free_heap()

@@ -22,7 +22,8 @@ import torch.utils.checkpoint as ckpt
 from tiertrain.errors import BudgetError
 from tiertrain.memory import Kind, MemorySystem, Tier
 from tiertrain.memory.chunk import Chunk
-from tiertrain.runtime.block_state import BlockState, slot_base
+from tiertrain.runtime.block_group import BlockGroup
+from tiertrain.runtime.slots import slot_base
 
 
 class _Stashed:
@@ -84,7 +85,7 @@ class _SlotView:
 
     __slots__ = ("st", "offset", "shape", "stride", "dtype")
 
-    def __init__(self, st: BlockState, offset: int, t: torch.Tensor) -> None:
+    def __init__(self, st: BlockGroup, offset: int, t: torch.Tensor) -> None:
         self.st, self.offset, self.shape, self.stride, self.dtype = st, offset, t.shape, t.stride(), t.dtype
 
     def restore(self) -> torch.Tensor:
@@ -98,7 +99,7 @@ class _SlotView:
 class SavedTensors:
     """The pack/unpack hooks of one block's forward."""
 
-    def __init__(self, st: BlockState, mem: MemorySystem, stash: HostStash | None) -> None:
+    def __init__(self, st: BlockGroup, mem: MemorySystem, stash: HostStash | None) -> None:
         self.st, self.stash = st, stash
         self.slots_ptr = mem.pool(Tier.DEVICE).buffer.untyped_storage().data_ptr()
 

@@ -10,13 +10,14 @@ Imports nothing from the runtime or the planner.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
-from tiertrain.memory.tiers import Tier
-from tiertrain.plan import BlockPlan, Plan
+from tiertrain.plan.plan import BlockPlan, Plan
+from tiertrain.plan.tiers import Tier
+from tiertrain.precisions import BYTES
 
 F32_BYTES = 4
-GRAD_MODES = ("all", "transient", "none")
 # what makes a run's gradients "transient", in the words of the flags, for refusals to suggest
 TRANSIENT_HINT = ("each block's gradients are updated away as backward makes them, so the host holds a few, "
                   "not all: --update overlap --grad-clip 0 (no clipping, no gradient accumulation)")
@@ -50,6 +51,13 @@ def grad_tier(bp: BlockPlan) -> Tier:
     block is updated on the device, so its gradients never cross the host link; the others go to
     the host, where the CPU optimizer (or the disk states' reader) takes them."""
     return Tier.DEVICE if bp.home is Tier.DEVICE else Tier.HOST
+
+
+def transient(update: str, needs_all_grads: bool) -> bool:
+    """Whether a run updates each block's gradients away as backward makes them, so the host need not
+    hold them all: overlap, when no step needs every gradient first (``RunOptions.needs_all_grads``).
+    The one rule setup, the budget check and the planner apply."""
+    return update == "overlap" and not needs_all_grads
 
 
 def grad_copies(update: str, max_staleness: int) -> int:
@@ -86,7 +94,7 @@ def tier_bytes(numels: Sequence[int], plan: Plan, page: int, train: bool = True,
     if len(numels) != len(plan.blocks) + 1:
         raise ValueError(f"{len(numels)} chunk sizes for a plan of {len(plan.blocks)} blocks + rest")
     sizes = [n * F32_BYTES for n in numels]                        # master, moments, grads: fp32
-    compute = [n * plan.compute.itemsize for n in numels]          # slots and param homes
+    compute = [n * BYTES[plan.compute_dtype] for n in numels]          # slots and param homes
     plans = list(plan.blocks) + [plan.rest]
 
     def chunk(nbytes: int) -> int:
@@ -116,3 +124,39 @@ def tier_bytes(numels: Sequence[int], plan: Plan, page: int, train: bool = True,
     held = plan.read_ahead + 2 * plan.update_workers
     need[Tier.HOST] += sum(3 * chunk(s) for s in disk_sizes[:held])
     return need
+
+
+def widest_read_ahead(numels: Sequence[int], plan: Plan, page: int, budgets: dict[Tier, int],
+                      grads: str = "all") -> Plan:
+    """The plan with as many disk-homed blocks read ahead as the host budget holds (never fewer than
+    it asks for). Reading states in ahead keeps the disk busy through forward and backward instead of
+    only after each block's backward; measured on the offload bench (stream-disk, overlap): 0.555 s
+    per step with 2 blocks ahead, 0.496 s with all 8. The host memory the user gave is spent on that
+    rather than left idle. Applied before a plan is simulated, so the plan that runs is the one whose
+    prediction is printed."""
+    on_disk = sum(b.home is Tier.DISK for b in (*plan.blocks, plan.rest))
+    best = plan
+    for k in range(plan.read_ahead + 1, on_disk + 1):
+        wider = dataclasses.replace(plan, read_ahead=k)
+        need = tier_bytes(numels, wider, page, grads=grads)
+        if any(need[t] > budgets[t] for t in need):
+            break
+        best = wider
+    return best
+
+
+def bounds_grads(numels: Sequence[int], plan: Plan, page: int, budgets: dict[Tier, int], transient: bool) -> bool:
+    """Whether backward must wait for updates to free gradient chunks: the run updates gradients away
+    as they come (``transient``: overlap, no clipping, no accumulation) and the budgets cannot hold
+    them all. Only then does the runtime bound them; elsewhere it never makes backward wait."""
+    need = tier_bytes(numels, plan, page, grads="all")
+    return transient and any(need[t] > budgets[t] for t in need)
+
+
+def widen_read_ahead(numels: Sequence[int], plan: Plan, page: int, budgets: dict[Tier, int],
+                     transient: bool) -> Plan:
+    """``widest_read_ahead`` with the gradients counted as the runtime will hold them: all of them,
+    unless they do not all fit (``bounds_grads``). The planner applies it to each plan before
+    simulating it, and setup to a plan it was given, so the plan that runs is the simulated one."""
+    grads = "transient" if bounds_grads(numels, plan, page, budgets, transient) else "all"
+    return widest_read_ahead(numels, plan, page, budgets, grads)

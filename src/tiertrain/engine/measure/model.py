@@ -10,33 +10,28 @@ machine + model + batch shape + precision, so only the first ``--plan auto`` run
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import socket
 import statistics
 import time
 from contextlib import ExitStack
-from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn as nn
 
+from tiertrain import typed
+from tiertrain.engine.measure import cache
 from tiertrain.errors import ConfigError
-from tiertrain.memory import ChunkLayout
-from tiertrain.memory.page_size import cache_dir
-from tiertrain.models.accounting import PRECISION_BYTES
 from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
-from tiertrain.runtime.blocks import Block
+from tiertrain.runtime.blocks import Block, block_numel
 
 def profile_key(model: nn.Module, shape: tuple[int, ...], precision: str, device: torch.device) -> str:
     """Which cached profile a run may reuse: same host, device kind, model structure, batch shape, dtype."""
     structure = hashlib.sha256(repr([(n, tuple(p.shape)) for n, p in model.named_parameters()]).encode()).hexdigest()
     name = getattr(getattr(model, "config", None), "name", "") or type(model).__name__
-    return f"v2/{socket.gethostname()}/{device.type}/{name}-{structure[:12]}/{'x'.join(map(str, shape))}/{precision}"
-
-
-def _cache_path(key: str) -> Path:
-    return cache_dir() / "profiles" / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
+    return f"v3/{socket.gethostname()}/{device.type}/{name}-{structure[:12]}/{'x'.join(map(str, shape))}/{precision}"
 
 
 class _SavedBytes:
@@ -167,13 +162,13 @@ def measure_profile(model: nn.Module, blocks: list[Block], step: Callable[[], No
         for h in handles:
             h.remove()
         model.zero_grad(set_to_none=True)
-    numel = [ChunkLayout.build([(n, tuple(p.shape)) for n, p in b.params]).numel for b in blocks]
+    numel = [block_numel(b) for b in blocks]
     out = tuple(BlockProfile(b.name, fwd[i], bwd[i], numel[i], timer.saved[i], timer.hidden[i], recompute[i])
                 for i, b in enumerate(repeated))
     calls = [timer.order.count(i) for i in range(len(repeated))]
     left = max(med(totals) - sum(c * (b.forward_s + b.backward_s) for c, b in zip(calls, out)), 0.0)
     rest_profile = BlockProfile(rest.name, left / 3, 2 * left / 3, numel[-1], outside.bytes, 0)
-    return Profile(out, rest_profile, machine, compute_bytes=PRECISION_BYTES[precision], key=key, page=page,
+    return Profile(out, rest_profile, machine, compute_dtype=precision, key=key, page=page,
                    order=tuple(timer.order))
 
 
@@ -186,16 +181,13 @@ def _timed(step: Callable[[], None], sync: Callable[[], None]) -> float:
 
 
 def cached_profile(key: str, measure: Callable[[], Profile], use_cache: bool = True) -> tuple[Profile, bool]:
-    """(profile, whether it came from the cache). A damaged cache file is measured again."""
-    path = _cache_path(key)
-    if use_cache and path.is_file():
+    """(profile, whether it came from the cache). A damaged entry is measured again."""
+    found = cache.load("profiles", key) if use_cache else None
+    if found is not None:
         try:
-            found = Profile.from_json(path.read_text())
-            if found.key == key:
-                return found, True
-        except (ConfigError, OSError):  # a damaged file: measure again and overwrite it
+            return typed.load(Profile, found, "cached profile"), True
+        except ConfigError:
             pass
     profile = measure()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    profile.save(path)
+    cache.store("profiles", key, dataclasses.asdict(profile))
     return profile, False

@@ -18,13 +18,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from tiertrain.engine.measure.analytic import analytic_blocks, flop_estimate
+from tiertrain.engine.measure.model import measure_profile
 from tiertrain.engine.precision import Precision
-from tiertrain.engine.profiling import measure_profile
-from tiertrain.models.accounting import PRECISION_BYTES
 from tiertrain.models.config import ModelConfig
-from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
-from tiertrain.planner.profiler import analytic_blocks
-from tiertrain.runtime.block_state import init_in_place
+from tiertrain.models.init import init_in_place
+from tiertrain.planner.profile import MachineProfile, Profile
 from tiertrain.runtime.blocks import Block
 
 
@@ -93,22 +92,6 @@ def real_copy(block: nn.Module, device: torch.device) -> nn.Module:
     return twin
 
 
-def _flop_estimate(blocks: list[Block], shape: tuple[int, int], d: int, precision: str,
-                   flops: float) -> tuple[float, BlockProfile]:
-    """A model without one of our configs (a transformers model): a block's forward seconds from its
-    matrices (2 FLOPs per weight per token, plus attention scores), and the rest block's from its
-    largest matrix, the output head (embedding lookups cost next to nothing)."""
-    b, s = shape
-    nbytes = PRECISION_BYTES[precision]
-    matrices = sum(p.numel() for _, p in blocks[0].params if p.dim() >= 2)
-    block_s = (2 * matrices * b * s + 4 * b * s * s * d) / flops
-    head = max((p.numel() for _, p in blocks[-1].params if p.dim() >= 2), default=0)
-    rest_s = 2 * head * b * s / flops
-    params = sum(p.numel() for _, p in blocks[-1].params)
-    rest = BlockProfile("rest", rest_s, 2 * rest_s, params, 2 * b * s * (head // max(d, 1)) * nbytes, b * s * d * nbytes)
-    return block_s, rest
-
-
 def measure_one_block(model: nn.Module, blocks: list[Block], cfg: ModelConfig | None, shape: tuple[int, int],
                       precision: str, device: torch.device, machine: MachineProfile, flops: float,
                       key: str) -> Profile:
@@ -135,8 +118,8 @@ def measure_one_block(model: nn.Module, blocks: list[Block], cfg: ModelConfig | 
         block_s = est[0].forward_s
     else:
         hidden = next(x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor) and x.requires_grad)
-        block_s, est_rest = _flop_estimate(blocks, shape, hidden.shape[-1], precision, flops)
+        block_s, est_rest = flop_estimate(blocks, shape, hidden.shape[-1], precision, flops)
     scale = one.forward_s / max(block_s, 1e-12)
     rest = dataclasses.replace(est_rest, forward_s=est_rest.forward_s * scale, backward_s=est_rest.backward_s * scale)
     repeated = tuple(dataclasses.replace(one, name=b.name) for b in blocks[:-1])
-    return Profile(repeated, rest, machine, compute_bytes=PRECISION_BYTES[precision], key=key)
+    return Profile(repeated, rest, machine, compute_dtype=precision, key=key)

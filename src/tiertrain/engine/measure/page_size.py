@@ -12,7 +12,6 @@ per machine and link, so only the first run pays for the measurement.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
@@ -21,8 +20,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tiertrain.memory.disk_probe import measure_disk
-from tiertrain.memory.pool import IO_ALIGN, host_buffer
+from tiertrain.engine.measure import cache
+from tiertrain.engine.measure.disk import measure_disk
+from tiertrain.errors import ConfigError
+from tiertrain.memory.pool import check_page_size, host_buffer
 
 KiB, MiB = 1024, 1024 * 1024
 CANDIDATES = [64 * KiB, 128 * KiB, 256 * KiB, 512 * KiB, 1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB, 16 * MiB]
@@ -40,16 +41,6 @@ def pick_cheap(cpu: dict[int, float], slack: float = CPU_SLACK) -> int:
     """Smallest size whose CPU seconds per byte are within ``slack`` of the cheapest measured."""
     best = min(cpu.values())
     return min(size for size, c in cpu.items() if c <= slack * best)
-
-
-def cache_dir() -> Path:
-    """Where per-machine measurements are kept (page size here, the planner's machine probe)."""
-    base = os.environ.get("TIERTRAIN_CACHE_DIR") or os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "tiertrain"
-
-
-def _cache_file() -> Path:
-    return cache_dir() / "page_size.json"
 
 
 def disk_curve(directory: Path, total: int = 256 * MiB, workers: int = 8,
@@ -87,8 +78,6 @@ def memory_curve(device: torch.device, total: int = 256 * MiB) -> dict[int, floa
 def measured_page_size(disk_dir: str | None, device: torch.device) -> int:
     """The cached page size for this machine's slowest link in use, measuring it if needed."""
     if disk_dir:
-        from tiertrain.errors import ConfigError
-
         try:
             Path(disk_dir).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -96,31 +85,15 @@ def measured_page_size(disk_dir: str | None, device: torch.device) -> int:
         link = f"disk:{os.stat(disk_dir).st_dev}"
     else:
         link = "h2d:cuda" if device.type == "cuda" else "memcpy"
-    key = f"v2/{socket.gethostname()}/{link}"
-    cache = _cache_file()
-    try:
-        known = json.loads(cache.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if key in known:
-        return int(known[key]["page_size"])
+    key = f"v3/{socket.gethostname()}/{link}"
+    known = cache.load("page_size", key)
+    if isinstance(known, dict) and isinstance(known.get("page_size"), int):
+        return known["page_size"]
     cpu: dict[int, float] = {}
     curve = disk_curve(Path(disk_dir), cpu=cpu) if disk_dir else memory_curve(device)
     size = max(pick(curve), pick_cheap(cpu)) if cpu else pick(curve)
-    known[key] = {"page_size": size, "curve": {str(k): v for k, v in curve.items()},
-                  "cpu_s_per_byte": {str(k): v for k, v in cpu.items()}}
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(known, indent=1))
-    os.replace(tmp, cache)
-    return size
-
-
-def check_page_size(size: int) -> int:
-    from tiertrain.errors import ConfigError
-
-    if size < IO_ALIGN or size % IO_ALIGN:
-        raise ConfigError(f"page size {size} must be a positive multiple of {IO_ALIGN} bytes (e.g. 4MiB)")
+    cache.store("page_size", key, {"page_size": size, "curve": {str(k): v for k, v in curve.items()},
+                                   "cpu_s_per_byte": {str(k): v for k, v in cpu.items()}})
     return size
 
 

@@ -16,19 +16,16 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from tiertrain import typed
 from tiertrain.errors import ConfigError
-from tiertrain.memory.tiers import Tier
+from tiertrain.plan.parallel import ParallelLayout
+from tiertrain.plan.tiers import Tier
+from tiertrain.precisions import PRECISIONS as COMPUTE_DTYPES
 from tiertrain.typed import at_least, one_of
-
-if TYPE_CHECKING:
-    import torch
 
 UPDATE_MODES = ("sync", "overlap", "lockfree")
 BUILTIN_PLANS = ("resident", "stream", "max-offload")
-COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -69,6 +66,7 @@ class Plan:
     max_staleness: int = field(default=DEFAULT_MAX_STALENESS, metadata=at_least(0))  # lockfree: steps params may lag
     compute_dtype: str = field(default="fp32", metadata=one_of(*COMPUTE_DTYPES))  # fp32 | bf16 | fp16: the dtype of
     #                                        device params (master stays fp32; fp16 brings dynamic loss scaling)
+    parallel: ParallelLayout = ParallelLayout()  # processes the run spans (one, today)
 
     def validate(self, n_blocks: int) -> "Plan":
         if len(self.blocks) != n_blocks:
@@ -85,13 +83,10 @@ class Plan:
             raise ConfigError(f"compute_dtype {self.compute_dtype!r} is not one of {', '.join(COMPUTE_DTYPES)}")
         if self.read_ahead < 0 or self.update_workers < 1 or self.max_staleness < 0 or self.cache < 0:
             raise ConfigError("cache, read_ahead and max_staleness must be >= 0 and update_workers >= 1")
+        if self.parallel.world_size != 1:
+            raise ConfigError(f"this plan spans {self.parallel.world_size} processes; tiertrain runs one process "
+                              "today (parallel.dp must be 1)")
         return self
-
-    @property
-    def compute(self) -> "torch.dtype":
-        import torch
-
-        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.compute_dtype]
 
     @property
     def uses_disk(self) -> bool:
@@ -101,7 +96,8 @@ class Plan:
         return json.dumps({"name": self.name, "window": self.window, "cache": self.cache, "prefetch": self.prefetch,
                            "update": self.update, "read_ahead": self.read_ahead, "max_staleness": self.max_staleness,
                            "compute_dtype": self.compute_dtype,
-                           "update_workers": self.update_workers, "rest": self.rest.to_dict(),
+                           "update_workers": self.update_workers, "parallel": self.parallel.to_dict(),
+                           "rest": self.rest.to_dict(),
                            "blocks": [b.to_dict() for b in self.blocks]}, indent=1)
 
     @classmethod
@@ -113,13 +109,6 @@ class Plan:
             raise ConfigError(f"{where} is not valid JSON ({exc}); write it with `tiertrain plan` "
                               "or tiertrain.Plan.to_json()") from None
         return typed.load(cls, data, where)
-
-
-def needs_all_grads(clips: bool, grad_accum: int, compute_dtype: str) -> bool:
-    """Whether a step needs every gradient before any update: for the global norm (clipping), the
-    fp16 overflow check, or the last micro-batch of an accumulation. An overlapped step that does
-    not updates each block's gradients away as backward makes them (transient gradients)."""
-    return clips or grad_accum > 1 or compute_dtype == "fp16"
 
 
 def check_update_mode(update: str, compute_dtype: str, grad_accum: int, clips: bool) -> None:
@@ -162,10 +151,7 @@ def load_plan(spec: "str | Plan", n_blocks: int, disk: bool, update: str | None 
         path = Path(spec)
         if not path.is_file():
             raise ConfigError(f"plan {spec!r} is neither a built-in plan ({', '.join(BUILTIN_PLANS)}) nor a file")
-        try:
-            text = path.read_text()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"plan file {path} cannot be read ({exc}); give a plan JSON file") from None
+        text = typed.read_text(path, "plan file", "give a plan JSON file")
         plan = Plan.from_json(text, f"plan file {path}")
     if update is not None and update != plan.update:
         plan = dataclasses.replace(plan, update=update)

@@ -1,0 +1,44 @@
+"""A run's settings, as one typed object: what ``tiertrain.setup`` is told besides the plan.
+
+The training loop's contract, which the plan does not say but the runtime must know: how many
+micro-batches make a step, whether the loop clips (and so needs every gradient before any update),
+whether it trains at all, whether the states are written from the model or left for a checkpoint
+to fill, which module list holds the blocks. And what overrides a given plan's own choices: its
+update mode, staleness and compute dtype, and the page size (None: the plan's, or measured).
+``tiertrain.setup`` takes it (or its fields as keywords); the runtime and the planner read it;
+nothing passes these as loose arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tiertrain import typed
+from tiertrain.plan.plan import COMPUTE_DTYPES, UPDATE_MODES
+from tiertrain.typed import above, at_least, one_of
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    grad_accum: int = field(default=1, metadata=at_least(1))           # micro-batches per optimizer step
+    max_grad_norm: float | None = field(default=None, metadata=above(0))  # clipping declared up front; None: off
+    train: bool = True              # False: forward only (a teacher larger than the device), no optimizer states
+    init_states: bool = True        # False: allocate states for a checkpoint to fill (resume), draw nothing
+    blocks: str | None = None       # the nn.ModuleList of blocks, when the finder should not guess
+    update: str | None = field(default=None, metadata=one_of(*UPDATE_MODES))   # None: the plan's
+    max_staleness: int | None = field(default=None, metadata=at_least(0))       # None: the plan's
+    compute_dtype: str | None = field(default=None, metadata=one_of(*COMPUTE_DTYPES))  # None: the plan's
+    page_size: int | None = field(default=None, metadata=at_least(4096))        # None: measured for the machine
+
+    def __post_init__(self) -> None:
+        typed.check(self, "run options")
+
+    @property
+    def clips(self) -> bool:
+        return self.max_grad_norm is not None
+
+    def needs_all_grads(self, compute_dtype: str) -> bool:
+        """Whether a step needs every gradient before any update: for the global norm (clipping), the
+        fp16 overflow check, or the last micro-batch of an accumulation. An overlapped step that
+        does not updates each block's gradients away as backward makes them (transient gradients)."""
+        return self.clips or self.grad_accum > 1 or (compute_dtype == "fp16" and self.train)

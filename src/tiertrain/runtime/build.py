@@ -1,0 +1,139 @@
+"""Building a model's block groups: device slots, the chunks of each block written from its
+weights (or left for a checkpoint to fill), and the module's parameters re-pointed at the slots.
+
+The fp32 master is written first and the compute copies (slot, param home) from it, so every
+copy is the master rounded to the compute dtype, as the optimizer will publish it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from tiertrain.memory import ChunkLayout, Kind, MemorySystem, Tier
+from tiertrain.memory.chunk import Chunk
+from tiertrain.models.init import init_in_place
+from tiertrain.parallel import Collectives
+from tiertrain.plan import BlockPlan, Plan, RunOptions
+from tiertrain.plan.bytes import master_in_slot, separate_param_home
+from tiertrain.precisions import torch_dtype
+from tiertrain.runtime.block_group import F32, BlockGroup
+from tiertrain.runtime.blocks import Block, block_layout
+from tiertrain.runtime.slots import Slot, alias
+
+
+def ring_slots(mem: MemorySystem, blocks: list[Block], plan: Plan) -> list[Slot]:
+    """The slots streamed blocks share: the window plus the cache, each as large as the largest."""
+    streamed = [b for b, p in zip(blocks, (*plan.blocks, plan.rest)) if p.stream]
+    if not streamed:
+        return []
+    size = max(block_layout(b).numel for b in streamed) * torch_dtype(plan.compute_dtype).itemsize
+    return [Slot(mem.allocate(f"slot.{k}", size, Tier.DEVICE, Kind.PARAM, contiguous=True))
+            for k in range(min(plan.window + plan.cache, len(streamed)))]
+
+
+def build_groups(mem: MemorySystem, comm: Collectives, model: nn.Module, blocks: list[Block], plan: Plan,
+                 options: RunOptions, group_of_param: dict[int, int]) -> list[BlockGroup]:
+    """One group per block, each with its chunks written and its parameters installed in the model."""
+    ring = ring_slots(mem, blocks, plan)
+    compute = torch_dtype(plan.compute_dtype)
+    groups, streamed_seen = [], 0
+    for i, (block, bplan) in enumerate(zip(blocks, (*plan.blocks, plan.rest))):
+        if bplan.stream:
+            slot = ring[streamed_seen % len(ring)]
+            streamed_seen += 1
+        else:
+            nbytes = block_layout(block).numel * compute.itemsize
+            slot = Slot(mem.allocate(f"{block.name}.slot", nbytes, Tier.DEVICE, Kind.PARAM, contiguous=True))
+        group = _build(mem, comm, i, block, bplan, slot, plan, options, compute)
+        group.group_of = [group_of_param.get(id(p), 0) for _, p in block.params]
+        install_params(model, group)
+        groups.append(group)
+    return groups
+
+
+def _build(mem: MemorySystem, comm: Collectives, index: int, block: Block, bplan: BlockPlan, slot: Slot, plan: Plan,
+           options: RunOptions, compute: torch.dtype) -> BlockGroup:
+    """Allocate the block's chunks, write its weights in, and leave its slot filled.
+    ``separate_param_home`` (the planner's and the budget check's rule too): a streamed block keeps its
+    compute params in a host chunk of their own, which the optimizer publishes into; else its fp32
+    master is what its slot is filled from. ``master_in_slot``: the slot is the fp32 master itself."""
+    layout = block_layout(block)
+    master = exp_avg = exp_avg_sq = None
+    if options.train:
+        chunks = _optimizer_chunks if options.init_states else _unwritten_chunks
+        in_slot = slot.chunk if master_in_slot(bplan, plan, options.train) else None
+        master, exp_avg, exp_avg_sq = chunks(mem, block, layout, bplan.home, in_slot)
+        if master is not slot.chunk and master.tier is Tier.DISK:  # unwritten: nothing to publish yet
+            slot.chunk.typed(compute).zero_()
+        elif master is not slot.chunk:
+            slot.chunk.typed(compute)[: layout.numel].copy_(master.typed(F32)[: layout.numel])
+    else:
+        _fill(slot.chunk, block.params, layout, compute)
+    slot.holder = index
+    param_home = None
+    if bplan.stream and not separate_param_home(bplan, plan, options.train):
+        param_home = master  # fp32 compute: the slot is filled from the master, wherever it lives
+    elif bplan.stream:
+        param_home = mem.allocate(f"{block.name}.param", layout.numel * compute.itemsize, Tier.HOST, Kind.PARAM,
+                                  contiguous=True)
+        param_home.typed(compute)[: layout.numel].copy_(slot.chunk.typed(compute)[: layout.numel])
+    for chunk in (master, exp_avg, exp_avg_sq):
+        if chunk is not None and chunk.tier is not bplan.home:
+            mem.move(chunk, bplan.home, contiguous=True).wait()
+    params = [nn.Parameter(t, requires_grad=options.train) for t in alias(slot, layout, compute)]
+    steps = [torch.zeros((), dtype=F32) for _ in params]
+    return BlockGroup(index, block, bplan, layout, params, master, exp_avg, exp_avg_sq, param_home, slot, steps,
+                      [], compute, mem, comm)
+
+
+def _fill(chunk: Chunk, params: list[tuple[str, torch.Tensor]], layout: ChunkLayout, dtype: torch.dtype) -> None:
+    """Write the parameters' values into a chunk in layout order (initialising meta ones there)."""
+    flat = chunk.typed(dtype)
+    flat.zero_()
+    for s, (name, p) in zip(layout.slots, params):
+        view = flat[s.offset : s.offset + s.numel]
+        if p.is_meta:
+            init_in_place(name, view.view(s.shape))
+        else:
+            view.copy_(p.detach().reshape(-1))
+
+
+def _unwritten_chunks(mem: MemorySystem, block: Block, layout: ChunkLayout, home: Tier,
+                      slot: Chunk | None) -> tuple[Chunk, Chunk, Chunk]:
+    """Master and moments at their home, for a checkpoint to fill next (resume): no weights are
+    drawn and nothing is staged on the host or written twice. Disk pages stay unwritten, so reading
+    one before the checkpoint has written it fails; host and device bytes are zeroed."""
+    nbytes = layout.numel * F32.itemsize
+    out = [slot] if slot is not None else []
+    out += [mem.allocate(f"{block.name}.{k.value}", nbytes, home, k, contiguous=True)
+            for k in ((Kind.MASTER,) if slot is None else ()) + (Kind.EXP_AVG, Kind.EXP_AVG_SQ)]
+    for chunk in out:
+        if chunk.tier is not Tier.DISK:
+            chunk.typed(F32).zero_()
+    return out[0], out[1], out[2]
+
+
+def _optimizer_chunks(mem: MemorySystem, block: Block, layout: ChunkLayout, home: Tier,
+                      slot: Chunk | None) -> tuple[Chunk, Chunk, Chunk]:
+    """fp32 master (the weights) and zeroed moments, written where they live: at their home, or
+    on the host for the caller to send to disk (a disk chunk is written by moving it there).
+    The budget check counts no host bytes for device-homed states, so they never pass through it.
+    ``slot``: the master is that device slot itself (``plan.bytes.master_in_slot``)."""
+    nbytes, tier = layout.numel * F32.itemsize, Tier.HOST if home is Tier.DISK else home
+    master = slot or mem.allocate(f"{block.name}.master", nbytes, tier, Kind.MASTER, contiguous=True)
+    _fill(master, block.params, layout, F32)
+    moments = [mem.allocate(f"{block.name}.{k.value}", nbytes, tier, k, contiguous=True)
+               for k in (Kind.EXP_AVG, Kind.EXP_AVG_SQ)]
+    for m in moments:
+        m.typed(F32).zero_()
+    return master, moments[0], moments[1]
+
+
+def install_params(model: nn.Module, group: BlockGroup) -> None:
+    """Register the slot-backed parameters wherever the originals were registered (tied weights too)."""
+    replace = {id(old): new for (_, old), new in zip(group.block.params, group.params)}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and id(p) in replace:
+                module._parameters[name] = replace[id(p)]

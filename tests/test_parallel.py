@@ -1,0 +1,75 @@
+"""The collectives block groups call: the identity in a world of one, and over torch.distributed
+(gloo) the sums and gathers each promises (issue 17: one interface, two implementations)."""
+
+import json
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tiertrain.errors import ConfigError
+from tiertrain.parallel import LocalCollectives, collectives_for
+from tiertrain.plan import ParallelLayout, Plan, builtin_plan
+
+
+def test_a_world_of_one_moves_tensors_whole_and_changes_nothing_in_place():
+    comm = collectives_for(1)
+    assert isinstance(comm, LocalCollectives) and (comm.rank, comm.world_size) == (0, 1)
+    t = torch.arange(6.0)
+    out = torch.zeros(6)
+    comm.all_gather(out, t)
+    assert torch.equal(out, t)
+    comm.reduce_scatter(t, t)       # in place: the chunk is its own shard
+    comm.all_reduce(t)
+    assert torch.equal(t, torch.arange(6.0))
+    with pytest.raises(ValueError, match="whole"):
+        comm.reduce_scatter(torch.zeros(3), t)
+
+
+def test_the_plan_carries_its_parallel_layout_and_refuses_more_than_one_process_today():
+    plan = builtin_plan("stream", 2)
+    assert plan.parallel == ParallelLayout(dp=1) and json.loads(plan.to_json())["parallel"] == {"dp": 1}
+    assert Plan.from_json(plan.to_json()) == plan
+    wide = json.loads(plan.to_json())
+    wide["parallel"] = {"dp": 2}
+    with pytest.raises(ConfigError, match="one process today"):
+        Plan.from_json(json.dumps(wide)).validate(2)
+
+
+def _ranks(rank: int, world: int, store: str, results) -> None:
+    import torch.distributed as dist
+
+    from tiertrain.parallel.distributed import ProcessGroupCollectives
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        comm = ProcessGroupCollectives()
+        shard = torch.full((3,), float(rank + 1))
+        gathered = torch.zeros(3 * world)
+        comm.all_gather(gathered, shard)
+        full = torch.arange(2.0 * world) + rank          # each rank's whole chunk
+        mine = torch.zeros(2)
+        comm.reduce_scatter(mine, full)
+        total = torch.tensor([float(rank)])
+        comm.all_reduce(total)
+        sent = torch.full((world,), float(rank))        # slice r goes to rank r
+        got = torch.zeros(world)
+        comm.all_to_all(got, sent)
+        results[rank] = (gathered.tolist(), mine.tolist(), total.item(), got.tolist())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_collectives_over_torch_distributed_sum_and_gather_as_promised(tmp_path):
+    world = 2
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_ranks, args=(world, str(tmp_path / "store"), results), nprocs=world, join=True)
+        got = dict(results)
+    for rank in range(world):
+        gathered, mine, total, a2a = got[rank]
+        assert gathered == [1.0] * 3 + [2.0] * 3
+        summed = [sum(i + r for r in range(world)) for i in range(2 * world)]  # sum over ranks of arange + rank
+        assert mine == summed[2 * rank : 2 * rank + 2]
+        assert total == sum(range(world)) and a2a == [float(r) for r in range(world)]

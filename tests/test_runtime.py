@@ -179,10 +179,10 @@ def test_a_model_built_on_the_meta_device_is_initialised_block_by_block_and_trai
     model = build(TINY4, device="meta")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     tm, topt = tiertrain.setup(model, opt, budgets(tmp_path), plan="max-offload", page_size=64 * 1024)
-    ln = tm.module.blocks[0].ln1
+    ln = tm.blocks[0].ln1
     assert not ln.weight.is_meta and torch.equal(ln.weight, torch.ones_like(ln.weight))
     assert torch.equal(ln.bias, torch.zeros_like(ln.bias))
-    w = tm.module.blocks[3].attn.qkv.weight
+    w = tm.blocks[3].attn.qkv.weight
     assert 0.015 < float(w.detach().std()) < 0.025  # N(0, 0.02)
     losses = train_losses(tm, topt, batches(1) * 6)  # one batch, again and again: the loss must fall
     assert losses[-1] < losses[0]
@@ -260,7 +260,7 @@ def test_offload_hidden_moves_saved_activations_to_the_host_and_brings_them_back
     plan = Plan(tuple(BlockPlan(stream=True, recompute=recompute, offload_hidden=True) for _ in range(4)), window=2)
     tm, topt = tiertrain.setup(model, opt, budgets(tmp_path), plan=plan, page_size=64 * 1024)
     try:
-        names = [n for n, _ in tm.module.named_parameters()]
+        names = [n for n, _ in tm.named_parameters()]
         host_grads = {}
         tm.runtime.mode.update_now = lambda st, coef, hypers: host_grads.update(
             {n: v.clone() for (n, _), v in zip(st.block.params, st.views(st.grads.chunk))})

@@ -155,7 +155,10 @@ class Trainer:
             return build(model_cfg).to(self.device)
         shell = build(model_cfg, device="meta")
         weights = 4 * sum(p.numel() for p in shell.parameters())
-        host = default_budgets(self.cfg, self.device).host
+        self.budgets = default_budgets(self.cfg, self.device)
+        if self.budgets.taken:
+            self.reporter.message(self.budgets.describe())
+        host = self.budgets.budgets.host
         if weights <= host:
             seed_everything(self.cfg.seed)  # as a plain run draws its initial weights
             return build(model_cfg)
@@ -171,7 +174,8 @@ class Trainer:
             self.reporter.message("plan auto: profiling the model and solving for the budgets")
             step = ProfileStep(self.model, lm_loss, self.vocab, cfg.batch_size, cfg.seq_len,
                                self.precision.autocast, self.device)
-        self.model, self.opt = setup_tiered(self.model, self.opt, cfg, self.precision, self.device, step)
+        self.model, self.opt = setup_tiered(self.model, self.opt, cfg, self.precision, self.device,
+                                            self.budgets.budgets, step)
         self.state = TieredState(self.model)
         self.auto = self.model.auto_plan
         if self.auto is not None:
@@ -222,9 +226,7 @@ class Trainer:
         self.scaler.unscale_(self.opt)
         norm = float("nan")
         if cfg.grad_clip > 0:
-            clip = self.model.clip_grad_norm_ if self.tiered else (
-                lambda m: torch.nn.utils.clip_grad_norm_(self.model.parameters(), m))
-            norm = float(clip(cfg.grad_clip))
+            norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
             if self.precision.name != "fp16":  # fp16 skips such a step and lowers its loss scale
                 self._stop_if_not_finite("gradient norm", torch.tensor(norm))
         self.scaler.step(self.opt)

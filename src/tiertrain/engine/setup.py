@@ -1,33 +1,38 @@
 """``tiertrain.setup``: the one call that puts a model's training state in tiers.
 
-It returns a model and an optimizer that a plain loop drives unchanged::
+It returns the user's model itself, tiered in place, and a ``torch.optim.Optimizer`` that a plain
+loop drives unchanged, schedulers and ``torch.nn.utils.clip_grad_norm_`` included::
 
-    model, opt = tiertrain.setup(model, torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True),
-                                 memory=Budgets.parse("2GiB", "16GiB", "/nvme:200GiB"), plan="stream")
+    model, opt = tiertrain.setup(model, torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True))
     loss = model(x, y); loss.backward()
-    model.clip_grad_norm_(1.0)      # as torch.nn.utils.clip_grad_norm_, over the offloaded gradients
-    opt.step(); opt.zero_grad()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step(); scheduler.step(); opt.zero_grad()
 
-Gradients leave the parameters as backward produces them, so clip through the model
-(``model.clip_grad_norm_``, FSDP's convention) rather than over ``model.parameters()``.
+Without budgets it takes them from the machine (and says what it took); without a plan it plans
+one (``auto``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn as nn
 
+from tiertrain.engine.budgets import machine_budgets
+from tiertrain.engine.measure.page_size import page_size_for
+from tiertrain.engine.tiered_module import TieredModule, tiered_in_place
+from tiertrain.engine.tiered_optimizer import TieredOptimizer
+from tiertrain.engine.torch_clip import install_clip_redirect, tag
 from tiertrain.errors import ConfigError
 from tiertrain.memory import Budgets, MemorySystem
 from tiertrain.memory.capacity import check_budgets
-from tiertrain.engine.measure.page_size import page_size_for
 from tiertrain.memory.system import compute_device
 from tiertrain.optim.hparams import KEYS
 from tiertrain.plan import DEFAULT_MAX_STALENESS, Plan, RunOptions, check_update_mode, load_plan
-from tiertrain.plan.bytes import bounds_grads, widen_read_ahead
+from tiertrain.plan.bytes import bounds_grads, page_for_states, widen_read_ahead
 from tiertrain.plan.bytes import transient as transient_grads
 from tiertrain.runtime.blocks import block_numel, find_blocks
 from tiertrain.runtime.budget_check import capacities, check_fits
@@ -54,77 +59,45 @@ def _groups_from(optimizer: torch.optim.Optimizer, model: nn.Module) -> tuple[li
     return groups, group_of
 
 
-class TieredModel(nn.Module):
-    """The user's model, with its parameters in device slots; call it as the model itself."""
-
-    def __init__(self, module: nn.Module, runtime: Runtime, auto: AutoPlan | None = None) -> None:
-        super().__init__()
-        self.module = module
-        self._rt = runtime
-        self.auto_plan = auto  # plan="auto": the profile, the solver chosen and its prediction
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._rt.params_ready(self._rt.groups[-1])  # embeddings and head are used first and last
-        self._rt.cache.new_pass()
-        out = self.module(*args, **kwargs)
-        scaler = self._rt.scaler
-        return scaler.wrap_outputs(out) if scaler is not None and torch.is_grad_enabled() else out
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` over the gradients of the current accumulation window."""
-        return self._rt.mode.clip_grad_norm_(max_norm, norm_type)
-
-    @property
-    def runtime(self) -> Runtime:
-        return self._rt
-
-
-class TieredOptimizer:
-    """AdamW over the tiered states; ``param_groups[i]["lr"]`` is read at each update."""
-
-    def __init__(self, runtime: Runtime) -> None:
-        self._rt = runtime
-        self.param_groups = runtime.param_groups
-
-    @property
-    def loss_scaler(self):
-        """fp16 plans: the dynamic loss scaler (GradScaler's rule and state dict); None otherwise."""
-        return self._rt.scaler
-
-    def step(self) -> None:
-        self._rt.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self._rt.zero_grad()
-
-
-def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None, memory: Budgets, plan: "str | Plan" = "resident",
-          options: RunOptions | None = None, *, profile_step: Callable[[], None] | None = None,
-          **fields: Any) -> tuple[TieredModel, TieredOptimizer | None]:
-    """Place ``model``'s training state in the tiers ``memory`` allows, as ``plan`` says.
+def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, memory: Budgets | None = None,
+          plan: "str | Plan" = "auto", options: RunOptions | None = None, *,
+          profile_step: Callable[[], None] | None = None, **fields: Any) -> tuple[nn.Module, TieredOptimizer | None]:
+    """Place ``model``'s training state in the tiers ``memory`` allows, as ``plan`` says; return the
+    model itself (changed in place) and the optimizer the loop steps.
 
     ``options`` (or its fields as keywords: ``grad_accum``, ``max_grad_norm``, ``update``, ...) are the
     run's settings (``RunOptions``): ``grad_accum`` and ``max_grad_norm`` tell the ``overlap`` mode when
-    a block's gradients are final and whether to wait for the global norm before updating.
+    a block's gradients are final and whether to wait for the global norm before updating; a
+    declared ``max_grad_norm`` clips every step in every mode that can clip.
+    ``memory=None`` takes the budgets from the machine (``engine.machine_budgets``) and prints them.
     A plan that cannot fit the budgets is refused here, before anything is allocated.
     ``train=False`` streams the blocks for forward only (a teacher larger than the device,
     STRONGHOLD's distillation case): no optimizer states, no gradients; pass ``optimizer=None``.
-    ``plan="auto"`` profiles the model with ``profile_step`` (one forward+backward at the
-    training batch shape; cached per machine, model and shape) and takes the planner's best plan.
+    ``plan="auto"`` profiles the model with ``profile_step`` (one forward+backward at the training
+    batch shape; cached per machine, model and shape), or, without one, with one plain step of random
+    tokens where the model fits the device plainly, and takes the planner's best plan.
     ``init_states=False`` (resuming: a checkpoint is loaded right after) allocates the states where
     they live without writing the model's weights into them: a model built on the meta device is not
     initialised, and disk-homed states are written once, by the checkpoint, instead of twice.
     """
     opts = _options(options, fields)
+    if isinstance(model, TieredModule):
+        raise ConfigError("this model was already set up by tiertrain; call tiertrain.setup once per model")
     if next(model.parameters()).dtype != torch.float32:
         raise ConfigError("tiertrain keeps an fp32 model; build it in fp32 (mixed precision comes from the plan)")
-    device = compute_device()
-    check_budgets(memory, device)  # before anything is profiled, measured or reserved
-    groups, group_of = _groups_from(optimizer, model) if opts.train else ([], {})
     if opts.train and optimizer is None:
         raise ConfigError("training needs an optimizer: pass torch.optim.AdamW(model.parameters(), ...)")
+    device = compute_device()
+    if memory is None:
+        taken = machine_budgets(device)
+        print(f"tiertrain: {taken.describe()}", file=sys.stderr)
+        memory = taken.budgets
+    check_budgets(memory, device)  # before anything is profiled, measured or reserved
+    groups, group_of = _groups_from(optimizer, model) if opts.train else ([], {})
     found = find_blocks(model, opts.blocks)
     page = page_size_for(opts.page_size, memory.disk_dir if memory.disk else None, device)
+    if opts.page_size is None:  # a measured size: no larger than small models' chunks allow
+        page = page_for_states([block_numel(b) for b in found], page)
     auto = None
     if isinstance(plan, str) and plan == "auto" and profile_step is not None:
         auto = _auto(model, profile_step, memory, page, opts)
@@ -140,7 +113,11 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None, memory: Bud
     mem = MemorySystem(memory, page_size=page, check_machine=False)
     runtime = Runtime(model, groups, group_of, mem, chosen, opts, transient_grads=bound)
     _buffers_to(model, device)
-    return TieredModel(model, runtime, auto), TieredOptimizer(runtime) if opts.train else None
+    replaced = {id(old): new for g in runtime.groups for (_, old), new in zip(g.block.params, g.params)}
+    tag((p for g in runtime.groups for p in g.params), runtime)
+    install_clip_redirect()
+    tiered = tiered_in_place(model, runtime, auto)
+    return tiered, TieredOptimizer(runtime, optimizer, replaced) if opts.train else None
 
 
 def _options(options: RunOptions | None, fields: dict[str, Any]) -> RunOptions:

@@ -127,7 +127,7 @@ class TieredState:
 
     def __init__(self, tiered_model: nn.Module) -> None:
         self.rt = tiered_model.runtime
-        self.module = tiered_model.module
+        self.module = tiered_model  # tiered in place: the user's model itself
 
     def weights(self) -> TensorStream:
         from tiertrain.runtime.state_io import weight_stream

@@ -113,6 +113,25 @@ class GPT(nn.Module):
             loss = loss + self.config.aux_loss_coef * self.moe_aux_loss()
         return loss
 
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, do_sample: bool = False) -> torch.Tensor:
+        """Continue each row of ``idx`` by ``max_new_tokens`` tokens (nanoGPT's loop, no KV cache): the
+        most likely token each time, or with ``do_sample`` one drawn at ``temperature`` from the
+        ``top_k`` most likely. Only the last ``max_seq_len`` tokens are seen."""
+        for _ in range(max_new_tokens):
+            logits = self(idx[:, -self.config.max_seq_len:])[:, -1, :].float()
+            if not do_sample:
+                nxt = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1)
+            idx = torch.cat([idx, nxt], dim=1)
+        return idx
+
     def moe_aux_loss(self) -> torch.Tensor:
         """Mean over blocks of the last forward's Switch load-balancing loss."""
         losses = [blk.ffn.last_aux_loss for blk in self.blocks]

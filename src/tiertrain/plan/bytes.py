@@ -32,6 +32,22 @@ def pages(nbytes: int, page: int, bound: bool = True) -> int:
     return -(-nbytes // page) * page + (page if bound else 0)
 
 
+MIN_PAGE = 4096     # the O_DIRECT alignment: no page is smaller
+MAX_PAGE_WASTE = 0.10
+
+
+def page_for_states(numels: Sequence[int], page: int, max_waste: float = MAX_PAGE_WASTE) -> int:
+    """The largest page size up to ``page`` (halving from it) whose whole-page rounding of the blocks'
+    fp32 state chunks wastes at most ``max_waste`` of their bytes. A measured page size (megabytes,
+    for bandwidth) would otherwise give a small model's every chunk a page of its own: a 100K-param
+    model asked for 640 MiB of device. Never below 4 KiB."""
+    sizes = [n * F32_BYTES for n in numels if n]
+    total = sum(sizes)
+    while page > MIN_PAGE and sum(pages(s, page, bound=False) - s for s in sizes) > max_waste * total:
+        page = max(MIN_PAGE, page // 2 // MIN_PAGE * MIN_PAGE)
+    return page
+
+
 def separate_param_home(bp: BlockPlan, plan: Plan, train: bool = True) -> bool:
     """Whether a streamed block keeps its compute params in a host chunk of their own; else its
     fp32 master is what its device slot is filled from, wherever the master lives (disk too)."""

@@ -20,11 +20,23 @@ if TYPE_CHECKING:
     from tiertrain.runtime.runtime import Runtime
 
 
-def install_block_hooks(rt: "Runtime", g: BlockGroup) -> HostStash | None:
-    """The block's module hooks and its activation switches; the host stash, where it offloads."""
+def install_block_hooks(rt: "Runtime", g: BlockGroup) -> None:
+    """The block's module hooks: they call the runtime with this group, whatever plan it runs under."""
     module = g.block.module
     module.register_forward_pre_hook(lambda m, a: rt.forward_begins(g))
     module.register_full_backward_pre_hook(lambda m, grad: rt.backward_begins(g))
+
+
+def apply_switches(rt: "Runtime", g: BlockGroup) -> HostStash | None:
+    """The block's activation switches as its plan says (recompute, offload_hidden; a streamed block's
+    saved views of its params kept as places in its slot): its forward wrapped, over whatever wrapped it
+    before (a new plan). The host stash, where it offloads."""
+    module = g.block.module
+    original = rt.own_forwards.get(g.index)  # what the module had before any plan wrapped it
+    if original is None:
+        module.__dict__.pop("forward", None)
+    else:
+        module.forward = original
     stash = HostStash(rt.mem, g.block.name) if g.plan.offload_hidden else None
     if g.plan.recompute or g.plan.offload_hidden or g.plan.stream:
         hooks = SavedTensors(g, rt.mem, stash) if g.plan.offload_hidden or g.plan.stream else None

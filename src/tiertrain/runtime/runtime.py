@@ -22,7 +22,7 @@ from tiertrain.runtime.block_group import BlockGroup
 from tiertrain.runtime.blocks import find_blocks
 from tiertrain.runtime.build import build_groups
 from tiertrain.runtime.cache import DeviceCache
-from tiertrain.runtime.hooks import install_block_hooks, install_grad_hooks
+from tiertrain.runtime.hooks import apply_switches, install_block_hooks, install_grad_hooks
 from tiertrain.runtime.loss_scale import LossScaler
 from tiertrain.runtime.modes import make_mode
 from tiertrain.runtime.state_moves import StateMoves
@@ -46,14 +46,13 @@ class Runtime:
         self.cache = DeviceCache([g for g in self.groups if g.plan.stream], self._slots(), mem.mover, plan.prefetch,
                                  ready=self.params_ready)
         self.stashes: dict[int, HostStash] = {}  # offload_hidden: where each block's saved activations wait
+        self.own_forwards = {g.index: vars(g.block.module).get("forward") for g in self.groups if g.block.module}
         for g in self.groups:
-            g.acquire, g.ready, g.params_written = self.cache.acquire, self.params_ready, self.cache.invalidate
             if options.train:
                 install_grad_hooks(self, g)
             if g.block.module is not None:
-                stash = install_block_hooks(self, g)
-                if stash is not None:
-                    self.stashes[g.index] = stash
+                install_block_hooks(self, g)
+        self.wire()
         self.scaler = LossScaler() if options.train and plan.compute_dtype == "fp16" else None
         # the step needs the global norm (clipping) or the fp16 overflow check before any update
         self.waits_for_norm = options.clips or self.scaler is not None
@@ -67,6 +66,17 @@ class Runtime:
         self.nonfinite_norm = False  # overlap with clipping: the norm was NaN/inf, so no update was started
         self._in_backward = False
         self._order = self._model_order()
+
+    def wire(self) -> None:
+        """Connect the groups to the cache and the update mode of the current plan, and apply its
+        switches (at setup, and again when a new plan takes effect)."""
+        self.stashes.clear()
+        for g in self.groups:
+            g.acquire, g.ready, g.params_written = self.cache.acquire, self.params_ready, self.cache.invalidate
+            if g.block.module is not None:
+                stash = apply_switches(self, g)
+                if stash is not None:
+                    self.stashes[g.index] = stash
         # disk-homed blocks in the order backward reaches them (the rest has no hook), whose states
         # may be read during forward: not those whose slot is filled from the master itself
         self._backward_first = [g for g in self.groups[-2::-1]

@@ -15,9 +15,9 @@ import torch
 from tiertrain.memory import Tier
 from tiertrain.memory.chunk import Chunk
 from tiertrain.memory.heap import release_free_heap
+from tiertrain.optim.hparams import MOMENTS
 from tiertrain.runtime.block_group import F32, BlockGroup
 from tiertrain.runtime.runtime import Runtime
-from tiertrain.optim.hparams import MOMENTS
 from tiertrain.tensor_file import TensorSpec, TensorStream
 
 
@@ -97,21 +97,55 @@ def _write(rt: Runtime, chunk: Chunk, flat: torch.Tensor, dtype: torch.dtype = F
         rt.mem.move(chunk, Tier.DISK).wait()
 
 
+def _weights_of(rt: Runtime, g: BlockGroup) -> torch.Tensor:
+    """A block's current weights, flat fp32 on the CPU: its master, or (forward-only runs) the compute
+    copy its slot is filled from."""
+    if g.master is not None:
+        return _read(rt, g.master)
+    chunk = g.param_home if g.param_home is not None else g.slot.chunk
+    return chunk.typed(g.compute)[: g.layout.numel].detach().to(F32).cpu()
+
+
+def current_weights(rt: Runtime) -> Iterator[tuple[BlockGroup, list[torch.Tensor]]]:
+    """Each block's current weights (after any update in flight), one block in memory at a time."""
+    rt.wait_updates()
+    for g in rt.groups:
+        release_free_heap()
+        yield g, _split(g, _weights_of(rt, g))
+
+
+def write_weights(rt: Runtime, g: BlockGroup, tensors: list[torch.Tensor | None]) -> None:
+    """New weights for a block (None: keep the parameter's current value): its master and the compute
+    copy its next forward reads; its moments are left as they are."""
+    if any(t is None for t in tensors):
+        current = _split(g, _weights_of(rt, g))
+        tensors = [c if t is None else t for c, t in zip(current, tensors)]
+    master = _flat(g, tensors)
+    if g.master is not None:
+        _write(rt, g.master, master)
+    target = g.param_home if g.param_home is not None else g.slot.chunk
+    if target is not g.master:
+        _write(rt, target, master, g.compute)
+    rt.cache.invalidate(g)  # a streamed block's slot copy is refilled at its next use
+
+
+def write_moments(rt: Runtime, g: BlockGroup, state: Mapping[str, torch.Tensor], names: list[str]) -> None:
+    """A block's AdamW moments and step counts from ``state`` keyed ``<name>::<kind>`` (missing: zero,
+    as a parameter AdamW never stepped has none)."""
+    for k in MOMENTS:
+        _write(rt, getattr(g, k), _flat(g, [state.get(f"{n}::{k}") for n in names]))
+    for i, n in enumerate(names):
+        g.steps[i].copy_(state.get(f"{n}::step", torch.zeros((), dtype=F32)))
+
+
 def import_state(rt: Runtime, weights: Mapping[str, torch.Tensor], optim: Mapping[str, torch.Tensor]) -> None:
     """Write saved tensors into the block chunks, block by block (``LazyTensors`` reads each only
     when its block is written, so a model larger than memory resumes)."""
     rt.wait_updates()
     rt.cache.settle()
-    for st in rt.groups:
-        names = [n for n, _ in st.block.params]
-        master = _flat(st, [weights[n] for n in names])
-        _write(rt, st.master, master)
-        target = st.param_home if st.param_home is not None else st.slot.chunk
-        _write(rt, target, master, F32 if target is st.master else st.compute)
-        for k in MOMENTS:
-            _write(rt, getattr(st, k), _flat(st, [optim.get(f"{n}::{k}") for n in names]))
-        for i, n in enumerate(names):
-            st.steps[i].copy_(optim.get(f"{n}::step", torch.zeros((), dtype=F32)))
-        rt.cache.invalidate(st)
-        st.release()  # gradients gathered before the load belong to no step now
+    for g in rt.groups:
+        names = [n for n, _ in g.block.params]
+        write_weights(rt, g, [weights[n] for n in names])
+        write_moments(rt, g, optim, names)
+        g.release()  # gradients gathered before the load belong to no step now
         release_free_heap()

@@ -55,6 +55,8 @@ class UpdateMode:
         rt.cache.settle()
         rt.restart_reads()
         if not rt.updates_started:
+            if rt.options.max_grad_norm is not None and rt.clip_coef is None:  # declared, and the loop did not clip
+                rt.clip_grad_norm_(rt.options.max_grad_norm)
             coef = rt.grad_coefficient()
             for g in rt.update_order():
                 if not rt.skip_step:

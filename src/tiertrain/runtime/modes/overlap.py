@@ -43,6 +43,10 @@ class OverlapMode(UpdateMode):
     def clip_grad_norm_(self, max_norm: float, norm_type: float) -> torch.Tensor:
         """Updates start as backward ends, clipped by the norm declared at setup: the loop's call only
         reads that norm back, and must ask for the same clipping."""
+        if self.rt.options.max_grad_norm is None:
+            raise ConfigError("in overlap mode without declared clipping each block's gradients are updated away "
+                              "during backward, so no norm of them is kept: declare it up front, "
+                              f"tiertrain.setup(..., max_grad_norm={max_norm}), or use update='sync'")
         if self.rt.options.max_grad_norm != max_norm:
             raise ConfigError(f"in overlap mode updates start during backward, so clipping must be declared up front: "
                               f"tiertrain.setup(..., max_grad_norm={max_norm})")

@@ -1,0 +1,56 @@
+"""Budgets taken from the machine where the user gives none.
+
+Device: 90% of the GPU's free memory (``torch.cuda.mem_get_info``: what other processes hold is not
+ours; the rest is the CUDA allocator's slack); without a GPU the device tier is host memory under
+its own budget, and takes at most 4 GiB, a quarter of what is available. Host: at most half the
+RAM, and 90% of what the process may still take now (``MemAvailable``, under its memory cgroup's
+limit), beside the device tier on a CPU-only machine: the rest is for activations, the model
+object and the libraries. No disk unless one is given: a disk directory is the user's choice.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from tiertrain.memory import Budgets
+from tiertrain.memory.capacity import host_available
+from tiertrain.units import format_bytes
+
+DEVICE_SHARE = 0.9
+CPU_DEVICE_CAP = 4 << 30
+HOST_SHARE = 0.9
+
+
+@dataclass(frozen=True)
+class TakenBudgets:
+    budgets: Budgets
+    taken: tuple[str, ...]   # which tiers came from the machine (the others were given)
+
+    def describe(self) -> str:
+        b = self.budgets
+        parts = [f"device {format_bytes(b.device)}", f"host {format_bytes(b.host)}",
+                 f"disk {format_bytes(b.disk)} in {b.disk_dir}" if b.disk else "no disk"]
+        return f"budgets: {', '.join(parts)} ({', '.join(self.taken)} taken from the machine)"
+
+
+def machine_budgets(device: torch.device, given_device: int | None = None, given_host: int | None = None,
+                    disk: int = 0, disk_dir: str | None = None) -> TakenBudgets:
+    """The budgets a run gets: those given, the others from this machine as the module says."""
+    taken = []
+    dev = given_device
+    if dev is None:
+        taken.append("device")
+        if device.type == "cuda":
+            dev = int(torch.cuda.mem_get_info(device)[0] * DEVICE_SHARE)
+        else:
+            dev = min(CPU_DEVICE_CAP, host_available() // 4)
+    host = given_host
+    if host is None:
+        taken.append("host")
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        room = host_available() - (dev if device.type == "cpu" else 0)
+        host = max(0, min(ram // 2, int(HOST_SHARE * room)))
+    return TakenBudgets(Budgets(dev, host, disk, disk_dir), tuple(taken))

@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 
 from tiertrain.errors import ConfigError
 from tiertrain.parallel import LocalCollectives, collectives_for
-from tiertrain.plan import ParallelLayout, Plan, builtin_plan
+from tiertrain.plan import ParallelLayout, Plan, builtin_plan, data_parallel
 
 
 def test_a_world_of_one_moves_tensors_whole_and_changes_nothing_in_place():
@@ -27,14 +27,14 @@ def test_a_world_of_one_moves_tensors_whole_and_changes_nothing_in_place():
         comm.reduce_scatter(torch.zeros(3), t)
 
 
-def test_the_plan_carries_its_parallel_layout_and_refuses_more_than_one_process_today():
+def test_the_plan_carries_its_parallel_layout_and_a_one_process_plan_is_laid_out_over_the_ranks():
     plan = builtin_plan("stream", 2)
     assert plan.parallel == ParallelLayout(dp=1) and json.loads(plan.to_json())["parallel"] == {"dp": 1}
     assert Plan.from_json(plan.to_json()) == plan
-    wide = json.loads(plan.to_json())
-    wide["parallel"] = {"dp": 2}
-    with pytest.raises(ConfigError, match="one process today"):
-        Plan.from_json(json.dumps(wide)).validate(2)
+    laid = data_parallel(plan, 4)
+    assert laid.parallel.dp == 4 and all(b.shard for b in (*laid.blocks, laid.rest))
+    assert Plan.from_json(laid.to_json()) == laid and data_parallel(laid, 4) is laid
+    assert not any(b.shard for b in data_parallel(plan, 4, shard=False).blocks)
 
 
 def _ranks(rank: int, world: int, store: str, results) -> None:

@@ -15,6 +15,7 @@ one (``auto``).
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -31,7 +32,8 @@ from tiertrain.memory import Budgets, MemorySystem
 from tiertrain.memory.capacity import check_budgets
 from tiertrain.memory.system import compute_device
 from tiertrain.optim.hparams import KEYS
-from tiertrain.plan import DEFAULT_MAX_STALENESS, Plan, RunOptions, check_update_mode, load_plan
+from tiertrain.parallel import world_from_env
+from tiertrain.plan import DEFAULT_MAX_STALENESS, Plan, RunOptions, check_update_mode, data_parallel, load_plan
 from tiertrain.plan.bytes import bounds_grads, page_for_states, widen_read_ahead
 from tiertrain.plan.bytes import transient as transient_grads
 from tiertrain.runtime.blocks import block_numel, find_blocks
@@ -102,7 +104,7 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, memo
     if isinstance(plan, str) and plan == "auto" and profile_step is not None:
         auto = _auto(model, profile_step, memory, page, opts)
         plan = auto.plan
-    chosen = _chosen(plan, found, memory, opts)
+    chosen = _laid_out(_chosen(plan, found, memory, opts))
     numels, budgets = [block_numel(b) for b in found], capacities(memory)
     transient = transient_grads(chosen.update, opts.needs_all_grads(chosen.compute_dtype))
     check_fits(found, chosen, memory, page, opts.train, transient)
@@ -126,6 +128,23 @@ def _options(options: RunOptions | None, fields: dict[str, Any]) -> RunOptions:
 
     base = dataclasses.asdict(options) if options is not None else {}
     return typed.load(RunOptions, {**base, **fields}, "tiertrain.setup option")
+
+
+def _laid_out(plan: Plan) -> Plan:
+    """The plan over the ranks this process runs among (torchrun's, or the user's process group): a
+    plan for one process is laid out over all of them, sharded (it is never trained as one
+    independent model per rank); a plan made for another number of ranks is refused."""
+    world = world_from_env()
+    if plan.parallel.dp == world:
+        return plan
+    if plan.parallel.dp != 1:
+        raise ConfigError(f"the plan is laid out for {plan.parallel.dp} ranks but this run has {world}; make it for "
+                          f"{world} (or leave its parallel field, and tiertrain lays it out)")
+    laid = data_parallel(plan, world)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"tiertrain: data parallel over {world} ranks, every block's states and gradients sharded",
+              file=sys.stderr)
+    return laid
 
 
 def _chosen(plan: "str | Plan", found: list, memory: Budgets, opts: RunOptions) -> Plan:

@@ -113,7 +113,7 @@ def tiered_in_place(model: nn.Module, runtime: "Runtime", auto: "AutoPlan | None
 
 
 def _forward_begins(rt: "Runtime") -> None:
-    rt.params_ready(rt.groups[-1])  # embeddings and head are used first and last
+    rt.groups[-1].fetch()  # embeddings and head are used first and last
     if torch.is_grad_enabled():     # an evaluation pass does not become the order the cache plans by
         rt.cache.new_pass()
 

@@ -4,7 +4,12 @@ Flat-tensor calls, as FSDP2's default collectives are: a chunk is already one fl
 to a multiple of the group size (``ChunkLayout.shard_numel``), so all-gather and reduce-scatter
 move it whole, with no per-parameter packing. ``local`` is the one-process case (world 1), where
 every collective is the identity; ``distributed`` runs them over a ``torch.distributed`` process
-group (gloo on CPU, NCCL on GPUs).
+group (gloo on CPU, NCCL on GPUs). Every rank must issue the same collectives in the same order:
+the runtime issues them from the thread that runs the step (never from optimizer workers).
+
+``sent`` counts the bytes this rank puts on the wire, by the ring algorithms' formulas (an
+all-gather or reduce-scatter of B bytes sends (N-1)/N x B, an all-reduce twice that): what
+``bench`` and the tests hold against the per-step formulas of DDP, ZeRO-2 and ZeRO-3.
 """
 
 from __future__ import annotations
@@ -14,18 +19,33 @@ from typing import Protocol
 import torch
 
 
+class Waitable(Protocol):
+    def wait(self) -> None: ...
+
+
 class Collectives(Protocol):
     rank: int
     world_size: int
+    sent: int
 
-    def all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> None:
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Waitable | None:
         """``out`` (world_size x shard's numel) receives every rank's ``shard``, in rank order."""
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> None:
         """``out`` receives this rank's slice of the sum over ranks of ``full``."""
 
-    def all_reduce(self, t: torch.Tensor) -> None:
-        """``t`` becomes the sum over ranks of ``t``, in place."""
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
+        """``t`` becomes the sum (or ``max``) over ranks of ``t``, in place."""
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """Slice ``r`` of ``inp`` goes to rank ``r``; slice ``r`` of ``out`` comes from rank ``r``."""
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
+        """``t`` becomes rank ``src``'s ``t``."""
+
+
+def ring_bytes(kind: str, nbytes: int, world: int) -> int:
+    """Bytes one rank sends for a collective over ``nbytes`` (the full tensor) in a ring of ``world``."""
+    share = nbytes * (world - 1) // world
+    return {"all_gather": share, "reduce_scatter": share, "all_reduce": 2 * share, "all_to_all": share,
+            "broadcast": nbytes if world > 1 else 0}[kind]

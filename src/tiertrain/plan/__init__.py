@@ -10,8 +10,8 @@ check and the planner share.
 from tiertrain.plan.options import RunOptions
 from tiertrain.plan.parallel import ParallelLayout
 from tiertrain.plan.plan import (BUILTIN_PLANS, COMPUTE_DTYPES, DEFAULT_MAX_STALENESS, UPDATE_MODES, BlockPlan, Plan,
-                                 builtin_plan, check_update_mode, load_plan)
+                                 builtin_plan, check_update_mode, data_parallel, load_plan)
 from tiertrain.plan.tiers import Kind, Tier
 
 __all__ = ["BUILTIN_PLANS", "COMPUTE_DTYPES", "DEFAULT_MAX_STALENESS", "UPDATE_MODES", "BlockPlan", "Kind",
-           "ParallelLayout", "Plan", "RunOptions", "Tier", "builtin_plan", "check_update_mode", "load_plan"]
+           "ParallelLayout", "Plan", "RunOptions", "Tier", "builtin_plan", "check_update_mode", "data_parallel", "load_plan"]

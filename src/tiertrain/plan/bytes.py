@@ -48,18 +48,25 @@ def page_for_states(numels: Sequence[int], page: int, max_waste: float = MAX_PAG
     return page
 
 
+def sharded(bp: BlockPlan, plan: Plan) -> bool:
+    """Whether a block's states and gradients are split over data-parallel ranks."""
+    return bp.shard and plan.parallel.dp > 1
+
+
 def separate_param_home(bp: BlockPlan, plan: Plan, train: bool = True) -> bool:
-    """Whether a streamed block keeps its compute params in a host chunk of their own; else its
-    fp32 master is what its device slot is filled from, wherever the master lives (disk too)."""
+    """Whether a streamed (or sharded) block keeps its compute params in a host chunk of their own;
+    else its fp32 master is what its device slot is filled (gathered) from, wherever the master lives
+    (disk too, but for a sharded block, which gathers from memory)."""
     return (not train or plan.compute_dtype != "fp32"
-            or (bp.home is Tier.DISK and (bp.param_copy or plan.update == "lockfree")))
+            or (bp.home is Tier.DISK and (bp.param_copy or plan.update == "lockfree" or sharded(bp, plan))))
 
 
 def master_in_slot(bp: BlockPlan, plan: Plan, train: bool = True) -> bool:
     """Whether a block's fp32 master *is* its device slot: a resident fp32 block whose states live
     on the device is updated in place, as plain PyTorch updates its parameters, instead of keeping
     a second fp32 copy and copying it into the slot after every update."""
-    return train and not bp.stream and bp.home is Tier.DEVICE and plan.compute_dtype == "fp32"
+    return (train and not bp.stream and bp.home is Tier.DEVICE and plan.compute_dtype == "fp32"
+            and not sharded(bp, plan))
 
 
 def grad_tier(bp: BlockPlan) -> Tier:
@@ -109,9 +116,12 @@ def tier_bytes(numels: Sequence[int], plan: Plan, page: int, train: bool = True,
     """
     if len(numels) != len(plan.blocks) + 1:
         raise ValueError(f"{len(numels)} chunk sizes for a plan of {len(plan.blocks)} blocks + rest")
-    sizes = [n * F32_BYTES for n in numels]                        # master, moments, grads: fp32
-    compute = [n * BYTES[plan.compute_dtype] for n in numels]          # slots and param homes
     plans = list(plan.blocks) + [plan.rest]
+    dp = plan.parallel.dp
+    full = [n * F32_BYTES for n in numels]                         # a rank's own gradients before they are reduced
+    sizes = [-(-f // dp) if sharded(p, plan) else f for f, p in zip(full, plans)]  # master, moments, grads: fp32
+    compute = [n * BYTES[plan.compute_dtype] for n in numels]          # slots
+    homes = [-(-c // dp) if sharded(p, plan) else c for c, p in zip(compute, plans)]  # param homes
 
     def chunk(nbytes: int) -> int:
         return pages(nbytes, page, bound)
@@ -121,14 +131,16 @@ def tier_bytes(numels: Sequence[int], plan: Plan, page: int, train: bool = True,
     streamed = [c for c, p in zip(compute, plans) if p.stream]
     if streamed:
         need[Tier.DEVICE] += min(plan.window + plan.cache, len(streamed)) * chunk(max(streamed))
-    for size, csize, bp in zip(sizes, compute, plans):
+    for size, csize, home, f, bp in zip(sizes, compute, homes, full, plans):
         if not bp.stream and not master_in_slot(bp, plan, train):
             need[Tier.DEVICE] += chunk(csize)
-        elif bp.stream and separate_param_home(bp, plan, train):
-            need[Tier.HOST] += chunk(csize)
+        if (bp.stream or sharded(bp, plan)) and separate_param_home(bp, plan, train):
+            need[Tier.HOST] += chunk(home)
         if train:
             device_grads = grad_tier(bp) is Tier.DEVICE and grads != "none"
             need[grad_tier(bp)] += copies * chunk(size) if grads == "all" or device_grads else 0
+            if dp > 1 and (grads == "all" or device_grads):
+                need[grad_tier(bp)] += chunk(f)   # this rank's gradients, summed over micro-batches, until reduced
             need[bp.home] += 3 * chunk(size)      # master (the slot, where master_in_slot), exp_avg, exp_avg_sq
     if not train:
         return need

@@ -36,6 +36,8 @@ class BlockPlan:
     param_copy: bool = False     # disk home: keep the compute params on the host too (4 B/param of host
     #                              buys not reading them from disk twice a step; ANGEL-PTM's layout)
     offload_hidden: bool = False  # saved activations (with recompute: the block's input) wait on the host
+    shard: bool = False          # data parallel: master, moments and gradients split over the dp ranks (the
+    #                              compute params gathered into the slot at use); else replicated on every rank
 
     def to_dict(self) -> dict:
         return {f: (getattr(self, f).value if f == "home" else getattr(self, f)) for f in _BLOCK_FIELDS}
@@ -83,10 +85,11 @@ class Plan:
             raise ConfigError(f"compute_dtype {self.compute_dtype!r} is not one of {', '.join(COMPUTE_DTYPES)}")
         if self.read_ahead < 0 or self.update_workers < 1 or self.max_staleness < 0 or self.cache < 0:
             raise ConfigError("cache, read_ahead and max_staleness must be >= 0 and update_workers >= 1")
-        if self.parallel.world_size != 1:
-            raise ConfigError(f"this plan spans {self.parallel.world_size} processes; tiertrain runs one process "
-                              "today (parallel.dp must be 1)")
         return self
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.world_size
 
     @property
     def uses_disk(self) -> bool:
@@ -136,6 +139,17 @@ def builtin_plan(name: str, n_blocks: int, disk: bool = False, update: str = "sy
         return Plan(tuple(BlockPlan(home=home, stream=True, recompute=True) for _ in range(n_blocks)),
                     BlockPlan(home=home), window=2, prefetch=1, update=update, name=name)
     raise ConfigError(f"unknown plan {name!r}; use one of {', '.join(BUILTIN_PLANS)}, auto, or a plan JSON file")
+
+
+def data_parallel(plan: Plan, world: int, shard: bool = True) -> Plan:
+    """``plan`` over ``world`` data-parallel ranks: every block's states and gradients split over them
+    (``shard``: ZeRO-3 where a block streams, ZeRO-2 where it stays on the device) or replicated on each
+    (DDP). A plan already laid out for ``world`` is returned as it is."""
+    if plan.parallel.dp == world:
+        return plan
+    blocks = tuple(dataclasses.replace(b, shard=shard) for b in plan.blocks)
+    return dataclasses.replace(plan, blocks=blocks, rest=dataclasses.replace(plan.rest, shard=shard),
+                               parallel=ParallelLayout(dp=world))
 
 
 def load_plan(spec: "str | Plan", n_blocks: int, disk: bool, update: str | None = None) -> Plan:

@@ -3,10 +3,13 @@ FSDP2's ``FSDPParamGroup``): ``fetch`` its compute params onto the device, ``rel
 holds for the step, ``reduce_grads`` as backward finishes it, ``update`` its states.
 
 Chunks per block (one layout, in parameter order):
-  ``master``, ``exp_avg``, ``exp_avg_sq``  fp32 optimizer state at the block's home tier;
-  ``param_home``  a streamed block's compute params between uses (on the host, or its fp32
-                  master itself wherever that lives), fetched into a device slot before each use;
-  ``grads``       the gradients gathered since the last update (``grads.GradBuffer``).
+  ``master``, ``exp_avg``, ``exp_avg_sq``  fp32 optimizer state at the block's home tier (with data
+                  parallel and ``shard``: this rank's shard of them, ``shard`` = its element range);
+  ``param_home``  the compute params between uses (a streamed block's, or a sharded block's shard of
+                  them): on the host, or the fp32 master itself wherever that lives; fetched (a
+                  sharded one: all-gathered) into a device slot before use;
+  ``grads``       the gradients gathered since the last update (``grads.GradBuffer``), reduced over
+                  the ranks (``local``: this rank's own, summed over micro-batches, until then).
 Who waits for what (an update in flight, a slot's copy, a disk read) is decided by the update
 mode and the device cache the runtime wires in; a group only does what is asked of it.
 """
@@ -43,46 +46,69 @@ class BlockGroup:
     master: Chunk | None                       # None in inference-only runs (train=False), as the moments
     exp_avg: Chunk | None
     exp_avg_sq: Chunk | None
-    param_home: Chunk | None                   # streamed blocks only
+    param_home: Chunk | None                   # streamed (or sharded) blocks only
     slot: Slot
     steps: list[torch.Tensor]                  # AdamW step count per parameter (the fused kernel's form)
     group_of: list[int]                        # the optimizer's param group of each parameter
     compute: torch.dtype                       # dtype of the slot and the param home
     mem: MemorySystem
     comm: Collectives
+    shard: tuple[int, int] | None = None       # data parallel, sharded: the elements [start, end) this rank holds
     grads: GradBuffer = field(init=False)
     grad_count: int = 0                        # parameters whose gradient arrived in the current backward
     pending: Future | None = None              # its update in flight
     version: int = 0                           # the params include the updates of steps < version
+    local: Chunk | None = None                 # data parallel: this rank's gradients, summed over micro-batches
+    slot_stale: bool = False                   # a resident sharded block's slot awaits the gather of its update
     acquire: Callable[["BlockGroup"], None] | None = None      # the device cache's: a slot, filled (streamed)
     ready: Callable[["BlockGroup"], None] | None = None        # the update mode's: params final enough to use
     params_written: Callable[["BlockGroup"], None] | None = None  # the cache's: a slot's copy went stale
 
     def __post_init__(self) -> None:
         self.grads = GradBuffer(len(self.params))
+        self.local_has = [False] * len(self.params)
+        self.view_params, self._cuts = _state_cuts(self.layout, self.shard)
 
     # -- the verbs -----------------------------------------------------------------------
     def fetch(self) -> None:
         """The block's compute params on the device and usable: a streamed block takes a slot (the
-        cache copies it in, or finds it there); a resident one waits for its update if the mode says so."""
+        cache copies or gathers it in, or finds it there); a resident one waits for its update if the
+        mode says so, and a sharded one gathers the update's shards into its slot."""
         if self.plan.stream:
             self.acquire(self)
-        else:
-            self.ready(self)
+            return
+        self.ready(self)
+        if self.slot_stale:
+            self.gather_into(self.slot.chunk)
+            self.slot_stale = False
+
+    def gather_into(self, dst: Chunk, async_op: bool = False):
+        """The block's compute params, whole, into ``dst`` (a device slot): every rank's shard of them."""
+        dtype = F32 if self.param_home is self.master else self.compute
+        src = self.param_home.typed(dtype)[: self.layout.shard_numel]
+        return self.comm.all_gather(dst.typed(self.compute)[: self.layout.numel], src, async_op=async_op)
 
     def release(self) -> None:
         """Drop the gradients gathered for a step that will not update (zero_grad, a skipped fp16 step)."""
-        chunk = self.grads.clear()
-        if chunk is not None:
-            self.mem.release(chunk)
+        for chunk in (self.grads.clear(), self.local):
+            if chunk is not None:
+                self.mem.release(chunk)
+        self.local, self.local_has = None, [False] * len(self.params)
 
     def reduce_grads(self, step: int, hypers: list[AdamWHyper] | None, make_room: Callable[[], None],
                      final: bool) -> None:
         """Move the parameters' fresh gradients into the block's grad chunk (accumulating) and free
-        them; on the ``final`` micro-batch of a step the chunk is reduced across ranks (the identity
-        in a world of one). The chunk lives where the block's update runs (``plan.bytes.grad_tier``).
-        ``make_room`` returns once a new host chunk may be allocated (transient gradients);
-        ``hypers``: lockfree keeps the step's own with its gradients."""
+        them. With data parallel they first sum over the micro-batches in ``local``, and on the
+        ``final`` one are averaged over the ranks (reduce-scattered to the shards, or all-reduced)
+        before they join the grad chunk. The chunk lives where the block's update runs
+        (``plan.bytes.grad_tier``). ``make_room`` returns once a new host chunk may be allocated
+        (transient gradients); ``hypers``: lockfree keeps the step's own with its gradients."""
+        if self.comm.world_size > 1:
+            self._sum_locally()
+            if final:
+                self._reduce_over_ranks(step, hypers, make_room)
+            self.grad_count = 0
+            return
         fresh = None
         while True:  # a lockfree update loop may take the chunk at any moment between these lines
             with self.grads.lock:
@@ -90,14 +116,10 @@ class BlockGroup:
                     self.grads.chunk, fresh = fresh, None
                 if self.grads.chunk is not None:
                     self.grads.add(self.params, self.views(self.grads.chunk), step, hypers)
-                    if final:
-                        flat = self.grads.chunk.typed(F32)
-                        self.comm.reduce_scatter(flat, flat)
                     break
             if grad_tier(self.plan) is Tier.HOST:
                 make_room()  # outside the lock: it may wait for this block's own update
-            fresh = self.mem.allocate(f"{self.block.name}.grad", self.nbytes, grad_tier(self.plan), Kind.GRAD,
-                                      contiguous=True)
+            fresh = self._new_grad_chunk(self.nbytes)
         if fresh is not None:
             self.mem.release(fresh)
         self.grad_count = 0
@@ -115,16 +137,74 @@ class BlockGroup:
 
     def publish(self) -> None:
         """Write the fp32 master into the compute copy the next forward reads (rounded to the compute
-        dtype), and let the cache know a slot's copy of it is stale."""
+        dtype), and let the cache (or, for a resident sharded block, its next fetch) know a slot's copy
+        of it is stale."""
         target = self.param_home if self.param_home is not None else self.slot.chunk
         if target is not self.master:  # an fp32 master doubles as the param home of a streamed block
-            target.typed(self.compute)[: self.layout.numel].copy_(self.master.typed(F32)[: self.layout.numel])
+            n = self.state_numel
+            target.typed(self.compute)[:n].copy_(self.master.typed(F32)[:n])
+        if self.shard is not None and not self.plan.stream:
+            self.slot_stale = True
         self.params_written(self)
+
+    # -- data parallel -------------------------------------------------------------------
+    def _sum_locally(self) -> None:
+        """This rank's fresh gradients into ``local`` (its own sum over micro-batches), freed from the params."""
+        if self.local is None:
+            self.local = self._new_grad_chunk(self.nbytes)
+            self.local.typed(F32).zero_()  # a parameter no rank's micro-batch reached contributes zeros
+        views = self.views(self.local)
+        for i, p in enumerate(self.params):
+            if p.grad is None:
+                continue
+            if self.local_has[i]:
+                views[i].add_(p.grad)
+            else:
+                views[i].copy_(p.grad)
+                self.local_has[i] = True
+            p.grad = None
+
+    def _reduce_over_ranks(self, step: int, hypers: list[AdamWHyper] | None, make_room: Callable[[], None]) -> None:
+        """Average ``local`` over the ranks into this rank's part (its shard, or all of it) and add that to
+        the grad chunk. A parameter has a gradient where any rank's micro-batches gave it one."""
+        has = torch.tensor(self.local_has, dtype=torch.uint8)
+        self.comm.all_reduce(has, op="max")
+        full = self.local.typed(F32)[: self.layout.numel]
+        if self.shard is None:
+            self.comm.all_reduce(full)
+            mine = full
+        else:
+            mine = torch.empty(self.state_numel, dtype=F32, device=full.device)
+            self.comm.reduce_scatter(mine, full)
+        mine.div_(self.comm.world_size)
+        if grad_tier(self.plan) is Tier.HOST:
+            make_room()
+        fresh = self._new_grad_chunk(self.state_numel * F32.itemsize)
+        with self.grads.lock:
+            if self.grads.chunk is None:
+                self.grads.chunk, fresh = fresh, None
+                self.grads.chunk.typed(F32)[: self.state_numel].copy_(mine)
+            else:
+                self.grads.chunk.typed(F32)[: self.state_numel].add_(mine)
+            self.grads.has_grad = [a or bool(b) for a, b in zip(self.grads.has_grad, has.tolist())]
+            self.grads.step, self.grads.hypers = step, hypers
+        for chunk in (fresh, self.local):
+            if chunk is not None:
+                self.mem.release(chunk)
+        self.local, self.local_has = None, [False] * len(self.params)
+
+    def _new_grad_chunk(self, nbytes: int) -> Chunk:
+        return self.mem.allocate(f"{self.block.name}.grad", nbytes, grad_tier(self.plan), Kind.GRAD, contiguous=True)
 
     # -- views -------------------------------------------------------------------------
     @property
     def states(self) -> tuple[Chunk, Chunk, Chunk]:
         return self.master, self.exp_avg, self.exp_avg_sq
+
+    @property
+    def state_numel(self) -> int:
+        """Elements of this rank's states (its shard, or the whole block)."""
+        return self.layout.numel if self.shard is None else self.shard[1] - self.shard[0]
 
     @property
     def fills_slot_from_master(self) -> bool:
@@ -137,12 +217,39 @@ class BlockGroup:
         return self.layout.numel * F32.itemsize
 
     def views(self, chunk: Chunk) -> list[torch.Tensor]:
-        """Per-parameter fp32 views of a chunk (merged) in layout order."""
+        """Per-parameter fp32 views of a whole-block chunk (merged) in layout order."""
         flat = chunk.typed(F32)
         return [flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.layout.slots]
 
+    def state_views(self, chunk: Chunk) -> list[torch.Tensor]:
+        """fp32 views of a state chunk, one per piece of a parameter this rank holds (``view_params``
+        names the parameter of each): per parameter, or its sharded pieces."""
+        flat = chunk.typed(F32)
+        return [flat[lo:hi] for lo, hi in self._cuts]
+
+
+def _state_cuts(layout: ChunkLayout, shard: tuple[int, int] | None) -> tuple[list[int], list[tuple[int, int]]]:
+    """(parameter of each piece, [lo, hi) of each piece within a state chunk): each parameter whole,
+    or where a shard holds part of it, that part."""
+    if shard is None:
+        return list(range(len(layout.slots))), [(s.offset, s.offset + s.numel) for s in layout.slots]
+    start, end = shard
+    owners, cuts = [], []
+    for i, s in enumerate(layout.slots):
+        lo, hi = max(start, s.offset), min(end, s.offset + s.numel)
+        if lo < hi:
+            owners.append(i)
+            cuts.append((lo - start, hi - start))
+    return owners, cuts
+
 
 def adamw_block(group: BlockGroup, hypers: list[AdamWHyper], coef: torch.Tensor | None, taken: TakenGrads) -> None:
-    """One AdamW step of the block's master and moments with the gradients it took."""
-    adamw_step(group.views(group.master), group.views(taken.chunk), group.views(group.exp_avg),
-               group.views(group.exp_avg_sq), group.steps, taken.has_grad, group.group_of, hypers, coef)
+    """One AdamW step of the block's master and moments (this rank's pieces) with the gradients it took."""
+    owners = group.view_params
+    if group.shard is None:
+        views = group.views
+    else:
+        views = group.state_views
+    adamw_step(views(group.master), views(taken.chunk), views(group.exp_avg), views(group.exp_avg_sq),
+               [group.steps[i] for i in owners], [taken.has_grad[i] for i in owners],
+               [group.group_of[i] for i in owners], hypers, coef)

@@ -24,9 +24,10 @@ class Block:
     params: list[tuple[str, nn.Parameter]]  # (fully qualified name, parameter), in model order
 
 
-def block_layout(block: Block) -> ChunkLayout:
-    """Where each of the block's parameters sits in its chunks (every state kind shares it)."""
-    return ChunkLayout.build([(n, tuple(p.shape)) for n, p in block.params])
+def block_layout(block: Block, shard_count: int = 1) -> ChunkLayout:
+    """Where each of the block's parameters sits in its chunks (every state kind shares it), padded to
+    split into ``shard_count`` equal shards."""
+    return ChunkLayout.build([(n, tuple(p.shape)) for n, p in block.params], shard_count=shard_count)
 
 
 def block_numel(block: Block) -> int:

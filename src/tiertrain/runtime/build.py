@@ -15,37 +15,46 @@ from tiertrain.memory.chunk import Chunk
 from tiertrain.models.init import init_in_place
 from tiertrain.parallel import Collectives
 from tiertrain.plan import BlockPlan, Plan, RunOptions
-from tiertrain.plan.bytes import master_in_slot, separate_param_home
+from tiertrain.plan.bytes import master_in_slot, separate_param_home, sharded
 from tiertrain.precisions import torch_dtype
 from tiertrain.runtime.block_group import F32, BlockGroup
 from tiertrain.runtime.blocks import Block, block_layout
 from tiertrain.runtime.slots import Slot, alias
 
 
-def ring_slots(mem: MemorySystem, blocks: list[Block], plan: Plan) -> list[Slot]:
+def layouts_for(blocks: list[Block], plan: Plan) -> list[ChunkLayout]:
+    """Each block's chunk layout: padded to split over the data-parallel ranks where it is sharded."""
+    return [block_layout(b, plan.parallel.dp if sharded(bp, plan) else 1)
+            for b, bp in zip(blocks, (*plan.blocks, plan.rest))]
+
+
+def ring_slots(mem: MemorySystem, layouts: list[ChunkLayout], plan: Plan) -> list[Slot]:
     """The slots streamed blocks share: the window plus the cache, each as large as the largest."""
-    streamed = [b for b, p in zip(blocks, (*plan.blocks, plan.rest)) if p.stream]
+    streamed = [lay for lay, p in zip(layouts, (*plan.blocks, plan.rest)) if p.stream]
     if not streamed:
         return []
-    size = max(block_layout(b).numel for b in streamed) * torch_dtype(plan.compute_dtype).itemsize
+    size = max(lay.numel for lay in streamed) * torch_dtype(plan.compute_dtype).itemsize
     return [Slot(mem.allocate(f"slot.{k}", size, Tier.DEVICE, Kind.PARAM, contiguous=True))
             for k in range(min(plan.window + plan.cache, len(streamed)))]
 
 
 def build_groups(mem: MemorySystem, comm: Collectives, model: nn.Module, blocks: list[Block], plan: Plan,
                  options: RunOptions, group_of_param: dict[int, int]) -> list[BlockGroup]:
-    """One group per block, each with its chunks written and its parameters installed in the model."""
-    ring = ring_slots(mem, blocks, plan)
+    """One group per block, each with its chunks written and its parameters installed in the model.
+    With data parallel, rank 0's initial weights are every rank's (as DDP broadcasts them)."""
+    layouts = layouts_for(blocks, plan)
+    ring = ring_slots(mem, layouts, plan)
     compute = torch_dtype(plan.compute_dtype)
     groups, streamed_seen = [], 0
-    for i, (block, bplan) in enumerate(zip(blocks, (*plan.blocks, plan.rest))):
+    for i, (block, bplan, layout) in enumerate(zip(blocks, (*plan.blocks, plan.rest), layouts)):
         if bplan.stream:
             slot = ring[streamed_seen % len(ring)]
             streamed_seen += 1
         else:
-            nbytes = block_layout(block).numel * compute.itemsize
+            nbytes = layout.numel * compute.itemsize
             slot = Slot(mem.allocate(f"{block.name}.slot", nbytes, Tier.DEVICE, Kind.PARAM, contiguous=True))
-        group = _build(mem, comm, i, block, bplan, slot, plan, options, compute)
+        build = _build_sharded if sharded(bplan, plan) else _build
+        group = build(mem, comm, i, block, bplan, slot, plan, options, compute, layout)
         group.group_of = [group_of_param.get(id(p), 0) for _, p in block.params]
         install_params(model, group)
         groups.append(group)
@@ -53,17 +62,18 @@ def build_groups(mem: MemorySystem, comm: Collectives, model: nn.Module, blocks:
 
 
 def _build(mem: MemorySystem, comm: Collectives, index: int, block: Block, bplan: BlockPlan, slot: Slot, plan: Plan,
-           options: RunOptions, compute: torch.dtype) -> BlockGroup:
+           options: RunOptions, compute: torch.dtype, layout: ChunkLayout) -> BlockGroup:
     """Allocate the block's chunks, write its weights in, and leave its slot filled.
     ``separate_param_home`` (the planner's and the budget check's rule too): a streamed block keeps its
     compute params in a host chunk of their own, which the optimizer publishes into; else its fp32
     master is what its slot is filled from. ``master_in_slot``: the slot is the fp32 master itself."""
-    layout = block_layout(block)
     master = exp_avg = exp_avg_sq = None
     if options.train:
         chunks = _optimizer_chunks if options.init_states else _unwritten_chunks
         in_slot = slot.chunk if master_in_slot(bplan, plan, options.train) else None
         master, exp_avg, exp_avg_sq = chunks(mem, block, layout, bplan.home, in_slot)
+        if options.init_states and comm.world_size > 1:
+            comm.broadcast(master.typed(F32))
         if master is not slot.chunk and master.tier is Tier.DISK:  # unwritten: nothing to publish yet
             slot.chunk.typed(compute).zero_()
         elif master is not slot.chunk:
@@ -87,9 +97,46 @@ def _build(mem: MemorySystem, comm: Collectives, index: int, block: Block, bplan
                       [], compute, mem, comm)
 
 
+def _build_sharded(mem: MemorySystem, comm: Collectives, index: int, block: Block, bplan: BlockPlan, slot: Slot,
+                   plan: Plan, options: RunOptions, compute: torch.dtype, layout: ChunkLayout) -> BlockGroup:
+    """A sharded block: this rank's shard of master and moments at their home, its shard of the compute
+    params in the param home, the whole compute params in the slot. The block's weights are made
+    whole once, on the host (one block at a time), as rank 0 has them."""
+    lo, hi = layout.shard_range(comm.rank)
+    nbytes = (hi - lo) * F32.itemsize
+    full = torch.zeros(layout.numel, dtype=F32)
+    if options.init_states:
+        _fill_tensor(full, block.params, layout)
+        comm.broadcast(full)
+    stage = Tier.HOST if bplan.home is Tier.DISK else bplan.home
+    states = [mem.allocate(f"{block.name}.{k.value}", nbytes, stage, k, contiguous=True)
+              for k in (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)]
+    states[0].typed(F32).copy_(full[lo:hi])
+    for m in states[1:]:
+        m.typed(F32).zero_()
+    slot.chunk.typed(compute)[: layout.numel].copy_(full)
+    slot.holder = index
+    if separate_param_home(bplan, plan, options.train):
+        param_home = mem.allocate(f"{block.name}.param", (hi - lo) * compute.itemsize, Tier.HOST, Kind.PARAM,
+                                  contiguous=True)
+        param_home.typed(compute).copy_(full[lo:hi])
+    else:
+        param_home = states[0]
+    for chunk in states:
+        if chunk.tier is not bplan.home:
+            mem.move(chunk, bplan.home, contiguous=True).wait()
+    params = [nn.Parameter(t, requires_grad=options.train) for t in alias(slot, layout, compute)]
+    steps = [torch.zeros((), dtype=F32) for _ in params]
+    return BlockGroup(index, block, bplan, layout, params, *states, param_home, slot, steps, [], compute, mem, comm,
+                      shard=(lo, hi))
+
+
 def _fill(chunk: Chunk, params: list[tuple[str, torch.Tensor]], layout: ChunkLayout, dtype: torch.dtype) -> None:
     """Write the parameters' values into a chunk in layout order (initialising meta ones there)."""
-    flat = chunk.typed(dtype)
+    _fill_tensor(chunk.typed(dtype), params, layout)
+
+
+def _fill_tensor(flat: torch.Tensor, params: list[tuple[str, torch.Tensor]], layout: ChunkLayout) -> None:
     flat.zero_()
     for s, (name, p) in zip(layout.slots, params):
         view = flat[s.offset : s.offset + s.numel]

@@ -108,7 +108,10 @@ class DeviceCache:
         if st.slot is not slot:
             rebind(st, slot)
         slot.holder = st.index
-        handle = self.mover.copy(st.param_home, slot.chunk)
+        # a sharded block's params are gathered from every rank's shard (issued here, in the thread that
+        # runs the step, so every rank issues its collectives in one order); others are copied from home
+        handle = st.gather_into(slot.chunk, async_op=True) if st.shard is not None else self.mover.copy(
+            st.param_home, slot.chunk)
         self._inflight[st.index] = handle
         self.fetches += 1
         self.prefetched += not demand

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from tiertrain.memory import Kind, MemorySystem, Tier
 from tiertrain.optim import AdamWHyper, clip_coefficient, total_norm
+from tiertrain.parallel.norm import sharded_norm
 from tiertrain.parallel import Collectives, collectives_for
 from tiertrain.plan import Plan, RunOptions
 from tiertrain.runtime.block_group import BlockGroup
@@ -187,15 +188,35 @@ class Runtime:
         return self.last_norm
 
     def _total_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """The global gradient norm as ``clip_grad_norm_`` computes it, over the gradient chunks."""
-        views: dict[int, list[torch.Tensor]] = {}
-        grads = []
-        for g, i in self._order:
+        """The global gradient norm as ``clip_grad_norm_`` computes it, over the gradient chunks. With
+        data parallel, sharded blocks' pieces are summed over the ranks (another order than torch's
+        per-parameter norms: equal within rounding, not bit for bit)."""
+        if self.comm.world_size == 1:
+            return total_norm(self._grad_views(lambda g: g.views, self._order), norm_type)
+        mine = [(g, i) for g, i in self._order if g.shard is not None]
+        whole = [(g, i) for g, i in self._order if g.shard is None]
+        return sharded_norm(self.comm, self._shard_views(mine), self._grad_views(lambda g: g.views, whole), norm_type)
+
+    def _grad_views(self, views_of, order: list[tuple[BlockGroup, int]]) -> list[torch.Tensor]:
+        seen: dict[int, list[torch.Tensor]] = {}
+        out = []
+        for g, i in order:
             if g.grads.has_grad[i]:
-                if g.index not in views:
-                    views[g.index] = g.views(g.grads.chunk)
-                grads.append(views[g.index][i])
-        return total_norm(grads, norm_type)
+                if g.index not in seen:
+                    seen[g.index] = views_of(g)(g.grads.chunk)
+                out.append(seen[g.index][i])
+        return out
+
+    @staticmethod
+    def _shard_views(order: list[tuple[BlockGroup, int]]) -> list[torch.Tensor]:
+        """This rank's pieces of the sharded blocks' gradients."""
+        out, done = [], set()
+        for g, _ in order:
+            if g.index in done or g.grads.chunk is None:
+                continue
+            done.add(g.index)
+            out += [v for v, i in zip(g.state_views(g.grads.chunk), g.view_params) if g.grads.has_grad[i]]
+        return out
 
     def norm_is_usable(self) -> bool:
         return bool(torch.isfinite(self.last_norm))

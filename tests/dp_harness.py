@@ -1,0 +1,104 @@
+"""Data-parallel runs for the tests: every configuration is trained in one set of spawned gloo ranks
+(processes are started only because ranks are the point), against torch's
+DistributedDataParallel with the same per-rank batches and the same fused AdamW."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TINY4 = {"n_layer": 4, "n_head": 2, "d_model": 32, "d_ffn": 64, "vocab_size": 256, "max_seq_len": 64}
+STEPS = 4
+
+
+def rank_batches(rank: int, n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + rank)
+    return [torch.randint(0, 256, (2, 17), generator=g) for _ in range(n)]
+
+
+def _fresh():
+    from tiertrain.engine.optimizer import make_adamw
+    from tiertrain.models import build
+
+    torch.manual_seed(0)
+    model = build(TINY4)
+    opt, _ = make_adamw(model, 1e-2, (0.9, 0.95), 1e-8, 0.1)
+    return model, opt
+
+
+def _loop(model, opt, rank: int, accum: int, clip: float | None, clip_fn, no_sync=None) -> list[float]:
+    import contextlib
+
+    from tiertrain.engine.objective import lm_loss
+
+    data, losses = rank_batches(rank, STEPS * accum), []
+    for s in range(STEPS):
+        total = 0.0
+        for a in range(accum):
+            b = data[s * accum + a]
+            quiet = no_sync() if no_sync is not None and a < accum - 1 else contextlib.nullcontext()
+            with quiet:
+                loss = lm_loss(model, b[:, :-1], b[:, 1:]) / accum
+                loss.backward()
+            total += loss.item()
+        if clip:
+            clip_fn(clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses
+
+
+def ddp_losses(rank: int, accum: int, clip: float | None) -> list[float]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model, opt = _fresh()
+    ddp = DDP(model)
+    return _loop(ddp, opt, rank, accum, clip, lambda c: torch.nn.utils.clip_grad_norm_(ddp.parameters(), c),
+                 ddp.no_sync)
+
+
+def tiered_losses(rank: int, plan, update: str, accum: int, clip: float | None, disk: Path) -> tuple[list[float], int]:
+    import tiertrain
+    from tiertrain.memory import Budgets
+
+    model, opt = _fresh()
+    budgets = Budgets(64 << 20, 64 << 20, 64 << 20, str(disk / f"rank{rank}"))
+    tm, topt = tiertrain.setup(model, opt, budgets, plan=plan, update=update, grad_accum=accum, max_grad_norm=clip,
+                               page_size=64 << 10)
+    try:
+        before = tm.runtime.comm.sent
+        losses = _loop(tm, topt, rank, accum, clip, lambda c: torch.nn.utils.clip_grad_norm_(tm.parameters(), c))
+        return losses, tm.runtime.comm.sent - before
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()
+
+
+def _rank_main(rank: int, world: int, store: str, jobs: list, results, errors) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        for key, job in jobs:
+            results[(key, rank)] = job(rank)
+    except BaseException:
+        errors[rank] = traceback.format_exc()
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world: int, tmp: Path, jobs: list) -> dict:
+    """``jobs``: (key, picklable callable of the rank); returns {(key, rank): result}."""
+    with mp.Manager() as manager:
+        results, errors = manager.dict(), manager.dict()
+        try:
+            mp.spawn(_rank_main, args=(world, str(tmp / "store"), jobs, results, errors), nprocs=world, join=True)
+        except Exception as exc:
+            raise AssertionError("\n".join(dict(errors).values()) or str(exc)) from None
+        return dict(results)

@@ -1,0 +1,55 @@
+"""A new plan takes effect at a step boundary (issue 18: plan auto's first step is the profile): states
+move between tiers byte for byte, so the losses stay plain PyTorch's bit for bit, and every tier
+stays within its budget while they move."""
+
+import dataclasses
+
+import pytest
+
+from tiered_harness import TINY4, _fresh, batches, train_plain
+from tiertrain.engine.objective import lm_loss
+from tiertrain.memory import Budgets, Tier
+from tiertrain.plan import BlockPlan, Plan, builtin_plan
+
+import tiertrain
+from tiertrain.runtime.replan import replan
+
+PAGE = 64 << 10
+
+
+def _plans(n: int) -> dict[str, Plan]:
+    mixed = Plan(tuple(BlockPlan(home=(Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.HOST)[i % 4], stream=i % 2 == 1,
+                                 recompute=i == 2, offload_hidden=i == 3) for i in range(n)),
+                 BlockPlan(home=Tier.DISK), window=1, prefetch=0, name="mixed")
+    return {"resident": builtin_plan("resident", n), "stream": builtin_plan("stream", n),
+            "max-offload": builtin_plan("max-offload", n, disk=True), "mixed": mixed}
+
+
+@pytest.mark.parametrize("update", ["sync", "overlap"])
+@pytest.mark.parametrize("first, then", [("max-offload", "resident"), ("resident", "max-offload"),
+                                         ("stream", "mixed"), ("mixed", "stream"), ("max-offload", "mixed")])
+def test_a_new_plan_at_a_step_boundary_keeps_plain_pytorchs_losses(tmp_path, first, then, update):
+    plans = _plans(4)
+    budgets = Budgets(32 << 20, 32 << 20, 64 << 20, str(tmp_path / "disk"))
+    model, opt = _fresh(TINY4)
+    tm, topt = tiertrain.setup(model, opt, budgets, plan=dataclasses.replace(plans[first], update=update),
+                               page_size=PAGE)
+    losses = []
+    try:
+        for k, b in enumerate(batches(6)):
+            if k == 3:
+                replan(tm.runtime, dataclasses.replace(plans[then], update=update), transient_grads=False)
+                homes = [c.tier for g in tm.runtime.groups for c in g.states]
+                assert homes == [bp.home for bp in (*plans[then].blocks, plans[then].rest) for _ in range(3)]
+            loss = lm_loss(tm, b[:, :-1], b[:, 1:])
+            loss.backward()
+            topt.step()
+            topt.zero_grad()
+            losses.append(loss.item())
+        stats = tm.runtime.mem.stats()
+        assert tm.runtime.plan.name == plans[then].name
+        assert all(stats[t]["pages_peak_bytes"] <= stats[t]["budget"] for t in ("device", "host", "disk"))
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()
+    assert losses == train_plain(TINY4, 6, 1, None)

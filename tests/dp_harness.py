@@ -102,3 +102,28 @@ def run_ranks(world: int, tmp: Path, jobs: list) -> dict:
         except Exception as exc:
             raise AssertionError("\n".join(dict(errors).values()) or str(exc)) from None
         return dict(results)
+
+
+def sent_per_step(rank: int, plan, steps: int = 3) -> dict:
+    """Bytes this rank sent in each step, the slot fetches of each, and what the formulas need."""
+    import tiertrain
+    from tiertrain.engine.objective import lm_loss
+    from tiertrain.memory import Budgets
+
+    model, opt = _fresh()
+    tm, topt = tiertrain.setup(model, opt, Budgets(64 << 20, 64 << 20), plan=plan, page_size=64 << 10)
+    rt, data, out = tm.runtime, rank_batches(rank, steps), {"sent": [], "fetches": []}
+    try:
+        for b in data:
+            before = rt.comm.sent
+            lm_loss(tm, b[:, :-1], b[:, 1:]).backward()
+            topt.step()
+            topt.zero_grad()
+            out["sent"].append(rt.comm.sent - before)
+            out["fetches"].append(rt.cache.pop_fetches())
+        out["groups"] = [(g.layout.numel, len(g.params), g.shard is not None, g.plan.stream) for g in rt.groups]
+        out["compute_bytes"] = rt.groups[0].compute.itemsize
+        return out
+    finally:
+        rt.close()
+        rt.mem.close()

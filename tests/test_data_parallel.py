@@ -8,7 +8,8 @@ import functools
 
 import pytest
 
-from dp_harness import TINY4, ddp_losses, run_ranks, tiered_losses
+from dp_harness import TINY4, ddp_losses, run_ranks, sent_per_step, tiered_losses
+from tiertrain.parallel import ring_bytes
 from tiertrain.memory import Tier
 from tiertrain.plan import BlockPlan, Plan, builtin_plan, data_parallel
 
@@ -33,7 +34,39 @@ def dp2(tmp_path_factory):
     jobs += [((plan, "overlap", 1, 0.5), functools.partial(tiered_losses, plan=PLANS[plan], update="overlap", accum=1,
                                                            clip=0.5, disk=tmp / f"clip{plan}"))
              for plan in ("resident", "stream")]
+    jobs += [(("lockfree0", "lockfree", 1, None), functools.partial(
+        tiered_losses, plan=dataclasses.replace(PLANS["stream"], max_staleness=0), update="lockfree", accum=1,
+        clip=None, disk=tmp / "lockfree"))]
     return run_ranks(2, tmp, jobs)
+
+
+def test_lockfree_at_staleness_zero_keeps_its_meaning_per_shard_and_equals_ddp(dp2):
+    for rank in (0, 1):
+        assert dp2[(("lockfree0", "lockfree", 1, None), rank)][0] == dp2[(("ddp", 1, None), rank)]
+
+
+@pytest.fixture(scope="module")
+def dp4(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dp4")
+    jobs = [(("ddp", accum), functools.partial(ddp_losses, accum=accum, clip=None)) for accum in (1, 2)]
+    jobs += [((plan, accum), functools.partial(tiered_losses, plan=PLANS[plan], update="sync", accum=accum, clip=None,
+                                               disk=tmp / f"{plan}{accum}")) for plan in ("resident", "stream")
+             for accum in (1, 2)]
+    return run_ranks(4, tmp, jobs)
+
+
+@pytest.mark.parametrize("plan", ["resident", "stream"])
+@pytest.mark.parametrize("accum", [1, 2])
+def test_at_dp4_sharded_plans_equal_ddp_within_the_rounding_of_a_four_way_sum(dp4, plan, accum):
+    """Four ranks' gradients are summed in an order that depends on where an element sits in the buffer
+    gloo reduces (ring segments): DDP reduces its 25 MiB buckets, tiertrain each block's chunk, so an
+    element may be summed (a+b)+(c+d) here and ((a+b)+c)+d there: a few units in the last place of a
+    gradient, which four AdamW steps at lr 1e-2 carry to about 1e-6 of a loss. Step 1's loss comes
+    before any update: equal bit for bit."""
+    for rank in range(4):
+        got, _ = dp4[((plan, accum), rank)]
+        want = dp4[(("ddp", accum), rank)]
+        assert got[0] == want[0] and got == pytest.approx(want, rel=1e-5, abs=0)
 
 
 @pytest.mark.parametrize("plan, update, accum", CASES)
@@ -57,3 +90,46 @@ def test_with_clipping_the_sharded_global_norm_matches_ddp_within_rounding(dp2):
             got, _ = dp2[((plan, "overlap", 1, 0.5), rank)]
             want = dp2[(("ddp", 1, 0.5), rank)]
             assert got == pytest.approx(want, rel=1e-5) and got[0] == want[0]
+
+
+LAYOUTS = {"ddp-like": data_parallel(PLANS["resident"], 2, shard=False),
+           "zero2-like": data_parallel(PLANS["resident"], 2),
+           "zero3-like": data_parallel(dataclasses.replace(PLANS["stream"], window=1, prefetch=0), 2)}
+
+
+@pytest.fixture(scope="module")
+def sent(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sent")
+    return run_ranks(2, tmp, [(name, functools.partial(sent_per_step, plan=plan)) for name, plan in LAYOUTS.items()])
+
+
+def _formula(run: dict, step: int, world: int = 2) -> int:
+    """Bytes a rank sends in one step of a layout: per block, the has-gradient flags (all-reduced), the
+    gradients (all-reduced where replicated, reduce-scattered where sharded), and for a sharded block
+    its compute params gathered: once per step where it stays on the device (after its update), at
+    every slot fetch where it streams."""
+    total, cb = 0, run["compute_bytes"]
+    streamed_blocks = sum(1 for g in run["groups"] if g[3])
+    for numel, n_params, sharded, streamed in run["groups"]:
+        total += ring_bytes("all_reduce", n_params, world)
+        total += ring_bytes("reduce_scatter" if sharded else "all_reduce", 4 * numel, world)
+        if sharded and not streamed and step > 0:
+            total += ring_bytes("all_gather", cb * numel, world)
+    if streamed_blocks:
+        numel = max(g[0] for g in run["groups"] if g[3])
+        total += run["fetches"][step] * ring_bytes("all_gather", cb * numel, world)
+    return total
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_each_rank_sends_what_the_layouts_formula_says(sent, layout):
+    for rank in (0, 1):
+        run = sent[(layout, rank)]
+        assert run["sent"] == [_formula(run, k) for k in range(len(run["sent"]))]
+    params = 4 * sum(g[0] for g in run["groups"])  # one precision (fp32): the params' bytes
+    ratio = run["sent"][-1] / (params / 2)          # per rank, in units of (N-1)/N x params bytes at N = 2
+    streamed = 4 * sum(g[0] for g in run["groups"] if g[3])
+    # DDP and ZeRO-2 send 2x the params; ZeRO-3 3x for the blocks that stream (gathered for forward and
+    # again for backward) and 2x for the rest, which stays on the device (one block is kept between them)
+    want = 2 + streamed / params
+    assert want - 0.25 < ratio <= want + 0.01, (layout, ratio, want)

@@ -138,6 +138,14 @@ class LazyTensors(Mapping[str, torch.Tensor]):
             raise CheckpointError(f"cannot read {name!r} in {self.path}: {one_line(exc)}; "
                                   "resume from another checkpoint") from None
 
+    def read_range(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of a 1-D tensor, read without the rest of it."""
+        try:
+            return self._slice(name)[lo:hi]
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"cannot read {name!r} in {self.path}: {one_line(exc)}; "
+                                  "resume from another checkpoint") from None
+
     def __contains__(self, name: object) -> bool:  # without reading the tensor, as Mapping's default would
         return name in self._names
 

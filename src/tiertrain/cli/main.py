@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Callable
 
@@ -95,7 +96,10 @@ def cli() -> None:
 @click.option("--disk", help='With --plan: disk tier "DIR:SIZE", e.g. /nvme/tt:200GiB.')
 @click.option("--page-size", help='With --plan: memory page size, e.g. "4MiB" (default: measured and cached per machine).')
 @click.option("--quiet", is_flag=True, help="Print only the summary.")
-def train(config_file: str | None, quiet: bool, **flags: Any) -> None:
+@click.option("--nproc", type=POSITIVE, default=1, show_default=True,
+              help="Data-parallel processes on this machine (runs torchrun --nproc-per-node N for you; several "
+                   "machines: launch torchrun yourself, see the README).")
+def train(config_file: str | None, quiet: bool, nproc: int, **flags: Any) -> None:
     """Train a model. With no arguments: a small GPT on the built-in corpus, about a minute on CPU.
 
     Ctrl-C (or SIGTERM) finishes the current step, saves a checkpoint and stops;
@@ -117,13 +121,33 @@ def train(config_file: str | None, quiet: bool, **flags: Any) -> None:
         if saved.get("plan") and not (flags.get("disk") or file_values.get("disk")):
             _refuse_resume_without_disk(Path(flags["resume"]))
         file_values = {**saved, **file_values}
-    cfg = make_config(file_values, flags)
+    cfg = make_config(file_values, flags)  # checked here first: a bad value is one message, not one per rank
+    if nproc > 1 and "LOCAL_RANK" not in os.environ:
+        raise SystemExit(_torchrun(nproc))
     console = Console()
     reporter = Reporter(cfg.steps, cfg.log_every, quiet=quiet)
     trainer = Trainer(cfg, reporter)
     reporter.message(trainer.describe())
     summary = trainer.run()
-    print_summary(summary, console)
+    if trainer.rank == 0:
+        print_summary(summary, console)
+
+
+def _torchrun(nproc: int) -> int:
+    """``tiertrain train ... --nproc N``: the same command under torchrun, N processes on this machine."""
+    import subprocess
+
+    args = sys.argv[1:]
+    for i, a in enumerate(args):
+        if a == "--nproc":
+            del args[i : i + 2]
+            break
+        if a.startswith("--nproc="):
+            del args[i]
+            break
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "tiertrain", *args]
+    return subprocess.run(cmd).returncode
 
 
 def _refuse_resume_without_disk(resume: "Path") -> None:
@@ -468,11 +492,22 @@ def _write_output(path: "Path", data: bytes) -> None:
         raise OutputError(f"cannot write {path} ({exc.strerror}); give a writable place with --out") from None
 
 
+def _says_it(exc: UserError) -> bool:
+    """Under torchrun every rank reads the same flags, files and checkpoint: their errors are said once,
+    by rank 0; what befell one rank alone (its disk, a lost peer) that rank says."""
+    from tiertrain.errors import CheckpointError, DataError
+
+    if os.environ.get("RANK", "0") == "0":
+        return True
+    return not isinstance(exc, (ConfigError, CheckpointError, DataError))
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         cli.main(args=argv, prog_name="tiertrain", standalone_mode=False)
     except UserError as exc:
-        click.echo(f"error: {exc}", err=True)
+        if _says_it(exc):
+            click.echo(f"error: {exc}", err=True)
         return exc.exit_code
     except click.exceptions.Abort:
         click.echo("aborted", err=True)

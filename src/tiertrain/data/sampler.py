@@ -21,7 +21,9 @@ class BatchSampler:
     batch_size: int
     seq_len: int
     seed: int
-    position: int = 0  # batches drawn so far; saved in checkpoints
+    position: int = 0  # batches drawn so far, over all ranks; saved in checkpoints
+    rank: int = 0      # data parallel: this rank draws batches position + rank, then every world-th
+    world: int = 1
 
     def __post_init__(self) -> None:
         need = self.batch_size * (self.seq_len + 1)
@@ -40,6 +42,8 @@ class BatchSampler:
         return torch.from_numpy(np.stack(rows))
 
     def next(self) -> torch.Tensor:
-        batch = self.batch_at(self.position)
-        self.position += 1
+        """This rank's next batch: of the run's sequence of batches, the ranks take turns, so a run of
+        any world size draws the same sequence (and resumes from its position at another size)."""
+        batch = self.batch_at(self.position + self.rank)
+        self.position += self.world
         return batch

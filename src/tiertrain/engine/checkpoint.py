@@ -51,6 +51,8 @@ from safetensors.torch import save_file
 
 from tiertrain import typed
 from tiertrain.engine.atomic import publish_dir, write_atomic
+from tiertrain.engine.sharded_checkpoint import (SHARD_FILE, ShardedTensors, ShardMap, check_shard_files, shard_file,
+                                                shard_map, write_rank_file)
 from tiertrain.engine.train_state import TrainState, checked_groups
 from tiertrain.errors import CheckpointError, OutputError, one_line
 from tiertrain.optim.hparams import MOMENTS
@@ -114,6 +116,7 @@ class TrainerFile:
     rng: SavedRng
     param_groups: list[Any]
     files: dict[str, Any]
+    shards: dict[str, Any] | None = None  # a data-parallel run's: which rank file holds what (sharded_checkpoint)
     saved_at_ns: int | None = field(default=None, metadata=typed.between(0, _MAX_COUNT))  # older ones lack it
 
 
@@ -208,6 +211,9 @@ def save_checkpoint(out: Path, ts: TrainState, state: TrainerState, keep: int) -
     written (never the one just written, nor the one ``latest`` names). A write that fails (out
     of space) removes its temporary directory, leaves the previous checkpoint and ``latest`` as
     they were, and is one ``OutputError`` naming the directory, its free space and the fix."""
+    comm = getattr(getattr(ts, "rt", None), "comm", None)
+    if comm is not None and comm.world_size > 1:
+        return _save_sharded(out, ts, state, keep, comm)
     root = checkpoint_root(out)
     final = root / f"step-{state.step:08d}"
     tmp = root / f".{final.name}.tmp-{os.getpid()}"
@@ -240,6 +246,65 @@ def _write_files(tmp: Path, ts: TrainState, state: TrainerState) -> None:
                "scaler": state.scaler, "run_config": state.run_config, "rng": rng_plain,
                "param_groups": ts.group_hparams(), "files": manifest, "saved_at_ns": _write_stamp()}
     (tmp / "trainer.json").write_text(json.dumps(trainer, indent=1))
+
+
+def _save_sharded(out: Path, ts: TrainState, state: TrainerState, keep: int, comm: Any) -> Path:
+    """A data-parallel run's checkpoint: every rank writes its own file into one temporary directory
+    that rank 0 made, rank 0 adds the rest and publishes it. The ranks agree at each stage (a failure
+    on any rank fails the save on all of them, with the temporary directory removed)."""
+    root = checkpoint_root(out)
+    final = root / f"step-{state.step:08d}"
+    tmp = root / f".{final.name}.tmp-ranks"
+    rank0 = comm.rank == 0
+
+    def stage(work) -> BaseException | None:
+        try:
+            work()
+            error = None
+        except (OSError, SafetensorError) as exc:
+            error = exc
+        flag = torch.tensor([1.0 if error is not None else 0.0])
+        comm.all_reduce(flag, op="max")
+        if flag.item():
+            if rank0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise (_save_failed(root, final.name, error) if error is not None
+                   else OutputError(f"cannot save checkpoint {final.name} in {root}: another rank could not write "
+                                    "its shards (its error says why; the previous checkpoint is intact)"))
+        return None
+
+    def prepare() -> None:
+        if rank0:
+            root.mkdir(parents=True, exist_ok=True)
+            remove_stale(root)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+
+    crc = [0]
+    stage(prepare)
+    stage(lambda: crc.__setitem__(0, write_rank_file(tmp, ts.rt)))
+    crcs = torch.zeros(comm.world_size, dtype=torch.int64)
+    comm.all_gather(crcs, torch.tensor([crc[0]], dtype=torch.int64))
+    stage(lambda: _publish_sharded(root, tmp, final, ts, state, crcs.tolist()) if rank0 else None)
+    if rank0:
+        _prune(root, keep, final.name)
+    return final
+
+
+def _publish_sharded(root: Path, tmp: Path, final: Path, ts: TrainState, state: TrainerState, crcs: list[int]) -> None:
+    rng_tensors, rng_plain = _rng_state()
+    save_file(rng_tensors, tmp / "rng.safetensors")
+    (tmp / "config.json").write_text(json.dumps(model_config_dict(ts.module), indent=2))
+    smap = shard_map(ts.rt)
+    manifest = {p.name: file_digest(p) for p in sorted(tmp.iterdir()) if not SHARD_FILE.fullmatch(p.name)}
+    manifest.update({shard_file(r, len(crcs)): _CRC + f"{c:08x}" for r, c in enumerate(crcs)})
+    trainer = {"format_version": FORMAT_VERSION, "step": state.step, "data_position": state.data_position,
+               "scaler": state.scaler, "run_config": state.run_config, "rng": rng_plain,
+               "param_groups": ts.group_hparams(), "files": manifest, "saved_at_ns": _write_stamp(),
+               "shards": json.loads(json.dumps(asdict(smap)))}
+    (tmp / "trainer.json").write_text(json.dumps(trainer, indent=1))
+    publish_dir(tmp, final)
+    write_atomic(root / LATEST, final.name.encode())
 
 
 def _write_stamp() -> int:
@@ -376,16 +441,26 @@ def read_trainer(ckpt: Path) -> TrainerFile:
             trainer = _replace(trainer, scaler=asdict(scaler))
     except CheckpointError as exc:
         raise CheckpointError(f"{one_line(exc)}; the file is damaged or was edited: {_FIX}") from None
-    _check_manifest(path, trainer.files)
+    _check_manifest(path, trainer.files, _needed(path, trainer))
     _check_plain_rng(path, trainer.rng)
     return trainer
+
+
+def _needed(path: Path, trainer: TrainerFile) -> tuple[str, ...]:
+    """The files loading reads: a sharded checkpoint's rank files instead of the model and optimizer files."""
+    if trainer.shards is None:
+        return NEEDED
+    world = trainer.shards.get("world") if isinstance(trainer.shards, dict) else None
+    if not isinstance(world, int) or isinstance(world, bool) or not 2 <= world <= 1 << 16:
+        raise CheckpointError(f"{path}: its shards name no world size; the file is damaged or was edited: {_FIX}")
+    return ("config.json", "rng.safetensors", *(shard_file(r, world) for r in range(world)))
 
 
 def _replace(trainer: TrainerFile, **changes: Any) -> TrainerFile:
     return TrainerFile(**{**{f: getattr(trainer, f) for f in trainer.__dataclass_fields__}, **changes})
 
 
-def _check_manifest(path: Path, files: dict[str, Any]) -> None:
+def _check_manifest(path: Path, files: dict[str, Any], needed: tuple[str, ...] = NEEDED) -> None:
     """Every name a plain file name (nothing outside the checkpoint is ever opened), every digest
     a digest, and every file the loader reads listed (so none is read unverified)."""
     for name, digest in files.items():
@@ -395,7 +470,7 @@ def _check_manifest(path: Path, files: dict[str, Any]) -> None:
         if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
             raise CheckpointError(f"{path} records {_short(digest)} as the checksum of {name}, which is not one; "
                                   f"its manifest is damaged: {_FIX}")
-    missing = [n for n in NEEDED if n not in files]
+    missing = [n for n in needed if n not in files]
     if missing:
         raise CheckpointError(f"{path} lists no checksum for {', '.join(missing)}, and nothing unverified is read; "
                               f"its manifest is damaged: {_FIX}")
@@ -534,7 +609,13 @@ def load_checkpoint(ckpt: Path, ts: TrainState) -> TrainerState:
     _verify_files(ckpt, trainer.files)
     check_same_model(ckpt, ts.module)
     groups = checked_groups(trainer.param_groups, ts.group_hparams(), f"checkpoint {ckpt}")
-    weights, optim, rng = _checked_weights(ckpt, ts), _checked_optimizer(ckpt, ts), _checked_rng(ckpt)
+    if trainer.shards is not None:
+        smap = ShardMap.read(trainer.shards, f"checkpoint file {ckpt / 'trainer.json'}: shards")
+        check_shard_files(ckpt, smap, ts.expected_weights())
+        weights, optim = ShardedTensors(ckpt, smap, moments=False), ShardedTensors(ckpt, smap, moments=True)
+    else:
+        weights, optim = _checked_weights(ckpt, ts), _checked_optimizer(ckpt, ts)
+    rng = _checked_rng(ckpt)
     ts.load(weights, optim, groups)
     _restore_rng(rng, trainer.rng)
     return TrainerState(step=trainer.step, data_position=trainer.data_position,

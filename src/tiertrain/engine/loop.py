@@ -23,7 +23,9 @@ from tiertrain.engine.auto_plan import AutoPlan, ProfileStep
 from tiertrain.engine.checkpoint import (TrainerState, checkpoint_root, find_checkpoint, load_checkpoint,
                                          save_checkpoint)
 from tiertrain.engine.config import TrainConfig
-from tiertrain.engine.metrics import MetricsFile, Reporter, StepTimer, device_peak_with_activations, peak_bytes
+from tiertrain.engine.metrics import (MetricsFile, NoMetrics, Reporter, StepTimer, device_peak_with_activations,
+                                      peak_bytes)
+from tiertrain.parallel import rank_from_env, world_from_env
 from tiertrain.engine.objective import causal_lm_pair, is_encoder, lm_loss, masked_lm_pair
 from tiertrain.engine.optimizer import make_adamw
 from tiertrain.engine.precision import Precision, choose_device, choose_precision
@@ -101,9 +103,11 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, reporter: Reporter | None = None) -> None:
         self.cfg = cfg
+        self.rank, self.world = rank_from_env(), world_from_env()  # data parallel under torchrun
         self.out = prepare_out(Path(cfg.out))
         self.run_dir = RunDir(self.out)
-        self.run_dir.lock()  # before anything in OUT is read or written; released by run() (or by dying)
+        if self.rank == 0:  # the run's directory is rank 0's to hold; the others write only their shards
+            self.run_dir.lock()  # before anything in OUT is read or written; released by run() (or by dying)
         try:
             self._start(cfg, reporter)
         except BaseException:
@@ -111,19 +115,24 @@ class Trainer:
             raise
 
     def _start(self, cfg: TrainConfig, reporter: Reporter | None) -> None:
-        if not cfg.resume:
+        if self.world > 1 and cfg.plan is None:
+            raise ConfigError(f"this run has {self.world} ranks (torchrun): give --plan (resident, stream, "
+                              "max-offload, auto or a file) and tiertrain lays it out over them, or launch one process")
+        if not cfg.resume and self.rank == 0:
             self.run_dir.claim_for_new_run(cfg.overwrite)
         self.device = choose_device(cfg.device)
         self.precision: Precision = choose_precision(cfg.precision, self.device)
         model_cfg = resolve_config(cfg.model)
         self.tiered = cfg.plan is not None
-        self.reporter = reporter or Reporter(cfg.steps, cfg.log_every, quiet=True)
+        self.reporter = reporter if reporter is not None and self.rank == 0 else Reporter(cfg.steps, cfg.log_every,
+                                                                                          quiet=True)
         self.model = self._build(model_cfg)
         vocab, max_len = model_vocab_and_len(self.model)
         if cfg.seq_len > max_len:
             raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's maximum {max_len}; use a shorter --seq-len")
         self.vocab = vocab
-        self.sampler = BatchSampler(load_tokens(cfg.data, vocab, cfg.tokenizer), cfg.batch_size, cfg.seq_len, cfg.seed)
+        self.sampler = BatchSampler(load_tokens(cfg.data, vocab, cfg.tokenizer), cfg.batch_size, cfg.seq_len, cfg.seed,
+                                    rank=self.rank, world=self.world)
         self.opt, self.param_names = make_adamw(self.model, cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay)
         self.state: TrainState = PlainState(self.model, self.opt, self.param_names)
         self.auto: AutoPlan | None = None
@@ -137,9 +146,10 @@ class Trainer:
         self.flops_per_token = model_flops_per_token(self.state.module, cfg.seq_len)
         if cfg.resume:
             self._resume(Path(cfg.resume))
-        if self.tiered:  # only once a resume is accepted: a refused one changes nothing in OUT
+        if self.tiered and self.rank == 0:  # only once a resume is accepted: a refused one changes nothing in OUT
             write_atomic(self.out / PLAN_FILE, self.model.runtime.plan.to_json().encode())
-        self.metrics = MetricsFile(self.out / METRICS_FILE, self.step if cfg.resume else None)
+        self.metrics = (MetricsFile(self.out / METRICS_FILE, self.step if cfg.resume else None) if self.rank == 0
+                        else NoMetrics())
         if self.metrics.dropped:
             self.reporter.message(f"metrics.jsonl: {self.metrics.dropped} line(s) that were not whole rows "
                                   "(a run killed mid-write) cut off")
@@ -204,7 +214,7 @@ class Trainer:
         self.reporter.message(f"resumed from {ckpt} at step {self.step}")
 
     def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        k = self.sampler.position
+        k = self.sampler.position + self.sampler.rank  # the batch's number in the run's sequence
         tokens = self.sampler.next()
         x, y = masked_lm_pair(tokens, self.vocab, self.cfg.seed, k) if is_encoder(self.model) else causal_lm_pair(tokens)
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
@@ -235,17 +245,27 @@ class Trainer:
         self.step += 1
         return float(total), norm
 
+    def _any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank (the ranks must agree to stop at one step)."""
+        if self.world == 1:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0])
+        self.model.runtime.comm.all_reduce(t, op="max")
+        return bool(t.item())
+
     def _stop_if_not_finite(self, what: str, value: torch.Tensor) -> None:
         """A NaN or infinite loss (or gradient norm) ends the run before the step updates anything,
-        so no checkpoint of non-finite weights is ever written."""
-        if bool(torch.isfinite(value)):
+        so no checkpoint of non-finite weights is ever written. With data parallel every rank stops
+        at once, whichever rank's value it was."""
+        if not self._any_rank(not bool(torch.isfinite(value))):
             return
         try:
             latest = find_checkpoint(self.out) if checkpoint_root(self.out).exists() else None
         except CheckpointError:  # a damaged ``latest`` must not hide why the run stopped
             latest = None
         kept = f"the last checkpoint, {latest}, is intact" if latest else "no checkpoint was written"
-        raise TrainingDiverged(f"the {what} became {float(value)} at step {self.step + 1}, so the run stopped "
+        became = f"became {float(value)}" if not bool(torch.isfinite(value)) else "stopped being finite on another rank"
+        raise TrainingDiverged(f"the {what} {became} at step {self.step + 1}, so the run stopped "
                                f"before updating the weights; {kept}. Lower --lr (now {self.cfg.lr:g}) or clip "
                                "with --grad-clip, then start again or --resume")
 
@@ -297,7 +317,7 @@ class Trainer:
 
     def _loop(self, stop: StopFlag, losses: list[float], tokens_s: list[float], tflops: list[float]) -> Path | None:
         cfg, checkpoint = self.cfg, None
-        while self.step < cfg.steps and not stop.requested:
+        while self.step < cfg.steps and not self._any_rank(stop.requested):
             timer = StepTimer(self.device)
             loss, norm = self.train_step()
             row = self._row(loss, norm, timer.elapsed())
@@ -309,7 +329,7 @@ class Trainer:
             tflops.append(row["tflops"])
             if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
                 checkpoint = self.save()
-        if stop.requested:
+        if self.step < cfg.steps:
             self.reporter.message(f"stopping at step {self.step} as asked; saving a checkpoint")
         self._report_prediction()
         return checkpoint

@@ -66,6 +66,18 @@ class MetricsFile:
         self._file.close()
 
 
+class NoMetrics:
+    """A data-parallel run's ranks but the first write no metrics file (rank 0 writes the run's)."""
+
+    dropped = 0
+
+    def write(self, row: dict[str, Any]) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
 def path_lines(path: Path) -> list[str]:
     return [ln for ln in path.read_bytes().decode(errors="replace").splitlines() if ln.strip()]
 

@@ -121,7 +121,10 @@ class DiskDir:
                               "name a writable directory with --disk") from None
 
     def close(self) -> None:
+        """Remove this run's directory, and those of runs that died beside it (another rank of a data-parallel
+        run killed on this machine cannot remove its own): only what a marker proves abandoned."""
         self._finalizer()
+        remove_stale(self.path.parent)
 
 
 def _remove_own(path: Path) -> None:

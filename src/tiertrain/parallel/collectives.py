@@ -43,6 +43,9 @@ class Collectives(Protocol):
     def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
         """``t`` becomes rank ``src``'s ``t``."""
 
+    def close(self) -> None:
+        """Stop what the collectives run beside the calls (the heartbeat)."""
+
 
 def ring_bytes(kind: str, nbytes: int, world: int) -> int:
     """Bytes one rank sends for a collective over ``nbytes`` (the full tensor) in a ring of ``world``."""

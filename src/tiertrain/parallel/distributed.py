@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from tiertrain.parallel.collectives import Waitable, ring_bytes
+from tiertrain.parallel.health import Heartbeat, RankLost, lost_message
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
@@ -22,11 +23,14 @@ def _flat_call(*names: str):
 
 
 class ProcessGroupCollectives:
+    """Every call turns a peer's loss into one ``RankLost`` that names it (``parallel.health``)."""
+
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.sent = 0
+        self.heartbeat = Heartbeat(dist.distributed_c10d._get_default_store(), self.rank, self.world_size)
         self._gather = _flat_call("all_gather_single", "all_gather_into_tensor")
         self._scatter = _flat_call("reduce_scatter_single", "reduce_scatter_tensor")
         self._gloo = dist.get_backend(group) == "gloo"
@@ -34,9 +38,19 @@ class ProcessGroupCollectives:
     def _count(self, kind: str, t: torch.Tensor) -> None:
         self.sent += ring_bytes(kind, t.numel() * t.element_size(), self.world_size)
 
+    def _guarded(self, call, *args, **kwargs):
+        try:
+            return call(*args, **kwargs)
+        except RuntimeError as exc:  # gloo and NCCL report a lost peer as RuntimeError (DistBackendError is one)
+            raise RankLost(lost_message(self.heartbeat, exc)) from None
+
+    def close(self) -> None:
+        self.heartbeat.close()
+
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Waitable | None:
         self._count("all_gather", out)
-        return self._gather(out.view(-1), shard.view(-1), group=self.group, async_op=async_op)
+        work = self._guarded(self._gather, out.view(-1), shard.view(-1), group=self.group, async_op=async_op)
+        return _Guarded(work, self) if async_op else None
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> None:
         self._count("reduce_scatter", full)
@@ -44,20 +58,30 @@ class ProcessGroupCollectives:
             # gloo has no reduce-scatter: all-reduce, then keep this rank's slice (the sum is the same:
             # what is sent differs, and ``sent`` counts the reduce-scatter the algorithm stands for)
             summed = full.view(-1).clone()
-            dist.all_reduce(summed, group=self.group)
+            self._guarded(dist.all_reduce, summed, group=self.group)
             n = out.numel()
             out.view(-1).copy_(summed[self.rank * n : (self.rank + 1) * n])
             return
-        self._scatter(out.view(-1), full.view(-1), group=self.group)
+        self._guarded(self._scatter, out.view(-1), full.view(-1), group=self.group)
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
         self._count("all_reduce", t)
-        dist.all_reduce(t, op=_OPS[op], group=self.group)
+        self._guarded(dist.all_reduce, t, op=_OPS[op], group=self.group)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         self._count("all_to_all", inp)
-        dist.all_to_all_single(out.view(-1), inp.view(-1), group=self.group)
+        self._guarded(dist.all_to_all_single, out.view(-1), inp.view(-1), group=self.group)
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
         self._count("broadcast", t)
-        dist.broadcast(t, src=src, group=self.group)
+        self._guarded(dist.broadcast, t, src=src, group=self.group)
+
+
+class _Guarded:
+    """An asynchronous collective whose ``wait`` names a lost peer as the call itself would."""
+
+    def __init__(self, work, comm: ProcessGroupCollectives) -> None:
+        self.work, self.comm = work, comm
+
+    def wait(self) -> None:
+        self.comm._guarded(self.work.wait)

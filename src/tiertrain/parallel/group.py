@@ -25,6 +25,15 @@ def world_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def rank_from_env() -> int:
+    """This process's rank: the initialised group's, else torchrun's ``RANK``, else 0."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
 def ensure_process_group() -> None:
     """Initialise the default process group from torchrun's environment if the script has not."""
     import torch.distributed as dist

@@ -266,3 +266,4 @@ class Runtime:
     def close(self) -> None:
         self.wait_updates()
         self.mode.close()
+        self.comm.close()

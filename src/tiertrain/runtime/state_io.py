@@ -23,9 +23,35 @@ from tiertrain.tensor_file import TensorSpec, TensorStream
 
 
 def _read(rt: Runtime, chunk: Chunk) -> torch.Tensor:
+    """A chunk's fp32 values, as a CPU tensor of their own (a disk chunk read and verified)."""
     if chunk.tier is Tier.DISK:
         return rt.mem.to_tensor(chunk).view(F32)
     return chunk.typed(F32).detach().cpu().clone()
+
+
+def read_state(rt: Runtime, g: BlockGroup, chunk: Chunk) -> torch.Tensor:
+    """This rank's part of a state chunk (its shard, or the whole block), flat fp32 on the CPU."""
+    return _read(rt, chunk)[: g.state_numel]
+
+
+def _whole(rt: Runtime, g: BlockGroup, chunk: Chunk) -> torch.Tensor:
+    """A state chunk's values for the whole block: a sharded block's gathered from every rank (all ranks
+    must ask together)."""
+    mine = read_state(rt, g, chunk)
+    if g.shard is None:
+        return mine
+    whole = torch.empty(g.layout.numel, dtype=F32)
+    g.comm.all_gather(whole, mine)
+    return whole
+
+
+def logical_steps(g: BlockGroup) -> torch.Tensor:
+    """Each parameter's AdamW step count: a sharded block's ranks step only the pieces they hold, so the
+    count is the most any rank has (all ranks must ask together)."""
+    steps = torch.stack([s.detach().float() for s in g.steps]) if g.steps else torch.zeros(0)
+    if g.shard is not None:
+        g.comm.all_reduce(steps, op="max")
+    return steps
 
 
 def _split(st: BlockGroup, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -98,10 +124,10 @@ def _write(rt: Runtime, chunk: Chunk, flat: torch.Tensor, dtype: torch.dtype = F
 
 
 def _weights_of(rt: Runtime, g: BlockGroup) -> torch.Tensor:
-    """A block's current weights, flat fp32 on the CPU: its master, or (forward-only runs) the compute
-    copy its slot is filled from."""
+    """A block's current weights, flat fp32 on the CPU: its master (gathered, where sharded), or
+    (forward-only runs) the compute copy its slot is filled from."""
     if g.master is not None:
-        return _read(rt, g.master)
+        return _whole(rt, g, g.master)
     chunk = g.param_home if g.param_home is not None else g.slot.chunk
     return chunk.typed(g.compute)[: g.layout.numel].detach().to(F32).cpu()
 
@@ -116,24 +142,28 @@ def current_weights(rt: Runtime) -> Iterator[tuple[BlockGroup, list[torch.Tensor
 
 def write_weights(rt: Runtime, g: BlockGroup, tensors: list[torch.Tensor | None]) -> None:
     """New weights for a block (None: keep the parameter's current value): its master and the compute
-    copy its next forward reads; its moments are left as they are."""
+    copy its next forward reads; its moments are left as they are. A sharded block keeps its shard."""
     if any(t is None for t in tensors):
         current = _split(g, _weights_of(rt, g))
         tensors = [c if t is None else t for c, t in zip(current, tensors)]
-    master = _flat(g, tensors)
+    whole = _flat(g, tensors)
+    mine = whole if g.shard is None else whole[g.shard[0] : g.shard[1]]
     if g.master is not None:
-        _write(rt, g.master, master)
+        _write(rt, g.master, mine)
     target = g.param_home if g.param_home is not None else g.slot.chunk
     if target is not g.master:
-        _write(rt, target, master, g.compute)
+        _write(rt, target, mine if target is g.param_home else whole, g.compute)
+    if g.shard is not None and not g.plan.stream:
+        _write(rt, g.slot.chunk, whole, g.compute)  # a resident sharded block's slot holds the whole block
     rt.cache.invalidate(g)  # a streamed block's slot copy is refilled at its next use
 
 
 def write_moments(rt: Runtime, g: BlockGroup, state: Mapping[str, torch.Tensor], names: list[str]) -> None:
     """A block's AdamW moments and step counts from ``state`` keyed ``<name>::<kind>`` (missing: zero,
-    as a parameter AdamW never stepped has none)."""
+    as a parameter AdamW never stepped has none); a sharded block keeps its shard of the moments."""
     for k in MOMENTS:
-        _write(rt, getattr(g, k), _flat(g, [state.get(f"{n}::{k}") for n in names]))
+        whole = _flat(g, [state.get(f"{n}::{k}") for n in names])
+        _write(rt, getattr(g, k), whole if g.shard is None else whole[g.shard[0] : g.shard[1]])
     for i, n in enumerate(names):
         g.steps[i].copy_(state.get(f"{n}::step", torch.zeros((), dtype=F32)))
 

@@ -1,0 +1,164 @@
+"""Checkpoints of a data-parallel run: every rank writes its own shards, nothing is gathered on one
+rank, and the checkpoint loads at any world size (it is resharded as it is read).
+
+Each rank writes ``shard-RRRRR-of-WWWWW.safetensors``: per block, its shard of the flat master and
+moments (``<block>::master`` ...); rank 0 adds the blocks every rank holds whole (replicated ones) and
+each block's per-parameter step counts (``<block>::steps``). ``trainer.json`` records, per block, the
+parameters' places in its flat chunk (``ShardMap``), so a reader of any world size cuts each
+parameter out of the shards it spans, one parameter at a time: the same named tensors
+(``<param>``, ``<param>::exp_avg`` ...) a one-process checkpoint holds, so the rest of loading is
+the same. Why not ``torch.distributed.checkpoint``: its metadata file is a pickle, and tiertrain
+never unpickles what it reads.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tiertrain import typed
+from tiertrain.errors import CheckpointError
+from tiertrain.optim.hparams import MOMENTS
+from tiertrain.tensor_file import LazyTensors, TensorSpec, TensorStream, write_streamed
+from tiertrain.typed import at_least
+
+F32 = torch.float32
+KINDS = ("master", *MOMENTS)
+SHARD_FILE = re.compile(r"shard-([0-9]{5})-of-([0-9]{5})\.safetensors")
+
+
+def shard_file(rank: int, world: int) -> str:
+    return f"shard-{rank:05d}-of-{world:05d}.safetensors"
+
+
+@dataclass(frozen=True)
+class BlockMap:
+    """Where a block's parameters sit in its flat chunk, and how the chunk was split."""
+
+    name: str
+    numel: int = field(metadata=at_least(0))   # padded length of the flat chunk
+    sharded: bool
+    params: tuple[tuple[str, int, tuple[int, ...]], ...]  # (name, offset, shape), in chunk order
+
+
+@dataclass(frozen=True)
+class ShardMap:
+    world: int = field(metadata=at_least(2))
+    blocks: tuple[BlockMap, ...]
+
+    @classmethod
+    def read(cls, data: Any, where: str) -> "ShardMap":
+        found = typed.load(cls, data, where, error=CheckpointError)
+        for b in found.blocks:
+            if b.sharded and b.numel % found.world:
+                raise CheckpointError(f"{where}: block {b.name} of {b.numel} elements does not split over "
+                                      f"{found.world} ranks; the checkpoint is damaged")
+            for name, offset, shape in b.params:
+                if offset < 0 or offset + _numel(shape) > b.numel:
+                    raise CheckpointError(f"{where}: {name} lies outside its block's chunk; the checkpoint is damaged")
+        return found
+
+    def files(self) -> list[str]:
+        return [shard_file(r, self.world) for r in range(self.world)]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def shard_map(rt: Any) -> ShardMap:
+    return ShardMap(rt.comm.world_size, tuple(
+        BlockMap(g.block.name, g.layout.numel, g.shard is not None,
+                 tuple((n, s.offset, tuple(s.shape)) for (n, _), s in zip(g.block.params, g.layout.slots)))
+        for g in rt.groups))
+
+
+def write_rank_file(tmp: Path, rt: Any) -> int:
+    """This rank's file (its shards; rank 0 also the whole blocks and the step counts); its CRC-32C.
+    Collective: every rank calls it together (the step counts are agreed over the ranks)."""
+    from tiertrain.runtime.state_io import logical_steps, read_state
+
+    rank, world = rt.comm.rank, rt.comm.world_size
+    rt.wait_updates()
+    specs, parts = [], []
+    for i, g in enumerate(rt.groups):
+        steps = logical_steps(g)
+        if g.shard is None and rank != 0:
+            continue
+        for kind in KINDS:
+            specs.append(TensorSpec(f"{i}::{kind}", F32, (g.state_numel,)))
+            parts.append((g, kind))
+        if rank == 0:
+            specs.append(TensorSpec(f"{i}::steps", F32, (len(g.params),)))
+            parts.append((g, steps))
+
+    def tensors() -> Iterator[torch.Tensor]:
+        for g, what in parts:
+            yield what if isinstance(what, torch.Tensor) else read_state(rt, g, getattr(g, what))
+
+    return write_streamed(tmp / shard_file(rank, world), TensorStream(specs, tensors))
+
+
+class ShardedTensors(Mapping):
+    """A sharded checkpoint's tensors by the names a one-process checkpoint gives them (``<param>`` for
+    the weights, ``<param>::exp_avg|exp_avg_sq|step`` for the moments), each cut out of the rank files
+    it spans when it is read."""
+
+    def __init__(self, ckpt: Path, smap: ShardMap, moments: bool) -> None:
+        self.smap, self.moments = smap, moments
+        self.files = [LazyTensors(ckpt / f) for f in smap.files()]
+        self.places: dict[str, tuple[int, BlockMap, int, tuple[int, ...], int]] = {}
+        for b_index, b in enumerate(smap.blocks):
+            for p_index, (name, offset, shape) in enumerate(b.params):
+                for kind in (("exp_avg", "exp_avg_sq", "step") if moments else ("master",)):
+                    key = name if kind == "master" else f"{name}::{kind}"
+                    self.places[key] = (b_index, b, offset, tuple(shape), p_index)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.places)
+
+    def __len__(self) -> int:
+        return len(self.places)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        b_index, b, offset, shape, p_index = self.places[key]
+        kind = key.partition("::")[2] or "master"
+        if kind == "step":
+            return self.files[0].read_range(f"{b_index}::steps", p_index, p_index + 1).reshape(())
+        n = _numel(shape)
+        if not b.sharded:
+            return self.files[0].read_range(f"{b_index}::{kind}", offset, offset + n).view(shape)
+        size, pieces = b.numel // self.smap.world, []
+        for r in range(offset // size, (offset + n - 1) // size + 1 if n else offset // size):
+            lo, hi = max(offset, r * size), min(offset + n, (r + 1) * size)
+            pieces.append(self.files[r].read_range(f"{b_index}::{kind}", lo - r * size, hi - r * size))
+        return (torch.cat(pieces) if pieces else torch.zeros(0)).view(shape)
+
+
+def check_shard_files(ckpt: Path, smap: ShardMap, expected: Mapping[str, TensorSpec]) -> None:
+    """The map describes this model (names and shapes) and every rank file holds exactly the tensors
+    the map says, in fp32 and of the sizes it says, checked from the headers before anything is read."""
+    mapped = {n: tuple(shape) for b in smap.blocks for n, _, shape in b.params}
+    if mapped.keys() != expected.keys() or any(mapped[n] != tuple(expected[n].shape) for n in mapped):
+        raise CheckpointError(f"the shards in {ckpt} are of other parameters than this model's; resume the model "
+                              "they came from")
+    for r, name in enumerate(smap.files()):
+        file = LazyTensors(ckpt / name)
+        want = {}
+        for i, b in enumerate(smap.blocks):
+            if b.sharded or r == 0:
+                size = b.numel // smap.world if b.sharded else b.numel
+                want.update({f"{i}::{kind}": (size,) for kind in KINDS})
+            if r == 0:
+                want[f"{i}::steps"] = (len(b.params),)
+        if set(file) != set(want) or any(file.shape(k) != want[k] or file.dtype(k) != F32 for k in want):
+            raise CheckpointError(f"{ckpt / name} does not hold this checkpoint's shards; it is damaged: "
+                                  "resume from another checkpoint")

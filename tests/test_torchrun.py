@@ -1,0 +1,95 @@
+"""tiertrain under torchrun, as users launch it (issue 19): `tiertrain train --nproc N` (torchrun for one
+machine) trains data parallel and writes a sharded checkpoint each rank writes its part of; it resumes
+at another world size; a bad value is one message; a rank killed mid-step stops the others within a
+bounded time, naming it, with nothing left behind."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import read_metrics
+
+TINY = ["--model", "tiny", "--batch-size", "4", "--seq-len", "32", "--grad-clip", "0", "--log-every", "1"]
+
+
+def _train(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tiertrain", "train", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def _losses(out: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(out)]
+
+
+def test_nproc_trains_data_parallel_writes_sharded_checkpoints_and_resumes_at_other_sizes(tmp_path):
+    out = tmp_path / "run"
+    r = _train(*TINY, "--plan", "stream", "--steps", "4", "--save-every", "2", "--out", str(out), "--nproc", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("done: 4 steps") == 1  # the summary is rank 0's
+    ckpt = out / "checkpoints" / "step-00000002"
+    names = sorted(p.name for p in ckpt.iterdir())
+    assert names == ["config.json", "rng.safetensors", "shard-00000-of-00002.safetensors",
+                     "shard-00001-of-00002.safetensors", "trainer.json"]
+    trainer = json.loads((ckpt / "trainer.json").read_text())
+    assert trainer["shards"]["world"] == 2 and trainer["data_position"] == 4  # two ranks, two batches a step
+    dp2 = _losses(out)
+    for world in (1, 4):  # the same state, read at another world size
+        other = tmp_path / f"at{world}"
+        r = _train("--resume", str(ckpt), "--steps", "4", "--out", str(other), "--nproc", str(world),
+                   "--save-every", "1")
+        assert r.returncode == 0, r.stderr[-3000:]
+        resumed = _losses(other)
+        # step 3 is computed on the state of step 2 and the run's batch number 4, which rank 0 of every
+        # world size draws first: the state read back at this size is the state the two ranks saved
+        assert [r["step"] for r in read_metrics(other)] == [3, 4] and resumed[0] == dp2[2]
+    again = tmp_path / "again"  # the one-process checkpoint the resharded run wrote at step 3, resumed
+    r = _train("--resume", str(tmp_path / "at1" / "checkpoints" / "step-00000003"), "--steps", "4", "--out",
+               str(again))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _losses(again) == _losses(tmp_path / "at1")[1:]
+
+
+def test_a_bad_value_under_nproc_is_one_message_before_anything_starts(tmp_path):
+    r = _train(*TINY, "--plan", "stream", "--lr", "inf", "--out", str(tmp_path / "r"), "--nproc", "2")
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and lines == ["error: config: lr must be a finite number, got inf"]
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def test_a_rank_killed_mid_step_stops_the_other_naming_it_with_nothing_left(tmp_path):
+    disk, out = tmp_path / "disk", tmp_path / "run"
+    cmd = [sys.executable, "-m", "tiertrain", "train", *TINY, "--plan", "max-offload", "--disk", f"{disk}:256MiB",
+           "--page-size", "64KiB", "--steps", "1000000", "--out", str(out), "--nproc", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (out / "metrics.jsonl").exists():
+            time.sleep(0.2)
+        time.sleep(1.0)  # well into training
+        launcher = _children(proc.pid)
+        workers = [w for child in launcher for w in _children(child)]
+        assert len(workers) == 2, (launcher, workers)
+        killed = time.monotonic()
+        os.kill(workers[1], signal.SIGKILL)  # local rank 1
+        output, _ = proc.communicate(timeout=90)
+        took = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0 and took < 60, (proc.returncode, took)
+    assert "error: rank 1 of 2 stopped" in output, output[-3000:]
+    assert all(not Path(f"/proc/{w}").exists() for w in workers)
+    assert not disk.exists() or list(disk.iterdir()) == []  # the killed rank's disk tier too

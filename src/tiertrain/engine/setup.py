@@ -30,6 +30,7 @@ from tiertrain.engine.torch_clip import install_clip_redirect, tag
 from tiertrain.errors import ConfigError
 from tiertrain.memory import Budgets, MemorySystem
 from tiertrain.memory.capacity import check_budgets
+from tiertrain.memory.heap import release_free_heap
 from tiertrain.memory.system import compute_device
 from tiertrain.optim.hparams import KEYS
 from tiertrain.parallel import world_from_env
@@ -114,8 +115,10 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, memo
     bound = opts.train and bounds_grads(numels, chosen, page, budgets, transient)
     mem = MemorySystem(memory, page_size=page, check_machine=False)
     runtime = Runtime(model, groups, group_of, mem, chosen, opts, transient_grads=bound)
+    del found  # the blocks' lists held the model's original parameters
     _buffers_to(model, device)
-    replaced = {id(old): new for g in runtime.groups for (_, old), new in zip(g.block.params, g.params)}
+    release_free_heap()  # profiling and building freed whole-block buffers: give them back to the OS
+    replaced, runtime.replaced = runtime.replaced, {}
     tag((p for g in runtime.groups for p in g.params), runtime)
     install_clip_redirect()
     tiered = tiered_in_place(model, runtime, auto)

@@ -39,9 +39,12 @@ def ring_slots(mem: MemorySystem, layouts: list[ChunkLayout], plan: Plan) -> lis
 
 
 def build_groups(mem: MemorySystem, comm: Collectives, model: nn.Module, blocks: list[Block], plan: Plan,
-                 options: RunOptions, group_of_param: dict[int, int]) -> list[BlockGroup]:
+                 options: RunOptions, group_of_param: dict[int, int],
+                 replaced: dict[int, nn.Parameter]) -> list[BlockGroup]:
     """One group per block, each with its chunks written and its parameters installed in the model.
-    With data parallel, rank 0's initial weights are every rank's (as DDP broadcasts them)."""
+    ``replaced`` receives the slot-backed parameter that stands for each of the model's (by id: valid
+    while the caller holds the originals, as setup holds the user's optimizer). With data parallel,
+    rank 0's initial weights are every rank's (as DDP broadcasts them)."""
     layouts = layouts_for(blocks, plan)
     ring = ring_slots(mem, layouts, plan)
     compute = torch_dtype(plan.compute_dtype)
@@ -57,6 +60,10 @@ def build_groups(mem: MemorySystem, comm: Collectives, model: nn.Module, blocks:
         group = build(mem, comm, i, block, bplan, slot, plan, options, compute, layout)
         group.group_of = [group_of_param.get(id(p), 0) for _, p in block.params]
         install_params(model, group)
+        replaced.update({id(old): new for (_, old), new in zip(block.params, group.params)})
+        # the model's own parameters are let go of: their values are in the chunks now, and a run
+        # larger than memory must not keep its whole initial model alive beside its budgets
+        group.block = Block(block.name, block.module, [(n, new) for (n, _), new in zip(block.params, group.params)])
         groups.append(group)
     return groups
 

@@ -41,7 +41,9 @@ class Runtime:
         self.param_groups = param_groups
         self.comm = comm or collectives_for(plan.parallel.world_size)
         blocks = find_blocks(model, options.blocks)
-        self.groups: list[BlockGroup] = build_groups(mem, self.comm, model, blocks, plan, options, group_of_param)
+        self.replaced: dict[int, nn.Parameter] = {}  # the user's parameter (id) -> the one now in its place
+        self.groups: list[BlockGroup] = build_groups(mem, self.comm, model, blocks, plan, options, group_of_param,
+                                                     self.replaced)
         self.moves = StateMoves(mem, plan.read_ahead)
         self.mode = make_mode(self)
         self.cache = DeviceCache([g for g in self.groups if g.plan.stream], self._slots(), mem.mover, plan.prefetch,

@@ -3,6 +3,7 @@
 checkpointed and resumed block by block."""
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -24,19 +25,32 @@ PLAN = Plan(tuple(BlockPlan(home=Tier.DISK, stream=True) for _ in range(LAYERS))
             window=2, prefetch=1, update="overlap", read_ahead=1, update_workers=1, name="disk-home")
 
 
-@pytest.fixture
-def memory_cgroup():
+def _make_cgroup(name: str) -> Path:
     root = Path("/sys/fs/cgroup/memory")
     if not (root / "cgroup.procs").exists() or not os.access(root, os.W_OK):
         pytest.skip("the cgroup v1 memory controller is not writable here (needs root)")
-    group = root / f"tiertrain-test-{os.getpid()}"
+    group = root / f"tiertrain-test-{os.getpid()}-{name}"
     try:
         group.mkdir()
         (group / "memory.limit_in_bytes").write_text(str(CAP))
     except OSError as exc:
         pytest.skip(f"cannot create a memory cgroup: {exc}")
+    return group
+
+
+@pytest.fixture
+def memory_cgroup():
+    group = _make_cgroup("one")
     yield group
     group.rmdir()
+
+
+@pytest.fixture
+def two_cgroups():
+    groups = [_make_cgroup(f"rank{r}") for r in range(2)]
+    yield groups
+    for group in groups:
+        group.rmdir()
 
 
 def _capped(group: Path, *args: str) -> subprocess.CompletedProcess:
@@ -72,3 +86,35 @@ def test_model_states_8x_the_memory_cap_train_with_optimizer_states_on_disk(tmp_
     ckpt = out / "checkpoints" / "step-00000002"
     assert (ckpt / "model.safetensors").stat().st_size >= 4 * n  # every weight, streamed out block by block
     assert not list(disk.iterdir())  # and the disk tier cleaned up after itself
+
+
+def test_two_ranks_each_under_its_own_cap_train_a_model_4x_both_caps_with_states_on_disk(tmp_path, two_cgroups):
+    """Data parallel, each rank a process in its own memory cgroup (as torchrun's environment would set
+    them up, by hand so that each can join its group): the states of a GPT 4x the two caps together,
+    sharded over the ranks, homed on disk."""
+    n = param_count(MODEL)
+    assert n * STATE_BYTES_PER_PARAM >= 4 * 2 * CAP
+    if shutil.disk_usage(tmp_path).free < 10 << 30:
+        pytest.skip("needs 10 GiB of free disk: each rank's disk tier")
+    (tmp_path / "model.json").write_text(json.dumps(MODEL.to_dict()))
+    (tmp_path / "plan.json").write_text(PLAN.to_json())
+    out = tmp_path / "run"
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29400 + os.getpid() % 500),
+           "PYTHONUNBUFFERED": "1"}
+    args = ["train", "--model", str(tmp_path / "model.json"), "--plan", str(tmp_path / "plan.json"), "--update",
+            "overlap", "--grad-clip", "0", "--device-memory", "80MiB", "--host-memory", "200MiB", "--page-size",
+            "1MiB", "--batch-size", "1", "--seq-len", "32", "--steps", "2", "--out", str(out)]
+    procs = []
+    for rank, group in enumerate(two_cgroups):
+        cmd = f'echo $$ > {group}/cgroup.procs && exec "{sys.executable}" -m tiertrain ' + " ".join(
+            f'"{a}"' for a in (*args, "--disk", f"{tmp_path / 'disk'}:5GiB"))
+        procs.append(subprocess.Popen(["sh", "-c", cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
+    results = [p.communicate(timeout=600) for p in procs]
+    for p, (stdout, stderr) in zip(procs, results):
+        assert p.returncode == 0, f"exit {p.returncode} (-9: killed for memory)\n{stdout[-2000:]}\n{stderr[-2000:]}"
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
+    for group in two_cgroups:
+        assert int((group / "memory.max_usage_in_bytes").read_text()) <= CAP
+    assert not list((tmp_path / "disk").iterdir())

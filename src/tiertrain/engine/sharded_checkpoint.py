@@ -84,6 +84,7 @@ def shard_map(rt: Any) -> ShardMap:
 def write_rank_file(tmp: Path, rt: Any) -> int:
     """This rank's file (its shards; rank 0 also the whole blocks and the step counts); its CRC-32C.
     Collective: every rank calls it together (the step counts are agreed over the ranks)."""
+    from tiertrain.memory.heap import release_free_heap
     from tiertrain.runtime.state_io import logical_steps, read_state
 
     rank, world = rt.comm.rank, rt.comm.world_size
@@ -102,6 +103,7 @@ def write_rank_file(tmp: Path, rt: Any) -> int:
 
     def tensors() -> Iterator[torch.Tensor]:
         for g, what in parts:
+            release_free_heap()  # the last block's buffer, freed, would stay in the heap (memory.heap)
             yield what if isinstance(what, torch.Tensor) else read_state(rt, g, getattr(g, what))
 
     return write_streamed(tmp / shard_file(rank, world), TensorStream(specs, tensors))

@@ -32,7 +32,8 @@ class Collectives(Protocol):
         """``out`` (world_size x shard's numel) receives every rank's ``shard``, in rank order."""
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> None:
-        """``out`` receives this rank's slice of the sum over ranks of ``full``."""
+        """``out`` receives this rank's slice of the sum over ranks of ``full`` (which the call may overwrite:
+        it is this rank's own buffer, given up to the reduction)."""
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
         """``t`` becomes the sum (or ``max``) over ranks of ``t``, in place."""

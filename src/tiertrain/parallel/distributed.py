@@ -55,12 +55,12 @@ class ProcessGroupCollectives:
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> None:
         self._count("reduce_scatter", full)
         if self._gloo:
-            # gloo has no reduce-scatter: all-reduce, then keep this rank's slice (the sum is the same:
-            # what is sent differs, and ``sent`` counts the reduce-scatter the algorithm stands for)
-            summed = full.view(-1).clone()
-            self._guarded(dist.all_reduce, summed, group=self.group)
+            # gloo has no reduce-scatter: all-reduce in place (``full`` is the caller's to give up), then
+            # keep this rank's slice (the sum is the same: what is sent differs, and ``sent`` counts the
+            # reduce-scatter the algorithm stands for)
+            self._guarded(dist.all_reduce, full.view(-1), group=self.group)
             n = out.numel()
-            out.view(-1).copy_(summed[self.rank * n : (self.rank + 1) * n])
+            out.view(-1).copy_(full.view(-1)[self.rank * n : (self.rank + 1) * n])
             return
         self._guarded(self._scatter, out.view(-1), full.view(-1), group=self.group)
 

@@ -56,9 +56,9 @@ def sharded(bp: BlockPlan, plan: Plan) -> bool:
 def separate_param_home(bp: BlockPlan, plan: Plan, train: bool = True) -> bool:
     """Whether a streamed (or sharded) block keeps its compute params in a host chunk of their own;
     else its fp32 master is what its device slot is filled (gathered) from, wherever the master lives
-    (disk too, but for a sharded block, which gathers from memory)."""
+    (disk too)."""
     return (not train or plan.compute_dtype != "fp32"
-            or (bp.home is Tier.DISK and (bp.param_copy or plan.update == "lockfree" or sharded(bp, plan))))
+            or (bp.home is Tier.DISK and (bp.param_copy or plan.update == "lockfree")))
 
 
 def master_in_slot(bp: BlockPlan, plan: Plan, train: bool = True) -> bool:

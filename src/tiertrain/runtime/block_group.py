@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from tiertrain.memory import ChunkLayout, Kind, MemorySystem, Tier
 from tiertrain.memory.chunk import Chunk
+from tiertrain.memory.heap import release_free_heap
 from tiertrain.optim import AdamWHyper, adamw_step
 from tiertrain.parallel import Collectives
 from tiertrain.plan import BlockPlan
@@ -34,6 +35,7 @@ from tiertrain.runtime.grads import GradBuffer, TakenGrads
 from tiertrain.runtime.slots import Slot
 
 F32 = torch.float32
+TRIM_AFTER = 8 << 20  # a reduction of this many bytes or more gives its freed buffers back to the OS
 
 
 @dataclass(eq=False)
@@ -85,8 +87,14 @@ class BlockGroup:
     def gather_into(self, dst: Chunk, async_op: bool = False):
         """The block's compute params, whole, into ``dst`` (a device slot): every rank's shard of them."""
         dtype = F32 if self.param_home is self.master else self.compute
-        src = self.param_home.typed(dtype)[: self.layout.shard_numel]
-        return self.comm.all_gather(dst.typed(self.compute)[: self.layout.numel], src, async_op=async_op)
+        out = dst.typed(self.compute)[: self.layout.numel]
+        if self.param_home.tier is Tier.DISK:  # an fp32 master on disk: this rank's shard read into its place
+            n = self.layout.shard_numel
+            src = out[self.shard[0] : self.shard[0] + n]
+            self.mem.read_into(self.param_home, src.view(torch.uint8))
+        else:
+            src = self.param_home.typed(dtype)[: self.layout.shard_numel]
+        return self.comm.all_gather(out, src, async_op=async_op)
 
     def release(self) -> None:
         """Drop the gradients gathered for a step that will not update (zero_grad, a skipped fp16 step)."""
@@ -170,20 +178,19 @@ class BlockGroup:
         has = torch.tensor(self.local_has, dtype=torch.uint8)
         self.comm.all_reduce(has, op="max")
         full = self.local.typed(F32)[: self.layout.numel]
-        if self.shard is None:
-            self.comm.all_reduce(full)
-            mine = full
-        else:
-            mine = torch.empty(self.state_numel, dtype=F32, device=full.device)
-            self.comm.reduce_scatter(mine, full)
-        mine.div_(self.comm.world_size)
         if grad_tier(self.plan) is Tier.HOST:
             make_room()
         fresh = self._new_grad_chunk(self.state_numel * F32.itemsize)
+        mine = fresh.typed(F32)[: self.state_numel]  # reduced straight into a grad chunk: no temporary
+        if self.shard is None:
+            self.comm.all_reduce(full)
+            mine.copy_(full)
+        else:
+            self.comm.reduce_scatter(mine, full)
+        mine.div_(self.comm.world_size)
         with self.grads.lock:
             if self.grads.chunk is None:
                 self.grads.chunk, fresh = fresh, None
-                self.grads.chunk.typed(F32)[: self.state_numel].copy_(mine)
             else:
                 self.grads.chunk.typed(F32)[: self.state_numel].add_(mine)
             self.grads.has_grad = [a or bool(b) for a, b in zip(self.grads.has_grad, has.tolist())]
@@ -192,6 +199,8 @@ class BlockGroup:
             if chunk is not None:
                 self.mem.release(chunk)
         self.local, self.local_has = None, [False] * len(self.params)
+        if self.nbytes >= TRIM_AFTER:
+            release_free_heap()  # the transport's buffers for a large chunk, freed, would stay in its threads' heaps
 
     def _new_grad_chunk(self, nbytes: int) -> Chunk:
         return self.mem.allocate(f"{self.block.name}.grad", nbytes, grad_tier(self.plan), Kind.GRAD, contiguous=True)

@@ -407,19 +407,43 @@ def bench_planner_cmd(d_model: int, layers: int, batch_size: int, seq_len: int, 
         bench_solver(100, 128, click.echo)
 
 
+@bench.command("description", context_settings=CONTEXT)
+@click.option("--d-model", type=POSITIVE, default=512, show_default=True)
+@click.option("--layers", type=POSITIVE, default=6, show_default=True)
+@click.option("--batch-size", type=POSITIVE, default=8, show_default=True)
+@click.option("--seq-len", type=POSITIVE, default=256, show_default=True)
+@click.option("--steps", type=POSITIVE, default=4, show_default=True, help="Measured steps per plan and round, after 2 of warm-up.")
+@click.option("--rounds", type=POSITIVE, default=3, show_default=True)
+@click.option("--disk-dir", type=click.Path(file_okay=False), help="Disk tier directory (default: a temporary one here).")
+@click.option("--machine", "machine_file", type=click.Path(dir_okay=False),
+              help="Predict from this description file (default: this machine, probed fresh each round).")
+def bench_description_cmd(d_model: int, layers: int, batch_size: int, seq_len: int, steps: int, rounds: int,
+                          disk_dir: str | None, machine_file: str | None) -> None:
+    """Three plans' step times predicted from this machine's description alone (no block run) against
+    their measured step times, in the same rounds."""
+    from tiertrain.bench.description import bench_description
+    from tiertrain.bench.machine import describe
+
+    click.echo(f"machine: {describe(disk_dir)}")
+    bench_description(d_model, layers, batch_size, seq_len, steps, disk_dir, click.echo, machine_file, rounds)
+
+
 @cli.command("plan", context_settings=CONTEXT)
-@click.option("--model", help="Model name or config file (profiled from its config at this machine's measured speeds).")
+@click.option("--model", help="Model name or config file (one block measured here within the measurement bounds).")
 @click.option("--batch", "batch", type=POSITIVE, default=1, show_default=True, help="Sequences per micro-batch.")
 @click.option("--seq", "seq", type=POSITIVE, default=None, help="Tokens per sequence (default: the model's maximum).")
 @click.option("--precision", type=click.Choice(BENCH_PRECISIONS), default="fp32", show_default=True)
-@click.option("--device-memory", required=True, help='Device budget, e.g. "8GiB".')
-@click.option("--host-memory", required=True, help='Host budget, e.g. "64GiB".')
-@click.option("--disk", help='Disk tier "DIR:SIZE" (its speed is measured in DIR).')
+@click.option("--device-memory", help='Device budget, e.g. "8GiB" (default with --machine: 90% of its device memory).')
+@click.option("--host-memory", help='Host budget, e.g. "64GiB" (default with --machine: 90% of its RAM).')
+@click.option("--disk", help='Disk tier "DIR:SIZE" (its speed is measured in DIR; with --machine the size is its disk).')
+@click.option("--machine", help="Plan for this machine: a built-in name (tiertrain probe --list) or a description "
+                                "file (tiertrain probe --out FILE); default: this machine, probed.")
+@click.option("--max-model", is_flag=True, help="Find the largest GPT-3-shaped model the machine trains with any plan.")
 @click.option("--profile", "profile_file", type=click.Path(dir_okay=False), help="Plan from this profile JSON instead.")
 @click.option("--solver", "solvers", multiple=True, type=click.Choice(["dp", "greedy", "random", "stronghold"]),
               help="Solvers to run (default: all); the best predicted plan is chosen.")
-@click.option("--levels", type=click.IntRange(min=2, max=1 << 16), default=128, show_default=True,
-              help="Device memory discretisation of the DP.")
+@click.option("--levels", type=click.IntRange(min=2, max=1 << 16), default=None,
+              help="Device memory discretisation of the DP (default: 4 per block, at least 128; host: 2 per block).")
 @click.option("--page-size", help='Memory page size the plan will run with, e.g. "4MiB" (default: measured, as train).')
 @click.option("--update", type=click.Choice(["sync", "overlap", "lockfree"]), default="sync", show_default=True,
               help="The update mode the run will use (as train's --update): it sets how many gradients the host holds.")
@@ -428,57 +452,51 @@ def bench_planner_cmd(d_model: int, layers: int, batch_size: int, seq_len: int, 
 @click.option("--grad-clip", type=Finite(min=0), default=1.0, show_default=True,
               help="The run's clipping norm (0: off). Clipping waits for every gradient, so the host holds them all.")
 @click.option("--grad-accum", type=POSITIVE, default=1, show_default=True, help="The run's micro-batches per step.")
+@click.option("--measure-memory", help='Memory measuring one block may take (default: half of what is free now).')
+@click.option("--measure-seconds", type=Finite(min=0), default=None,
+              help="Seconds measuring one block may take (default 5); beyond them a reduced shape, or the FLOP estimate.")
 @click.option("--out", type=click.Path(dir_okay=False), default="plan.json", show_default=True, help="Write the plan JSON here.")
 @click.option("--png", type=click.Path(dir_okay=False), help="Write the resource timelines and tier memory here.")
-def plan_cmd(model: str | None, batch: int, seq: int | None, precision: str, device_memory: str, host_memory: str,
-             disk: str | None, profile_file: str | None, solvers: tuple[str, ...], levels: int,
-             page_size: str | None, update: str, max_staleness: int, grad_clip: float, grad_accum: int, out: str,
-             png: str | None) -> None:
-    """Choose a plan for a model under budgets, print it with its predicted step, and save it
-    for `tiertrain train --plan FILE` with the same --update, --grad-clip and --grad-accum."""
-    import dataclasses
+def plan_cmd(out: str, png: str | None, **flags: Any) -> None:
+    """Choose a plan for a model under budgets, on this machine or a described one (--machine), print
+    it with its predicted step, and save it for `tiertrain train --plan FILE` with the same --update,
+    --grad-clip and --grad-accum; or, with --max-model, the largest GPT-3-shaped model that fits."""
     from pathlib import Path
 
-    from tiertrain.cli.plan import print_plan, write_png
-    from tiertrain.memory import Budgets
-    from tiertrain.plan import RunOptions, check_update_mode
-    from tiertrain.planner.auto import choose, run_profile
-    from tiertrain.planner.profile import Profile
-    from tiertrain.planner.solvers import SOLVERS, Problem
+    from tiertrain.cli.plan import PlanRequest, run_max_model, run_plan, write_png
 
-    check_update_mode(update, precision, grad_accum, grad_clip > 0)
-    budgets = Budgets.parse(device_memory, host_memory, disk)
-    if profile_file:
-        profile = Profile.load(Path(profile_file))
-    elif model:
-        from tiertrain.engine.auto_plan import config_profile
-        from tiertrain.models import ModelConfig, resolve_config
-
-        cfg = resolve_config(model)
-        longest = cfg.max_seq_len if isinstance(cfg, ModelConfig) else getattr(cfg, "max_position_embeddings", None)
-        if not (seq or longest):
-            raise ConfigError(f"give --seq: the config of {model!r} names no maximum sequence length")
-        profile = config_profile(cfg, batch, seq or longest, precision, budgets.disk_dir)
+    req = PlanRequest(**{**flags, "solvers": tuple(flags["solvers"])})
+    console = Console()
+    if req.max_model:
+        chosen = run_max_model(req, console).chosen
     else:
-        raise click.UsageError("give --model NAME or --profile FILE")
-    if page_size or not profile.page:   # chunks take whole pages: plan with the ones the run will use
-        from tiertrain.engine.measure.page_size import page_size_for
-        from tiertrain.memory.system import compute_device
-        from tiertrain.units import parse_size
-
-        page = page_size_for(parse_size(page_size) if page_size else None,
-                             budgets.disk_dir if budgets.disk else None, compute_device())
-        profile = dataclasses.replace(profile, page=page)
-    all_grads = RunOptions(grad_accum=grad_accum, max_grad_norm=grad_clip or None).needs_all_grads(precision)
-    profile = run_profile(profile, update, max_staleness, all_grads)
-    pb = Problem(profile, budgets.device, budgets.host, budgets.disk, levels=levels)
-    chosen, cands = choose(pb, solvers or tuple(SOLVERS), update, all_grads, max_staleness)
-    print_plan(chosen, cands, profile, Console())
+        chosen = run_plan(req, console)
     _write_output(Path(out), chosen.plan.to_json().encode())
     click.echo(f"plan written to {out}")
     if png:
         write_png(chosen.sim, Path(png))
         click.echo(f"timelines written to {png}")
+
+
+@cli.command("probe", context_settings=CONTEXT)
+@click.option("--disk", "disk_dir", type=click.Path(file_okay=False), help="Directory on the disk the disk tier will use.")
+@click.option("--out", type=click.Path(dir_okay=False), help="Write the description JSON here (for plan --machine).")
+@click.option("--list", "list_machines", is_flag=True, help="List the built-in machine descriptions instead.")
+def probe_cmd(disk_dir: str | None, out: str | None, list_machines: bool) -> None:
+    """Measure this machine (links, disk, AdamW, memory and matmul rates, memory sizes) into a
+    description `tiertrain plan --machine FILE` plans for; kept in the cache when the machine was quiet."""
+    from pathlib import Path
+
+    from tiertrain.cli.probe import print_builtins, print_machine, take_probe
+
+    if list_machines:
+        print_builtins(Console())
+        return
+    machine = take_probe(disk_dir)
+    print_machine(machine, Console())
+    if out:
+        _write_output(Path(out), machine.to_json().encode())
+        click.echo(f"description written to {out}")
 
 
 def _write_output(path: "Path", data: bytes) -> None:

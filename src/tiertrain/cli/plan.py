@@ -1,17 +1,84 @@
-"""``tiertrain plan``: the chosen plan per block, its prediction, and the other solvers' distance."""
+"""``tiertrain plan``: the chosen plan per block, its prediction, and the other solvers' distance; for
+this machine or a described one (``--machine``), or the largest model a machine trains (``--max-model``)."""
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
 from tiertrain.errors import ConfigError
 from tiertrain.planner.auto import Candidate
+from tiertrain.planner.machine import Machine, TierSizes
 from tiertrain.planner.profile import Profile
 from tiertrain.planner.simulator import RESOURCES, Simulation
-from tiertrain.units import format_bytes
+from tiertrain.units import format_bytes, format_count
+
+if TYPE_CHECKING:
+    from tiertrain.engine.largest_model import Largest
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What ``tiertrain plan`` was asked, flags as given (sizes still text)."""
+
+    model: str | None
+    batch: int
+    seq: int | None
+    precision: str
+    device_memory: str | None
+    host_memory: str | None
+    disk: str | None
+    profile_file: str | None
+    solvers: tuple[str, ...]
+    levels: int | None
+    page_size: str | None
+    update: str
+    max_staleness: int
+    grad_clip: float
+    grad_accum: int
+    machine: str | None
+    max_model: bool
+    measure_memory: str | None
+    measure_seconds: float | None
+
+    @property
+    def needs_all_grads(self) -> bool:
+        from tiertrain.plan import RunOptions
+
+        return RunOptions(grad_accum=self.grad_accum, max_grad_norm=self.grad_clip or None).needs_all_grads(self.precision)
+
+
+def _disk_dir(req: PlanRequest) -> str | None:
+    from tiertrain.memory import Budgets
+
+    return Budgets.parse(0, 0, req.disk).disk_dir if req.disk else None
+
+
+def sizes_for(req: PlanRequest, target: Machine | None) -> tuple[TierSizes, str | None]:
+    """The budgets (given, else the described machine's) and the disk directory, if one was given."""
+    from tiertrain.memory import Budgets
+    from tiertrain.units import parse_size
+
+    disk_dir, disk = _disk_dir(req), None
+    if req.disk and ":" in req.disk:
+        disk = Budgets.parse(0, 0, req.disk).disk
+    described = target.budgets() if target else None
+    if described is None and not (req.device_memory and req.host_memory):
+        raise ConfigError("give --device-memory and --host-memory, or --machine NAME|FILE to plan for a described "
+                          "machine's memory (tiertrain probe --list names the built-in ones)")
+
+    def size(given: str | None, default: int) -> int:
+        return parse_size(given) if given else default
+
+    sizes = TierSizes(size(req.device_memory, described.device if described else 0),
+                      size(req.host_memory, described.host if described else 0),
+                      disk if disk is not None else (described.disk if described else 0))
+    return sizes, disk_dir
 
 
 def print_plan(chosen: Candidate, cands: list[Candidate], profile: Profile, console: Console) -> None:
@@ -23,6 +90,8 @@ def print_plan(chosen: Candidate, cands: list[Candidate], profile: Profile, cons
     for b, bp in zip(profile.blocks, plan.blocks):
         table.add_row(b.name, bp.home.value, _yes(bp.stream), _yes(bp.recompute), _yes(bp.offload_hidden))
     console.print(table)
+    if profile.source:
+        console.print(f"profile: {profile.source}")
     console.print(f"predicted step {sim.step_s * 1e3:.1f} ms; bottleneck {sim.bottleneck}; peaks "
                   + ", ".join(f"{t} {format_bytes(v)}" for t, v in sim.peaks.items()))
     for c in cands:
@@ -30,6 +99,24 @@ def print_plan(chosen: Candidate, cands: list[Candidate], profile: Profile, cons
             console.print(f"  {c.solver:10s} found no plan that fits")
         else:
             console.print(f"  {c.solver:10s} {c.sim.step_s * 1e3:9.1f} ms  (+{(c.sim.step_s / sim.step_s - 1) * 100:.1f}%)")
+
+
+def print_largest(found: "Largest", machine: Machine, console: Console) -> None:
+    """``--max-model``'s answer beside the capacity bound."""
+    cfg, sim, sizes = found.cfg, found.chosen.sim, found.sizes
+    console.print(f"machine {machine.name}: device {format_bytes(sizes.device)}, host {format_bytes(sizes.host)}, "
+                  f"disk {format_bytes(sizes.disk)} ({machine.source or 'described'})")
+    console.print(f"largest GPT-3-shaped model that fits: {cfg.n_layer} blocks x width {cfg.d_model} "
+                  f"({format_count(found.params)} params; the family's largest at 128 x depth: "
+                  f"{found.family.n_layer} x {found.family.d_model})")
+    console.print(f"capacity bound (device + host + disk) / 16 B per param: {format_count(found.bound_params)} params; "
+                  f"the answer is {found.params / max(found.bound_params, 1) * 100:.0f}% of it")
+    streamed = sum(b.stream for b in found.chosen.plan.blocks)
+    homes = {t: sum(b.home.value == t for b in found.chosen.plan.blocks) for t in ("device", "host", "disk")}
+    console.print(f"plan {found.chosen.plan.name}: {streamed}/{cfg.n_layer} blocks streamed, states on "
+                  + ", ".join(f"{t} {n}" for t, n in homes.items() if n)
+                  + f"; predicted step {sim.step_s:.2f} s, bottleneck {sim.bottleneck}; peaks "
+                  + ", ".join(f"{t} {format_bytes(v)}" for t, v in sim.peaks.items()))
 
 
 def _yes(flag: bool) -> str:
@@ -61,3 +148,102 @@ def write_png(sim: Simulation, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def plan_profile(req: PlanRequest, here: Machine, target: Machine, disk_dir: str | None) -> Profile:
+    """The profile to plan from, as it would run on ``target``: a profile file, or the model measured
+    here within the measurement bounds (``engine.auto_plan.config_profile``), carried to ``target``
+    by its rates (nothing changes where ``target`` is this machine)."""
+    from tiertrain.planner.retarget import for_machine
+
+    if req.profile_file:
+        profile = Profile.load(Path(req.profile_file))  # taken as measured here
+    elif req.model:
+        profile = _model_profile(req, here, disk_dir)
+    else:
+        raise ConfigError("give --model NAME or --profile FILE (or --max-model)")
+    return for_machine(profile, here, target)
+
+
+def _model_profile(req: PlanRequest, here: Machine, disk_dir: str | None) -> Profile:
+    from tiertrain.engine.auto_plan import config_profile
+    from tiertrain.engine.measure.bounds import MeasureBounds
+    from tiertrain.memory.system import compute_device
+    from tiertrain.models import ModelConfig, resolve_config
+    from tiertrain.units import parse_size
+
+    cfg = resolve_config(req.model)
+    longest = cfg.max_seq_len if isinstance(cfg, ModelConfig) else getattr(cfg, "max_position_embeddings", None)
+    if not (req.seq or longest):
+        raise ConfigError(f"give --seq: the config of {req.model!r} names no maximum sequence length")
+    bounds = MeasureBounds.default(compute_device())
+    if req.measure_memory is not None or req.measure_seconds is not None:
+        bounds = dataclasses.replace(bounds, memory=parse_size(req.measure_memory) if req.measure_memory else bounds.memory,
+                                     seconds=bounds.seconds if req.measure_seconds is None else req.measure_seconds)
+    return config_profile(cfg, req.batch, req.seq or longest, req.precision, disk_dir, bounds=bounds, here=here)
+
+
+def run_plan(req: PlanRequest, console: Console) -> Candidate:
+    """Plan ``req``'s model (or profile) for ``req.machine`` (default: this one); print it; return the choice."""
+    from tiertrain.engine.measure.machine import probe
+    from tiertrain.plan import check_update_mode
+    from tiertrain.planner.auto import choose, run_profile
+    from tiertrain.planner.datasheets import find_machine
+    from tiertrain.planner.solvers import SOLVERS, Problem
+
+    check_update_mode(req.update, req.precision, req.grad_accum, req.grad_clip > 0)
+    target = find_machine(req.machine) if req.machine else None
+    if target is not None:
+        target.matmul(req.precision)  # a machine without this precision is refused before anything is measured
+    sizes, disk_dir = sizes_for(req, target)
+    here = probe(disk_dir)
+    target = target or here
+    profile = plan_profile(req, here, target, disk_dir)
+    profile = dataclasses.replace(profile, page=_page(req, profile, target, disk_dir))
+    profile = run_profile(profile, req.update, req.max_staleness, req.needs_all_grads)
+    pb = Problem.sized(profile, sizes.device, sizes.host, sizes.disk, req.levels)
+    chosen, cands = choose(pb, req.solvers or tuple(SOLVERS), req.update, req.needs_all_grads, req.max_staleness)
+    if target is not here:
+        console.print(f"planned for {target.name} ({target.source or 'described'})")
+    print_plan(chosen, cands, profile, console)
+    return chosen
+
+
+def _page(req: PlanRequest, profile: Profile, target: Machine, disk_dir: str | None) -> int:
+    """The page size the run will use: as given, else the profile's, else the described machine's,
+    else measured here (chunks take whole pages, so the plan needs the run's)."""
+    from tiertrain.units import parse_size
+
+    if req.page_size:
+        from tiertrain.memory.pool import check_page_size
+
+        return check_page_size(parse_size(req.page_size))
+    if profile.page:
+        return profile.page
+    if target.page_size:
+        return target.page_size
+    from tiertrain.engine.measure.page_size import page_size_for
+    from tiertrain.memory.system import compute_device
+
+    return page_size_for(None, disk_dir, compute_device())
+
+
+def run_max_model(req: PlanRequest, console: Console) -> "Largest":
+    """``--max-model``: the largest GPT-3-shaped model for ``req.machine`` (default: this one, probed)."""
+    from tiertrain.engine.largest_model import RunShape, largest_model
+    from tiertrain.engine.measure.machine import probe
+    from tiertrain.plan import check_update_mode
+    from tiertrain.planner.datasheets import find_machine
+    from tiertrain.units import parse_size
+
+    check_update_mode(req.update, req.precision, req.grad_accum, req.grad_clip > 0)
+    if req.model or req.profile_file:
+        raise ConfigError("--max-model searches the GPT-3 family itself; drop --model/--profile")
+    target = find_machine(req.machine) if req.machine else probe(_disk_dir(req))
+    sizes, _ = sizes_for(req, target)
+    page = parse_size(req.page_size) if req.page_size else target.page_size or 4 << 20
+    run = RunShape(req.batch, req.seq or 2048, req.precision, req.update, req.needs_all_grads, req.max_staleness,
+                   page, req.levels)
+    found = largest_model(target, sizes, run)
+    print_largest(found, target, console)
+    return found

@@ -1,8 +1,11 @@
-"""``--plan auto``: profile the model on this machine, run the solvers, take the best prediction.
+"""``--plan auto``: profile the model on this machine, run the solvers, take the best prediction; and,
+once the run has taken a few steps, hold the prediction against them.
 
 The profile is measured once per machine + model + batch shape (``engine.measure.model``) and
-cached; the solvers and the simulator are the planner's, the same ones ``tiertrain plan``
-runs, so what this logs is what ``tiertrain plan --profile`` would explain.
+cached; the solvers and the simulator are the planner's, the same ones ``tiertrain plan`` runs, so
+what this logs is what ``tiertrain plan --profile`` would explain. Profiling never needs what the
+run needs: the plain model is run only within ``MeasureBounds``, else one block (``one_block``),
+else the FLOP estimate; the description says which.
 """
 
 from __future__ import annotations
@@ -10,14 +13,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import statistics
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
 
+from tiertrain.engine.measure import cache
 from tiertrain.engine.measure.analytic import analytic_profile
-from tiertrain.engine.measure.machine import probe_machine
+from tiertrain.engine.measure.bounds import MeasureBounds, RunCost
+from tiertrain.engine.measure.machine import forget as forget_probe
+from tiertrain.engine.measure.machine import probe
 from tiertrain.engine.measure.model import cached_profile, measure_profile, profile_key
 from tiertrain.errors import ConfigError
 from tiertrain.memory import Budgets
@@ -25,13 +32,16 @@ from tiertrain.memory.system import compute_device
 from tiertrain.models.config import ModelConfig
 from tiertrain.plan import DEFAULT_MAX_STALENESS, Plan
 from tiertrain.planner.auto import choose, run_profile
-from tiertrain.planner.profile import Profile
-from tiertrain.planner.simulator import Simulation
+from tiertrain.planner.machine import Machine
+from tiertrain.planner.profile import MachineProfile, Profile
+from tiertrain.planner.simulator import Simulation, simulate
 from tiertrain.planner.solvers import Problem
 from tiertrain.runtime.blocks import find_blocks
 from tiertrain.units import format_bytes
 
 log = logging.getLogger("tiertrain")
+MISPREDICT = 0.25   # a prediction further than this from the measured step sends its measurements back
+CHECK_AFTER = 3     # measured steps (after warm-up) the prediction is checked against
 
 
 @dataclass(frozen=True)
@@ -41,56 +51,97 @@ class AutoPlan:
     solver: str
     profile: Profile
     profile_cached: bool
+    disk_dir: str | None = None      # where the machine probe measured the disk (its cache key)
+    needs_all_grads: bool = False    # as the prediction was simulated
+    corrected: bool = False          # re-predicted after the first steps proved the prediction wrong
 
     def describe(self) -> str:
         streamed = sum(b.stream for b in self.plan.blocks)
         recomputed = sum(b.recompute for b in self.plan.blocks)
         homes = {t: sum(b.home.value == t for b in self.plan.blocks) for t in ("device", "host", "disk")}
         sim = self.prediction
-        how = ("one block measured" if self.profile.key.endswith("/one-block") else
-               "FLOP estimate" if self.profile.key.endswith("analytic") else "whole model measured")
-        return (f"auto plan from the {self.solver} solver ({'cached ' if self.profile_cached else ''}profile: {how}): "
+        return (f"auto plan from the {self.solver} solver ({'cached ' if self.profile_cached else ''}profile: "
+                f"{profile_source(self.profile)}): "
                 f"{streamed}/{len(self.plan.blocks)} blocks stream through {self.plan.window} slot(s) + "
                 f"{self.plan.cache} cache, "
                 f"{recomputed} recompute, states on " + ", ".join(f"{t} {n}" for t, n in homes.items() if n)
                 + f"; predicted step {sim.step_s * 1e3:.1f} ms, device peak {format_bytes(sim.peaks['device'])}, "
                 f"bottleneck {sim.bottleneck}")
 
+    def predicted_row(self) -> dict[str, Any]:
+        """The prediction as ``metrics.jsonl`` carries it beside the measured step and tier peaks."""
+        sim = self.prediction
+        return {"step_s": sim.step_s, "device_peak": sim.peaks["device"], "peaks": dict(sim.peaks),
+                "bottleneck": sim.bottleneck, "corrected": self.corrected}
+
+
+def profile_source(p: Profile) -> str:
+    """How a profile's block figures were found, in words (older cached profiles say it by their key)."""
+    if p.source:
+        return p.source
+    return ("one block measured" if p.key.endswith("/one-block") else
+            "FLOP estimate" if p.key.endswith("analytic") else "whole model measured")
+
 
 def auto_plan(model: nn.Module, step: Callable[[], None], budgets: Budgets, page: int, precision: str,
               update: str, needs_all_grads: bool, blocks: str | None = None, use_cache: bool = True,
-              max_staleness: int = DEFAULT_MAX_STALENESS) -> AutoPlan:
+              max_staleness: int = DEFAULT_MAX_STALENESS, bounds: MeasureBounds | None = None) -> AutoPlan:
     """``step`` runs one plain forward+backward at the run's batch shape. A step that says its
     shape (a ``shape`` attribute, as ``ProfileStep`` has) gets a cached profile; any other is
     measured every time, since a profile of another batch shape would mislead the solvers."""
     found = find_blocks(model, blocks)
-    machine, _ = probe_machine(budgets.disk_dir if budgets.disk else None)
+    disk = budgets.disk_dir if budgets.disk else None
+    here = probe(disk)
     device = compute_device()
+    bounds = bounds or MeasureBounds.default(device)
     shape = getattr(step, "shape", None)
     key = profile_key(model, shape or (), precision, device)
 
     def measure() -> Profile:
         with _on(model, device):
-            return measure_profile(model, found, step, machine, precision, key, page)
-
-    disk = budgets.disk_dir if budgets.disk else None
+            return dataclasses.replace(measure_profile(model, found, step, here.rates(), precision, key, page),
+                                       source="whole model measured")
 
     def estimate(why: str) -> Profile:
-        return _estimate(model, found, shape, precision, disk, key + "/one-block", why)
+        return _estimate(model, found, shape, precision, here, key + "/one-block", bounds, why)
 
+    too_big = _beyond(model, found, shape, precision, here, bounds, device)
     if next(model.parameters()).is_meta:  # built without memory (larger than the host): one block is measured
         profile, cached = cached_profile(key + "/one-block", lambda: estimate("it was built on the meta device"),
                                          use_cache and bool(shape))
+    elif too_big:
+        profile, cached = cached_profile(key + "/one-block", lambda: estimate(too_big), use_cache)
     else:
         try:
             profile, cached = cached_profile(key, measure, use_cache and bool(shape))
         except (torch.OutOfMemoryError, MemoryError):  # an estimate is not cached: a later run may fit and measure
             profile, cached = estimate("the plain model does not fit the device"), False
-    profile = run_profile(dataclasses.replace(profile, machine=machine, page=page), update, max_staleness,
+    return solved(profile, cached, here, page, budgets, update, max_staleness, needs_all_grads)
+
+
+def solved(profile: Profile, cached: bool, here: Machine, page: int, budgets: Budgets, update: str,
+           max_staleness: int, needs_all_grads: bool) -> AutoPlan:
+    """The solvers' best plan for a profile, simulated at ``here``'s rates for the run's settings."""
+    profile = run_profile(dataclasses.replace(profile, machine=here.rates(), page=page), update, max_staleness,
                           needs_all_grads)
-    chosen, _ = choose(Problem(profile, budgets.device, budgets.host, budgets.disk), update=update,
+    chosen, _ = choose(Problem.sized(profile, budgets.device, budgets.host, budgets.disk), update=update,
                        needs_all_grads=needs_all_grads, max_staleness=max_staleness)
-    return AutoPlan(chosen.plan, chosen.sim, chosen.solver, profile, cached)
+    disk = budgets.disk_dir if budgets.disk else None
+    return AutoPlan(chosen.plan, chosen.sim, chosen.solver, profile, cached, disk, needs_all_grads)
+
+
+def _beyond(model: nn.Module, found: list, shape: tuple | None, precision: str, here: Machine,
+            bounds: MeasureBounds, device: torch.device) -> str:
+    """Why profiling the plain model would go beyond ``bounds`` (estimated before running it), or ''."""
+    if not shape or next(model.parameters()).is_meta:
+        return ""
+    from tiertrain.engine.measure.one_block import model_cost
+
+    cost: RunCost = model_cost(model, found, shape[:2], precision, here, weights_held=device.type == "cpu")
+    if cost.within(bounds):
+        return ""
+    return (f"its profile would hold {format_bytes(cost.memory)} and take {cost.seconds:.1f} s, beyond "
+            f"{bounds.describe()}")
 
 
 @contextlib.contextmanager
@@ -109,24 +160,28 @@ def _on(model: nn.Module, device: torch.device) -> Iterator[None]:
 
 
 def config_profile(cfg: Any, batch: int, seq: int, precision: str, disk_dir: str | None,
-                   use_cache: bool = True) -> Profile:
+                   use_cache: bool = True, bounds: MeasureBounds | None = None,
+                   here: Machine | None = None) -> Profile:
     """``tiertrain plan --model``: the profile ``plan auto`` makes of the model (ours or a transformers
-    config) built on the meta device, one block measured here and cached, so both plan a model too
-    big to run alike."""
+    config) built on the meta device, one block measured here within ``bounds`` and cached, so both
+    plan a model too big to run alike."""
     from tiertrain.models import build
 
     model = build(cfg, device="meta")
-    key = profile_key(model, (batch, seq), precision, compute_device()) + "/one-block"
-    return cached_profile(key, lambda: _estimate(model, find_blocks(model), (batch, seq), precision, disk_dir, key),
-                          use_cache)[0]
+    device = compute_device()
+    here = here or probe(disk_dir)
+    key = profile_key(model, (batch, seq), precision, device) + "/one-block"
+    bounds = bounds or MeasureBounds.default(device)
+    return cached_profile(key, lambda: _estimate(model, find_blocks(model), (batch, seq), precision, here, key,
+                                                 bounds), use_cache)[0]
 
 
-def _estimate(model: nn.Module, found: list, shape: tuple | None, precision: str, disk: str | None, key: str,
-              why: str | None = None) -> Profile:
-    """The plain model cannot be measured (``why``: it did not fit on the device, the case tiertrain
-    exists for, or it has no weights yet): measure one of its blocks and scale; where even one
-    block cannot run, fall back to the analytic estimate (our models) or say what to do (others)."""
-    from tiertrain.engine.measure.one_block import BlockInputsUnknown, measure_one_block
+def _estimate(model: nn.Module, found: list, shape: tuple | None, precision: str, here: Machine, key: str,
+              bounds: MeasureBounds, why: str | None = None) -> Profile:
+    """The plain model cannot be measured (``why``: it would not fit the device or the bounds, the case
+    tiertrain exists for, or it has no weights yet): measure one of its blocks, at a reduced shape if
+    need be, and scale; where not even that fits, the FLOP estimate (our models) or say what to do."""
+    from tiertrain.engine.measure.one_block import BeyondBounds, BlockInputsUnknown, profile_one_block
 
     model.zero_grad(set_to_none=True)
     if torch.cuda.is_available():
@@ -138,22 +193,54 @@ def _estimate(model: nn.Module, found: list, shape: tuple | None, precision: str
             f"plan 'auto' measures one plain forward+backward on the device, and this model cannot run there "
             f"({why or 'it has no weights'}); give a plan instead: --plan max-offload, or a plan file written by "
             "`tiertrain plan --model ... --profile FILE`") from None
-    machine, flops = probe_machine(disk)
     if why:
-        log.warning("cannot profile the plain model (%s); measuring one of its blocks at batch %s and scaling",
-                    why, "x".join(map(str, shape)))
+        log.warning("cannot profile the plain model (%s); measuring one of its blocks and scaling", why)
     try:
-        return measure_one_block(model, found, cfg if ours else None, shape[:2], precision, compute_device(), machine,
-                                 flops, key)
-    except (torch.OutOfMemoryError, MemoryError, BlockInputsUnknown) as exc:
+        return profile_one_block(model, found, cfg if ours else None, shape[:2], precision, compute_device(), here,
+                                 key, bounds)
+    except (torch.OutOfMemoryError, MemoryError, BlockInputsUnknown, BeyondBounds) as exc:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        failed = "does not fit the device" if not isinstance(exc, BlockInputsUnknown) else f"cannot run: {exc}"
+        failed = ("does not fit the device" if isinstance(exc, (torch.OutOfMemoryError, MemoryError)) else
+                  f"cannot run: {exc}" if isinstance(exc, BlockInputsUnknown) else f"cannot be measured: {exc}")
         if not ours:
             raise ConfigError(f"plan 'auto' cannot profile this model ({why}) and one of its blocks {failed}; give a "
                               "plan instead: --plan max-offload, or a plan file written by `tiertrain plan`") from None
         log.warning("one block of %s %s; planning from its analytic profile", cfg.name or "the model", failed)
-        return analytic_profile(cfg, shape[0], shape[1], precision, disk)
+        profile = analytic_profile(cfg, shape[0], shape[1], precision, machine=here)
+        return dataclasses.replace(profile, source=f"{profile.source}: one block {failed}")
+
+
+def recheck(auto: AutoPlan, measured_s: list[float], measured_peaks: dict[str, int], plan: Plan) -> tuple[AutoPlan, str]:
+    """The prediction against the steps that ran; where it is off by more than ``MISPREDICT``, the
+    cached machine probe and profile are dropped (the next run measures both again), the machine is
+    probed again now and the running ``plan`` simulated on it: the corrected prediction is returned."""
+    med = statistics.median(measured_s)
+    sim = auto.prediction
+    off = sim.step_s / med - 1
+    peaks = ", ".join(f"{t} {format_bytes(sim.peaks[t])} / {format_bytes(measured_peaks[t])}"
+                      for t in ("device", "host", "disk") if t in measured_peaks)
+    line = (f"auto plan after {len(measured_s)} steps: predicted step {sim.step_s * 1e3:.1f} ms, measured "
+            f"{med * 1e3:.1f} ms ({off * 100:+.0f}%); tier peaks predicted / measured: {peaks}")
+    if abs(off) <= MISPREDICT:
+        return auto, line
+    cache.forget("profiles", auto.profile.key)
+    forget_probe(auto.disk_dir)
+    fresh = probe(auto.disk_dir, use_cache=False)
+    profile = dataclasses.replace(auto.profile, machine=fresh.rates())
+    again = simulate(plan, profile, auto.needs_all_grads)
+    fixed = dataclasses.replace(auto, prediction=again, profile=profile, corrected=True)
+    return fixed, (f"{line}; more than {MISPREDICT:.0%} off, so this machine was probed again "
+                   f"({_changes(auto.profile.machine, fresh.rates())}) and its cached profile dropped (the next run "
+                   f"measures it): corrected prediction {again.step_s * 1e3:.1f} ms ({(again.step_s / med - 1) * 100:+.0f}%)")
+
+
+def _changes(old: MachineProfile, new: MachineProfile) -> str:
+    names = {"h2d_bps": "copies in", "d2h_bps": "copies out", "disk_read_bps": "disk read",
+             "disk_write_bps": "disk write", "adam_params_per_s": "AdamW"}
+    moved = [f"{label} {getattr(old, f) / 1e9:.2f} -> {getattr(new, f) / 1e9:.2f} G/s" for f, label in names.items()
+             if abs(getattr(new, f) / getattr(old, f) - 1) > MISPREDICT]
+    return ", ".join(moved) or "no rate moved by more than 25%"
 
 
 class ProfileStep:

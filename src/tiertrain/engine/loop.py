@@ -340,7 +340,8 @@ class Trainer:
         if self.auto is None or not measured:
             return
         med, pred = float(np.median(measured)), self.auto.prediction.step_s
-        self.reporter.message(f"auto plan: predicted step {pred * 1e3:.1f} ms, measured {med * 1e3:.1f} ms "
+        self.reporter.message(f"auto plan: {'corrected ' if self.auto.corrected else ''}predicted step "
+                              f"{pred * 1e3:.1f} ms, measured {med * 1e3:.1f} ms "
                               f"(median of {len(measured)} steps after warm-up, {(pred / med - 1) * 100:+.0f}%)")
 
     def _row(self, loss: float, norm: float, seconds: float) -> dict[str, Any]:
@@ -361,10 +362,14 @@ class Trainer:
             row["slot_fetches"] = self.model.runtime.cache.pop_fetches()  # streamed blocks copied onto the device
             if self.model.runtime.plan.update == "lockfree":
                 row["staleness"] = self.model.runtime.pop_staleness()
-            if self.auto is not None and self.step > WARMUP_STEPS:  # beside the measured step_s and device peak
-                sim = self.auto.prediction
-                row["predicted"] = {"step_s": sim.step_s, "device_peak": sim.peaks["device"],
-                                    "bottleneck": sim.bottleneck}
+            if self.auto is not None and self.step > WARMUP_STEPS:  # beside the measured step_s and tier peaks
+                from tiertrain.engine.auto_plan import CHECK_AFTER, recheck
+
+                measured = self.step_seconds[WARMUP_STEPS:] + [seconds]
+                if len(measured) == CHECK_AFTER:  # held against the first steps; remeasured where far off
+                    self.auto, line = recheck(self.auto, measured, row["peak_bytes"], self.model.runtime.plan)
+                    self.reporter.message(line)
+                row["predicted"] = self.auto.predicted_row()
         if self.loss_scaler is not None:
             row["loss_scale"] = self.loss_scaler.get_scale()
         return row

@@ -13,7 +13,7 @@ from tiertrain.plan.bytes import (TRANSIENT_HINT, disk_passes_per_step, grad_cop
                                   widen_read_ahead)
 from tiertrain.planner.profile import Profile
 from tiertrain.planner.simulator import Simulation, simulate
-from tiertrain.planner.solvers import SOLVERS, Problem, Solution, dynamic_programming
+from tiertrain.planner.solvers import SOLVERS, Problem, Solution, dynamic_programming, feasible
 from tiertrain.units import format_bytes
 
 
@@ -32,7 +32,8 @@ def to_plan(s: Solution, p: Profile, update: str = "overlap", max_staleness: int
                              stream=c.stream, recompute=c.recompute, offload_hidden=c.offload_hidden)
                    for c, disk in zip(s.choices, s.disk_home))
     streams = any(c.stream for c in s.choices)
-    return Plan(blocks, BlockPlan(home=Tier.HOST), window=s.window if streams else 1,
+    rest_disk = len(s.disk_home) > len(s.choices) and s.disk_home[-1]
+    return Plan(blocks, BlockPlan(home=Tier.DISK if rest_disk else Tier.HOST), window=s.window if streams else 1,
                 prefetch=lifetime_prefetch(p, s.window) if streams else 0, update=update, name=f"auto/{s.solver}",
                 compute_dtype=p.compute_dtype, max_staleness=max_staleness,
                 read_ahead=p.read_ahead, update_workers=p.update_workers)
@@ -114,6 +115,14 @@ def choose(pb: Problem, solvers: tuple[str, ...] = tuple(SOLVERS), update: str =
                          f"{format_bytes(pb.disk)} with solvers {', '.join(solvers)}; {_smallest_hint(pb)}"
                          f"{_transient_hint(pb)}")
     return chosen, cands
+
+
+def fits(pb: Problem) -> bool:
+    """Whether any plan fits the budgets: the DP finds one wherever one exists (within its device
+    discretisation), with the default disk pipeline or the lean one ``choose`` falls back to. No
+    simulation and no hints: what ``--max-model`` asks of each candidate model."""
+    lean = dataclasses.replace(pb.profile, read_ahead=1, update_workers=1)
+    return feasible(pb) or (lean != pb.profile and feasible(dataclasses.replace(pb, profile=lean)))
 
 
 def _smallest_hint(pb: Problem) -> str:

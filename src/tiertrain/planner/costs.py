@@ -122,25 +122,28 @@ def _grads(p: Profile, b: BlockProfile) -> int:
 
 
 def base_host_bytes(p: Profile, disk_budget: int) -> int:
-    """Host bytes no switch removes: the gradients, the rest block's states, and whatever states
+    """Host bytes no switch removes: the gradients, and whatever states (the rest block's included)
     the disk cannot take. Device-homed blocks' gradients stay off the host, but the DP's host
     dimension only adds: counting them here errs towards refusing, and ``host_bytes`` (which
     every full assignment is checked with) counts them exactly."""
-    states = sum(_states(p, b) for b in p.blocks)
-    return _host_grads(p, [*p.blocks, p.rest]) + _states(p, p.rest) + max(0, states - disk_budget)
+    states = sum(_states(p, b) for b in (*p.blocks, p.rest))
+    return _host_grads(p, [*p.blocks, p.rest]) + max(0, states - disk_budget)
 
 
 def host_bytes(p: Profile, choices: tuple[Choice, ...], disk_home: tuple[bool, ...]) -> int:
     """Host bytes: grads of blocks not homed on the device, host-homed states, streamed params'
     host copies, stashes, and the disk-homed states the plan holds in host while it reads them
-    ahead, updates them and writes them back (``plan_bytes.tier_bytes``' rule)."""
-    total = _states(p, p.rest) + _host_grads(p, [p.rest] + [b for b, c in zip(p.blocks, choices) if not c.device_home])
+    ahead, updates them and writes them back (``plan_bytes.tier_bytes``' rule). ``disk_home`` has
+    one more entry than there are blocks where the rest block's states may go to disk too."""
+    rest_disk = len(disk_home) > len(p.blocks) and disk_home[-1]
+    total = (0 if rest_disk else _states(p, p.rest)) + _host_grads(
+        p, [p.rest] + [b for b, c in zip(p.blocks, choices) if not c.device_home])
     for b, c, disk in zip(p.blocks, choices, disk_home):
         if not c.device_home and not disk:
             total += _states(p, b)
         total += switch_host_bytes(p, b, c)
-    on_disk = sorted((_states(p, b) for b, d in zip(p.blocks, disk_home) if d), reverse=True)
-    return total + sum(on_disk[: p.read_ahead + 2 * p.update_workers])
+    on_disk = [_states(p, b) for b, d in zip(p.blocks, disk_home) if d] + ([_states(p, p.rest)] if rest_disk else [])
+    return total + sum(sorted(on_disk, reverse=True)[: p.read_ahead + 2 * p.update_workers])
 
 
 def _host_grads(p: Profile, blocks: list[BlockProfile]) -> int:
@@ -153,14 +156,18 @@ def _host_grads(p: Profile, blocks: list[BlockProfile]) -> int:
 
 def homes(p: Profile, choices: tuple[Choice, ...], host_budget: int, disk_budget: int) -> tuple[bool, ...] | None:
     """Which host-homed blocks send their states to disk so the host fits (first blocks first:
-    every block costs the same disk I/O). None when even that does not fit host and disk."""
-    disk = [False] * len(choices)
+    every block costs the same disk I/O), and last, where even that is not enough, the rest block's
+    (embeddings and head: with a wide vocabulary its states outweigh several blocks'). One entry per
+    block, then the rest's. None when even that does not fit host and disk."""
+    disk = [False] * (len(choices) + 1)
     for i, c in enumerate(choices):
         if host_bytes(p, choices, tuple(disk)) <= host_budget:
             break
         if not c.device_home:
             disk[i] = True
-    on_disk = sum(_states(p, b) for b, d in zip(p.blocks, disk) if d)
+    if host_bytes(p, choices, tuple(disk)) > host_budget:
+        disk[-1] = True
+    on_disk = sum(_states(p, b) for b, d in zip((*p.blocks, p.rest), disk) if d)
     if host_bytes(p, choices, tuple(disk)) > host_budget or on_disk > disk_budget:
         return None
     return tuple(disk)

@@ -30,6 +30,9 @@ class BlockProfile:
     act_bytes: int = field(metadata=at_least(0))  # everything autograd saves inside the block
     hidden_bytes: int = field(metadata=at_least(0))  # the block's input: all that recompute keeps
     recompute_s: float | None = field(default=None, metadata=_TIME)  # forward again in backward (None: forward_s)
+    # one forward's work, to carry its times to another machine (``planner.retarget``); 0: not known
+    flops: float = field(default=0.0, metadata=_TIME)          # matrix products and attention
+    traffic_bytes: float = field(default=0.0, metadata=_TIME)  # element-wise memory traffic besides the weights
 
     @property
     def recompute_seconds(self) -> float:
@@ -61,6 +64,7 @@ class Profile:
     transient_grads: bool = False      # overlap without clipping or accumulation: few grad chunks at once
     read_ahead: int = field(default=2, metadata=at_least(0))  # the plan's disk-homed blocks read in ahead
     update_workers: int = field(default=2, metadata=at_least(1))  # the plan's optimizer threads (Plan.update_workers)
+    source: str = ""                   # how its block figures were found (measured, reduced shape, estimate)
 
     @property
     def compute_bytes(self) -> int:

@@ -167,8 +167,15 @@ def _updates(plan, p, tl, grads_done, bstarts, order, device_end, needs_all_grad
             tl.run("h2d", done, share * b.params * p.compute_bytes / m.h2d_bps, f"publish {b.name}")
         if bp.home is Tier.DISK:
             tl.run("disk_write", done, share * b.params * STATE_BYTES / m.disk_write_bps, f"write {b.name}")
-    _, done = tl.run("cpu", device_end if plan.update == "sync" or needs_all_grads else 0.0,
-                     p.rest.params / m.adam_params_per_s, "adam rest")
+    ready = device_end if plan.update == "sync" or needs_all_grads else 0.0
+    rest_disk = plan.rest.home is Tier.DISK
+    share = disk_passes_per_step(plan.update, plan.max_staleness) if rest_disk else 1.0
+    if rest_disk:  # the embeddings' and head's states are read in and written back like a block's
+        ready = max(ready, tl.run("disk_read", 0.0, share * p.rest.params * STATE_BYTES / m.disk_read_bps,
+                                  "read rest")[1])
+    _, done = tl.run("cpu", ready, share * p.rest.params / m.adam_params_per_s, "adam rest")
+    if rest_disk:
+        tl.run("disk_write", done, share * p.rest.params * STATE_BYTES / m.disk_write_bps, "write rest")
     change(max(done, device_end), grad_tier(plan.rest).value, -pages(p.rest.params * GRAD_BYTES, p.page, bound=False))
 
 

@@ -45,3 +45,11 @@ def store(kind: str, key: str, value: Any) -> None:
         os.replace(tmp, path)
     except OSError:
         tmp.unlink(missing_ok=True)
+
+
+def forget(kind: str, key: str) -> None:
+    """Drop the value stored for ``key`` (a measurement found wrong), so the next run measures again."""
+    try:
+        _path(kind, key).unlink(missing_ok=True)
+    except OSError:
+        pass

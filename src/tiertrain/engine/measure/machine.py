@@ -1,65 +1,157 @@
-"""A quick probe of the machine: link, disk and optimizer speeds, and the device's matmul rate.
+"""This machine's description, measured (``tiertrain probe``): link, disk, optimizer, memory and
+matmul speeds, and its memory sizes, in a few seconds.
 
-Cached per host, device kind and disk directory in the one measurement cache, so only the first
-run on a machine pays its two seconds.
+Kept per host, device kind and disk directory in the one measurement cache, so only the first run
+on a machine pays; but only a probe taken on a quiet machine is kept (``load``): a busy one reads
+every rate low and would mislead every later plan. A cached probe that a run's steps prove wrong is
+dropped and measured again (``engine.auto_plan.AutoPlan.recheck``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import os
+import shutil
 import socket
 import time
-from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from tiertrain import typed
 from tiertrain.engine.measure import cache
 from tiertrain.engine.measure.disk import measure_disk
+from tiertrain.engine.measure.load import LoadMeter
 from tiertrain.errors import ConfigError
+from tiertrain.planner.machine import Machine, PerDtype
 from tiertrain.planner.profile import MachineProfile
+from tiertrain.precisions import PRECISIONS, torch_dtype
 
 MiB = 1 << 20
+log = logging.getLogger("tiertrain")
 
 
-def _rate(fn, nbytes: int, repeat: int = 3) -> float:
+def _rate(fn: Callable[[], object], amount: float, repeat: int = 3) -> float:
+    """``amount`` (bytes, FLOPs) over the best of ``repeat`` timed calls, after one untimed."""
+    fn()
     best = float("inf")
     for _ in range(repeat):
         t = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - t)
-    return nbytes / best
+    return amount / best
+
+
+def probe_key(disk_dir: str | None) -> str:
+    """Which cached probe a run may reuse: same host, device kind and disk directory."""
+    return f"v4:{socket.gethostname()}:{'cuda' if torch.cuda.is_available() else 'cpu'}:{disk_dir or '-'}"
+
+
+def probe(disk_dir: str | None = None, use_cache: bool = True) -> Machine:
+    """This machine's description, from the cache or measured (and kept if the machine was quiet)."""
+    key = probe_key(disk_dir)
+    known = cache.load("machine", key) if use_cache else None
+    if known is not None:
+        try:
+            return typed.load(Machine, known, "cached machine probe")
+        except ConfigError:
+            pass  # damaged, or from another version: measure again
+    with LoadMeter() as meter:
+        machine = _measure(disk_dir)
+    machine = dataclasses.replace(machine, load=meter.load)
+    if meter.load.busy:
+        log.warning("the machine was busy while it was probed (others used %.1f of %d cores): its figures are "
+                    "used once and not cached", meter.load.others_cores, meter.load.cores)
+    else:
+        cache.store("machine", key, dataclasses.asdict(machine))
+    return machine
+
+
+def forget(disk_dir: str | None) -> None:
+    """Drop this machine's cached probe, so the next run measures it again."""
+    cache.forget("machine", probe_key(disk_dir))
 
 
 def probe_machine(disk_dir: str | None = None, use_cache: bool = True) -> tuple[MachineProfile, float]:
-    """(link and optimizer speeds, device matmul FLOP/s), measured in about two seconds."""
-    key = f"v3:{socket.gethostname()}:{'cuda' if torch.cuda.is_available() else 'cpu'}:{disk_dir or '-'}"
-    known = cache.load("machine", key) if use_cache else None
-    if isinstance(known, dict):
-        try:
-            return typed.load(MachineProfile, known.get("machine"), "cached machine probe"), float(known["flops"])
-        except (ConfigError, KeyError, TypeError, ValueError):
-            pass  # damaged: measure again
+    """(the simulator's rates, fp32 matmul FLOP/s) of ``probe``, as the benchmarks read them."""
+    machine = probe(disk_dir, use_cache)
+    return machine.rates(), machine.matmul_flops.fp32
+
+
+def _measure(disk_dir: str | None) -> Machine:
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
-    src = torch.empty(64 * MiB, dtype=torch.uint8, pin_memory=cuda)
-    dst = torch.empty(64 * MiB, dtype=torch.uint8, device=dev)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    h2d = _rate(lambda: (dst.copy_(src, non_blocking=True), sync()), src.numel())
-    d2h = _rate(lambda: (src.copy_(dst, non_blocking=True), sync()), src.numel())
+    h2d, d2h = _copies(dev, sync)
     read, write, disk_cpu = 1e9, 1e9, 0.0
     if disk_dir:  # as the disk tier moves pages: 1 MiB, 8 in flight, checksummed
         rates = measure_disk(Path(disk_dir), MiB, 64 * MiB, 8, verify=True)
         read, write, disk_cpu = rates.read_bps, rates.write_bps, rates.cpu_s_per_byte
-    n = 4 * MiB
-    p, g, m1, m2 = (torch.randn(n) for _ in range(4))
-    step = [torch.zeros(())]
+    from tiertrain.engine.measure.page_size import measured_page_size
+
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return Machine(name=_name(dev), device=dev.type,
+                   device_memory=torch.cuda.get_device_properties(dev).total_memory if cuda else ram,
+                   host_memory=ram, peak_flops=PerDtype(0.0, 0.0, 0.0), matmul_flops=_matmuls(dev, sync),
+                   memory_bps=_memory_bps(dev, sync), h2d_bps=h2d, d2h_bps=d2h, disk_read_bps=read,
+                   disk_write_bps=write, adam_params_per_s=_adam(), disk_cpu_s_per_byte=disk_cpu,
+                   disk_bytes=shutil.disk_usage(disk_dir).free if disk_dir else 0,
+                   page_size=measured_page_size(disk_dir, dev),
+                   source=f"measured by tiertrain probe on {time.strftime('%Y-%m-%d %H:%M')}")
+
+
+def _name(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return f"{socket.gethostname()} ({torch.cuda.get_device_name(dev)})"
+    return f"{socket.gethostname()} ({_cpu_model()}, {len(os.sched_getaffinity(0))} cores)"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "CPU"
+
+
+def _copies(dev: torch.device, sync: Callable[[], None]) -> tuple[float, float]:
+    cuda = dev.type == "cuda"
+    src = torch.empty(64 * MiB, dtype=torch.uint8, pin_memory=cuda)
+    dst = torch.empty(64 * MiB, dtype=torch.uint8, device=dev)
+    h2d = _rate(lambda: (dst.copy_(src, non_blocking=True), sync()), src.numel())
+    d2h = _rate(lambda: (src.copy_(dst, non_blocking=True), sync()), src.numel())
+    return h2d, d2h
+
+
+def _adam() -> float:
+    """Fused AdamW over 32 M parameters: 512 MiB of states and gradients, beyond any cache, as a
+    block's are (4 M, the earlier probe's, fit in this machine's L3 and read 3.3 G params/s, 1.7 here)."""
     from torch.optim.adamw import adamw
 
-    adam = _rate(lambda: adamw([p], [g], [m1], [m2.abs()], [], step, fused=True, amsgrad=False, beta1=0.9,
-                               beta2=0.95, lr=1e-4, weight_decay=0.0, eps=1e-8, maximize=False), n)
-    a = torch.randn(1024, 1024, device=dev)
-    flops = _rate(lambda: (a @ a, sync()), 2 * 1024**3)
-    machine = MachineProfile(h2d, d2h, read, write, adam, device_is_host=not cuda, disk_cpu_s_per_byte=disk_cpu)
-    cache.store("machine", key, {"machine": asdict(machine), "flops": flops})
-    return machine, flops
+    n = 32 * MiB
+    p, g, m1, m2 = (torch.randn(n) for _ in range(4))
+    m2 = m2.abs()
+    step = [torch.zeros(())]
+    return _rate(lambda: adamw([p], [g], [m1], [m2], [], step, fused=True, amsgrad=False, beta1=0.9, beta2=0.95,
+                               lr=1e-4, weight_decay=0.0, eps=1e-8, maximize=False), n)
+
+
+def _matmuls(dev: torch.device, sync: Callable[[], None]) -> PerDtype:
+    """Achieved FLOP/s of a square matrix product per precision (2048 on CPU, 4096 on a GPU)."""
+    n = 4096 if dev.type == "cuda" else 2048
+    rates = []
+    for name in PRECISIONS:
+        a = torch.randn(n, n, device=dev).to(torch_dtype(name))
+        rates.append(_rate(lambda a=a: (a @ a, sync()), 2 * n**3))
+    return PerDtype(*rates)
+
+
+def _memory_bps(dev: torch.device, sync: Callable[[], None]) -> float:
+    """Bytes read and written per second by an element-wise op (an add of 128 MiB tensors), as the
+    norms, activations and residuals of a block move theirs (384 MiB: beyond the caches)."""
+    a, b, c = (torch.ones(32 * MiB, device=dev) for _ in range(3))
+    return _rate(lambda: (torch.add(a, b, out=c), sync()), 3 * a.numel() * 4)

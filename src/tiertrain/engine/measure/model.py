@@ -35,17 +35,28 @@ def profile_key(model: nn.Module, shape: tuple[int, ...], precision: str, device
 
 
 class _SavedBytes:
-    """A saved-tensor hook pair that adds up what autograd keeps, once per storage, parameters aside."""
+    """A saved-tensor hook pair that adds up what autograd keeps, once per storage, parameters aside;
+    and autocast's 16-bit copies of them: a tiered run computes with 16-bit parameters in their device
+    slots, so its autograd keeps those, not copies (they cost 2 bytes per weight per block)."""
 
     def __init__(self, params: set[int]) -> None:
         self.params, self.seen, self.bytes = params, set(), 0
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         ptr = t.untyped_storage().data_ptr()
-        if ptr not in self.params and ptr not in self.seen:
+        if ptr not in self.params and ptr not in self.seen and not self._cast_of_param(t):
             self.seen.add(ptr)
             self.bytes += t.untyped_storage().nbytes()
         return t
+
+    def _cast_of_param(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` (or the tensor it views) is a dtype copy made straight from a parameter."""
+        base = t._base if t._base is not None else t
+        fn = base.grad_fn
+        if fn is None or type(fn).__name__ != "ToCopyBackward0" or not fn.next_functions:
+            return False
+        leaf = getattr(fn.next_functions[0][0], "variable", None)
+        return leaf is not None and leaf.untyped_storage().data_ptr() in self.params
 
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
@@ -189,5 +200,6 @@ def cached_profile(key: str, measure: Callable[[], Profile], use_cache: bool = T
         except ConfigError:
             pass
     profile = measure()
-    cache.store("profiles", key, dataclasses.asdict(profile))
+    if not profile.source.startswith("FLOP estimate"):  # an estimate costs nothing to make again
+        cache.store("profiles", key, dataclasses.asdict(profile))
     return profile, False

@@ -1,0 +1,124 @@
+"""``tiertrain plan --max-model``: the largest GPT-3-shaped model a machine trains with any plan, the
+figure the papers lead with (STRONGHOLD: 39.5B on one 32 GB V100), beside the capacity bound
+(device + host + disk) / 16 bytes per parameter.
+
+The family: GPT-3's shape (ANGEL-PTM Table 4, FOLD3D Table 1): heads of 128, a 4x MLP, vocabulary
+50257, d_model = 128 x n_layer as GPT-3 6.7B, 13B and 175B have it. The search takes the deepest
+member that fits, then deepens that width while it still fits (a model past the family's next width
+may still fit deeper). A model fits when the DP finds any plan within the budgets
+(``planner.auto.fits``); each is planned from its FLOP-and-bytes estimate at the machine's rates,
+so no model is built or run, and the answer's predicted step comes from every solver.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+from tiertrain.engine.measure.analytic import analytic_profile
+from tiertrain.errors import UserError
+from tiertrain.models.accounting import param_count
+from tiertrain.models.config import ModelConfig
+from tiertrain.planner.auto import Candidate, choose, fits, run_profile
+from tiertrain.planner.machine import Machine, TierSizes
+from tiertrain.planner.profile import Profile
+from tiertrain.planner.solvers import Problem
+
+HEAD_DIM = 128
+VOCAB = 50257
+
+
+def gpt3_shape(layers: int, width: int | None = None, seq: int = 2048) -> ModelConfig:
+    """A GPT-3-shaped model of ``layers`` blocks; ``width`` defaults to the family's 128 x layers."""
+    d = width or HEAD_DIM * layers
+    return ModelConfig(n_layer=layers, n_head=max(1, d // HEAD_DIM), d_model=d, d_ffn=4 * d, vocab_size=VOCAB,
+                       max_seq_len=max(2048, seq), name=f"gpt3-shape-{layers}x{d}")
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What each candidate is planned for: the run's batch shape, precision and update mode."""
+
+    batch: int
+    seq: int
+    precision: str
+    update: str
+    needs_all_grads: bool
+    max_staleness: int
+    page: int
+    levels: int | None = None   # the DP's device levels (default: 4 per block, at least 128)
+
+
+@dataclass(frozen=True)
+class Largest:
+    cfg: ModelConfig
+    params: int
+    chosen: Candidate
+    candidates: list[Candidate]
+    profile: Profile
+    family: ModelConfig          # the family's largest before deepening
+    sizes: TierSizes
+
+    @property
+    def bound_params(self) -> int:
+        return self.sizes.capacity_params
+
+
+class NothingFits(UserError):
+    """Not even the smallest model of the family fits the machine."""
+
+
+def profile_for(cfg: ModelConfig, machine: Machine, run: RunShape) -> Profile:
+    profile = analytic_profile(cfg, run.batch, run.seq, run.precision, machine=machine)
+    return run_profile(dataclasses.replace(profile, page=run.page), run.update, run.max_staleness, run.needs_all_grads)
+
+
+def model_fits(cfg: ModelConfig, machine: Machine, sizes: TierSizes, run: RunShape) -> bool:
+    pb = Problem.sized(profile_for(cfg, machine, run), sizes.device, sizes.host, sizes.disk, run.levels)
+    return fits(pb)
+
+
+def _last_fitting(lo: int, hi: int, fit: Callable[[int], bool]) -> int:
+    """The largest n in [lo, hi) with fit(n), given fit(lo), not fit(hi) and fit monotone."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fit(mid) else (lo, mid)
+    return lo
+
+
+def _gallop(lo: int, limit: int, fit: Callable[[int], bool]) -> int:
+    """``_last_fitting`` from ``lo`` upwards in steps 1, 2, 4, ...: cheap where the answer is near
+    ``lo`` (a deeper model is planned with more blocks, so probing far above costs the most)."""
+    step = 1
+    while lo + step < limit and fit(lo + step):
+        lo, step = lo + step, 2 * step
+    return _last_fitting(lo, min(lo + step, limit), fit)
+
+
+def _beyond_capacity(sizes: TierSizes, params: Callable[[int], int]) -> int:
+    """The first n whose model exceeds the capacity bound: it cannot fit, so the search stops there."""
+    n = 1
+    while params(n) <= sizes.capacity_params:
+        n *= 2
+    return n
+
+
+def largest_model(machine: Machine, sizes: TierSizes, run: RunShape) -> Largest:
+    """The largest family member that fits, deepened at its width while it fits, and its best plan."""
+    def family(layers: int) -> bool:
+        return model_fits(gpt3_shape(layers, seq=run.seq), machine, sizes, run)
+
+    if not family(1):
+        raise NothingFits(f"not even a 1-block GPT-3-shaped model (width {HEAD_DIM}) fits {machine.name} with "
+                          f"device {sizes.device >> 20} MiB, host {sizes.host >> 20} MiB, disk {sizes.disk >> 20} MiB "
+                          "at this batch shape; give more memory, a disk, or a smaller --batch/--seq")
+    layers = _last_fitting(1, _beyond_capacity(sizes, lambda n: param_count(gpt3_shape(n, seq=run.seq))), family)
+    width = HEAD_DIM * layers
+    deeper = _beyond_capacity(sizes, lambda n: param_count(gpt3_shape(n, width, run.seq)))
+    deep = _gallop(layers, deeper, lambda n: model_fits(gpt3_shape(n, width, run.seq), machine, sizes, run))
+    cfg = gpt3_shape(deep, width, run.seq)
+    profile = profile_for(cfg, machine, run)
+    chosen, cands = choose(Problem.sized(profile, sizes.device, sizes.host, sizes.disk, run.levels),
+                           update=run.update, needs_all_grads=run.needs_all_grads, max_staleness=run.max_staleness)
+    return Largest(cfg, param_count(cfg), chosen, cands, profile, gpt3_shape(layers, seq=run.seq), sizes)

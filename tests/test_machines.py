@@ -1,0 +1,253 @@
+"""Machine descriptions (issue 20): typed JSON, built-in datasheets, probes that know the load they ran
+under, planning for a described machine, and the largest model a machine trains."""
+
+import dataclasses
+import io
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tiertrain.errors import ConfigError
+from tiertrain.planner.machine import Link, Load, Machine, PerDtype, TierSizes
+
+MiB, GiB = 1 << 20, 1 << 30
+
+
+def small_machine(**changes) -> Machine:
+    """A CPU-only machine of made-up rates (its device tier is host RAM, as here)."""
+    m = Machine(name="small", device="cpu", device_memory=8 * GiB, host_memory=8 * GiB,
+                peak_flops=PerDtype(0.0, 0.0, 0.0), matmul_flops=PerDtype(2e11, 1e12, 2e11), memory_bps=2e10,
+                h2d_bps=1e10, d2h_bps=1e10, disk_read_bps=2e9, disk_write_bps=2e9, adam_params_per_s=1e9,
+                disk_bytes=64 * GiB, page_size=64 << 10, network=(Link("eth", 1.25e9),), source="test",
+                load=Load(others_cores=0.0, cores=2))
+    return dataclasses.replace(m, **changes)
+
+
+def test_a_machine_description_round_trips_through_json_and_is_checked_field_by_field(tmp_path):
+    from tiertrain.planner.datasheets import BUILTIN, UnknownMachine, find_machine
+
+    assert {"h100-sxm-80gb", "h200", "a100-80gb", "a100-40gb", "rtx-4090", "v100-32gb"} <= set(BUILTIN)
+    for m in (*BUILTIN.values(), small_machine()):
+        assert Machine.from_json(m.to_json()) == m
+    path = tmp_path / "m.json"
+    path.write_text(small_machine().to_json())
+    assert find_machine(str(path)) == small_machine() and find_machine("h200") is BUILTIN["h200"]
+    data = json.loads(small_machine().to_json())
+    with pytest.raises(ConfigError, match="disk_read_bps must be > 0"):
+        Machine.from_json(json.dumps({**data, "disk_read_bps": 0}))
+    with pytest.raises(ConfigError, match="did you mean 'h2d_bps'"):
+        Machine.from_json(json.dumps({**data, "h2d_bpz": 1}))
+    with pytest.raises(ConfigError, match="matmul_flops: bf16 must be a number"):
+        Machine.from_json(json.dumps({**data, "matmul_flops": {"fp32": 1.0, "bf16": "fast", "fp16": 1.0}}))
+    with pytest.raises(UnknownMachine, match="tiertrain probe --out"):
+        find_machine("h1000")
+    # a machine without a rate for the plan's precision says so (the V100 has no bf16)
+    with pytest.raises(ConfigError, match="no bf16 matmul rate"):
+        BUILTIN["v100-32gb"].matmul("bf16")
+
+
+def test_the_planner_modules_load_no_torch():
+    code = ("import sys; import tiertrain.planner.machine, tiertrain.planner.datasheets, tiertrain.planner.retarget; "
+            "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'tiertrain.models', "
+            "'tiertrain.memory', 'tiertrain.runtime'))); print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_a_profile_carried_to_another_machine_scales_compute_by_its_rates():
+    """Twice the matmul rate and twice the memory bandwidth halve every roofline time, so every block
+    time halves; links, disk and optimizer become the target's; the same machine changes nothing;
+    a block without recorded work scales by the matmul rates alone."""
+    from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
+    from tiertrain.planner.retarget import for_machine
+
+    here = small_machine()
+    there = dataclasses.replace(here, name="twice", matmul_flops=PerDtype(4e11, 2e12, 4e11), memory_bps=4e10,
+                                disk_read_bps=1e8)
+    worked = BlockProfile("b", 0.3, 0.6, 1000, 10, 5, recompute_s=0.3, flops=1e9, traffic_bytes=1e6)
+    bare = BlockProfile("b", 0.3, 0.6, 1000, 10, 5)
+    p = Profile((worked, bare), worked, MachineProfile(1e9, 1e9, 1e9, 1e9, 1e9), compute_dtype="fp32")
+    moved = for_machine(p, here, there)
+    assert [b.forward_s for b in moved.blocks] == pytest.approx([0.15, 0.15])
+    assert moved.blocks[0].recompute_s == pytest.approx(0.15) and moved.rest.backward_s == pytest.approx(0.3)
+    assert moved.machine == there.rates() and moved.machine.disk_read_bps == 1e8
+    slower_memory = dataclasses.replace(there, memory_bps=1e10)  # memory-bound work: only its share slows
+    mixed = for_machine(p, here, slower_memory).blocks
+    assert mixed[0].forward_s > 0.15 and mixed[1].forward_s == pytest.approx(0.15)
+    same = for_machine(p, here, here)
+    assert same.blocks == p.blocks and same.machine == here.rates()
+
+
+def _cli(*args: str) -> int:
+    from tiertrain.cli.main import main
+
+    return main(list(args))
+
+
+def _request(**changes):
+    from tiertrain.cli.plan import PlanRequest
+
+    base = dict(model="gpt-small", batch=2, seq=64, precision="fp32", device_memory="16MiB", host_memory="48MiB",
+                disk=None, profile_file=None, solvers=("dp",), levels=None, page_size=None, update="sync",
+                max_staleness=1, grad_clip=1.0, grad_accum=1, machine=None, max_model=False, measure_memory=None,
+                measure_seconds=None)
+    return PlanRequest(**{**base, **changes})
+
+
+def test_two_machines_differing_only_in_disk_bandwidth_move_the_bottleneck_as_the_simulator_says(tmp_path):
+    """The same model and budgets, its states on disk (the host cannot hold them): on a fast disk the
+    step is bound by something else; with a disk 1000x slower, by the disk, and the step takes at
+    least its disk time (reads and writes share the disk at once), as the simulation of the chosen plan
+    says; the printout says so too."""
+    from rich.console import Console
+
+    from tiertrain.cli.plan import run_plan
+
+    fast = small_machine(device="cuda", device_memory=GiB, host_memory=GiB, disk_read_bps=5e9, disk_write_bps=5e9)
+    slow = dataclasses.replace(fast, disk_read_bps=5e6, disk_write_bps=5e6)
+    assert [f.name for f in dataclasses.fields(Machine) if getattr(fast, f.name) != getattr(slow, f.name)] == \
+        ["disk_read_bps", "disk_write_bps"]
+    sims = {}
+    for name, m in (("fast", fast), ("slow", slow)):
+        (tmp_path / f"{name}.json").write_text(m.to_json())
+        console = Console(record=True, width=200)
+        chosen = run_plan(_request(machine=str(tmp_path / f"{name}.json"), disk=f"{tmp_path}:1GiB"), console)
+        assert any(b.home.value == "disk" for b in chosen.plan.blocks)
+        assert f"bottleneck {chosen.sim.bottleneck}" in console.export_text()
+        sims[name] = chosen.sim
+    assert not sims["fast"].bottleneck.startswith("disk") and sims["slow"].bottleneck.startswith("disk")
+    slow_sim = sims["slow"]
+    disk_s = max(slow_sim.timeline.busy("disk_read"), slow_sim.timeline.busy("disk_write"))
+    assert slow_sim.step_s >= disk_s - 1e-9 and slow_sim.step_s > 10 * sims["fast"].step_s
+
+
+def test_planning_for_the_probed_description_gives_the_same_plan_as_planning_here(tmp_path, monkeypatch, capsys):
+    """`tiertrain probe --out m.json` then `plan --machine m.json`: the same plan, prediction and page
+    size as `plan` on this machine with no --machine (the probe is kept: the test holds the load quiet)."""
+    monkeypatch.setenv("TIERTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(Load, "busy", property(lambda self: False))
+    disk = tmp_path / "disk"
+    assert _cli("probe", "--disk", str(disk), "--out", str(tmp_path / "m.json")) == 0
+    capsys.readouterr()
+    probed = Machine.read(tmp_path / "m.json")
+    assert probed.matmul_flops.fp32 > 0 and probed.load is not None and probed.page_size > 0
+    page = probed.page_size  # chunks take whole pages of the size measured here: budgets in pages, so some stream
+    common = ["plan", "--model", "gpt-small", "--batch", "2", "--seq", "64", "--device-memory", str(8 * page),
+              "--host-memory", str(64 * page), "--disk", f"{disk}:4GiB"]
+    assert _cli(*common, "--out", str(tmp_path / "here.json")) == 0
+    here = capsys.readouterr().out
+    assert _cli(*common, "--machine", str(tmp_path / "m.json"), "--out", str(tmp_path / "there.json")) == 0
+    there = capsys.readouterr().out
+    assert (tmp_path / "here.json").read_text() == (tmp_path / "there.json").read_text()
+    assert here.splitlines()[-7:-1] == there.splitlines()[-7:-1]  # the prediction, peaks and every solver's
+    assert "predicted step" in here and "planned for" not in here
+    assert any(b["stream"] for b in json.loads((tmp_path / "here.json").read_text())["blocks"])
+    # in process, to the last bit: the same simulated step and peaks
+    from rich.console import Console
+
+    from tiertrain.cli.plan import run_plan
+
+    quiet = Console(file=io.StringIO())
+    flags = dict(model="gpt-small", batch=2, seq=64, device_memory=str(8 * page), host_memory=str(64 * page),
+                 disk=f"{disk}:4GiB", solvers=())
+    a, b = run_plan(_request(**flags), quiet), run_plan(_request(**flags, machine=str(tmp_path / "m.json")), quiet)
+    assert a.plan == b.plan and a.sim.step_s == b.sim.step_s and a.sim.peaks == b.sim.peaks
+
+
+def test_a_probe_taken_while_the_machine_is_busy_is_not_cached(tmp_path, monkeypatch):
+    from tiertrain.engine.measure import cache, load
+    from tiertrain.engine.measure import machine as probing
+
+    monkeypatch.setenv("TIERTRAIN_CACHE_DIR", str(tmp_path))
+    others = {"cores": 1.5}
+
+    class Meter:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.load = Load(others_cores=others["cores"], cores=2)
+
+    monkeypatch.setattr(probing, "LoadMeter", Meter)
+    busy = probing.probe(None, use_cache=False)
+    assert busy.load.busy and cache.load("machine", probing.probe_key(None)) is None
+    others["cores"] = 0.05
+    quiet = probing.probe(None)
+    assert not quiet.load.busy and cache.load("machine", probing.probe_key(None))["load"]["others_cores"] == 0.05
+    assert probing.probe(None) == quiet  # from the cache now
+    del load
+
+
+def test_the_load_meter_sees_another_process_taking_the_cores():
+    from tiertrain.engine.measure.load import LoadMeter
+
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        with LoadMeter() as meter:
+            time.sleep(1.0)
+    finally:
+        hog.kill()
+        hog.wait()
+    assert meter.load.others_cores >= 0.5 and meter.load.busy
+    with LoadMeter() as mine:  # our own work is not "others"
+        end = time.perf_counter() + 0.5
+        while time.perf_counter() < end:
+            pass
+    assert mine.load.others_cores < meter.load.others_cores
+
+
+def test_max_model_agrees_with_the_budget_check(tmp_path):
+    """On a small machine the answer's plan passes the runtime's budget check; the next larger models
+    (one block deeper at its width, and the family's next) fit no plan: the DP finds none, and the
+    runtime refuses even the most frugal plan (every block streamed through one slot, recomputed,
+    states on disk, one block read ahead)."""
+    from tiertrain.engine.largest_model import RunShape, gpt3_shape, largest_model, model_fits
+    from tiertrain.memory import Budgets
+    from tiertrain.models import build, param_count
+    from tiertrain.plan import builtin_plan
+    from tiertrain.runtime.blocks import find_blocks
+    from tiertrain.runtime.budget_check import fits
+
+    machine, page = small_machine(), 64 << 10
+    sizes = TierSizes(device=128 * MiB, host=GiB, disk=8 * GiB)
+    run = RunShape(batch=1, seq=64, precision="fp32", update="sync", needs_all_grads=True, max_staleness=1, page=page)
+    found = largest_model(machine, sizes, run)
+    budgets = Budgets(sizes.device, sizes.host, sizes.disk, str(tmp_path))
+    assert found.cfg.n_layer >= found.family.n_layer > 1 and found.params == param_count(found.cfg)
+    assert found.params < found.bound_params
+    blocks = find_blocks(build(found.cfg, device="meta"))
+    assert fits(blocks, found.chosen.plan, budgets, page)
+    assert found.chosen.sim.peaks["device"] <= sizes.device and found.chosen.sim.peaks["host"] <= sizes.host
+
+    def frugal(n: int):
+        p = builtin_plan("max-offload", n, disk=True)
+        return dataclasses.replace(p, window=1, prefetch=0, read_ahead=1, update_workers=1)
+
+    for bigger in (gpt3_shape(found.cfg.n_layer + 1, found.cfg.d_model, 64), gpt3_shape(found.family.n_layer + 1, seq=64)):
+        assert not model_fits(bigger, machine, sizes, run), bigger.name
+        assert not fits(find_blocks(build(bigger, device="meta")), frugal(bigger.n_layer), budgets, page), bigger.name
+
+
+def test_max_model_from_the_command_line_prints_the_answer_beside_the_capacity_bound(tmp_path, capsys):
+    rc = _cli("plan", "--max-model", "--machine", "a100-40gb", "--precision", "bf16", "--update", "overlap",
+              "--grad-clip", "0", "--out", str(tmp_path / "plan.json"))
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "largest GPT-3-shaped model that fits" in out and "capacity bound" in out and "predicted step" in out
+
+
+def test_bench_description_predicts_three_plans_from_the_description_beside_their_runs(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(Load, "busy", property(lambda self: False))
+    (tmp_path / "m.json").write_text(small_machine().to_json())
+    rc = _cli("bench", "description", "--d-model", "64", "--layers", "2", "--batch-size", "2", "--seq-len", "16",
+              "--steps", "1", "--rounds", "1", "--disk-dir", str(tmp_path / "disk"), "--machine", str(tmp_path / "m.json"))
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "FLOP estimate at small's rates" in out
+    for plan in ("resident", "stream", "disk-homed"):
+        line = next(x for x in out.splitlines() if x.startswith(plan))
+        assert "from the description" in line and "predicted/measured" in line

@@ -338,3 +338,40 @@ def test_without_budgets_setup_takes_them_from_the_machine_and_says_so(tmp_path,
     finally:
         tm.runtime.close()
         tm.runtime.mem.close()
+
+
+@pytest.mark.parametrize("update,accum", [("sync", 1), ("overlap", 2)])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "ours"])
+def test_plan_auto_without_a_profile_function_plans_from_the_first_step_and_stays_bitwise(tmp_path, capsys, name,
+                                                                                          update, accum):
+    """The loop's first step runs under max-offload and is the profile; the chosen plan takes over at
+    the step boundary (states moved between tiers), and the losses are plain PyTorch's bitwise."""
+    model, opt = _fresh(MODELS[name])
+    budgets = Budgets(64 << 20, 64 << 20, 64 << 20, str(tmp_path / "disk"))
+    tm, topt = tiertrain.setup(model, opt, budgets, update=update, grad_accum=accum, max_grad_norm=1.0,
+                               page_size=PAGE)
+    seen, rt = [], tm.runtime
+    at_setup = {g.states[0].tier for g in rt.groups}
+    topt.register_step_pre_hook(lambda *_: seen.append(rt.plan.name))  # the plan each step ran under
+    try:
+        got = no_trainer_loop(tm, topt, 4, accum)
+        first = tiertrain.engine.first_step_auto.first_plan(len(rt.groups) - 1, True, update)
+        assert seen[0] == "max-offload" and at_setup == {bp.home for bp in (*first.blocks, first.rest)}
+        assert tm.auto_plan is not None and rt.plan == tm.auto_plan.plan and rt.plan.blocks != first.blocks
+        assert seen[1:] == [rt.plan.name] * 3
+        assert {g.states[0].tier for g in rt.groups} == {bp.home for bp in (*rt.plan.blocks, rt.plan.rest)}
+        assert Tier.DISK not in {g.states[0].tier for g in rt.groups}  # 64 MiB of each: nothing needs the disk
+        assert "after the first step, auto plan" in capsys.readouterr().err
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()
+    assert got == _plain(name, 4, accum)
+
+
+def test_plan_auto_without_a_profile_function_is_refused_where_it_cannot_replan(tmp_path):
+    model, _ = _fresh(OURS)
+    with pytest.raises(ConfigError, match="forward-only run.*profile_step"):
+        tiertrain.setup(model, None, Budgets(64 << 20, 64 << 20), train=False, page_size=PAGE)
+    model, opt = _fresh(OURS)
+    with pytest.raises(tiertrain.runtime.budget_check.PlanDoesNotFit, match="first step under 'max-offload'"):
+        tiertrain.setup(model, opt, Budgets(1 << 10, 1 << 10), page_size=PAGE)

@@ -21,4 +21,11 @@ def __getattr__(name: str):
         from tiertrain.plan import Plan
 
         return Plan
+    if name in _SUBPACKAGES:  # ``tiertrain.models.build(...)`` without importing tiertrain.models first
+        import importlib
+
+        return importlib.import_module(f"tiertrain.{name}")
     raise AttributeError(name)
+
+
+_SUBPACKAGES = ("models", "engine", "memory", "plan", "planner", "runtime", "parallel", "optim", "data")

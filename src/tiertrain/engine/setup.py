@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from tiertrain.engine.budgets import machine_budgets
+from tiertrain.engine.first_step_auto import FIRST_PLAN, FirstStepAuto, first_plan, first_step_auto
 from tiertrain.engine.measure.page_size import page_size_for
 from tiertrain.engine.tiered_module import TieredModule, tiered_in_place
 from tiertrain.engine.tiered_optimizer import TieredOptimizer
@@ -38,7 +39,7 @@ from tiertrain.plan import DEFAULT_MAX_STALENESS, Plan, RunOptions, check_update
 from tiertrain.plan.bytes import bounds_grads, page_for_states, widen_read_ahead
 from tiertrain.plan.bytes import transient as transient_grads
 from tiertrain.runtime.blocks import block_numel, find_blocks
-from tiertrain.runtime.budget_check import capacities, check_fits
+from tiertrain.runtime.budget_check import PlanDoesNotFit, capacities, check_fits
 from tiertrain.runtime.runtime import Runtime
 
 if TYPE_CHECKING:
@@ -77,8 +78,9 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, memo
     ``train=False`` streams the blocks for forward only (a teacher larger than the device,
     STRONGHOLD's distillation case): no optimizer states, no gradients; pass ``optimizer=None``.
     ``plan="auto"`` profiles the model with ``profile_step`` (one forward+backward at the training
-    batch shape; cached per machine, model and shape), or, without one, with one plain step of random
-    tokens where the model fits the device plainly, and takes the planner's best plan.
+    batch shape; cached per machine, model and shape) and takes the planner's best plan; without one,
+    the loop's own first step is the profile: it runs under ``max-offload``, and the plan chosen from
+    it takes over at the end of that step (``engine.first_step_auto``).
     ``init_states=False`` (resuming: a checkpoint is loaded right after) allocates the states where
     they live without writing the model's weights into them: a model built on the meta device is not
     initialised, and disk-homed states are written once, by the checkpoint, instead of twice.
@@ -101,20 +103,25 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, memo
     page = page_size_for(opts.page_size, memory.disk_dir if memory.disk else None, device)
     if opts.page_size is None:  # a measured size: no larger than small models' chunks allow
         page = page_for_states([block_numel(b) for b in found], page)
-    auto = None
+    auto, first = None, None
     if isinstance(plan, str) and plan == "auto" and profile_step is not None:
         auto = _auto(model, profile_step, memory, page, opts)
         plan = auto.plan
+    elif isinstance(plan, str) and plan == "auto":  # the first step is the profile
+        first = _first_step(model, found, memory, page, opts, device)
+        plan = first_plan(len(found) - 1, memory.disk > 0, opts.update)
     chosen = _laid_out(_chosen(plan, found, memory, opts))
     numels, budgets = [block_numel(b) for b in found], capacities(memory)
     transient = transient_grads(chosen.update, opts.needs_all_grads(chosen.compute_dtype))
-    check_fits(found, chosen, memory, page, opts.train, transient)
+    _check_fits(found, chosen, memory, page, opts.train, transient, first is not None)
     if opts.train and auto is None:  # an auto plan was widened before it was simulated
         chosen = widen_read_ahead(numels, chosen, page, budgets, transient)
     # Bounding the gradients alive makes backward wait for the optimizer: only when the host needs it
     bound = opts.train and bounds_grads(numels, chosen, page, budgets, transient)
     mem = MemorySystem(memory, page_size=page, check_machine=False)
     runtime = Runtime(model, groups, group_of, mem, chosen, opts, transient_grads=bound)
+    if first is not None:
+        first.watch(found[0].module)
     del found  # the blocks' lists held the model's original parameters
     _buffers_to(model, device)
     release_free_heap()  # profiling and building freed whole-block buffers: give them back to the OS
@@ -122,7 +129,44 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, memo
     tag((p for g in runtime.groups for p in g.params), runtime)
     install_clip_redirect()
     tiered = tiered_in_place(model, runtime, auto)
-    return tiered, TieredOptimizer(runtime, optimizer, replaced) if opts.train else None
+    after = None if first is None else _replanned_after_step(first, runtime, tiered)
+    return tiered, TieredOptimizer(runtime, optimizer, replaced, after) if opts.train else None
+
+
+def _first_step(model: nn.Module, found: list, memory: Budgets, page: int, opts: RunOptions,
+                device: torch.device) -> FirstStepAuto:
+    """``plan="auto"`` with no profile function, where a run can re-plan after its first step."""
+    if not opts.train:
+        raise ConfigError("plan 'auto' takes a forward-only run's plan from a profile: pass profile_step=fn (one "
+                          "forward at the batch shape), or a plan: 'stream' or 'max-offload'")
+    if world_from_env() > 1:
+        raise ConfigError("plan 'auto' over several ranks needs a profile function, so that every rank plans alike: "
+                          "pass profile_step=fn (one forward+backward at the batch shape), or a plan ('max-offload', "
+                          "or a file from `tiertrain plan`)")
+    return first_step_auto(model, found, memory, page, opts, device)
+
+
+def _check_fits(found: list, plan: Plan, memory: Budgets, page: int, train: bool, transient: bool,
+                first: bool) -> None:
+    try:
+        check_fits(found, plan, memory, page, train, transient)
+    except PlanDoesNotFit as exc:
+        if not first:
+            raise
+        raise PlanDoesNotFit(f"plan 'auto' runs its first step under {FIRST_PLAN!r}, the most frugal plan, and "
+                             f"even it does not fit: {exc}") from None
+
+
+def _replanned_after_step(first: FirstStepAuto, runtime: Runtime, tiered: nn.Module) -> Callable[[], bool]:
+    """Called after each optimizer step until it says it is done: the first step that ran a training
+    forward re-plans the run (and the model's ``auto_plan`` says what was chosen)."""
+    def after() -> bool:
+        if first.tokens is None:
+            return False
+        tiered.auto_plan = first.after_step(runtime, tiered)
+        return True
+
+    return after
 
 
 def _options(options: RunOptions | None, fields: dict[str, Any]) -> RunOptions:

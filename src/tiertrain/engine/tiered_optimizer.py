@@ -29,13 +29,15 @@ class StatesTooLarge(UserError):
 
 
 class TieredOptimizer(torch.optim.Optimizer):
-    def __init__(self, runtime: "Runtime", source: torch.optim.Optimizer, replaced: dict[int, torch.nn.Parameter]):
+    def __init__(self, runtime: "Runtime", source: torch.optim.Optimizer, replaced: dict[int, torch.nn.Parameter],
+                 after_step: Callable[[], bool] | None = None):
         """``source``: the user's AdamW, whose groups (and their hyperparameters) this takes over;
-        ``replaced``: the slot-backed parameter that now stands for each of its parameters."""
+        ``replaced``: the slot-backed parameter that now stands for each of its parameters;
+        ``after_step``: run after each step until it returns True (``plan="auto"`` re-plans there)."""
         groups = [{**{k: v for k, v in g.items() if k != "params"},
                    "params": [replaced.get(id(p), p) for p in g["params"]]} for g in source.param_groups]
         super().__init__(groups, dict(source.defaults))
-        self._rt = runtime
+        self._rt, self._after_step = runtime, after_step
         runtime.param_groups = self.param_groups  # live: what a scheduler writes, the next update reads
 
     @property
@@ -49,6 +51,8 @@ class TieredOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._rt.step()
+        if self._after_step is not None and self._after_step():
+            self._after_step = None
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -96,3 +96,19 @@ def test_bench_peers_runs_tiertrain_and_each_peer_on_the_same_model_and_batches(
                       (("--seq-len", "4096"), "exceeds the model's maximum")):
         r = run_cli("bench", "peers", *bad)
         assert r.returncode != 0 and says in r.stderr
+
+
+def test_bench_parallel_prints_dp2_beside_dp1_with_the_bytes_each_rank_sent():
+    r = run_cli("bench", "parallel", "--layouts", "ddp,zero3", "--d-model", "64", "--layers", "4", "--batch-size",
+                "1", "--seq-len", "16", "--steps", "2", "--rounds", "1", timeout=600)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    for name, volume in (("DDP-like", 2.0), ("ZeRO-3-like", None)):
+        i = next(k for k, x in enumerate(lines) if x.startswith(name))
+        assert "dp=1 step" in lines[i] and "dp=2/dp=1" in lines[i]
+        sent = float(lines[i + 1].split(" = ")[1].split(" x ")[0])  # counted bytes over (N-1)/N x params bytes
+        want = volume or float(lines[i + 1].split("(volume ")[1].split()[0])
+        assert want <= sent <= want + 0.01, lines[i + 1]  # the has-gradient flags on top: a byte per tensor
+        assert "of the step exposed" in lines[i + 2]
+    bad = run_cli("bench", "parallel", "--layouts", "fsdp")
+    assert bad.returncode != 0 and "give some of ddp, zero2, zero3" in bad.stderr

@@ -61,6 +61,13 @@ def test_a_bad_value_under_nproc_is_one_message_before_anything_starts(tmp_path)
     assert r.returncode == 2 and lines == ["error: config: lr must be a finite number, got inf"]
 
 
+def test_an_error_inside_the_ranks_under_nproc_is_one_line_without_torchruns_report(tmp_path):
+    r = _train(*TINY, "--plan", "stream", "--seq-len", "4096", "--out", str(tmp_path / "r"), "--nproc", "2")
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert r.returncode != 0 and len(errors) == 1 and "--seq-len 4096 exceeds" in errors[0], r.stderr
+    assert "Traceback" not in r.stderr and "torch.distributed.elastic" not in r.stderr, r.stderr
+
+
 def _children(pid: int) -> list[int]:
     try:
         return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]

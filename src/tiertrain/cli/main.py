@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Any, Callable
 
@@ -147,7 +148,42 @@ def _torchrun(nproc: int) -> int:
             break
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "tiertrain", *args]
-    return subprocess.run(cmd).returncode
+    threads = str(max(1, len(os.sched_getaffinity(0)) // nproc))
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={"OMP_NUM_THREADS": threads, **os.environ})
+    return _relay_ranks(proc)
+
+
+_LAUNCHER = re.compile(r"^[WEI]\d{4} .*torch/distributed/elastic/.*")
+_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+
+
+def _relay_ranks(proc: "subprocess.Popen[str]") -> int:
+    """The ranks' output as they print it; torchrun's own report of a failed rank (its log lines and
+    the launcher's traceback) is cut to one line, and only where no rank said what went wrong."""
+    said, failed, errors = False, None, set()
+    while True:
+        try:
+            line = proc.stderr.readline() if proc.stderr else ""
+        except KeyboardInterrupt:  # the ranks got it too: they save and stop; keep relaying until they have
+            continue
+        if not line:
+            break
+        found = _FAILED.search(line)
+        if found and failed is None:
+            failed = found
+        if line in errors:  # every rank refuses the same bad value: one message
+            continue
+        if line.startswith("error:") or (failed is None and not _LAUNCHER.match(line)):
+            if line.startswith("error:"):  # after a failure, only the ranks' own error lines pass
+                said = True
+                errors.add(line)
+            sys.stderr.write(line)
+    rc = proc.wait()
+    if rc and failed is not None and not said:
+        code, rank = int(failed.group(1)), failed.group(2)
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        sys.stderr.write(f"error: rank {rank} {how}\n")
+    return rc
 
 
 def _refuse_resume_without_disk(resume: "Path") -> None:
@@ -337,6 +373,31 @@ def bench_overhead_cmd(model: str | None, d_model: int, layers: int, batch_size:
         raise ConfigError(f"--seq-len {seq_len} exceeds the model's maximum {cfg.max_seq_len}")
     click.echo(f"machine: {describe()}")
     bench_overhead(cfg, batch_size, seq_len, precision, modes, rounds, steps, click.echo)
+
+
+@bench.command("parallel", context_settings=CONTEXT)
+@click.option("--nproc", type=click.IntRange(2), default=2, show_default=True, help="Ranks of the data-parallel runs.")
+@click.option("--layouts", default="ddp,zero2,zero3", show_default=True,
+              help="Comma-separated: ddp (resident, replicated), zero2 (resident, sharded), zero3 (stream, sharded).")
+@click.option("--d-model", type=POSITIVE, default=512, show_default=True)
+@click.option("--layers", type=POSITIVE, default=6, show_default=True)
+@click.option("--batch-size", type=POSITIVE, default=4, show_default=True, help="Per rank.")
+@click.option("--seq-len", type=click.IntRange(1, 256), default=128, show_default=True)
+@click.option("--steps", type=POSITIVE, default=5, show_default=True, help="Timed steps per run, after 2 warm-up.")
+@click.option("--rounds", type=POSITIVE, default=3, show_default=True, help="dp=1 and dp=N alternated, per layout.")
+def bench_parallel_cmd(nproc: int, layouts: str, d_model: int, layers: int, batch_size: int, seq_len: int,
+                       steps: int, rounds: int) -> None:
+    """dp=N against dp=1 with the same per-rank batch: step time, exposed communication, bytes sent."""
+    from tiertrain.bench.machine import describe
+    from tiertrain.bench.parallel import LAYOUTS, ParallelBench, bench_parallel
+
+    chosen = tuple(x for x in layouts.split(",") if x)
+    if not chosen or any(x not in LAYOUTS for x in chosen):
+        raise ConfigError(f"--layouts {layouts!r}: give some of {', '.join(LAYOUTS)}, comma-separated")
+    threads = max(1, len(os.sched_getaffinity(0)) // nproc)
+    click.echo(f"machine: {describe()}")
+    bench_parallel(ParallelBench(d_model, layers, batch_size, seq_len, steps, threads), nproc, chosen, rounds,
+                   click.echo)
 
 
 @bench.command("peers", context_settings=CONTEXT)

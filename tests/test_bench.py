@@ -112,3 +112,33 @@ def test_bench_parallel_prints_dp2_beside_dp1_with_the_bytes_each_rank_sent():
         assert "of the step exposed" in lines[i + 2]
     bad = run_cli("bench", "parallel", "--layouts", "fsdp")
     assert bad.returncode != 0 and "give some of ddp, zero2, zero3" in bad.stderr
+
+
+def test_bench_peers_with_a_disk_counts_each_systems_disk_bytes_and_peak_rss(tmp_path):
+    import os
+
+    from tiertrain.bench.peers import PeerBench, bench_peers, disk_counters
+    from tiertrain.memory import Budgets
+    from tiertrain.models import ModelConfig
+
+    before = disk_counters(str(tmp_path))
+    if before is None:
+        import pytest
+
+        pytest.skip(f"{tmp_path} is on no block device (tmpfs or overlay): nothing to count")
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    os.write(fd, os.urandom(8 << 20))
+    os.fsync(fd)
+    os.close(fd)
+    after = disk_counters(str(tmp_path))
+    assert after[1] - before[1] >= 8 << 20  # what was written reached the disk's own counter
+    cfg = ModelConfig(n_layer=2, n_head=2, d_model=128, d_ffn=512, vocab_size=64, max_seq_len=32, name="peer")
+    lines: list[str] = []
+    rows = bench_peers(PeerBench(cfg, 2, 16, "fp32", Budgets.parse("2MiB", "8MiB", f"{tmp_path}:64MiB"), 2, 1,
+                                 "sync"), ("deepspeed",), lines.append)
+    assert "disk, raw O_DIRECT" in lines[2]
+    ran = [r for r in rows if r.ran]
+    assert rows[0].ran and all(r.disk_bytes is not None and r.peak_rss > 100 << 20 for r in ran)
+    assert sum("disk per step: read" in ln and "peak RSS" in ln for ln in lines) == len(ran)
+    r = run_cli("bench", "peers", "--disk", f"{tmp_path}:1GiB")
+    assert r.returncode != 0 and "FSDP2 offloads to host memory only" in r.stderr

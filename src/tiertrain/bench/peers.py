@@ -15,6 +15,13 @@ A peer that runs out of device memory runs again with every block's activations 
 
 The first step's loss is printed for each system: with one initial model and one batch they must
 agree (to rounding at reduced precision), which shows the comparison is of the same work.
+
+With a disk (``--disk DIR:SIZE``) states live on it: tiertrain's budgets include the disk, and
+DeepSpeed runs as ZeRO-Infinity, parameters and optimizer states on NVMe through its ``aio`` op (built
+at first use where ``libaio`` and a C++ compiler are: ``apt-get install libaio-dev g++``). Each row then
+adds the bytes read and written per step (the disk's own counters, ``/proc/diskstats``), the process's
+peak RSS while that system ran (``/proc/self/clear_refs`` resets it), and the step's disk bound: those
+bytes at the raw O_DIRECT rates measured on the same disk in the same run.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import time
 import traceback
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
@@ -37,6 +45,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from tiertrain.bench.machine import synchronize
+from tiertrain.bench.memory import raw_disk
 from tiertrain.bench.overhead import matmul_peak
 from tiertrain.engine.auto_plan import ProfileStep
 from tiertrain.engine.objective import lm_loss
@@ -86,6 +95,8 @@ class Row:
     losses: list[float] = field(default_factory=list)
     device_peak: int | None = None
     note: str = ""
+    disk_bytes: tuple[float, float] | None = None   # read, written per timed step
+    peak_rss: int | None = None
 
     @property
     def ran(self) -> bool:
@@ -98,7 +109,10 @@ def _time_steps(step: Callable[[torch.Tensor], torch.Tensor], bench: PeerBench, 
     row = Row(name, note=note)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    disk, before = bench.budgets.disk_dir, None
     for i, x in enumerate(bench.batches(device)):
+        if i == bench.warmup and disk:
+            before = disk_counters(disk)
         synchronize(device)
         t = time.perf_counter()
         loss = step(x)
@@ -106,9 +120,37 @@ def _time_steps(step: Callable[[torch.Tensor], torch.Tensor], bench: PeerBench, 
         if i >= bench.warmup:
             row.step_s.append(time.perf_counter() - t)
         row.losses.append(float(loss))
+    after = disk_counters(disk) if before is not None else None
+    if before is not None and after is not None:
+        row.disk_bytes = ((after[0] - before[0]) / bench.steps, (after[1] - before[1]) / bench.steps)
     if device.type == "cuda":
         row.device_peak = torch.cuda.max_memory_allocated(device)
+    row.peak_rss = peak_rss()
     return row
+
+
+def disk_counters(directory: str) -> tuple[int, int] | None:
+    """Bytes read and written so far by the block device ``directory`` is on (``/proc/diskstats``
+    counts 512-byte sectors, whatever the device's own sector size); None where it is on none (a
+    tmpfs, an overlay)."""
+    dev = os.stat(directory).st_dev
+    for line in open("/proc/diskstats", encoding="ascii"):
+        f = line.split()
+        if (int(f[0]), int(f[1])) == (os.major(dev), os.minor(dev)):
+            return int(f[5]) * 512, int(f[9]) * 512
+    return None
+
+
+def reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+        f.write("5\n")  # resets VmHWM to the current RSS
+
+
+def peak_rss() -> int:
+    for line in open("/proc/self/status", encoding="ascii"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def _run_tiertrain(bench: PeerBench, device: torch.device) -> Row:
@@ -191,6 +233,8 @@ def _run_deepspeed(bench: PeerBench, device: torch.device, recompute: bool) -> R
             "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": pin},
                                   "offload_optimizer": {"device": "cpu", "pin_memory": pin}},
             "zero_force_ds_cpu_optimizer": False, "steps_per_print": 1 << 30}
+    if bench.budgets.disk_dir:
+        conf = _on_nvme(conf, bench, pin)
     if bench.precision in ("bf16", "fp16"):
         conf[bench.precision] = {"enabled": True}
     model = bench.fresh_model()
@@ -208,9 +252,26 @@ def _run_deepspeed(bench: PeerBench, device: torch.device, recompute: bool) -> R
         return loss.detach()
 
     try:
-        return _time_steps(step, bench, device, "deepspeed zero3-offload", "recomputes every block" if recompute else "")
+        name = "deepspeed zero3-infinity (nvme)" if bench.budgets.disk_dir else "deepspeed zero3-offload"
+        return _time_steps(step, bench, device, name, "recomputes every block" if recompute else "")
     finally:
         engine.destroy()
+
+
+def _on_nvme(conf: dict, bench: PeerBench, pin: bool) -> dict:
+    """ZeRO-Infinity: parameters and optimizer states on the disk through DeepSpeed's aio (its
+    documented NVMe settings; the parameter buffers must hold the largest tensor, the embedding)."""
+    largest = max(p.numel() for p in bench.fresh_model().parameters())
+    nvme = os.path.join(bench.budgets.disk_dir, "deepspeed")
+    os.makedirs(nvme, exist_ok=True)
+    zero = {**conf["zero_optimization"],
+            "offload_param": {"device": "nvme", "nvme_path": nvme, "pin_memory": pin, "buffer_count": 5,
+                              "buffer_size": largest},
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": pin, "buffer_count": 16,
+                                  "pipeline_read": True, "pipeline_write": True}}
+    return {**conf, "zero_optimization": zero,
+            "aio": {"block_size": 1 << 20, "queue_depth": 16, "intra_op_parallelism": 1, "single_submit": False,
+                    "overlap_events": True}}
 
 
 @contextlib.contextmanager
@@ -261,6 +322,7 @@ def _release(device: torch.device) -> None:
 def _tiertrain_under_cap(bench: PeerBench, device: torch.device) -> Row:
     """tiertrain under the same allocator cap as the peers: its budget is kept by its own
     accounting, and running out of device memory here would show that accounting wrong."""
+    reset_peak_rss()
     try:
         with _device_cap(device, bench.budgets.device):
             return _run_tiertrain(bench, device)
@@ -276,6 +338,7 @@ def _run_peer(name: str, bench: PeerBench, device: torch.device) -> Row:
     gives a row that says why (its traceback on stderr), so the others' figures still print."""
     runner = {"deepspeed": _run_deepspeed, "fsdp2": _run_fsdp2}[name]
     for recompute in (False, True):
+        reset_peak_rss()
         try:
             with _device_cap(device, bench.budgets.device), warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)  # the peers' own deprecations
@@ -301,6 +364,7 @@ def bench_peers(bench: PeerBench, peers: tuple[str, ...], out: Callable[[str], N
     if unknown:
         raise ValueError(f"unknown peer(s) {unknown}; choose from {', '.join(PEERS)}")
     device = compute_device()
+    limit = raw_disk(Path(bench.budgets.disk_dir), 1 << 30, 1 << 20, 8) if bench.budgets.disk_dir else None
     rows = [_tiertrain_under_cap(bench, device)]
     with _single_rank_group(device):
         rows += [_run_peer(name, bench, device) for name in peers]
@@ -312,6 +376,9 @@ def bench_peers(bench: PeerBench, peers: tuple[str, ...], out: Callable[[str], N
         f"on {device.type}; device budget {format_bytes(bench.budgets.device)} ({cap}); "
         f"{bench.steps} timed steps after {bench.warmup} warm-up")
     out(f"matrix product measured here: {peak / 1e12:.2f} TFLOP/s (the MFU ceiling)")
+    if limit is not None:
+        out(f"disk, raw O_DIRECT 1 MiB x 8 in flight, same run: read {limit.read / 1e9:.2f} GB/s, write "
+            f"{limit.write / 1e9:.2f} GB/s")
     for row in rows:
         if not row.ran:
             out(f"{row.name:24s}: {row.note}")
@@ -320,6 +387,26 @@ def bench_peers(bench: PeerBench, peers: tuple[str, ...], out: Callable[[str], N
         mem = f", device peak {format_bytes(row.device_peak)}" if row.device_peak is not None else ""
         out(f"{row.name:24s}: step {s:.3f} s, {bench.batch * bench.seq / s:,.0f} tokens/s, MFU {flops / s / peak:.3f}"
             f"{mem}; loss {row.losses[0]:.4f} -> {row.losses[-1]:.4f}")
+        if limit is not None and row.disk_bytes is None:
+            out(f"{'':26s}disk per step: not counted ({bench.budgets.disk_dir} is on no block device in /proc/diskstats)")
+        if row.disk_bytes is not None and limit is not None:
+            read, wrote = row.disk_bytes
+            bound = read / limit.read + wrote / limit.write  # both at once is faster on some disks: a looser floor
+            ratio = f"step / that {s / bound:.2f}" if bound > 0 else "no disk traffic"
+            out(f"{'':26s}disk per step: read {read / 1e9:.3f} GB, written {wrote / 1e9:.3f} GB; at the raw rates "
+                f"{bound:.3f} s ({ratio}); peak RSS {format_bytes(row.peak_rss or 0)}")
         if row.note:
             out(f"{'':26s}{row.note}")
+    _against_tiertrain(rows, out)
     return rows
+
+
+def _against_tiertrain(rows: list[Row], out: Callable[[str], None]) -> None:
+    """Each peer's step time and peak RSS over tiertrain's, the ratios users compare."""
+    ours = rows[0]
+    if not ours.ran:
+        return
+    for row in rows[1:]:
+        if row.ran and row.peak_rss and ours.peak_rss:
+            out(f"{row.name} / tiertrain: step {statistics.median(row.step_s) / statistics.median(ours.step_s):.2f}x, "
+                f"peak RSS {row.peak_rss / ours.peak_rss:.2f}x")

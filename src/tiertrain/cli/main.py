@@ -415,8 +415,9 @@ def bench_parallel_cmd(nproc: int, layouts: str, d_model: int, layers: int, batc
               help="Comma-separated: deepspeed (ZeRO-3, params and optimizer on host), fsdp2 (CPUOffloadPolicy).")
 @click.option("--steps", type=POSITIVE, default=4, show_default=True, help="Timed steps per system (the median is taken).")
 @click.option("--warmup", type=AtLeast(0), default=2, show_default=True, help="Untimed steps first.")
+@click.option("--disk", help='States on disk, "DIR:SIZE": tiertrain\'s disk budget, and DeepSpeed ZeRO-Infinity (NVMe) there.')
 def bench_peers_cmd(model: str, batch_size: int, seq_len: int, precision: str, device_memory: str, host_memory: str,
-                    update: str, peer_list: str, steps: int, warmup: int) -> None:
+                    update: str, peer_list: str, steps: int, warmup: int, disk: str | None) -> None:
     """tiertrain (plan auto) beside DeepSpeed ZeRO-Offload and FSDP2 CPU offload: tokens/s, MFU, device peak."""
     from tiertrain.bench.machine import describe
     from tiertrain.bench.peers import PEERS, PeerBench, bench_peers
@@ -433,8 +434,11 @@ def bench_peers_cmd(model: str, batch_size: int, seq_len: int, precision: str, d
     if seq_len > cfg.max_seq_len:
         raise ConfigError(f"--seq-len {seq_len} exceeds the model's maximum {cfg.max_seq_len}")
     click.echo(f"machine: {describe()}")
-    rows = bench_peers(PeerBench(cfg, batch_size, seq_len, precision, Budgets.parse(device_memory, host_memory),
-                                 steps, warmup, update), peers, click.echo)
+    budgets = Budgets.parse(device_memory, host_memory, disk)
+    if disk and "fsdp2" in peers:
+        raise ConfigError("--disk: FSDP2 offloads to host memory only; leave it out (--peers deepspeed)")
+    rows = bench_peers(PeerBench(cfg, batch_size, seq_len, precision, budgets, steps, warmup, update), peers,
+                       click.echo)
     if not rows[0].ran:
         raise SystemExit(1)
 

@@ -28,6 +28,10 @@ class StatesTooLarge(UserError):
     """The optimizer's states do not fit in host memory to be returned as one state dict."""
 
 
+class ShardedStates(UserError):
+    """The optimizer's states are sharded over ranks: no rank holds the whole state dict."""
+
+
 class TieredOptimizer(torch.optim.Optimizer):
     def __init__(self, runtime: "Runtime", source: torch.optim.Optimizer, replaced: dict[int, torch.nn.Parameter],
                  after_step: Callable[[], bool] | None = None):
@@ -97,6 +101,12 @@ class TieredOptimizer(torch.optim.Optimizer):
             write_moments(self._rt, g, {k: v.detach().float().cpu() for k, v in flat.items()}, names)
 
     def _check_fits(self) -> None:
+        if any(g.shard is not None for g in self._rt.groups):
+            raise ShardedStates("each rank of this data-parallel run holds a shard of the optimizer states, and "
+                                "torch's one-dict format would need every rank to gather them at once (a loop that "
+                                "saves on rank 0 only would hang); save with tiertrain's checkpoints, which every "
+                                "rank writes its own shards of (tiertrain train --save-every, or "
+                                "tiertrain.engine.checkpoint.save_checkpoint on every rank)")
         need = sum(8 * g.layout.numel for g in self._rt.groups)  # two fp32 moments per parameter
         room = host_available()
         if need > room // 2:

@@ -95,7 +95,8 @@ def _rank_main(rank: int, world: int, store: str, jobs: list, results, errors) -
 
 def run_ranks(world: int, tmp: Path, jobs: list) -> dict:
     """``jobs``: (key, picklable callable of the rank); returns {(key, rank): result}."""
-    with mp.Manager() as manager:
+    # the manager is spawned, not forked: pytest's process may hold large mappings by now
+    with mp.get_context("spawn").Manager() as manager:
         results, errors = manager.dict(), manager.dict()
         try:
             mp.spawn(_rank_main, args=(world, str(tmp / "store"), jobs, results, errors), nprocs=world, join=True)

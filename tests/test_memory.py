@@ -283,3 +283,36 @@ def test_the_disk_queue_serves_reads_before_write_backs_and_hands_errors_to_the_
         failing.result()
     with pytest.raises(RuntimeError, match="shut down"):
         pool.submit(lambda: None)
+
+
+def _mapping_of(addr: int) -> tuple[int, set[str]]:
+    """(resident KiB, VmFlags) of the mapping holding ``addr``, from /proc/self/smaps."""
+    rss, found = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            found = lo <= addr < hi
+        elif found and head == "Rss:":
+            rss = int(line.split()[1])
+        elif found and head == "VmFlags:":
+            return rss, set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+def test_a_closed_host_pool_gives_its_pages_back_while_views_of_it_live_and_is_never_counted_at_fork():
+    """A model's parameters (views of its slots) can outlive the run in a reference cycle: the pool's
+    pages must be freed at close, not when the garbage collector finds the cycle. And a budget already
+    held against the machine must not be counted again at every fork (mapped MAP_NORESERVE: ``nr``)."""
+    from tiertrain.memory.pool import MemoryPool
+
+    pool = MemoryPool(Tier.HOST, 64 << 20, 1 << 20, torch.device("cpu"))
+    view = pool.buffer[: 64 << 20]
+    view.fill_(1)
+    addr = view.data_ptr()
+    rss, flags = _mapping_of(addr)
+    assert rss >= 60 << 10 and "nr" in flags, (rss, flags)
+    pool.close()
+    rss, _ = _mapping_of(addr)  # still mapped: the view holds it
+    assert rss < 1 << 10, rss
+    assert int(view[: 1 << 20].sum()) == 0  # what a view reads after close

@@ -515,16 +515,19 @@ def test_auto_plans_a_lockfree_run_for_the_staleness_it_will_run_with(tmp_path):
     assert got.plan.update == "lockfree"
 
 
-def test_setup_with_plan_auto_needs_a_profile_step():
+def test_setup_with_plan_auto_over_several_ranks_needs_a_profile_step(monkeypatch):
+    """One process plans from its first step (tests/test_real_loops.py); ranks that did so might each
+    choose another plan from their own timings, so several ranks need a profile function."""
     import torch
 
     import tiertrain
     from tiertrain.errors import ConfigError
     from tiertrain.memory import Budgets
 
+    monkeypatch.setenv("WORLD_SIZE", "2")
     model = _tiny_gpt(2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with pytest.raises(ConfigError, match="profile_step"):
+    with pytest.raises(ConfigError, match="over several ranks needs a profile function.*profile_step"):
         tiertrain.setup(model, opt, Budgets(device=64 * MiB, host=256 * MiB), plan="auto")
 
 

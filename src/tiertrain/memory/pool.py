@@ -8,6 +8,8 @@ budget. Nothing spills to another tier on its own: the caller decides where byte
 from __future__ import annotations
 
 import mmap
+import platform
+import sys
 import threading
 
 import torch
@@ -63,17 +65,26 @@ class Pool:
         """Give the reservation back; the pool is unusable afterwards."""
 
 
+# Python's mmap names MAP_NORESERVE from 3.13; Linux's value on x86-64 and arm64 (elsewhere: not set)
+_NORESERVE = getattr(mmap, "MAP_NORESERVE",
+                     0x4000 if sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64") else 0)
+
+
 def host_buffer(nbytes: int, pin: bool) -> tuple[torch.Tensor, mmap.mmap | None]:
     """Page-aligned host memory (so any page of it can be an O_DIRECT buffer), pinned with CUDA.
 
     We map anonymous memory ourselves instead of ``torch.empty(pin_memory=True)``: the
     caching pinned allocator rounds to powers of two (a 40 GiB budget would pin 64 GiB) and
-    does not promise the 4 KiB alignment O_DIRECT needs.
+    does not promise the 4 KiB alignment O_DIRECT needs. ``MAP_NORESERVE``: the budget was
+    already held against the machine (``memory.capacity``), and a reservation the kernel
+    counts is counted again at every ``fork`` (a DataLoader's workers, a multiprocessing
+    manager): a process holding budgets near the machine's memory could then not fork at all.
+    Under strict overcommit (mode 2) the kernel ignores the flag and counts it as before.
     """
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8), None
     try:
-        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _NORESERVE)
     except OSError as exc:  # the kernel refused the reservation (overcommit limits)
         raise BudgetError("host", nbytes, nbytes, 0, detail=f"the kernel refused to map it ({exc.strerror})") from None
     tensor = torch.frombuffer(region, dtype=torch.uint8)
@@ -108,6 +119,11 @@ class MemoryPool(Pool):
         if self.pinned and self.capacity:
             torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
         self.buffer = torch.empty(0, dtype=torch.uint8)
-        # The mmap is unmapped when the last view of it is gone; closing it here would
-        # fail while a caller still holds a view.
+        # The mmap is unmapped when the last view of it is gone; closing it here would fail
+        # while a caller still holds a view, and a model's parameters (views of its slots) often
+        # live on in a reference cycle until the garbage collector's next full pass. Its pages
+        # are given back to the OS now: the memory is free at close, whatever still points at it
+        # (a view read after close sees zeros).
+        if self._region is not None:
+            self._region.madvise(mmap.MADV_DONTNEED)
         self._region = None

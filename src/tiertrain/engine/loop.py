@@ -24,7 +24,7 @@ from tiertrain.engine.checkpoint import (TrainerState, checkpoint_root, find_che
                                          save_checkpoint)
 from tiertrain.engine.config import TrainConfig
 from tiertrain.engine.metrics import (MetricsFile, NoMetrics, Reporter, StepTimer, device_peak_with_activations,
-                                      peak_bytes)
+                                      peak_bytes, process_rss)
 from tiertrain.parallel import rank_from_env, world_from_env
 from tiertrain.engine.objective import causal_lm_pair, is_encoder, lm_loss, masked_lm_pair
 from tiertrain.engine.optimizer import make_adamw
@@ -148,6 +148,8 @@ class Trainer:
             self._resume(Path(cfg.resume))
         if self.tiered and self.rank == 0:  # only once a resume is accepted: a refused one changes nothing in OUT
             write_atomic(self.out / PLAN_FILE, self.model.runtime.plan.to_json().encode())
+        # the disk traffic of setup and of a resume's load is not a step's
+        self._disk_seen = self.model.runtime.mem.disk_traffic() if self.tiered else {}
         self.metrics = (MetricsFile(self.out / METRICS_FILE, self.step if cfg.resume else None) if self.rank == 0
                         else NoMetrics())
         if self.metrics.dropped:
@@ -348,31 +350,43 @@ class Trainer:
         tokens = self.cfg.batch_size * self.cfg.seq_len * self.cfg.grad_accum
         row = {"step": self.step, "loss": loss, "lr": self.opt.param_groups[0]["lr"], "grad_norm": norm,
                "tokens_per_s": tokens / seconds, "tflops": tokens * self.flops_per_token / seconds / 1e12,
-               "step_s": seconds, "peak_bytes": peak_bytes(self.device)}
+               "step_s": seconds, "peak_bytes": peak_bytes(self.device), "rss_bytes": process_rss()}
         if self.tiered:
-            stats = self.model.runtime.mem.stats()
-            # per tier, the most page bytes its pool had in use: what its budget bounds
-            row["peak_bytes"] = {**{t: v["pages_peak_bytes"] for t, v in stats.items() if "budget" in v},
-                                 "process_rss": row["peak_bytes"]["host"]}
-            mem = self.model.runtime.mem
-            total = device_peak_with_activations(stats["device"]["pages_peak_bytes"], mem.pool(Tier.DEVICE).capacity,
-                                                 self.device)
-            if total is not None:
-                row["peak_bytes"]["device_with_activations"] = total
-            row["slot_fetches"] = self.model.runtime.cache.pop_fetches()  # streamed blocks copied onto the device
-            if self.model.runtime.plan.update == "lockfree":
-                row["staleness"] = self.model.runtime.pop_staleness()
-            if self.auto is not None and self.step > WARMUP_STEPS:  # beside the measured step_s and tier peaks
-                from tiertrain.engine.auto_plan import CHECK_AFTER, recheck
-
-                measured = self.step_seconds[WARMUP_STEPS:] + [seconds]
-                if len(measured) == CHECK_AFTER:  # held against the first steps; remeasured where far off
-                    self.auto, line = recheck(self.auto, measured, row["peak_bytes"], self.model.runtime.plan)
-                    self.reporter.message(line)
-                row["predicted"] = self.auto.predicted_row()
+            self._tier_figures(row)
         if self.loss_scaler is not None:
             row["loss_scale"] = self.loss_scaler.get_scale()
         return row
+
+    def _tier_figures(self, row: dict[str, Any]) -> None:
+        """A tiered step's figures: each tier's page peak (what its budget bounds), the bytes the disk
+        tier read and wrote during the step, the slots filled, staleness, and the auto plan's prediction."""
+        stats = self.model.runtime.mem.stats()
+        row["peak_bytes"] = {t: v["pages_peak_bytes"] for t, v in stats.items() if "budget" in v}
+        mem = self.model.runtime.mem
+        if Tier.DISK in mem.pools:
+            row["disk_bytes"] = self._disk_step_bytes(mem.disk_traffic())
+        total = device_peak_with_activations(stats["device"]["pages_peak_bytes"], mem.pool(Tier.DEVICE).capacity,
+                                             self.device)
+        if total is not None:
+            row["peak_bytes"]["device_with_activations"] = total
+        row["slot_fetches"] = self.model.runtime.cache.pop_fetches()  # streamed blocks copied onto the device
+        if self.model.runtime.plan.update == "lockfree":
+            row["staleness"] = self.model.runtime.pop_staleness()
+        if self.auto is not None and self.step > WARMUP_STEPS:  # beside the measured step_s and tier peaks
+            from tiertrain.engine.auto_plan import CHECK_AFTER, recheck
+
+            measured = self.step_seconds[WARMUP_STEPS:] + [row["step_s"]]
+            if len(measured) == CHECK_AFTER:  # held against the first steps; remeasured where far off
+                self.auto, line = recheck(self.auto, measured, row["peak_bytes"], self.model.runtime.plan)
+                self.reporter.message(line)
+            row["predicted"] = self.auto.predicted_row()
+
+    def _disk_step_bytes(self, now: dict[str, int]) -> dict[str, int]:
+        """Bytes the disk tier read and wrote since the last row (a write-back still in flight when a
+        step ends is counted in the step it lands in)."""
+        last, self._disk_seen = self._disk_seen, now
+        return {k: now[k] - last[k] for k in now}
+
 
 def train(cfg: TrainConfig, reporter: Reporter | None = None) -> RunSummary:
     return Trainer(cfg, reporter).run()

@@ -24,6 +24,24 @@ def peak_bytes(device: torch.device) -> dict[str, int]:
     return peaks
 
 
+def process_rss(status: Path = Path("/proc/self/status")) -> dict[str, int]:
+    """The process's resident memory now and at its highest (``VmRSS``, ``VmHWM``), in bytes: what the
+    machine (and a cgroup cap) sees the run hold, beside the tiers' page peaks, which count only the
+    pools. A budget sized to the machine is honest only if this stays near the budgets. Where there is
+    no /proc, the peak alone, from getrusage."""
+    fields = {"VmRSS:": "now", "VmHWM:": "peak"}  # "VmRSS:\t  123456 kB"
+    try:
+        lines = status.read_text().splitlines()
+    except OSError:
+        return {"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    out = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key + ":" in fields:
+            out[fields[key + ":"]] = int(value.split()[0]) * 1024  # reported in kB
+    return out
+
+
 def device_peak_with_activations(pages_peak: int, pool_bytes: int, device: torch.device) -> int | None:
     """With CUDA: the device pool's page peak plus the most torch allocated beside the pool
     (activations, gradients before they leave): the figure the planner's device peak predicts there.
@@ -128,8 +146,9 @@ class Reporter:
             self._progress.update(self._task, completed=row["step"], status=status)
         elif not self.quiet and (row["step"] % self.log_every == 0 or row["step"] in (1, self.total_steps)):
             peak = max(row["peak_bytes"].values())
-            print(f"step {row['step']:>6}/{self.total_steps}  {status}  peak {format_bytes(peak)}",
-                  file=self.stream, flush=True)
+            rss = row.get("rss_bytes", {}).get("now")
+            print(f"step {row['step']:>6}/{self.total_steps}  {status}  peak {format_bytes(peak)}"
+                  + (f"  RSS {format_bytes(rss)}" if rss is not None else ""), file=self.stream, flush=True)
 
     def close(self) -> None:
         if self._progress is not None:

@@ -22,6 +22,7 @@ import shutil
 import socket
 import stat
 import tempfile
+import threading
 import weakref
 from pathlib import Path
 
@@ -152,6 +153,9 @@ class DiskPool(Pool):
         self.dir = directory
         self.file = directory.path / PAGES_FILE
         self._checksums: dict[int, tuple[int, int]] = {}
+        self._count_lock = threading.Lock()
+        self.bytes_read = 0     # bytes this pool read and wrote (whole 4 KiB sectors: what the disk moved),
+        self.bytes_written = 0  # so a run can hold its traffic against the planner's prediction
         self.direct = self._open()
         if reserve and self.capacity:
             self._reserve()
@@ -201,6 +205,13 @@ class DiskPool(Pool):
                 raise DiskError(f"short write to {self.file} at offset {offset}: {written} of {len(data)} bytes")
             written += n
         self._checksums[page] = (checksum(data), len(data))
+        with self._count_lock:
+            self.bytes_written += len(data)
+
+    def traffic(self) -> tuple[int, int]:
+        """(bytes read, bytes written) since the pool was made."""
+        with self._count_lock:
+            return self.bytes_read, self.bytes_written
 
     def written_length(self, page: int) -> int:
         if page not in self._checksums:
@@ -222,6 +233,8 @@ class DiskPool(Pool):
             if k <= 0:
                 raise DiskError(f"short read from {self.file} at offset {offset}: {got} of {n} bytes")
             got += k
+        with self._count_lock:
+            self.bytes_read += n
         if checksum(out[:n]) != crc:
             raise DiskError(f"checksum mismatch in {self.file} at offset {offset} ({n} bytes): "
                             "the disk returned different data than was written")

@@ -134,12 +134,23 @@ class MemorySystem:
             chunk.released = True
             chunk.extents = []
 
+    def disk_traffic(self) -> dict[str, int]:
+        """Bytes the disk tier has read and written so far (``read``, ``written``; 0 without a disk), as
+        whole 4 KiB sectors: what the disk moved, which the planner's simulator predicts per step."""
+        disk = self.pools.get(Tier.DISK)
+        read, written = disk.traffic() if isinstance(disk, DiskPool) else (0, 0)
+        return {"read": read, "written": written}
+
     def stats(self) -> dict[str, Any]:
-        """Per tier: budget, page bytes in use, and live/peak bytes per state kind."""
+        """Per tier: budget, page bytes in use, and live/peak bytes per state kind; for the disk also
+        the bytes it has read and written."""
         report = self.accounting.report()
         for tier, pool in self.pools.items():
             report[tier.value].update(budget=pool.budget, pages_in_use_bytes=pool.used_bytes,
                                       pages_peak_bytes=pool.peak_bytes, page_size=pool.page_size)
+        if Tier.DISK in self.pools:
+            traffic = self.disk_traffic()
+            report[Tier.DISK.value].update(bytes_read=traffic["read"], bytes_written=traffic["written"])
         return report
 
     def close(self) -> None:

@@ -1,0 +1,81 @@
+"""What a step moves, counted where it happens and held against what the planner predicts: the
+bytes the disk tier reads and writes (``metrics.jsonl``'s ``disk_bytes``), and the process's
+resident memory beside the tiers' page peaks (``rss_bytes``)."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import read_metrics, tiny_config
+from tiertrain.engine.loop import train
+from tiertrain.models import build
+from tiertrain.plan import Plan
+from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
+from tiertrain.planner.simulator import simulate
+from tiertrain.runtime.blocks import find_blocks
+
+SECTOR = 4096  # the disk tier moves whole sectors: each chunk's bytes rounded up to one
+CHUNKS = 3     # a state transfer moves three chunks (master, both moments); a fetch one
+
+
+def _predicted_disk_bytes(plan: Plan, model_name: str) -> tuple[float, float, int]:
+    """(read, written) per step by the simulator, for the model's real parameter counts (the times do
+    not matter for bytes: a task's busy seconds times its rate), and how many chunk transfers it
+    counts (each of whose chunks the runtime rounds up to a sector)."""
+    blocks = find_blocks(build(model_name))
+    counts = [sum(p.numel() for _, p in b.params) for b in blocks]
+    prof = [BlockProfile(b.name, 1e-3, 2e-3, n, 0, 0) for b, n in zip(blocks, counts)]
+    m = MachineProfile(h2d_bps=1e9, d2h_bps=1e9, disk_read_bps=2e9, disk_write_bps=1e9, adam_params_per_s=1e8,
+                       device_is_host=True)
+    sim = simulate(plan, Profile(tuple(prof[:-1]), prof[-1], m))
+    transfers = sum(1 for resource, _, _, _ in sim.timeline.tasks if resource in ("disk_read", "disk_write"))
+    return sim.timeline.busy("disk_read") * 2e9, sim.timeline.busy("disk_write") * 1e9, transfers
+
+
+def _mixed(tmp_path: Path) -> str:
+    """max-offload with the second block's states on the host and resident: some blocks' states on
+    disk, some not."""
+    import dataclasses
+
+    from tiertrain.plan import builtin_plan
+    from tiertrain.plan.tiers import Tier
+
+    plan = builtin_plan("max-offload", 2, disk=True)
+    host = dataclasses.replace(plan.blocks[1], home=Tier.HOST, stream=False)
+    path = tmp_path / "mixed.json"
+    path.write_text(dataclasses.replace(plan, blocks=(plan.blocks[0], host)).to_json())
+    return str(path)
+
+
+@pytest.mark.parametrize("plan", ["max-offload", "mixed"])
+def test_the_disk_bytes_a_sync_step_moves_are_the_simulators_up_to_sector_rounding(tmp_path, plan):
+    out = tmp_path / "run"
+    plan = _mixed(tmp_path) if plan == "mixed" else plan
+    train(tiny_config(out, steps=3, plan=plan, disk=f"{tmp_path / 'disk'}:64MiB", page_size="64KiB",
+                      update="sync"))
+    rows = read_metrics(out)
+    ran = Plan.from_json((out / "plan.json").read_text())
+    read, written, transfers = _predicted_disk_bytes(ran, "tiny")
+    assert written > 0 and any(bp.home.value == "disk" for bp in (*ran.blocks, ran.rest))
+    for row in rows[1:]:  # the first step's blocks are in their slots from setup: nothing fetched
+        got = row["disk_bytes"]
+        assert 0 <= got["read"] - read < transfers * CHUNKS * SECTOR, (got, read, transfers)
+        assert 0 <= got["written"] - written < transfers * CHUNKS * SECTOR, (got, written, transfers)
+
+
+def test_each_row_reports_the_process_resident_memory_beside_the_tier_peaks(tmp_path):
+    out = tmp_path / "run"
+    train(tiny_config(out, steps=3, plan="max-offload", page_size="64KiB"))
+    rows = read_metrics(out)
+    peaks = [r["rss_bytes"]["peak"] for r in rows]
+    assert all(50 << 20 < r["rss_bytes"]["now"] <= r["rss_bytes"]["peak"] for r in rows)  # torch alone holds more
+    assert peaks == sorted(peaks) and peaks[-1] <= _hwm_now()
+    assert "disk_bytes" not in rows[0] and set(rows[0]["peak_bytes"]) >= {"device", "host"}
+
+
+def _hwm_now() -> int:
+    for line in Path(f"/proc/{os.getpid()}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")

@@ -35,7 +35,8 @@ from tiertrain.memory.heap import release_free_heap
 from tiertrain.memory.system import compute_device
 from tiertrain.optim.hparams import KEYS
 from tiertrain.parallel import world_from_env
-from tiertrain.plan import DEFAULT_MAX_STALENESS, Plan, RunOptions, check_update_mode, data_parallel, load_plan
+from tiertrain.plan import (DEFAULT_MAX_STALENESS, ParallelLayout, Plan, RunOptions, check_update_mode, data_parallel,
+                            load_plan)
 from tiertrain.plan.bytes import bounds_grads, page_for_states, widen_read_ahead
 from tiertrain.plan.bytes import transient as transient_grads
 from tiertrain.runtime.blocks import block_numel, find_blocks
@@ -110,7 +111,7 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, memo
     elif isinstance(plan, str) and plan == "auto":  # the first step is the profile
         first = _first_step(model, found, memory, page, opts, device)
         plan = first_plan(len(found) - 1, memory.disk > 0, opts.update)
-    chosen = _laid_out(_chosen(plan, found, memory, opts))
+    chosen = _laid_out(_chosen(plan, found, memory, opts), opts)
     numels, budgets = [block_numel(b) for b in found], capacities(memory)
     transient = transient_grads(chosen.update, opts.needs_all_grads(chosen.compute_dtype))
     _check_fits(found, chosen, memory, page, opts.train, transient, first is not None)
@@ -126,6 +127,9 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, memo
     _buffers_to(model, device)
     release_free_heap()  # profiling and building freed whole-block buffers: give them back to the OS
     replaced, runtime.replaced = runtime.replaced, {}
+    if runtime.dropped and optimizer is not None:  # expert parallel: the other ranks' experts are theirs
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) not in runtime.dropped]
     tag((p for g in runtime.groups for p in g.params), runtime)
     install_clip_redirect()
     tiered = tiered_in_place(model, runtime, auto)
@@ -177,19 +181,27 @@ def _options(options: RunOptions | None, fields: dict[str, Any]) -> RunOptions:
     return typed.load(RunOptions, {**base, **fields}, "tiertrain.setup option")
 
 
-def _laid_out(plan: Plan) -> Plan:
+def _laid_out(plan: Plan, opts: RunOptions) -> Plan:
     """The plan over the ranks this process runs among (torchrun's, or the user's process group): a
     plan for one process is laid out over all of them, sharded (it is never trained as one
-    independent model per rank); a plan made for another number of ranks is refused."""
-    world = world_from_env()
+    independent model per rank); a plan made for another number of ranks is refused. ``opts.ep``
+    (expert parallel) overrides the plan's."""
+    world, ep = world_from_env(), opts.ep or plan.parallel.ep
+    if ep > 1 and world == 1:
+        raise ConfigError(f"expert parallel ep={ep} divides the experts over {ep} ranks, but this run has one "
+                          f"process: launch it under torchrun (tiertrain train --nproc {ep} ...), or use ep=1")
+    if ep > 1 and not opts.init_states:
+        raise ConfigError("checkpoints of expert-parallel runs cannot be resumed yet (each rank's experts are its "
+                          "own): resume with ep=1, or start the run again")
     if plan.parallel.dp == world:
-        return plan
+        return plan if plan.parallel.ep == ep else dataclasses.replace(plan, parallel=ParallelLayout(world, ep))
     if plan.parallel.dp != 1:
         raise ConfigError(f"the plan is laid out for {plan.parallel.dp} ranks but this run has {world}; make it for "
                           f"{world} (or leave its parallel field, and tiertrain lays it out)")
-    laid = data_parallel(plan, world)
+    laid = data_parallel(plan, world, ep=ep)
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"tiertrain: data parallel over {world} ranks, every block's states and gradients sharded",
+        experts = f"; each MoE layer's experts divided over {ep} ranks" if ep > 1 else ""
+        print(f"tiertrain: data parallel over {world} ranks, every block's states and gradients sharded{experts}",
               file=sys.stderr)
     return laid
 

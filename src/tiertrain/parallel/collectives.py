@@ -9,7 +9,8 @@ the runtime issues them from the thread that runs the step (never from optimizer
 
 ``sent`` counts the bytes this rank puts on the wire, by the ring algorithms' formulas (an
 all-gather or reduce-scatter of B bytes sends (N-1)/N x B, an all-reduce twice that): what
-``bench`` and the tests hold against the per-step formulas of DDP, ZeRO-2 and ZeRO-3.
+``bench`` and the tests hold against the per-step formulas of DDP, ZeRO-2 and ZeRO-3. An
+all-to-all with uneven slices (expert parallel's tokens) counts the rows it sends to other ranks.
 """
 
 from __future__ import annotations
@@ -38,14 +39,22 @@ class Collectives(Protocol):
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
         """``t`` becomes the sum (or ``max``) over ranks of ``t``, in place."""
 
-    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        """Slice ``r`` of ``inp`` goes to rank ``r``; slice ``r`` of ``out`` comes from rank ``r``."""
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None = None,
+                   in_splits: list[int] | None = None) -> None:
+        """Slice ``r`` of ``inp`` goes to rank ``r``; slice ``r`` of ``out`` comes from rank ``r``. Equal
+        slices of the flat tensors, or ``in_splits[r]`` / ``out_splits[r]`` rows (along dim 0) each."""
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
         """``t`` becomes rank ``src``'s ``t``."""
 
     def close(self) -> None:
         """Stop what the collectives run beside the calls (the heartbeat)."""
+
+
+def split_bytes(inp: torch.Tensor, in_splits: list[int], rank: int) -> int:
+    """Bytes an uneven all-to-all sends to other ranks: every slice but this rank's own."""
+    row = inp.shape[1:].numel() * inp.element_size()  # an empty input (nothing to send) has rows too
+    return row * (sum(in_splits) - in_splits[rank])
 
 
 def ring_bytes(kind: str, nbytes: int, world: int) -> int:

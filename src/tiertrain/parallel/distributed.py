@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tiertrain.parallel.collectives import Waitable, ring_bytes
+from tiertrain.parallel.collectives import Waitable, ring_bytes, split_bytes
 from tiertrain.parallel.health import Heartbeat, RankLost, lost_message
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -25,12 +25,15 @@ def _flat_call(*names: str):
 class ProcessGroupCollectives:
     """Every call turns a peer's loss into one ``RankLost`` that names it (``parallel.health``)."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, heartbeat: Heartbeat | None = None) -> None:
+        """``group``: None for the whole run's ranks; a subgroup (expert parallel's) shares the run's
+        ``heartbeat``, which names the run's ranks."""
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.sent = 0
-        self.heartbeat = Heartbeat(dist.distributed_c10d._get_default_store(), self.rank, self.world_size)
+        self._own_heartbeat = heartbeat is None
+        self.heartbeat = heartbeat or Heartbeat(dist.distributed_c10d._get_default_store(), self.rank, self.world_size)
         self._gather = _flat_call("all_gather_single", "all_gather_into_tensor")
         self._scatter = _flat_call("reduce_scatter_single", "reduce_scatter_tensor")
         self._gloo = dist.get_backend(group) == "gloo"
@@ -45,7 +48,8 @@ class ProcessGroupCollectives:
             raise RankLost(lost_message(self.heartbeat, exc)) from None
 
     def close(self) -> None:
-        self.heartbeat.close()
+        if self._own_heartbeat:
+            self.heartbeat.close()
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Waitable | None:
         self._count("all_gather", out)
@@ -68,13 +72,19 @@ class ProcessGroupCollectives:
         self._count("all_reduce", t)
         self._guarded(dist.all_reduce, t, op=_OPS[op], group=self.group)
 
-    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        self._count("all_to_all", inp)
-        self._guarded(dist.all_to_all_single, out.view(-1), inp.view(-1), group=self.group)
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None = None,
+                   in_splits: list[int] | None = None) -> None:
+        if in_splits is None:
+            self._count("all_to_all", inp)
+            self._guarded(dist.all_to_all_single, out.view(-1), inp.view(-1), group=self.group)
+            return
+        self.sent += split_bytes(inp, in_splits, self.rank)
+        self._guarded(dist.all_to_all_single, out, inp, out_splits, in_splits, group=self.group)
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
         self._count("broadcast", t)
-        self._guarded(dist.broadcast, t, src=src, group=self.group)
+        root = src if self.group is None else dist.get_global_rank(self.group, src)  # torch names roots globally
+        self._guarded(dist.broadcast, t, src=root, group=self.group)
 
 
 class _Guarded:

@@ -30,7 +30,8 @@ class LocalCollectives:
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
         return None
 
-    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None = None,
+                   in_splits: list[int] | None = None) -> None:
         _copy_unless_same(out, inp)
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> None:

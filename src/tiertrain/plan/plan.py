@@ -68,7 +68,7 @@ class Plan:
     max_staleness: int = field(default=DEFAULT_MAX_STALENESS, metadata=at_least(0))  # lockfree: steps params may lag
     compute_dtype: str = field(default="fp32", metadata=one_of(*COMPUTE_DTYPES))  # fp32 | bf16 | fp16: the dtype of
     #                                        device params (master stays fp32; fp16 brings dynamic loss scaling)
-    parallel: ParallelLayout = ParallelLayout()  # processes the run spans (one, today)
+    parallel: ParallelLayout = ParallelLayout()  # processes the run spans, and how experts are divided over them
 
     def validate(self, n_blocks: int) -> "Plan":
         if len(self.blocks) != n_blocks:
@@ -141,15 +141,17 @@ def builtin_plan(name: str, n_blocks: int, disk: bool = False, update: str = "sy
     raise ConfigError(f"unknown plan {name!r}; use one of {', '.join(BUILTIN_PLANS)}, auto, or a plan JSON file")
 
 
-def data_parallel(plan: Plan, world: int, shard: bool = True) -> Plan:
+def data_parallel(plan: Plan, world: int, shard: bool = True, ep: int = 1) -> Plan:
     """``plan`` over ``world`` data-parallel ranks: every block's states and gradients split over them
     (``shard``: ZeRO-3 where a block streams, ZeRO-2 where it stays on the device) or replicated on each
-    (DDP). A plan already laid out for ``world`` is returned as it is."""
-    if plan.parallel.dp == world:
+    (DDP). ``ep``: a mixture of experts' experts divided over groups of ``ep`` ranks (expert parallel).
+    A plan already laid out for ``world`` and ``ep`` is returned as it is."""
+    if plan.parallel == ParallelLayout(dp=world, ep=ep):
         return plan
+    layout = ParallelLayout(dp=world, ep=ep)  # refuses an ep that does not divide the ranks
     blocks = tuple(dataclasses.replace(b, shard=shard) for b in plan.blocks)
     return dataclasses.replace(plan, blocks=blocks, rest=dataclasses.replace(plan.rest, shard=shard),
-                               parallel=ParallelLayout(dp=world))
+                               parallel=layout)
 
 
 def load_plan(spec: "str | Plan", n_blocks: int, disk: bool, update: str | None = None) -> Plan:

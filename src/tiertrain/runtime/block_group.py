@@ -10,6 +10,10 @@ Chunks per block (one layout, in parameter order):
                   sharded one: all-gathered) into a device slot before use;
   ``grads``       the gradients gathered since the last update (``grads.GradBuffer``), reduced over
                   the ranks (``local``: this rank's own, summed over micro-batches, until then).
+With expert parallel a mixture-of-experts block has two groups, one per parallel pattern: the block's
+own (laid out over every rank, as any block) and its held experts' (``experts``: this rank's experts,
+whose gradients already hold every rank's tokens, so they are only averaged, and summed over the
+experts' replicas where there are any).
 Who waits for what (an update in flight, a slot's copy, a disk read) is decided by the update
 mode and the device cache the runtime wires in; a group only does what is asked of it.
 """
@@ -56,6 +60,10 @@ class BlockGroup:
     mem: MemorySystem
     comm: Collectives
     shard: tuple[int, int] | None = None       # data parallel, sharded: the elements [start, end) this rank holds
+    mean_over: int = 0                         # ranks whose gradients the reduced sum averages (0: comm's world)
+    reduces_at_end: bool = False               # reduced when backward ends, never before (expert replicas: a
+    #                                            rank's held experts may get no gradient where a replica's do)
+    experts: "BlockGroup | None" = None        # expert parallel: the group of this block's held experts
     grads: GradBuffer = field(init=False)
     grad_count: int = 0                        # parameters whose gradient arrived in the current backward
     pending: Future | None = None              # its update in flight
@@ -68,6 +76,7 @@ class BlockGroup:
 
     def __post_init__(self) -> None:
         self.grads = GradBuffer(len(self.params))
+        self.mean_over = self.mean_over or self.comm.world_size
         self.local_has = [False] * len(self.params)
         self.view_params, self._cuts = _state_cuts(self.layout, self.shard)
 
@@ -111,7 +120,7 @@ class BlockGroup:
         before they join the grad chunk. The chunk lives where the block's update runs
         (``plan.bytes.grad_tier``). ``make_room`` returns once a new host chunk may be allocated
         (transient gradients); ``hypers``: lockfree keeps the step's own with its gradients."""
-        if self.comm.world_size > 1:
+        if self.mean_over > 1:
             self._sum_locally()
             if final:
                 self._reduce_over_ranks(step, hypers, make_room)
@@ -187,7 +196,7 @@ class BlockGroup:
             mine.copy_(full)
         else:
             self.comm.reduce_scatter(mine, full)
-        mine.div_(self.comm.world_size)
+        mine.div_(self.mean_over)
         with self.grads.lock:
             if self.grads.chunk is None:
                 self.grads.chunk, fresh = fresh, None

@@ -5,16 +5,21 @@ parameter names, shapes and dtypes) that covers the most parameters, then the lo
 our GPT's ``blocks``, a transformers model's ``layers``/``h``. (Plain "longest" would pick
 an MoE layer's experts when there are more experts than layers.) Everything else (embeddings, head, final norm) forms the
 "rest" block. A user can name the list instead (``blocks="model.layers"``).
+
+With expert parallel a block's parameters are grouped by parallel pattern (``split_experts``): its
+mixture-of-experts layers' experts apart from the rest, since each rank holds only some of them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.nn as nn
 
 from tiertrain.errors import ConfigError
 from tiertrain.memory.layout import ChunkLayout
+from tiertrain.models.moe import MoEFeedForward
 
 
 @dataclass
@@ -76,3 +81,30 @@ def find_blocks(model: nn.Module, path: str | None = None) -> list[Block]:
             continue
         (blocks[owner[id(p)]] if id(p) in owner else rest).params.append((name, p))
     return blocks + [rest]
+
+
+@dataclass
+class HeldExperts:
+    """One block's experts under expert parallel: those this rank holds (a block of their own, with no
+    module of its own: its block's hooks fetch it) and every rank's (in model order, whose values at
+    rank 0 are every rank's initial weights)."""
+
+    block: Block
+    every: list[tuple[str, nn.Parameter]]
+
+
+def split_experts(blocks: list[Block], owned: Callable[[MoEFeedForward], range]) -> tuple[list[Block], dict[int, HeldExperts]]:
+    """The blocks without their experts' parameters, and per block with mixture-of-experts layers (by
+    index) the experts this rank holds (``owned`` of each layer)."""
+    out, held = [], {}
+    for i, b in enumerate(blocks):
+        layers = [m for m in b.module.modules() if isinstance(m, MoEFeedForward)] if b.module is not None else []
+        if not layers:
+            out.append(b)
+            continue
+        expert = {id(p) for m in layers for p in m.experts.parameters()}
+        mine = {id(p) for m in layers for e in owned(m) for p in m.expert(e).parameters()}
+        every = [(n, p) for n, p in b.params if id(p) in expert]
+        out.append(Block(b.name, b.module, [(n, p) for n, p in b.params if id(p) not in expert]))
+        held[i] = HeldExperts(Block(f"{b.name}.experts", None, [(n, p) for n, p in every if id(p) in mine]), every)
+    return out, held

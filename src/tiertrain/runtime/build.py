@@ -7,6 +7,8 @@ copy is the master rounded to the compute dtype, as the optimizer will publish i
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn as nn
 
@@ -14,11 +16,12 @@ from tiertrain.memory import ChunkLayout, Kind, MemorySystem, Tier
 from tiertrain.memory.chunk import Chunk
 from tiertrain.models.init import init_in_place
 from tiertrain.parallel import Collectives
+from tiertrain.parallel.experts import ExpertParallel
 from tiertrain.plan import BlockPlan, Plan, RunOptions
 from tiertrain.plan.bytes import master_in_slot, separate_param_home, sharded
 from tiertrain.precisions import torch_dtype
 from tiertrain.runtime.block_group import F32, BlockGroup
-from tiertrain.runtime.blocks import Block, block_layout
+from tiertrain.runtime.blocks import Block, HeldExperts, block_layout, split_experts
 from tiertrain.runtime.slots import Slot, alias
 
 
@@ -39,16 +42,21 @@ def ring_slots(mem: MemorySystem, layouts: list[ChunkLayout], plan: Plan) -> lis
 
 
 def build_groups(mem: MemorySystem, comm: Collectives, model: nn.Module, blocks: list[Block], plan: Plan,
-                 options: RunOptions, group_of_param: dict[int, int],
-                 replaced: dict[int, nn.Parameter]) -> list[BlockGroup]:
+                 options: RunOptions, group_of_param: dict[int, int], replaced: dict[int, nn.Parameter],
+                 experts: ExpertParallel | None = None) -> list[BlockGroup]:
     """One group per block, each with its chunks written and its parameters installed in the model.
     ``replaced`` receives the slot-backed parameter that stands for each of the model's (by id: valid
     while the caller holds the originals, as setup holds the user's optimizer). With data parallel,
-    rank 0's initial weights are every rank's (as DDP broadcasts them)."""
+    rank 0's initial weights are every rank's (as DDP broadcasts them). With expert parallel
+    (``experts``) a block's held experts form a group of their own, right after the block's."""
+    held: dict[int, HeldExperts] = {}
+    if experts is not None:
+        blocks, held = split_experts(blocks, lambda m: experts.owned(m.n_experts))
     layouts = layouts_for(blocks, plan)
     ring = ring_slots(mem, layouts, plan)
     compute = torch_dtype(plan.compute_dtype)
-    groups, streamed_seen = [], 0
+    groups: list[BlockGroup] = []
+    streamed_seen = 0
     for i, (block, bplan, layout) in enumerate(zip(blocks, (*plan.blocks, plan.rest), layouts)):
         if bplan.stream:
             slot = ring[streamed_seen % len(ring)]
@@ -57,15 +65,54 @@ def build_groups(mem: MemorySystem, comm: Collectives, model: nn.Module, blocks:
             nbytes = layout.numel * compute.itemsize
             slot = Slot(mem.allocate(f"{block.name}.slot", nbytes, Tier.DEVICE, Kind.PARAM, contiguous=True))
         build = _build_sharded if sharded(bplan, plan) else _build
-        group = build(mem, comm, i, block, bplan, slot, plan, options, compute, layout)
-        group.group_of = [group_of_param.get(id(p), 0) for _, p in block.params]
-        install_params(model, group)
-        replaced.update({id(old): new for (_, old), new in zip(block.params, group.params)})
-        # the model's own parameters are let go of: their values are in the chunks now, and a run
-        # larger than memory must not keep its whole initial model alive beside its budgets
-        group.block = Block(block.name, block.module, [(n, new) for (n, _), new in zip(block.params, group.params)])
-        groups.append(group)
+        group = build(mem, comm, len(groups), block, bplan, slot, plan, options, compute, layout)
+        groups.append(_installed(group, block, model, group_of_param, replaced))
+        if i in held:
+            group.experts = _build_experts(mem, comm, experts, len(groups), held[i], bplan, plan, options, compute)
+            groups.append(_installed(group.experts, held[i].block, model, group_of_param, replaced))
     return groups
+
+
+def _installed(group: BlockGroup, block: Block, model: nn.Module, group_of_param: dict[int, int],
+               replaced: dict[int, nn.Parameter]) -> BlockGroup:
+    """The group's parameters in the model in place of ``block``'s, and the originals let go of."""
+    group.block = block
+    group.group_of = [group_of_param.get(id(p), 0) for _, p in block.params]
+    install_params(model, group)
+    replaced.update({id(old): new for (_, old), new in zip(block.params, group.params)})
+    # the model's own parameters are let go of: their values are in the chunks now, and a run
+    # larger than memory must not keep its whole initial model alive beside its budgets
+    group.block = Block(block.name, block.module, [(n, new) for (n, _), new in zip(block.params, group.params)])
+    return group
+
+
+def _build_experts(mem: MemorySystem, world: Collectives, experts: ExpertParallel, index: int, held: HeldExperts,
+                   parent: BlockPlan, plan: Plan, options: RunOptions, compute: torch.dtype) -> BlockGroup:
+    """A block's held experts: their states at the block's home, their compute params in a device slot
+    of their own (they do not stream: the window holds blocks), replicated over their replicas, and
+    averaged over every rank (their gradients hold every rank's tokens). Rank 0's initial weights are
+    every rank's, for the experts as for the rest."""
+    bplan = dataclasses.replace(parent, stream=False, shard=False, recompute=False, offload_hidden=False,
+                                param_copy=False)
+    layout = block_layout(held.block)
+    slot = Slot(mem.allocate(f"{held.block.name}.slot", layout.numel * compute.itemsize, Tier.DEVICE, Kind.PARAM,
+                             contiguous=True))
+    values = _rank0_values(world, held) if options.init_states else held.block
+    group = _build(mem, experts.replicas, index, values, bplan, slot, plan, options, compute, layout)
+    group.mean_over, group.reduces_at_end = experts.dp, experts.replicas.world_size > 1
+    return group
+
+
+def _rank0_values(world: Collectives, held: HeldExperts) -> Block:
+    """The held experts with rank 0's values: every expert of the block broadcast from rank 0 (as the
+    block's other weights are), this rank's kept. A model on the meta device draws its held experts
+    where they live instead (their replicas then take one replica's)."""
+    if any(p.is_meta for _, p in held.every):
+        return held.block
+    flat = torch.cat([p.detach().reshape(-1) for _, p in held.every])
+    world.broadcast(flat)
+    value = dict(zip((n for n, _ in held.every), flat.split([p.numel() for _, p in held.every])))
+    return Block(held.block.name, None, [(n, value[n].view(p.shape)) for n, p in held.block.params])
 
 
 def _build(mem: MemorySystem, comm: Collectives, index: int, block: Block, bplan: BlockPlan, slot: Slot, plan: Plan,

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from tiertrain.memory import Kind, MemorySystem, Tier
 from tiertrain.optim import AdamWHyper, clip_coefficient, total_norm
+from tiertrain.parallel.experts import expert_parallel, moe_layers
 from tiertrain.parallel.norm import sharded_norm
 from tiertrain.parallel import Collectives, collectives_for
 from tiertrain.plan import Plan, RunOptions
@@ -41,9 +42,11 @@ class Runtime:
         self.param_groups = param_groups
         self.comm = comm or collectives_for(plan.parallel.world_size)
         blocks = find_blocks(model, options.blocks)
+        self.experts = expert_parallel(self.comm, plan.parallel.dp, plan.parallel.ep, model)
         self.replaced: dict[int, nn.Parameter] = {}  # the user's parameter (id) -> the one now in its place
         self.groups: list[BlockGroup] = build_groups(mem, self.comm, model, blocks, plan, options, group_of_param,
-                                                     self.replaced)
+                                                     self.replaced, self.experts)
+        self.dropped = self._keep_held_experts(blocks)
         self.moves = StateMoves(mem, plan.read_ahead)
         self.mode = make_mode(self)
         self.cache = DeviceCache([g for g in self.groups if g.plan.stream], self._slots(), mem.mover, plan.prefetch,
@@ -86,6 +89,16 @@ class Runtime:
                                 if g.plan.home is Tier.DISK and not g.fills_slot_from_master]
         self._unread = list(self._backward_first)  # of those, the ones this step has not read in yet
 
+    def _keep_held_experts(self, blocks: list) -> set[int]:
+        """Expert parallel: each MoE layer keeps the experts this rank holds and exchanges tokens for
+        the rest. The ids of the model's parameters this rank does not hold (the other ranks' experts)."""
+        if self.experts is None:
+            return set()
+        for m in moe_layers(self.model):
+            m.keep_experts(self.experts.owned(m.n_experts), self.experts)
+        held = {id(p) for p in self.model.parameters()} | set(self.replaced)
+        return {id(p) for b in blocks for _, p in b.params if id(p) not in held}
+
     def _slots(self) -> list:
         seen, out = set(), []
         for g in self.groups:
@@ -114,6 +127,8 @@ class Runtime:
         has landed, so the disk keeps working through the forward, where it would otherwise wait
         for backward's first trigger."""
         g.fetch()
+        if g.experts is not None:
+            g.experts.fetch()
         if self.final_micro() and self.mode.reads_ahead:
             started = set()
             for first in self._unread:
@@ -141,7 +156,7 @@ class Runtime:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
         g.grad_count += 1
-        if g.grad_count == len(g.params):
+        if g.grad_count == len(g.params) and not g.reduces_at_end:
             self._flush(g)
 
     def _flush(self, g: BlockGroup) -> None:
@@ -172,8 +187,8 @@ class Runtime:
         return pop() if pop is not None else 0
 
     def _backward_done(self) -> None:
-        for g in self.groups:
-            if g.grad_count:
+        for g in self.groups:  # in one order on every rank: those reduced at the end reduce here, always
+            if g.grad_count or g.reduces_at_end:
                 self._flush(g)
         final = self.final_micro()
         self.micro += 1
@@ -195,9 +210,14 @@ class Runtime:
         per-parameter norms: equal within rounding, not bit for bit)."""
         if self.comm.world_size == 1:
             return total_norm(self._grad_views(lambda g: g.views, self._order), norm_type)
+        expert = {id(g.experts) for g in self.groups if g.experts is not None}
         mine = [(g, i) for g, i in self._order if g.shard is not None]
-        whole = [(g, i) for g, i in self._order if g.shard is None]
-        return sharded_norm(self.comm, self._shard_views(mine), self._grad_views(lambda g: g.views, whole), norm_type)
+        held = [(g, i) for g, i in self._order if id(g) in expert]
+        whole = [(g, i) for g, i in self._order if g.shard is None and id(g) not in expert]
+        parts = [(self.comm, self._shard_views(mine))]
+        if self.experts is not None:  # experts' gradients: split over the ranks of an expert group
+            parts.append((self.experts.a2a, self._grad_views(lambda g: g.views, held)))
+        return sharded_norm(parts, self._grad_views(lambda g: g.views, whole), norm_type)
 
     def _grad_views(self, views_of, order: list[tuple[BlockGroup, int]]) -> list[torch.Tensor]:
         seen: dict[int, list[torch.Tensor]] = {}
@@ -269,3 +289,6 @@ class Runtime:
         self.wait_updates()
         self.mode.close()
         self.comm.close()
+        if self.experts is not None:
+            self.experts.a2a.close()
+            self.experts.replicas.close()

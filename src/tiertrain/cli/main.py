@@ -504,6 +504,10 @@ def bench_description_cmd(d_model: int, layers: int, batch_size: int, seq_len: i
 @click.option("--machine", help="Plan for this machine: a built-in name (tiertrain probe --list) or a description "
                                 "file (tiertrain probe --out FILE); default: this machine, probed.")
 @click.option("--max-model", is_flag=True, help="Find the largest GPT-3-shaped model the machine trains with any plan.")
+@click.option("--nproc", type=POSITIVE, default=1, show_default=True,
+              help="Data-parallel ranks the plan is for, each with the budgets given (per rank); it chooses every "
+                   "block sharded (ZeRO) or replicated (DDP) from the collectives' rates, measured between local "
+                   "ranks here or taken from --machine's network link.")
 @click.option("--profile", "profile_file", type=click.Path(dir_okay=False), help="Plan from this profile JSON instead.")
 @click.option("--solver", "solvers", multiple=True, type=click.Choice(["dp", "greedy", "random", "stronghold"]),
               help="Solvers to run (default: all); the best predicted plan is chosen.")

@@ -20,6 +20,7 @@ from tiertrain.units import format_bytes, format_count
 
 if TYPE_CHECKING:
     from tiertrain.engine.largest_model import Largest
+    from tiertrain.planner.network import Network
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class PlanRequest:
     max_model: bool
     measure_memory: str | None
     measure_seconds: float | None
+    nproc: int = 1                     # data-parallel ranks planned for, each with these budgets
 
     @property
     def needs_all_grads(self) -> bool:
@@ -85,20 +87,27 @@ def print_plan(chosen: Candidate, cands: list[Candidate], profile: Profile, cons
     plan, sim = chosen.plan, chosen.sim
     table = Table(title=f"plan {plan.name}: window {plan.window}, cache {plan.cache}, prefetch {plan.prefetch}, "
                         f"update {plan.update}")
-    for col in ("block", "home", "stream", "recompute", "offload_hidden"):
+    dp = plan.parallel.dp
+    for col in ("block", "home", "stream", "recompute", "offload_hidden", *(("shard",) if dp > 1 else ())):
         table.add_column(col)
     for b, bp in zip(profile.blocks, plan.blocks):
-        table.add_row(b.name, bp.home.value, _yes(bp.stream), _yes(bp.recompute), _yes(bp.offload_hidden))
+        table.add_row(b.name, bp.home.value, _yes(bp.stream), _yes(bp.recompute), _yes(bp.offload_hidden),
+                      *((_yes(bp.shard),) if dp > 1 else ()))
     console.print(table)
     if profile.source:
         console.print(f"profile: {profile.source}")
     console.print(f"predicted step {sim.step_s * 1e3:.1f} ms; bottleneck {sim.bottleneck}; peaks "
                   + ", ".join(f"{t} {format_bytes(v)}" for t, v in sim.peaks.items()))
+    if dp > 1:
+        net = sim.timeline.busy("net")
+        console.print(f"per rank: collectives {net * 1e3:.1f} ms a step on the network "
+                      f"({'states sharded over' if plan.blocks[0].shard else 'states replicated on'} {dp} ranks)")
     for c in cands:
+        name = c.plan.name.removeprefix("auto/") if c.plan is not None else c.solver
         if c.sim is None:
-            console.print(f"  {c.solver:10s} found no plan that fits")
+            console.print(f"  {name:24s} found no plan that fits")
         else:
-            console.print(f"  {c.solver:10s} {c.sim.step_s * 1e3:9.1f} ms  (+{(c.sim.step_s / sim.step_s - 1) * 100:.1f}%)")
+            console.print(f"  {name:24s} {c.sim.step_s * 1e3:9.1f} ms  (+{(c.sim.step_s / sim.step_s - 1) * 100:.1f}%)")
 
 
 def print_largest(found: "Largest", machine: Machine, console: Console) -> None:
@@ -187,7 +196,7 @@ def run_plan(req: PlanRequest, console: Console) -> Candidate:
     """Plan ``req``'s model (or profile) for ``req.machine`` (default: this one); print it; return the choice."""
     from tiertrain.engine.measure.machine import probe
     from tiertrain.plan import check_update_mode
-    from tiertrain.planner.auto import choose, run_profile
+    from tiertrain.planner.auto import choose_layout, run_profile
     from tiertrain.planner.datasheets import find_machine
     from tiertrain.planner.solvers import SOLVERS, Problem
 
@@ -201,12 +210,26 @@ def run_plan(req: PlanRequest, console: Console) -> Candidate:
     profile = plan_profile(req, here, target, disk_dir)
     profile = dataclasses.replace(profile, page=_page(req, profile, target, disk_dir))
     profile = run_profile(profile, req.update, req.max_staleness, req.needs_all_grads)
+    if req.nproc > 1:
+        profile = dataclasses.replace(profile, network=_network(req, target, here, profile))
     pb = Problem.sized(profile, sizes.device, sizes.host, sizes.disk, req.levels)
-    chosen, cands = choose(pb, req.solvers or tuple(SOLVERS), req.update, req.needs_all_grads, req.max_staleness)
+    chosen, cands = choose_layout(pb, req.solvers or tuple(SOLVERS), req.update, req.needs_all_grads,
+                                  req.max_staleness)
     if target is not here:
         console.print(f"planned for {target.name} ({target.source or 'described'})")
+    if req.nproc > 1:
+        console.print(f"{req.nproc} ranks, each with these budgets; network: {profile.network.source}")
     print_plan(chosen, cands, profile, console)
     return chosen
+
+
+def _network(req: PlanRequest, target: Machine, here: Machine, profile: Profile) -> "Network":
+    """The ranks' collective rates: measured between local ranks at the largest block's size where the
+    plan is for this machine, else the described machine's link."""
+    from tiertrain.engine.measure.collectives import network_for
+
+    chunk = max(b.params for b in profile.blocks) * profile.compute_bytes
+    return network_for(req.nproc, None if target is here else target.network, target.name, chunk)
 
 
 def _page(req: PlanRequest, profile: Profile, target: Machine, disk_dir: str | None) -> int:
@@ -239,6 +262,9 @@ def run_max_model(req: PlanRequest, console: Console) -> "Largest":
     check_update_mode(req.update, req.precision, req.grad_accum, req.grad_clip > 0)
     if req.model or req.profile_file:
         raise ConfigError("--max-model searches the GPT-3 family itself; drop --model/--profile")
+    if req.nproc > 1:
+        raise ConfigError("--max-model answers for one process; drop --nproc (or plan a model with --model ... "
+                          "--nproc N)")
     target = find_machine(req.machine) if req.machine else probe(_disk_dir(req))
     sizes, _ = sizes_for(req, target)
     page = parse_size(req.page_size) if req.page_size else target.page_size or 4 << 20

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from tiertrain.errors import UserError
 from tiertrain.plan.tiers import Tier
-from tiertrain.plan import DEFAULT_MAX_STALENESS, BlockPlan, Plan
+from tiertrain.plan import DEFAULT_MAX_STALENESS, BlockPlan, ParallelLayout, Plan
 from tiertrain.plan.bytes import (TRANSIENT_HINT, disk_passes_per_step, grad_copies, tier_bytes, transient,
                                   widen_read_ahead)
 from tiertrain.planner.profile import Profile
@@ -28,15 +28,21 @@ def lifetime_prefetch(p: Profile, window: int) -> int:
 
 
 def to_plan(s: Solution, p: Profile, update: str = "overlap", max_staleness: int = DEFAULT_MAX_STALENESS) -> Plan:
+    """The runtime plan of a solution; over several ranks laid out for them, every block sharded or
+    every block replicated as the profile's network says."""
+    net = p.network
+    shard = net.parallel and net.shard
     blocks = tuple(BlockPlan(home=Tier.DEVICE if c.device_home else Tier.DISK if disk else Tier.HOST,
-                             stream=c.stream, recompute=c.recompute, offload_hidden=c.offload_hidden)
+                             stream=c.stream, recompute=c.recompute, offload_hidden=c.offload_hidden, shard=shard)
                    for c, disk in zip(s.choices, s.disk_home))
     streams = any(c.stream for c in s.choices)
     rest_disk = len(s.disk_home) > len(s.choices) and s.disk_home[-1]
-    return Plan(blocks, BlockPlan(home=Tier.DISK if rest_disk else Tier.HOST), window=s.window if streams else 1,
-                prefetch=lifetime_prefetch(p, s.window) if streams else 0, update=update, name=f"auto/{s.solver}",
-                compute_dtype=p.compute_dtype, max_staleness=max_staleness,
-                read_ahead=p.read_ahead, update_workers=p.update_workers)
+    layout = f"/{'sharded' if net.shard else 'replicated'} x{net.dp}" if net.parallel else ""
+    return Plan(blocks, BlockPlan(home=Tier.DISK if rest_disk else Tier.HOST, shard=shard),
+                window=s.window if streams else 1, prefetch=lifetime_prefetch(p, s.window) if streams else 0,
+                update=update, name=f"auto/{s.solver}{layout}", compute_dtype=p.compute_dtype,
+                max_staleness=max_staleness, read_ahead=p.read_ahead, update_workers=p.update_workers,
+                parallel=ParallelLayout(dp=net.dp))
 
 
 def run_profile(p: Profile, update: str, max_staleness: int, needs_all_grads: bool) -> Profile:
@@ -115,6 +121,31 @@ def choose(pb: Problem, solvers: tuple[str, ...] = tuple(SOLVERS), update: str =
                          f"{format_bytes(pb.disk)} with solvers {', '.join(solvers)}; {_smallest_hint(pb)}"
                          f"{_transient_hint(pb)}")
     return chosen, cands
+
+
+def choose_layout(pb: Problem, solvers: tuple[str, ...] = tuple(SOLVERS), update: str = "overlap",
+                  needs_all_grads: bool = False,
+                  max_staleness: int = DEFAULT_MAX_STALENESS) -> tuple[Candidate, list[Candidate]]:
+    """``choose`` over the profile's ranks: each rank's budgets are ``pb``'s. Every block's states
+    sharded over the ranks (ZeRO-2 where a block stays on the device, ZeRO-3 where it streams) hold
+    1/dp of them per rank but send 3 (N-1)/N x its compute bytes a step for streamed blocks;
+    replicated (DDP) sends 2 (N-1)/N x its gradients' and holds them whole. Both are planned, with
+    the devices' spare memory as cache (Elixir's C_SIZE), and the faster that fits is chosen."""
+    net = pb.profile.network
+    if not net.parallel:
+        return choose(pb, solvers, update, needs_all_grads, max_staleness)
+    found, refused = [], None
+    for shard in (True, False):
+        layout = dataclasses.replace(pb, profile=dataclasses.replace(pb.profile, network=dataclasses.replace(
+            net, shard=shard)))
+        try:
+            found.append(choose(layout, solvers, update, needs_all_grads, max_staleness))
+        except NoPlanFits as exc:
+            refused = refused or exc
+    if not found:
+        raise refused
+    chosen = min((c for c, _ in found), key=lambda c: c.sim.step_s)
+    return chosen, [c for _, cands in found for c in cands]
 
 
 def fits(pb: Problem) -> bool:

@@ -15,6 +15,7 @@ import itertools
 from dataclasses import dataclass
 
 from tiertrain.plan.bytes import pages
+from tiertrain.planner.network import Network
 from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
 
 STATE_BYTES = 12      # fp32 master + exp_avg + exp_avg_sq per parameter
@@ -45,17 +46,18 @@ def device_bytes(p: Profile, b: BlockProfile, c: Choice) -> int:
     too (``plan_bytes.grad_tier``), and a resident fp32 one's slot is its master
     (``plan_bytes.master_in_slot``)."""
     own = 0 if c.stream else pages(b.params * p.compute_bytes, p.page)
-    states = (3 + p.grad_copies) * pages(b.params * GRAD_BYTES, p.page) if c.device_home else 0  # + grads
+    states = _states(p, b) + _grads(p, b) if c.device_home else 0
     if c.device_home and not c.stream and p.compute_bytes == GRAD_BYTES:
         own = 0
     acts = saved_bytes(b, c) if p.acts_on_device and not c.offload_hidden else 0
     return own + states + acts
 
 
-def optimizer_s(b: BlockProfile, m: MachineProfile, disk_home: bool) -> float:
-    t = b.params / m.adam_params_per_s
+def optimizer_s(numel: int, m: MachineProfile, disk_home: bool) -> float:
+    """One update of ``numel`` parameters' states (a rank's share of a sharded block's)."""
+    t = numel / m.adam_params_per_s
     if disk_home:
-        t += b.params * STATE_BYTES * (1 / m.disk_read_bps + 1 / m.disk_write_bps)
+        t += numel * STATE_BYTES * (1 / m.disk_read_bps + 1 / m.disk_write_bps)
     return t
 
 
@@ -77,10 +79,16 @@ def grads_out_s(b: BlockProfile, device_home: bool, m: MachineProfile) -> float:
 
 
 def block_seconds(b: BlockProfile, c: Choice, m: MachineProfile, compute_bytes: int, window: int,
-                  disk_home: bool = False, disk_passes: float = 1.0) -> float:
+                  disk_home: bool = False, disk_passes: float = 1.0, net: Network = Network()) -> float:
     """Forward plus the longer of backward and the update it hides. ``disk_passes``: a disk-homed
-    block's update passes per step (lockfree passes every few steps: each step carries its share)."""
-    fetch = b.params * compute_bytes / m.h2d_bps if c.stream else 0.0
+    block's update passes per step (lockfree passes every few steps: each step carries its share).
+    Over several ranks (``net``): a streamed sharded block's fetch is its shard's copy then the
+    all-gather (prefetched, as a fetch is); the gradients' reduction holds up backward (the runtime
+    reduces in the loop's thread); a resident sharded block's update ends with an all-gather of its
+    new params; each rank updates its own share."""
+    numel = net.per_rank(b.params)
+    gather = net.gather_s(b.params * compute_bytes) if net.shard else 0.0
+    fetch = numel * compute_bytes / m.h2d_bps + gather if c.stream else 0.0
     saved = saved_bytes(b, c)
     stash_out = saved / m.d2h_bps if c.offload_hidden else 0.0
     stash_in = saved / m.h2d_bps if c.offload_hidden else 0.0
@@ -92,9 +100,12 @@ def block_seconds(b: BlockProfile, c: Choice, m: MachineProfile, compute_bytes: 
     else:
         fwd = max(b.forward_s, fetch, stash_out)
         bwd = max(b.backward_s + recompute, fetch + stash_in, grads_out)
-    opt = 0.0 if c.device_home and not m.device_is_host else optimizer_s(b, m, disk_home)
+    bwd += net.reduce_s(b.params * GRAD_BYTES, net.shard)
+    opt = 0.0 if c.device_home and not m.device_is_host else optimizer_s(numel, m, disk_home)
     if publishes_over_link(c.stream, c.device_home, m, compute_bytes):
-        opt += b.params * compute_bytes / m.h2d_bps
+        opt += numel * compute_bytes / m.h2d_bps
+    if not c.stream:
+        opt += gather
     opt *= disk_passes if disk_home else 1.0
     return fwd + max(bwd, opt) + SWITCH_S * (c.stream + c.recompute + c.offload_hidden)
 
@@ -110,15 +121,20 @@ def fixed_device_bytes(p: Profile, window: int, any_stream: bool) -> int:
 def switch_host_bytes(p: Profile, b: BlockProfile, c: Choice) -> int:
     """Host bytes a block's switches add (its stash, its params' host copy); states are placed later."""
     stash = saved_bytes(b, c) if c.offload_hidden else 0
-    return stash + (pages(b.params * p.compute_bytes, p.page) if c.stream and p.compute_bytes != 4 else 0)
+    home = (c.stream or p.network.parallel and p.network.shard) and p.compute_bytes != 4
+    return stash + (pages(p.network.per_rank(b.params) * p.compute_bytes, p.page) if home else 0)
 
 
 def _states(p: Profile, b: BlockProfile) -> int:
-    return 3 * pages(b.params * GRAD_BYTES, p.page)
+    """A rank's master and moments of the block (its share where they are sharded)."""
+    return 3 * pages(p.network.per_rank(b.params) * GRAD_BYTES, p.page)
 
 
 def _grads(p: Profile, b: BlockProfile) -> int:
-    return p.grad_copies * pages(b.params * GRAD_BYTES, p.page)
+    """A rank's gradient chunks of the block; over several ranks also its own whole gradients,
+    summed over micro-batches until they are reduced (``plan.bytes.tier_bytes``' rule)."""
+    own = pages(b.params * GRAD_BYTES, p.page) if p.network.parallel and not p.transient_grads else 0
+    return p.grad_copies * pages(p.network.per_rank(b.params) * GRAD_BYTES, p.page) + own
 
 
 def base_host_bytes(p: Profile, disk_budget: int) -> int:

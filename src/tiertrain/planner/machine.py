@@ -37,7 +37,7 @@ class PerDtype:
 
 @dataclass(frozen=True)
 class Link:
-    """A network link of the machine (for data parallelism later): its name and bytes/s each way."""
+    """A network link of the machine: its name and bytes/s each way (``plan --nproc`` plans collectives at the first's)."""
 
     name: str
     bps: float = field(metadata=_RATE)
@@ -77,7 +77,7 @@ class Machine:
     disk_bytes: int = field(default=0, metadata=_SIZE)  # local disk for the disk tier
     disk_cpu_s_per_byte: float = field(default=0.0, metadata=_SIZE)  # CPU time the disk tier spends per byte
     page_size: int = field(default=0, metadata=_SIZE)  # the page size runs use here (0: measure it)
-    network: tuple[Link, ...] = ()                # per link, for data parallelism (not planned yet)
+    network: tuple[Link, ...] = ()                # per link; plan --nproc takes the first for every collective
     source: str = ""                              # where the figures come from
     load: Load | None = None                      # a probe's: what else ran while it measured
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tiertrain import typed
 from tiertrain.errors import ConfigError
+from tiertrain.planner.network import Network
 from tiertrain.precisions import BYTES, PRECISIONS
 from tiertrain.typed import above, at_least, one_of
 
@@ -65,6 +66,7 @@ class Profile:
     read_ahead: int = field(default=2, metadata=at_least(0))  # the plan's disk-homed blocks read in ahead
     update_workers: int = field(default=2, metadata=at_least(1))  # the plan's optimizer threads (Plan.update_workers)
     source: str = ""                   # how its block figures were found (measured, reduced shape, estimate)
+    network: Network = Network()       # the ranks planned for (per-rank budgets) and their collectives' rates
 
     @property
     def compute_bytes(self) -> int:

@@ -3,26 +3,43 @@
 Each task (a copy, a compute, an update) starts when its inputs are ready, its trigger
 has fired and its resource is free, and holds that resource for bytes/bandwidth or the
 profiled seconds. Resources: compute, h2d, d2h, disk_read, disk_write, cpu (the AdamW
-workers). Memory per tier is tracked over the same time. The result names the step time,
+workers), net (a rank's collectives, with the profile's ``network``: the plan's ranks). Memory per tier is tracked over the same time. The result names the step time,
 the per-tier peaks and the bottleneck (the busiest resource).
 
 Approximations, stated so a mismatch can be traced: the embeddings and head are one
 compute task at each end of forward and backward; the update workers are one lane at
 the measured AdamW rate; across steps, ``overlap`` and ``lockfree`` hide updates behind
-the next step's compute as far as the busiest resource allows.
+the next step's compute as far as the busiest resource allows. Over several ranks the
+timeline is one rank's (all alike): a sharded block's fetch is its shard's copy then its
+all-gather on the net, prefetched as a fetch is; its gradients' reduction holds up backward
+(the runtime reduces in the loop's thread); a resident sharded block's update ends with an
+all-gather of its new params; each rank updates its own share of the states.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from tiertrain.plan.tiers import Tier
 from tiertrain.plan import Plan
-from tiertrain.plan.bytes import disk_passes_per_step, grad_copies, grad_tier, pages, separate_param_home, tier_bytes
+from tiertrain.plan.bytes import (disk_passes_per_step, grad_copies, grad_tier, pages, separate_param_home, sharded,
+                                  tier_bytes)
 from tiertrain.planner.costs import GRAD_BYTES, STATE_BYTES, grads_out_s, publishes_over_link
+from tiertrain.planner.network import Network
 from tiertrain.planner.profile import MachineProfile, Profile
 
-RESOURCES = ("compute", "h2d", "d2h", "disk_read", "disk_write", "cpu")
+RESOURCES = ("compute", "h2d", "d2h", "disk_read", "disk_write", "cpu", "net")
+
+
+def _network(plan: Plan, p: Profile) -> Network:
+    """The profile's collective rates over the plan's ranks."""
+    return dataclasses.replace(p.network, dp=plan.parallel.dp)
+
+
+def _own(plan: Plan, bp, numel: int) -> int:
+    """Elements of a block's states one rank holds and updates."""
+    return -(-numel // plan.parallel.dp) if sharded(bp, plan) else numel
 
 
 @dataclass
@@ -124,12 +141,14 @@ def simulate(plan: Plan, p: Profile, needs_all_grads: bool = False) -> Simulatio
         s, e = tl.run("compute", ready, work, f"bwd {b.name}")
         bstarts.append(s)
         bends.append(e)
-        last_done = e
         change(e, "device", -saved * acts)
+        e = last_done = _reduce(tl, plan, bp, p, e, b.params, b.name)
         _, grads_done[i] = tl.run("d2h", e, grads_out_s(b, bp.home is Tier.DEVICE, m), f"grads {b.name}")
-        change(grads_done[i], grad_tier(bp).value, pages(b.params * GRAD_BYTES, p.page, bound=False))
+        change(grads_done[i], grad_tier(bp).value, pages(_own(plan, bp, b.params) * GRAD_BYTES, p.page, bound=False))
     _, device_end = tl.run("compute", last_done, p.rest.backward_s / 2, "embed bwd")
-    change(device_end, grad_tier(plan.rest).value, pages(p.rest.params * GRAD_BYTES, p.page, bound=False))
+    device_end = _reduce(tl, plan, plan.rest, p, device_end, p.rest.params, "rest")
+    change(device_end, grad_tier(plan.rest).value,
+           pages(_own(plan, plan.rest, p.rest.params) * GRAD_BYTES, p.page, bound=False))
     _updates(plan, p, tl, grads_done, bstarts, order, device_end, needs_all_grads, change)
     step = _step_time(plan, tl, device_end, needs_all_grads, m)
     peaks = {t: max(v for _, tier, v in curve if tier == t) for t in ("device", "host", "disk")}
@@ -140,10 +159,22 @@ def simulate(plan: Plan, p: Profile, needs_all_grads: bool = False) -> Simulatio
 
 def _fetch(tl: Timeline, plan: Plan, bp, p: Profile, ready: float, nbytes: int, label: str) -> tuple[float, float]:
     """A streamed block's params into its slot: from the host, or read from disk when its fp32
-    master on disk is its only copy (no separate param home)."""
+    master on disk is its only copy (no separate param home); a sharded block's own share so,
+    then all-gathered from the others'."""
+    own = _own(plan, bp, nbytes)
     if bp.home is Tier.DISK and not separate_param_home(bp, plan):
-        return tl.run("disk_read", ready, nbytes / p.machine.disk_read_bps, label)
-    return tl.run("h2d", ready, nbytes / p.machine.h2d_bps, label)
+        start, end = tl.run("disk_read", ready, own / p.machine.disk_read_bps, label)
+    else:
+        start, end = tl.run("h2d", ready, own / p.machine.h2d_bps, label)
+    if sharded(bp, plan):
+        end = tl.run("net", end, _network(plan, p).gather_s(nbytes), f"gather {label}")[1]
+    return start, end
+
+
+def _reduce(tl: Timeline, plan: Plan, bp, p: Profile, ready: float, numel: int, name: str) -> float:
+    """A block's gradients reduced over the ranks once its backward ends; the loop waits for it."""
+    seconds = _network(plan, p).reduce_s(numel * GRAD_BYTES, sharded(bp, plan))
+    return tl.run("net", ready, seconds, f"reduce {name}")[1] if seconds else ready
 
 
 def _updates(plan, p, tl, grads_done, bstarts, order, device_end, needs_all_grads, change) -> None:
@@ -152,31 +183,36 @@ def _updates(plan, p, tl, grads_done, bstarts, order, device_end, needs_all_grad
     m = p.machine
     for j, i in enumerate(order):
         b, bp = p.blocks[i], plan.blocks[i]
+        own = _own(plan, bp, b.params)
         share = disk_passes_per_step(plan.update, plan.max_staleness) if bp.home is Tier.DISK else 1.0
         ready = grads_done[i] if plan.update != "sync" and not needs_all_grads else device_end
         if bp.home is Tier.DISK:
-            _, read = tl.run("disk_read", bstarts[j], share * b.params * STATE_BYTES / m.disk_read_bps,
+            _, read = tl.run("disk_read", bstarts[j], share * own * STATE_BYTES / m.disk_read_bps,
                              f"read {b.name}")
             ready = max(ready, read)
         if bp.home is Tier.DEVICE and not m.device_is_host:
             done = ready  # updated on the GPU, next to nothing beside its compute (as costs has it)
         else:
-            _, done = tl.run("cpu", ready, share * b.params / m.adam_params_per_s, f"adam {b.name}")
-        change(done, grad_tier(bp).value, -pages(b.params * GRAD_BYTES, p.page, bound=False))
+            _, done = tl.run("cpu", ready, share * own / m.adam_params_per_s, f"adam {b.name}")
+        change(done, grad_tier(bp).value, -pages(own * GRAD_BYTES, p.page, bound=False))
         if publishes_over_link(bp.stream, bp.home is Tier.DEVICE, m, p.compute_bytes):
-            tl.run("h2d", done, share * b.params * p.compute_bytes / m.h2d_bps, f"publish {b.name}")
+            tl.run("h2d", done, share * own * p.compute_bytes / m.h2d_bps, f"publish {b.name}")
+        if sharded(bp, plan) and not bp.stream:  # the new params of every rank's share into the slot
+            tl.run("net", done, share * _network(plan, p).gather_s(b.params * p.compute_bytes), f"gather {b.name}")
         if bp.home is Tier.DISK:
-            tl.run("disk_write", done, share * b.params * STATE_BYTES / m.disk_write_bps, f"write {b.name}")
+            tl.run("disk_write", done, share * own * STATE_BYTES / m.disk_write_bps, f"write {b.name}")
     ready = device_end if plan.update == "sync" or needs_all_grads else 0.0
     rest_disk = plan.rest.home is Tier.DISK
     share = disk_passes_per_step(plan.update, plan.max_staleness) if rest_disk else 1.0
+    own = _own(plan, plan.rest, p.rest.params)
     if rest_disk:  # the embeddings' and head's states are read in and written back like a block's
-        ready = max(ready, tl.run("disk_read", 0.0, share * p.rest.params * STATE_BYTES / m.disk_read_bps,
-                                  "read rest")[1])
-    _, done = tl.run("cpu", ready, share * p.rest.params / m.adam_params_per_s, "adam rest")
+        ready = max(ready, tl.run("disk_read", 0.0, share * own * STATE_BYTES / m.disk_read_bps, "read rest")[1])
+    _, done = tl.run("cpu", ready, share * own / m.adam_params_per_s, "adam rest")
+    if sharded(plan.rest, plan):
+        tl.run("net", done, _network(plan, p).gather_s(p.rest.params * p.compute_bytes), "gather rest")
     if rest_disk:
-        tl.run("disk_write", done, share * p.rest.params * STATE_BYTES / m.disk_write_bps, "write rest")
-    change(max(done, device_end), grad_tier(plan.rest).value, -pages(p.rest.params * GRAD_BYTES, p.page, bound=False))
+        tl.run("disk_write", done, share * own * STATE_BYTES / m.disk_write_bps, "write rest")
+    change(max(done, device_end), grad_tier(plan.rest).value, -pages(own * GRAD_BYTES, p.page, bound=False))
 
 
 def _step_time(plan: Plan, tl: Timeline, device_end: float, needs_all_grads: bool, m: MachineProfile) -> float:

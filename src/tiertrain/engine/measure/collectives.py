@@ -1,0 +1,101 @@
+"""This machine's collective rates for ``tiertrain plan --nproc N``: N local ranks (gloo, one
+thread each, as ``tiertrain train --nproc`` runs them) time all-gather, reduce-scatter,
+all-reduce and all-to-all on a tensor of the runtime's chunk size; a rate is the bytes a rank
+sends (the ring formulas ``parallel.collectives`` counts by) over the seconds the call took. The
+calls are the runtime's own (``parallel.distributed``): over gloo, which has no reduce-scatter,
+that one is an all-reduce, and its rate is what the runtime gets (half an all-reduce's).
+
+Ranks are started as torchrun would, but in-process through ``torch.multiprocessing`` with a file
+rendezvous in a private temporary directory: planning needs no launcher, and nothing is left
+behind (the directory goes with the measurement).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tiertrain.errors import ConfigError
+from tiertrain.planner.network import Network
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+MIN_BYTES, MAX_BYTES = 1 << 20, 64 << 20   # the chunk size measured is the largest block's, within these
+SECONDS = 0.3                               # per collective, after one warm-up call
+
+
+def measure_network(dp: int, chunk_bytes: int) -> Network:
+    """Each collective's rate over ``dp`` local ranks at ``chunk_bytes`` (clamped to 1-64 MiB)."""
+    import torch.multiprocessing as mp
+
+    if dp < 2:
+        raise ConfigError("--nproc must be at least 2 to measure collectives between ranks")
+    nbytes = min(max(chunk_bytes, MIN_BYTES), MAX_BYTES)
+    nbytes -= nbytes % (4 * dp)  # whole float32 shards
+    print(f"measuring collectives over {dp} local ranks at {nbytes / 2**20:.1f} MiB...", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="tiertrain-collectives-") as tmp:
+        out = Path(tmp) / "rates.json"
+        mp.start_processes(_rank, args=(dp, tmp, nbytes, str(out)), nprocs=dp, join=True, start_method="spawn")
+        rates = json.loads(out.read_text())
+    return Network(dp, True, *(rates[k] for k in KINDS), source=f"measured here over {dp} local gloo ranks "
+                                                                   f"at {nbytes / 2**20:.1f} MiB")
+
+
+def _rank(rank: int, dp: int, tmp: str, nbytes: int, out: str) -> None:
+    """One rank: each collective timed through the calls the runtime makes (``parallel.distributed``)."""
+    import torch
+    import torch.distributed as dist
+
+    from tiertrain.parallel.collectives import ring_bytes
+    from tiertrain.parallel.distributed import ProcessGroupCollectives
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=dp)
+    comm = ProcessGroupCollectives()
+    try:
+        # zeros: gloo's reduce-scatter is an in-place all-reduce, and repeated sums of zeros stay finite
+        whole, other = torch.zeros(nbytes // 4), torch.empty(nbytes // 4)
+        part = torch.zeros(nbytes // 4 // dp)
+        calls = {"all_gather": lambda: comm.all_gather(whole, part),
+                 "reduce_scatter": lambda: comm.reduce_scatter(part, whole),
+                 "all_reduce": lambda: comm.all_reduce(whole),
+                 "all_to_all": lambda: comm.all_to_all(other, whole)}
+        rates = {k: ring_bytes(k, nbytes, dp) / _seconds(calls[k], dist) for k in KINDS}
+        if rank == 0:
+            Path(out).write_text(json.dumps(rates))
+    finally:
+        comm.close()
+        dist.destroy_process_group()
+
+
+def _seconds(call, dist) -> float:
+    """Seconds one call takes, the slowest rank's (every rank reports the maximum)."""
+    import torch
+
+    call()
+    dist.barrier()
+    n, start = 0, time.perf_counter()
+    while True:
+        call()
+        n += 1
+        done = torch.tensor([time.perf_counter() - start >= SECONDS], dtype=torch.int32)
+        dist.all_reduce(done, op=dist.ReduceOp.MAX)  # every rank stops after the same number of calls
+        if done.item():
+            break
+    return (time.perf_counter() - start) / n
+
+
+def network_for(dp: int, machine_links: tuple, machine_name: str, chunk_bytes: int) -> Network:
+    """``plan --nproc``'s network: a described machine's first link (every collective at its rate),
+    or this machine measured (``machine_links`` None)."""
+    if machine_links is None:
+        return measure_network(dp, chunk_bytes)
+    if not machine_links:
+        raise ConfigError(f"machine {machine_name} describes no network link; add one to its description "
+                          '("network": [{"name": "ib0", "bps": 25e9}]) to plan over ranks')
+    link = machine_links[0]
+    return Network.from_link(dp, link.bps, f"{machine_name}'s link {link.name}, {link.bps / 1e9:.1f} GB/s (described)")
+
+

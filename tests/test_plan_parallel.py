@@ -1,0 +1,134 @@
+"""The planner over several ranks (issue 19 item 5): per-rank budgets, the collectives' rates in the
+profile, a network resource in the simulator, and the choice between every block sharded (ZeRO-2/3)
+and replicated (DDP); ``tiertrain plan --nproc N`` writes a plan that ``train --nproc N`` runs."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tiertrain.plan import builtin_plan, data_parallel
+from tiertrain.plan.bytes import tier_bytes
+from tiertrain.plan.tiers import Tier
+from tiertrain.planner.auto import NoPlanFits, choose_layout, run_profile
+from tiertrain.planner.network import Network
+from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
+from tiertrain.planner.simulator import simulate
+from tiertrain.planner.solvers import Problem
+
+MiB = 1 << 20
+N_BLOCKS, PARAMS, REST = 4, 2_000_000, 1_000_000
+RATE = 1e9
+
+
+def _profile(dp: int, rate: float = RATE, network: Network | None = None) -> Profile:
+    block = BlockProfile("b", 4e-3, 8e-3, PARAMS, 4 * MiB, 1 * MiB)
+    m = MachineProfile(h2d_bps=10e9, d2h_bps=10e9, disk_read_bps=1e9, disk_write_bps=1e9, adam_params_per_s=1e9)
+    p = Profile(tuple(dataclasses.replace(block, name=f"blocks.{i}") for i in range(N_BLOCKS)),
+                BlockProfile("rest", 1e-3, 2e-3, REST, 0, 0), m, page=64 << 10,
+                network=network or Network.from_link(dp, rate, "test"))
+    return run_profile(p, "sync", 1, needs_all_grads=True)
+
+
+def _states_bytes() -> int:
+    return (N_BLOCKS * PARAMS + REST) * 16  # master, two moments, one gradient chunk: fp32
+
+
+def test_with_room_for_whole_states_resident_blocks_are_sharded_zero2_ddps_bytes_and_a_share_of_the_updates():
+    """ZeRO-2 sends what DDP sends (a reduce-scatter and an all-gather are one all-reduce's bytes) and
+    each rank updates half the states: where every link runs at one rate it wins."""
+    pb = Problem.sized(_profile(2), device=256 * MiB, host=4 * _states_bytes())
+    chosen, cands = choose_layout(pb, ("dp",), "sync", True, 1)
+    plan = chosen.plan
+    assert plan.parallel.dp == 2 and all(b.shard and not b.stream for b in (*plan.blocks, plan.rest))
+    assert {c.plan.name for c in cands} == {"auto/dp/sharded x2", "auto/dp/replicated x2"}
+    ddp = next(c for c in cands if "replicated" in c.plan.name)
+    assert ddp.sim.timeline.busy("net") == pytest.approx(chosen.sim.timeline.busy("net"))
+    assert ddp.sim.timeline.busy("cpu") == pytest.approx(2 * chosen.sim.timeline.busy("cpu"))
+
+
+def test_where_reduce_scatter_is_an_all_reduce_as_over_gloo_ddp_is_chosen():
+    gloo = Network(2, True, all_gather_bps=RATE, reduce_scatter_bps=RATE / 2, all_reduce_bps=RATE,
+                   all_to_all_bps=RATE, source="as gloo measures")
+    pb = Problem.sized(_profile(2, network=gloo), device=256 * MiB, host=4 * _states_bytes())
+    chosen, _ = choose_layout(pb, ("dp",), "sync", True, 1)
+    assert chosen.plan.name == "auto/dp/replicated x2"
+    assert not any(b.shard for b in (*chosen.plan.blocks, chosen.plan.rest))
+
+
+def test_when_whole_states_do_not_fit_a_rank_sharding_is_chosen_and_each_rank_holds_its_share():
+    host = int(0.85 * _states_bytes())  # whole states and gradients do not fit a rank; half of them do
+    pb = Problem.sized(_profile(2), device=64 * MiB, host=host)
+    chosen, _ = choose_layout(pb, ("dp",), "sync", True, 1)
+    plan = chosen.plan
+    assert plan.parallel.dp == 2 and all(b.shard for b in (*plan.blocks, plan.rest))
+    numels = [PARAMS] * N_BLOCKS + [REST]
+    assert tier_bytes(numels, plan, 64 << 10)[Tier.HOST] <= host  # what the runtime's budget check counts
+    with pytest.raises(NoPlanFits):  # and no plan fits one process with these budgets
+        choose_layout(Problem.sized(_profile(1), device=64 * MiB, host=host), ("dp",), "sync", True, 1)
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_the_simulated_network_carries_the_layouts_bytes(dp):
+    """Seconds on the net at the rate are the bytes each rank sends: DDP 2 (N-1)/N x every gradient;
+    ZeRO-3 (every block streamed, one slot) (N-1)/N x each block's params gathered for forward and
+    again for backward (but the last, still in its slot) and its gradients reduce-scattered; the rest
+    (resident, ZeRO-2) its gradients reduce-scattered and its new params gathered."""
+    p = _profile(dp)
+    share = (dp - 1) / dp
+    ddp = data_parallel(builtin_plan("resident", N_BLOCKS), dp, shard=False)
+    sent = simulate(ddp, p, True).timeline.busy("net") * RATE
+    assert sent == pytest.approx(2 * share * 4 * (N_BLOCKS * PARAMS + REST), rel=1e-9)
+    zero3 = data_parallel(dataclasses.replace(builtin_plan("stream", N_BLOCKS), window=1, prefetch=0), dp)
+    sent = simulate(zero3, p, True).timeline.busy("net") * RATE
+    blocks = (2 * N_BLOCKS - 1) * PARAMS * share * 4 + N_BLOCKS * PARAMS * share * 4  # gathers, reductions
+    assert sent == pytest.approx(blocks + share * 2 * 4 * REST, rel=1e-9)
+
+
+def test_a_slower_network_predicts_a_slower_step_and_one_rank_sends_nothing():
+    plan = data_parallel(builtin_plan("stream", N_BLOCKS), 2)
+    fast, slow = simulate(plan, _profile(2), True), simulate(plan, _profile(2, RATE / 100), True)
+    assert slow.step_s > fast.step_s and slow.bottleneck == "net"
+    assert simulate(builtin_plan("stream", N_BLOCKS), _profile(1), True).timeline.busy("net") == 0
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tiertrain", *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def test_plan_nproc_for_a_described_machine_takes_its_link_and_refuses_one_without(tmp_path, capsys):
+    from tiertrain.cli.main import main
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gpt-small", "--batch", "2", "--seq", "64", "--machine", "h100-sxm-80gb",
+                 "--nproc", "8", "--solver", "dp", "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "8 ranks, each with these budgets; network: h100-sxm-80gb's link nvlink4" in " ".join(said.split())
+    assert json.loads(out.read_text())["parallel"] == {"dp": 8}
+    from tiertrain.planner.datasheets import find_machine
+
+    lonely = dataclasses.replace(find_machine("h100-sxm-80gb"), network=(), name="lonely")
+    (tmp_path / "lonely.json").write_text(lonely.to_json())
+    assert main(["plan", "--model", "gpt-small", "--machine", str(tmp_path / "lonely.json"), "--nproc", "2",
+                 "--out", str(out)]) == 2
+    assert "describes no network link" in capsys.readouterr().err
+    assert main(["plan", "--max-model", "--machine", "h100-sxm-80gb", "--nproc", "2", "--out", str(out)]) == 2
+    assert "drop --nproc" in capsys.readouterr().err
+
+
+def test_plan_nproc_measures_this_machines_collectives_and_train_nproc_runs_the_plan(tmp_path):
+    plan, out = tmp_path / "plan.json", tmp_path / "run"
+    r = _cli("plan", "--model", "tiny", "--batch", "4", "--seq", "32", "--device-memory", "4MiB", "--host-memory",
+             "64MiB", "--nproc", "2", "--grad-clip", "0", "--page-size", "64KiB", "--solver", "dp", "--out", str(plan))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "measured here over 2 local gloo ranks" in " ".join(r.stdout.split())
+    assert json.loads(plan.read_text())["parallel"] == {"dp": 2}
+    r = _cli("train", "--model", "tiny", "--batch-size", "4", "--seq-len", "32", "--grad-clip", "0", "--steps", "2",
+             "--plan", str(plan), "--page-size", "64KiB", "--device-memory", "4MiB", "--host-memory", "64MiB",
+             "--out", str(out), "--nproc", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "done: 2 steps" in r.stdout

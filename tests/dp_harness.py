@@ -128,3 +128,29 @@ def sent_per_step(rank: int, plan, steps: int = 3) -> dict:
     finally:
         rt.close()
         rt.mem.close()
+
+
+def reduction_events(rank: int, plan) -> list[tuple[str, int]]:
+    """One step's ("flush", block) and ("landed", block) events, in order: when each block's
+    gradients were handed to the reduction and when its reduction was waited for."""
+    import tiertrain
+    from tiertrain.engine.objective import lm_loss
+    from tiertrain.memory import Budgets
+    from tiertrain.runtime.block_group import BlockGroup
+    from tiertrain.runtime.runtime import Runtime
+
+    events: list[tuple[str, int]] = []
+    flush, finish = Runtime._flush, BlockGroup.finish_reduce
+    Runtime._flush = lambda self, g: (events.append(("flush", g.index)), flush(self, g))[1]
+    BlockGroup.finish_reduce = lambda self: (events.append(("landed", self.index)) if self.reducing else None,
+                                             finish(self))[1]
+    model, opt = _fresh()
+    tm, topt = tiertrain.setup(model, opt, Budgets(64 << 20, 64 << 20), plan=plan, page_size=64 << 10)
+    try:
+        b = rank_batches(rank, 1)[0]
+        lm_loss(tm, b[:, :-1], b[:, 1:]).backward()
+        topt.step()
+        return events
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()

@@ -8,7 +8,7 @@ import functools
 
 import pytest
 
-from dp_harness import TINY4, ddp_losses, run_ranks, sent_per_step, tiered_losses
+from dp_harness import TINY4, ddp_losses, reduction_events, run_ranks, sent_per_step, tiered_losses
 from tiertrain.parallel import ring_bytes
 from tiertrain.memory import Tier
 from tiertrain.plan import BlockPlan, Plan, builtin_plan, data_parallel
@@ -37,7 +37,22 @@ def dp2(tmp_path_factory):
     jobs += [(("lockfree0", "lockfree", 1, None), functools.partial(
         tiered_losses, plan=dataclasses.replace(PLANS["stream"], max_staleness=0), update="lockfree", accum=1,
         clip=None, disk=tmp / "lockfree"))]
+    jobs += [(("events", plan), functools.partial(reduction_events, plan=PLANS[plan])) for plan in ("resident", "stream")]
     return run_ranks(2, tmp, jobs)
+
+
+@pytest.mark.parametrize("plan", ["resident", "stream"])
+def test_a_blocks_gradient_reduction_runs_under_the_next_blocks_backward(dp2, plan):
+    """The reduction started when a block's backward ends is waited for only when the next block's
+    backward has ended (so the network carries it while that block computes), the last ones when
+    backward ends; the losses above stay DDP's bit for bit."""
+    for rank in (0, 1):
+        events = dp2[(("events", plan), rank)]
+        flushed = [b for e, b in events if e == "flush"]
+        assert sorted(flushed) == list(range(len(flushed))) and len(flushed) > 2
+        for earlier, later in zip(flushed, flushed[1:]):
+            assert events.index(("landed", earlier)) > events.index(("flush", later)), events
+        assert [e for e, _ in events[-2:]] == ["landed", "landed"]
 
 
 def test_lockfree_at_staleness_zero_keeps_its_meaning_per_shard_and_equals_ddp(dp2):

@@ -32,12 +32,13 @@ class Collectives(Protocol):
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Waitable | None:
         """``out`` (world_size x shard's numel) receives every rank's ``shard``, in rank order."""
 
-    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> None:
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> Waitable | None:
         """``out`` receives this rank's slice of the sum over ranks of ``full`` (which the call may overwrite:
-        it is this rank's own buffer, given up to the reduction)."""
+        it is this rank's own buffer, given up to the reduction). ``async_op``: returns at once, ``out``
+        holds the slice once the returned handle's ``wait`` returns."""
 
-    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
-        """``t`` becomes the sum (or ``max``) over ranks of ``t``, in place."""
+    def all_reduce(self, t: torch.Tensor, op: str = "sum", async_op: bool = False) -> Waitable | None:
+        """``t`` becomes the sum (or ``max``) over ranks of ``t``, in place (once waited for, with ``async_op``)."""
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None = None,
                    in_splits: list[int] | None = None) -> None:

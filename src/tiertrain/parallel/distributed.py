@@ -56,21 +56,26 @@ class ProcessGroupCollectives:
         work = self._guarded(self._gather, out.view(-1), shard.view(-1), group=self.group, async_op=async_op)
         return _Guarded(work, self) if async_op else None
 
-    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> None:
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> Waitable | None:
         self._count("reduce_scatter", full)
         if self._gloo:
             # gloo has no reduce-scatter: all-reduce in place (``full`` is the caller's to give up), then
             # keep this rank's slice (the sum is the same: what is sent differs, and ``sent`` counts the
             # reduce-scatter the algorithm stands for)
-            self._guarded(dist.all_reduce, full.view(-1), group=self.group)
+            work = self._guarded(dist.all_reduce, full.view(-1), group=self.group, async_op=async_op)
             n = out.numel()
-            out.view(-1).copy_(full.view(-1)[self.rank * n : (self.rank + 1) * n])
-            return
-        self._guarded(self._scatter, out.view(-1), full.view(-1), group=self.group)
+            keep = _Then(lambda: out.view(-1).copy_(full.view(-1)[self.rank * n : (self.rank + 1) * n]))
+            if not async_op:
+                keep.wait()
+                return None
+            return _Guarded(work, self, keep)
+        work = self._guarded(self._scatter, out.view(-1), full.view(-1), group=self.group, async_op=async_op)
+        return _Guarded(work, self) if async_op else None
 
-    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
+    def all_reduce(self, t: torch.Tensor, op: str = "sum", async_op: bool = False) -> Waitable | None:
         self._count("all_reduce", t)
-        self._guarded(dist.all_reduce, t, op=_OPS[op], group=self.group)
+        work = self._guarded(dist.all_reduce, t, op=_OPS[op], group=self.group, async_op=async_op)
+        return _Guarded(work, self) if async_op else None
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None = None,
                    in_splits: list[int] | None = None) -> None:
@@ -87,11 +92,26 @@ class ProcessGroupCollectives:
         self._guarded(dist.broadcast, t, src=root, group=self.group)
 
 
-class _Guarded:
-    """An asynchronous collective whose ``wait`` names a lost peer as the call itself would."""
+class _Then:
+    """What is left to do once a collective has landed (a local copy), done once."""
 
-    def __init__(self, work, comm: ProcessGroupCollectives) -> None:
-        self.work, self.comm = work, comm
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def wait(self) -> None:
+        if self.fn is not None:
+            fn, self.fn = self.fn, None
+            fn()
+
+
+class _Guarded:
+    """An asynchronous collective whose ``wait`` names a lost peer as the call itself would, then
+    does what is left (``then``)."""
+
+    def __init__(self, work, comm: ProcessGroupCollectives, then: _Then | None = None) -> None:
+        self.work, self.comm, self.then = work, comm, then
 
     def wait(self) -> None:
         self.comm._guarded(self.work.wait)
+        if self.then is not None:
+            self.then.wait()

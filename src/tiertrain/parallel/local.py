@@ -24,11 +24,12 @@ class LocalCollectives:
         _copy_unless_same(out, shard)
         return Done() if async_op else None
 
-    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> None:
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> Done | None:
         _copy_unless_same(out, full)
+        return Done() if async_op else None
 
-    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
-        return None
+    def all_reduce(self, t: torch.Tensor, op: str = "sum", async_op: bool = False) -> Done | None:
+        return Done() if async_op else None
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None = None,
                    in_splits: list[int] | None = None) -> None:

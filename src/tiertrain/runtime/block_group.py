@@ -36,6 +36,7 @@ from tiertrain.plan import BlockPlan
 from tiertrain.plan.bytes import grad_tier
 from tiertrain.runtime.blocks import Block
 from tiertrain.runtime.grads import GradBuffer, TakenGrads
+from tiertrain.runtime.reduction import Copy, Reduction
 from tiertrain.runtime.slots import Slot
 
 F32 = torch.float32
@@ -67,6 +68,7 @@ class BlockGroup:
     grads: GradBuffer = field(init=False)
     grad_count: int = 0                        # parameters whose gradient arrived in the current backward
     pending: Future | None = None              # its update in flight
+    reducing: "Reduction | None" = None        # data parallel: its gradients' reduction in flight
     version: int = 0                           # the params include the updates of steps < version
     local: Chunk | None = None                 # data parallel: this rank's gradients, summed over micro-batches
     slot_stale: bool = False                   # a resident sharded block's slot awaits the gather of its update
@@ -182,28 +184,41 @@ class BlockGroup:
             p.grad = None
 
     def _reduce_over_ranks(self, step: int, hypers: list[AdamWHyper] | None, make_room: Callable[[], None]) -> None:
-        """Average ``local`` over the ranks into this rank's part (its shard, or all of it) and add that to
-        the grad chunk. A parameter has a gradient where any rank's micro-batches gave it one."""
+        """Start averaging ``local`` over the ranks into this rank's part (its shard, or all of it),
+        reduced straight into a fresh grad chunk (no temporary); ``finish_reduce`` adds it to the grad
+        chunk once it has landed. Started, not waited for: the runtime lets it run under the next
+        block's backward. A parameter has a gradient where any rank's micro-batches gave it one."""
         has = torch.tensor(self.local_has, dtype=torch.uint8)
-        self.comm.all_reduce(has, op="max")
+        works = [self.comm.all_reduce(has, op="max", async_op=True)]
         full = self.local.typed(F32)[: self.layout.numel]
         if grad_tier(self.plan) is Tier.HOST:
             make_room()
         fresh = self._new_grad_chunk(self.state_numel * F32.itemsize)
-        mine = fresh.typed(F32)[: self.state_numel]  # reduced straight into a grad chunk: no temporary
+        mine = fresh.typed(F32)[: self.state_numel]
         if self.shard is None:
-            self.comm.all_reduce(full)
-            mine.copy_(full)
+            works.append(self.comm.all_reduce(full, async_op=True))
+            works.append(Copy(mine, full))
         else:
-            self.comm.reduce_scatter(mine, full)
-        mine.div_(self.mean_over)
+            works.append(self.comm.reduce_scatter(mine, full, async_op=True))
+        self.reducing = Reduction(works, fresh, mine, has, step, hypers)
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduction ``_reduce_over_ranks`` started and add this rank's part, averaged, to
+        the grad chunk; the block's gradients are then final. Nothing to do if none is in flight."""
+        r, self.reducing = self.reducing, None
+        if r is None:
+            return
+        for w in r.works:
+            w.wait()
+        r.mine.div_(self.mean_over)
+        fresh = r.fresh
         with self.grads.lock:
             if self.grads.chunk is None:
                 self.grads.chunk, fresh = fresh, None
             else:
-                self.grads.chunk.typed(F32)[: self.state_numel].add_(mine)
-            self.grads.has_grad = [a or bool(b) for a, b in zip(self.grads.has_grad, has.tolist())]
-            self.grads.step, self.grads.hypers = step, hypers
+                self.grads.chunk.typed(F32)[: self.state_numel].add_(r.mine)
+            self.grads.has_grad = [a or bool(b) for a, b in zip(self.grads.has_grad, r.has.tolist())]
+            self.grads.step, self.grads.hypers = r.step, r.hypers
         for chunk in (fresh, self.local):
             if chunk is not None:
                 self.mem.release(chunk)

@@ -30,6 +30,8 @@ from tiertrain.runtime.modes import make_mode
 from tiertrain.runtime.state_moves import StateMoves
 from tiertrain.runtime.switches import HostStash
 
+REDUCTIONS_IN_FLIGHT = 1  # a block's reduction runs under the next block's backward (runtime.reduction)
+
 
 class Runtime:
     def __init__(self, model: nn.Module, param_groups: list[dict[str, Any]], group_of_param: dict[int, int],
@@ -71,6 +73,7 @@ class Runtime:
         self.skip_step = False       # fp16: this step's gradients overflowed; no block is updated
         self.nonfinite_norm = False  # overlap with clipping: the norm was NaN/inf, so no update was started
         self._in_backward = False
+        self._reducing: list[BlockGroup] = []  # blocks whose gradients' reduction is in flight, oldest first
         self._order = self._model_order()
 
     def wire(self) -> None:
@@ -160,7 +163,21 @@ class Runtime:
             self._flush(g)
 
     def _flush(self, g: BlockGroup) -> None:
+        """A block's gradients are all in: into its grad chunk, or, over several ranks on the last
+        micro-batch, reduced. One reduction stays in flight while the next block computes; the one
+        before it is finished now (``runtime.reduction``)."""
         g.reduce_grads(self.steps_taken, self.mode.step_hypers(), self._room_for_grads, self.final_micro())
+        if g.reducing is None:
+            self.mode.grads_final(g)
+            return
+        self._reducing.append(g)
+        while len(self._reducing) > REDUCTIONS_IN_FLIGHT:
+            self._finish_reduction()
+
+    def _finish_reduction(self) -> None:
+        """The oldest reduction in flight lands; its block's gradients are final."""
+        g = self._reducing.pop(0)
+        g.finish_reduce()
         self.mode.grads_final(g)
 
     def _room_for_grads(self) -> None:
@@ -169,6 +186,8 @@ class Runtime:
         layer, so chunks an update has taken but not yet freed count too."""
         if not self.transient_grads:
             return
+        while self._reducing:  # its chunks count: let it land and its update start, which frees them
+            self._finish_reduction()
         while self.mem.accounting.chunks(Tier.HOST, Kind.GRAD) > self.plan.update_workers:
             pending = [g.pending for g in self.groups if g.pending is not None and not g.pending.done()]
             if not pending:
@@ -190,6 +209,8 @@ class Runtime:
         for g in self.groups:  # in one order on every rank: those reduced at the end reduce here, always
             if g.grad_count or g.reduces_at_end:
                 self._flush(g)
+        while self._reducing:
+            self._finish_reduction()
         final = self.final_micro()
         self.micro += 1
         self._in_backward = False

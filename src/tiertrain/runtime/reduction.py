@@ -1,0 +1,41 @@
+"""A block's gradients on their way over the data-parallel ranks.
+
+The reduction of a block's gradients is started when its backward ends and finished (waited for,
+added to the grad chunk) when the next block's backward ends, or when backward ends: the runtime
+keeps one in flight, so the network carries it while the next block computes instead of the loop
+waiting for it (``Runtime._flush``). The collectives are the same calls, on the same buffers, in the
+same order on every rank: the sums are those a blocking reduction gives, bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tiertrain.memory.chunk import Chunk
+from tiertrain.optim import AdamWHyper
+
+
+@dataclass
+class Reduction:
+    """A block's gradients on their way over the ranks: the collectives in flight (waited in order),
+    the grad chunk this rank's part lands in, which parameters any rank had a gradient for, and the
+    step (and lockfree's hyperparameters) they belong to."""
+
+    works: list
+    fresh: Chunk
+    mine: torch.Tensor
+    has: torch.Tensor
+    step: int
+    hypers: list[AdamWHyper] | None
+
+
+class Copy:
+    """A replicated block's all-reduced gradients into its grad chunk, once they have landed."""
+
+    def __init__(self, out: torch.Tensor, full: torch.Tensor) -> None:
+        self.out, self.full = out, full
+
+    def wait(self) -> None:
+        self.out.copy_(self.full)

@@ -83,8 +83,8 @@ def block_seconds(b: BlockProfile, c: Choice, m: MachineProfile, compute_bytes: 
     """Forward plus the longer of backward and the update it hides. ``disk_passes``: a disk-homed
     block's update passes per step (lockfree passes every few steps: each step carries its share).
     Over several ranks (``net``): a streamed sharded block's fetch is its shard's copy then the
-    all-gather (prefetched, as a fetch is); the gradients' reduction holds up backward (the runtime
-    reduces in the loop's thread); a resident sharded block's update ends with an all-gather of its
+    all-gather (prefetched, as a fetch is); the gradients' reduction runs under the next block's
+    backward (one in flight, as the runtime keeps); a resident sharded block's update ends with an all-gather of its
     new params; each rank updates its own share."""
     numel = net.per_rank(b.params)
     gather = net.gather_s(b.params * compute_bytes) if net.shard else 0.0
@@ -100,7 +100,7 @@ def block_seconds(b: BlockProfile, c: Choice, m: MachineProfile, compute_bytes: 
     else:
         fwd = max(b.forward_s, fetch, stash_out)
         bwd = max(b.backward_s + recompute, fetch + stash_in, grads_out)
-    bwd += net.reduce_s(b.params * GRAD_BYTES, net.shard)
+    bwd = max(bwd, net.reduce_s(b.params * GRAD_BYTES, net.shard))  # under the next block's backward
     opt = 0.0 if c.device_home and not m.device_is_host else optimizer_s(numel, m, disk_home)
     if publishes_over_link(c.stream, c.device_home, m, compute_bytes):
         opt += numel * compute_bytes / m.h2d_bps

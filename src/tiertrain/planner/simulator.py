@@ -11,8 +11,9 @@ compute task at each end of forward and backward; the update workers are one lan
 the measured AdamW rate; across steps, ``overlap`` and ``lockfree`` hide updates behind
 the next step's compute as far as the busiest resource allows. Over several ranks the
 timeline is one rank's (all alike): a sharded block's fetch is its shard's copy then its
-all-gather on the net, prefetched as a fetch is; its gradients' reduction holds up backward
-(the runtime reduces in the loop's thread); a resident sharded block's update ends with an
+all-gather on the net, prefetched as a fetch is; its gradients' reduction runs on the net under
+the next block's backward, which waits for it when it ends (one reduction in flight, as the
+runtime keeps); a resident sharded block's update ends with an
 all-gather of its new params; each rank updates its own share of the states.
 """
 
@@ -120,9 +121,10 @@ def simulate(plan: Plan, p: Profile, needs_all_grads: bool = False) -> Simulatio
     order = list(range(n - 1, -1, -1))
     streamed = [i for i in range(n) if plan.blocks[i].stream]
     resident_after_forward = set(streamed[-slots:]) if streamed else set()  # still in their slots
+    landed = [0.0]  # reductions' ends, in backward order: each is waited for when the next block's backward ends
     for j, i in enumerate(order):
         b, bp = p.blocks[i], plan.blocks[i]
-        ready = last_done
+        ready = last_done = max(last_done, landed[-2] if len(landed) > 1 else 0.0)
         saved = b.hidden_bytes if bp.recompute else b.act_bytes
         params_in = b.params * p.compute_bytes if bp.stream and i not in resident_after_forward else 0
         if params_in or bp.offload_hidden:
@@ -142,11 +144,12 @@ def simulate(plan: Plan, p: Profile, needs_all_grads: bool = False) -> Simulatio
         bstarts.append(s)
         bends.append(e)
         change(e, "device", -saved * acts)
-        e = last_done = _reduce(tl, plan, bp, p, e, b.params, b.name)
-        _, grads_done[i] = tl.run("d2h", e, grads_out_s(b, bp.home is Tier.DEVICE, m), f"grads {b.name}")
+        landed.append(_reduce(tl, plan, bp, p, e, b.params, b.name))
+        _, grads_done[i] = tl.run("d2h", landed[-1], grads_out_s(b, bp.home is Tier.DEVICE, m), f"grads {b.name}")
         change(grads_done[i], grad_tier(bp).value, pages(_own(plan, bp, b.params) * GRAD_BYTES, p.page, bound=False))
-    _, device_end = tl.run("compute", last_done, p.rest.backward_s / 2, "embed bwd")
-    device_end = _reduce(tl, plan, plan.rest, p, device_end, p.rest.params, "rest")
+    _, device_end = tl.run("compute", max(last_done, landed[-2] if len(landed) > 1 else 0.0), p.rest.backward_s / 2,
+                           "embed bwd")
+    device_end = max(_reduce(tl, plan, plan.rest, p, device_end, p.rest.params, "rest"), landed[-1])
     change(device_end, grad_tier(plan.rest).value,
            pages(_own(plan, plan.rest, p.rest.params) * GRAD_BYTES, p.page, bound=False))
     _updates(plan, p, tl, grads_done, bstarts, order, device_end, needs_all_grads, change)
@@ -172,7 +175,7 @@ def _fetch(tl: Timeline, plan: Plan, bp, p: Profile, ready: float, nbytes: int, 
 
 
 def _reduce(tl: Timeline, plan: Plan, bp, p: Profile, ready: float, numel: int, name: str) -> float:
-    """A block's gradients reduced over the ranks once its backward ends; the loop waits for it."""
+    """A block's gradients reduced over the ranks from when its backward ends; when it lands."""
     seconds = _network(plan, p).reduce_s(numel * GRAD_BYTES, sharded(bp, plan))
     return tl.run("net", ready, seconds, f"reduce {name}")[1] if seconds else ready
 

@@ -52,6 +52,8 @@ def test_a_blocks_gradient_reduction_runs_under_the_next_blocks_backward(dp2, pl
         assert sorted(flushed) == list(range(len(flushed))) and len(flushed) > 2
         for earlier, later in zip(flushed, flushed[1:]):
             assert events.index(("landed", earlier)) > events.index(("flush", later)), events
+        for earlier, after_next in zip(flushed, flushed[2:]):  # one in flight, not all of them
+            assert events.index(("landed", earlier)) < events.index(("flush", after_next)), events
         assert [e for e, _ in events[-2:]] == ["landed", "landed"]
 
 
@@ -148,3 +150,17 @@ def test_each_rank_sends_what_the_layouts_formula_says(sent, layout):
     # again for backward) and 2x for the rest, which stays on the device (one block is kept between them)
     want = 2 + streamed / params
     assert want - 0.25 < ratio <= want + 0.01, (layout, ratio, want)
+
+
+def test_lockfree_with_lag_over_sharded_blocks_is_refused_where_ranks_could_issue_different_collectives(monkeypatch):
+    import tiertrain
+    from dp_harness import _fresh
+    from tiertrain.errors import ConfigError
+    from tiertrain.memory import Budgets
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for staleness, layout in ((1, PLANS["stream"]), (4, data_parallel(builtin_plan("stream", 4), 2))):
+        model, opt = _fresh()
+        with pytest.raises(ConfigError, match=f"max staleness {staleness} over 2 ranks need replicated blocks"):
+            tiertrain.setup(model, opt, Budgets(64 << 20, 64 << 20), plan=layout, update="lockfree",
+                            max_staleness=staleness, page_size=64 << 10)

@@ -35,6 +35,7 @@ MOE = {"n_layer": 2, "n_head": 2, "d_model": 32, "d_ffn": 64, "vocab_size": 256,
        "top_k": 2}
 NO_AUX = {**MOE, "aux_loss_coef": 0.0}
 SPARSE = {**MOE, "n_experts": 8, "top_k": 1}  # with 4 tokens a rank: experts idle on one replica, busy on another
+TWO = {**MOE, "n_experts": 2, "top_k": 1}     # with 5 tokens a rank: a layer's experts all busy on one rank only
 STEPS = 5
 N = MOE["n_layer"]
 
@@ -128,6 +129,29 @@ def expert_parallel_run(rank: int, cfg: dict, plan: Plan, update: str, clip: flo
         rt.mem.close()
 
 
+def data_parallel_moe(rank: int, cfg: dict, disk, tokens: int, steps: int = STEPS) -> list[float]:
+    """This rank at dp = 2 with every expert on every rank (ep = 1): its losses."""
+    import tiertrain
+
+    torch.set_num_threads(1)
+    model, opt = _fresh(cfg)
+    budgets = Budgets(64 << 20, 64 << 20, 64 << 20, str(disk / f"rank{rank}"))
+    tm, topt = tiertrain.setup(model, opt, budgets, plan=data_parallel(builtin_plan("resident", N), 2), update="sync",
+                               page_size=64 << 10)
+    try:
+        losses = []
+        for b in rank_batches(rank, steps):
+            loss = _step_loss(tm, b, tokens)
+            loss.backward()
+            topt.step()
+            topt.zero_grad()
+            losses.append(loss.item())
+        return losses
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()
+
+
 def _ep2(plan: Plan) -> Plan:
     return data_parallel(plan, 2, ep=2)
 
@@ -159,7 +183,21 @@ def ep2(tmp_path_factory):
     jobs += [((plan, update), functools.partial(expert_parallel_run, cfg=MOE, plan=PLANS[plan], update=update,
                                                 clip=None, disk=tmp / f"{plan}{update}"))
              for plan, update in CASES]
+    jobs += [("one-two", functools.partial(one_process, cfg=TWO, clip=None, concat=False, tokens=5)),
+             ("dp-two", functools.partial(data_parallel_moe, cfg=TWO, disk=tmp / "dp-two", tokens=5))]
     return run_ranks(2, tmp, jobs)
+
+
+def test_moe_at_ep1_over_two_ranks_where_an_expert_idles_on_one_rank_only_equals_one_process_bitwise(ep2):
+    """With every expert on every rank, an expert that gets no token on one rank has no gradient
+    there: that block's gradients cannot be reduced as soon as its backward ends on one rank and at
+    the end on the other (the ranks' collectives would pair different blocks), so a block holding
+    mixture-of-experts layers reduces when backward ends, on every rank."""
+    want, counts = ep2[("one-two", 0)]
+    busy = [[all(c > 0 for c in layer) for layer in step] for step in counts]  # rank 0's layers, then rank 1's
+    assert any(step[:N] != step[N:] for step in busy), "the case needs a layer whose experts all ran on one rank only"
+    for rank in (0, 1):
+        assert ep2[("dp-two", rank)] == [row[rank] for row in want]
 
 
 @pytest.mark.parametrize("plan, update", CASES)

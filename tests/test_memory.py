@@ -311,7 +311,8 @@ def test_a_closed_host_pool_gives_its_pages_back_while_views_of_it_live_and_is_n
     view.fill_(1)
     addr = view.data_ptr()
     rss, flags = _mapping_of(addr)
-    assert rss >= 60 << 10 and "nr" in flags, (rss, flags)
+    strict = open("/proc/sys/vm/overcommit_memory").read().strip() == "2"  # the kernel then ignores the flag
+    assert rss >= 60 << 10 and ("nr" in flags or strict), (rss, flags)
     pool.close()
     rss, _ = _mapping_of(addr)  # still mapped: the view holds it
     assert rss < 1 << 10, rss

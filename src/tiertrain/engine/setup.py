@@ -112,6 +112,7 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, memo
         first = _first_step(model, found, memory, page, opts, device)
         plan = first_plan(len(found) - 1, memory.disk > 0, opts.update)
     chosen = _laid_out(_chosen(plan, found, memory, opts), opts)
+    _check_lockfree_shards(chosen)
     numels, budgets = [block_numel(b) for b in found], capacities(memory)
     transient = transient_grads(chosen.update, opts.needs_all_grads(chosen.compute_dtype))
     _check_fits(found, chosen, memory, page, opts.train, transient, first is not None)
@@ -179,6 +180,17 @@ def _options(options: RunOptions | None, fields: dict[str, Any]) -> RunOptions:
 
     base = dataclasses.asdict(options) if options is not None else {}
     return typed.load(RunOptions, {**base, **fields}, "tiertrain.setup option")
+
+
+def _check_lockfree_shards(plan: Plan) -> None:
+    """Lockfree with lag over sharded blocks is refused: whether a rank gathers a block's params
+    again depends on whether its own update has published them yet, so ranks could issue different
+    collectives and hang. At staleness 0 every block waits for its update, on every rank."""
+    if (plan.update == "lockfree" and plan.max_staleness > 0 and plan.parallel.dp > 1
+            and any(b.shard for b in (*plan.blocks, plan.rest))):
+        raise ConfigError(f"lockfree updates with max staleness {plan.max_staleness} over {plan.parallel.dp} ranks "
+                          "need replicated blocks: use max staleness 0 (--max-staleness 0), update 'overlap', or a "
+                          "replicated layout (tiertrain.plan.data_parallel(plan, N, shard=False))")
 
 
 def _laid_out(plan: Plan, opts: RunOptions) -> Plan:

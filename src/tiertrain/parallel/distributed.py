@@ -5,6 +5,8 @@ machines run 2.11, which has only the old names, so we take whichever this torch
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -95,8 +97,8 @@ class ProcessGroupCollectives:
 class _Then:
     """What is left to do once a collective has landed (a local copy), done once."""
 
-    def __init__(self, fn) -> None:
-        self.fn = fn
+    def __init__(self, fn: Callable[[], object]) -> None:
+        self.fn: Callable[[], object] | None = fn
 
     def wait(self) -> None:
         if self.fn is not None:

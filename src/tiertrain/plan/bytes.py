@@ -147,6 +147,9 @@ def tier_bytes(numels: Sequence[int], plan: Plan, page: int, train: bool = True,
     host_grads = [s for s, p in zip(sizes, plans) if grad_tier(p) is Tier.HOST]
     if grads == "transient":  # one per optimizer worker, plus the one backward is filling: at most the largest
         need[Tier.HOST] += sum(chunk(s) for s in sorted(host_grads, reverse=True)[: plan.update_workers + 1])
+        whole = [f for f, p in zip(full, plans) if grad_tier(p) is Tier.HOST]
+        if dp > 1 and whole:  # and the whole-block sum being reduced over the ranks beside them
+            need[Tier.HOST] += chunk(max(whole))
     disk_sizes = sorted((s for s, p in zip(sizes, plans) if p.home is Tier.DISK), reverse=True)
     # states in host for updates: read ahead, being updated, being written back (one per worker)
     held = plan.read_ahead + 2 * plan.update_workers

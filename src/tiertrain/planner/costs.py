@@ -167,7 +167,10 @@ def _host_grads(p: Profile, blocks: list[BlockProfile]) -> int:
     them (``transient_grads``), one per optimizer worker plus the one backward is filling: the
     largest that many (a large embedding's chunk need not be counted once per worker)."""
     sizes = sorted((_grads(p, b) for b in blocks), reverse=True)
-    return sum(sizes[: p.update_workers + 1] if p.transient_grads else sizes)
+    if not p.transient_grads:
+        return sum(sizes)
+    reducing = pages(max(b.params for b in blocks) * GRAD_BYTES, p.page) if p.network.parallel and blocks else 0
+    return sum(sizes[: p.update_workers + 1]) + reducing  # and the whole-block sum being reduced over the ranks
 
 
 def homes(p: Profile, choices: tuple[Choice, ...], host_budget: int, disk_budget: int) -> tuple[bool, ...] | None:

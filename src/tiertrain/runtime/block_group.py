@@ -108,7 +108,10 @@ class BlockGroup:
         return self.comm.all_gather(out, src, async_op=async_op)
 
     def release(self) -> None:
-        """Drop the gradients gathered for a step that will not update (zero_grad, a skipped fp16 step)."""
+        """Drop the gradients gathered for a step that will not update (zero_grad, a skipped fp16 step,
+        a backward that raised: a reduction it left in flight is waited for first, since it still
+        writes into ``local`` and its fresh chunk)."""
+        self.abandon_reduce()
         for chunk in (self.grads.clear(), self.local):
             if chunk is not None:
                 self.mem.release(chunk)
@@ -123,6 +126,8 @@ class BlockGroup:
         (``plan.bytes.grad_tier``). ``make_room`` returns once a new host chunk may be allocated
         (transient gradients); ``hypers``: lockfree keeps the step's own with its gradients."""
         if self.mean_over > 1:
+            if self.local is None and grad_tier(self.plan) is Tier.HOST:
+                make_room()  # transient gradients: ``local`` is one more whole-block chunk in host
             self._sum_locally()
             if final:
                 self._reduce_over_ranks(step, hypers, make_room)
@@ -188,19 +193,32 @@ class BlockGroup:
         reduced straight into a fresh grad chunk (no temporary); ``finish_reduce`` adds it to the grad
         chunk once it has landed. Started, not waited for: the runtime lets it run under the next
         block's backward. A parameter has a gradient where any rank's micro-batches gave it one."""
+        if grad_tier(self.plan) is Tier.HOST:
+            make_room()
+        fresh = self._new_grad_chunk(self.state_numel * F32.itemsize)  # before any collective: if this
+        mine = fresh.typed(F32)[: self.state_numel]                    # raises, no rank has issued one
         has = torch.tensor(self.local_has, dtype=torch.uint8)
         works = [self.comm.all_reduce(has, op="max", async_op=True)]
         full = self.local.typed(F32)[: self.layout.numel]
-        if grad_tier(self.plan) is Tier.HOST:
-            make_room()
-        fresh = self._new_grad_chunk(self.state_numel * F32.itemsize)
-        mine = fresh.typed(F32)[: self.state_numel]
         if self.shard is None:
             works.append(self.comm.all_reduce(full, async_op=True))
             works.append(Copy(mine, full))
         else:
             works.append(self.comm.reduce_scatter(mine, full, async_op=True))
         self.reducing = Reduction(works, fresh, mine, has, step, hypers)
+
+    def abandon_reduce(self) -> None:
+        """A reduction left in flight by a backward that raised: let it land (or fail: a lost rank is
+        reported where the step raised) and free its chunk; its gradients are dropped."""
+        r, self.reducing = self.reducing, None
+        if r is None:
+            return
+        try:
+            for w in r.works:
+                w.wait()
+        except Exception:  # noqa: BLE001 - the error that matters was raised where backward stopped
+            pass
+        self.mem.release(r.fresh)
 
     def finish_reduce(self) -> None:
         """Wait for the reduction ``_reduce_over_ranks`` started and add this rank's part, averaged, to

@@ -15,6 +15,7 @@ import torch
 
 from tiertrain.memory.chunk import Chunk
 from tiertrain.optim import AdamWHyper
+from tiertrain.parallel.collectives import Waitable
 
 
 @dataclass
@@ -23,7 +24,7 @@ class Reduction:
     the grad chunk this rank's part lands in, which parameters any rank had a gradient for, and the
     step (and lockfree's hyperparameters) they belong to."""
 
-    works: list
+    works: list[Waitable]
     fresh: Chunk
     mine: torch.Tensor
     has: torch.Tensor

@@ -49,6 +49,10 @@ class Runtime:
         self.groups: list[BlockGroup] = build_groups(mem, self.comm, model, blocks, plan, options, group_of_param,
                                                      self.replaced, self.experts)
         self.dropped = self._keep_held_experts(blocks)
+        if self.comm.world_size > 1:
+            for g in self.groups:  # an expert may get tokens on one rank and none on another, so whether the
+                if g.experts is None and g.block.module is not None and moe_layers(g.block.module):
+                    g.reduces_at_end = True  # block's gradients are all in mid-backward differs by rank
         self.moves = StateMoves(mem, plan.read_ahead)
         self.mode = make_mode(self)
         self.cache = DeviceCache([g for g in self.groups if g.plan.stream], self._slots(), mem.mover, plan.prefetch,
@@ -299,6 +303,9 @@ class Runtime:
         self.mode.wait_all()
 
     def zero_grad(self) -> None:
+        self._reducing.clear()  # left by a backward that raised: let them land and drop them
+        for g in self.groups:
+            g.abandon_reduce()
         for g in self.groups:
             for p in g.params:
                 p.grad = None

@@ -16,7 +16,9 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from tiertrain.errors import ConfigError
 from tiertrain.planner.network import Network
@@ -70,21 +72,20 @@ def _rank(rank: int, dp: int, tmp: str, nbytes: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _seconds(call, dist) -> float:
-    """Seconds one call takes, the slowest rank's (every rank reports the maximum)."""
+def _seconds(call: Callable[[], object], dist: Any) -> float:
+    """Seconds one call takes: a warm-up call sets how many fill about ``SECONDS`` (every rank takes the
+    largest count, so all make the same calls), and only those are timed."""
     import torch
 
+    t0 = time.perf_counter()
     call()
+    n = torch.tensor([max(3, int(SECONDS / max(time.perf_counter() - t0, 1e-6)))])
+    dist.all_reduce(n, op=dist.ReduceOp.MAX)
     dist.barrier()
-    n, start = 0, time.perf_counter()
-    while True:
+    start = time.perf_counter()
+    for _ in range(int(n.item())):
         call()
-        n += 1
-        done = torch.tensor([time.perf_counter() - start >= SECONDS], dtype=torch.int32)
-        dist.all_reduce(done, op=dist.ReduceOp.MAX)  # every rank stops after the same number of calls
-        if done.item():
-            break
-    return (time.perf_counter() - start) / n
+    return (time.perf_counter() - start) / int(n.item())
 
 
 def network_for(dp: int, machine_links: tuple, machine_name: str, chunk_bytes: int) -> Network:

@@ -20,7 +20,7 @@ With a disk (``--disk DIR:SIZE``) states live on it: tiertrain's budgets include
 DeepSpeed runs as ZeRO-Infinity, parameters and optimizer states on NVMe through its ``aio`` op (built
 at first use where ``libaio`` and a C++ compiler are: ``apt-get install libaio-dev g++``). Each row then
 adds the bytes read and written per step (the disk's own counters, ``/proc/diskstats``), the process's
-peak RSS while that system ran (``/proc/self/clear_refs`` resets it), and the step's disk bound: those
+peak RSS (each system runs in a process of its own, ``_isolated``), and the step's disk bound: those
 bytes at the raw O_DIRECT rates measured on the same disk in the same run.
 """
 
@@ -29,12 +29,15 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import multiprocessing
 import os
 import socket
 import statistics
 import time
 import traceback
 import warnings
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -357,6 +360,24 @@ def _run_peer(name: str, bench: PeerBench, device: torch.device) -> Row:
     raise AssertionError("unreachable")
 
 
+def _peer_alone(name: str, bench: PeerBench, device: torch.device) -> Row:
+    with _single_rank_group(device):
+        return _run_peer(name, bench, device)
+
+
+def _isolated(name: str, run: Callable[..., Row], *args: object) -> Row:
+    """One system in a process of its own (spawned, as torchrun would start it): what one system
+    leaves behind (allocator caches, a peer's pinned or swap buffers, its process group) never
+    weighs on the next, each peak RSS is that system's alone, and a system the kernel kills for
+    memory is a row that says so, not the end of the benchmark (a 354M DeepSpeed ZeRO-Infinity run
+    after tiertrain's in one process reached the machine's 24 GiB)."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        try:
+            return pool.submit(run, *args).result()
+        except BrokenProcessPool:
+            return Row(name, note="its process was killed (out of memory? see the kernel log)")
+
+
 def bench_peers(bench: PeerBench, peers: tuple[str, ...], out: Callable[[str], None]) -> list[Row]:
     """tiertrain, then each peer, on the same work; prints one line per system. The first row is
     tiertrain's: the caller should fail when it did not run."""
@@ -365,9 +386,8 @@ def bench_peers(bench: PeerBench, peers: tuple[str, ...], out: Callable[[str], N
         raise ValueError(f"unknown peer(s) {unknown}; choose from {', '.join(PEERS)}")
     device = compute_device()
     limit = raw_disk(Path(bench.budgets.disk_dir), 1 << 30, 1 << 20, 8) if bench.budgets.disk_dir else None
-    rows = [_tiertrain_under_cap(bench, device)]
-    with _single_rank_group(device):
-        rows += [_run_peer(name, bench, device) for name in peers]
+    rows = [_isolated(f"tiertrain ({bench.update})", _tiertrain_under_cap, bench, device)]
+    rows += [_isolated(name, _peer_alone, name, bench, device) for name in peers]
     peak = matmul_peak(device, "fp32" if bench.precision == "fp32" else "bf16")
     flops = flops_per_token(bench.cfg, bench.seq) * bench.batch * bench.seq
     cap = "held to it with set_per_process_memory_fraction" if device.type == "cuda" else \

@@ -263,7 +263,8 @@ def _run_deepspeed(bench: PeerBench, device: torch.device, recompute: bool) -> R
 
 def _on_nvme(conf: dict, bench: PeerBench, pin: bool) -> dict:
     """ZeRO-Infinity: parameters and optimizer states on the disk through DeepSpeed's aio (its
-    documented NVMe settings; the parameter buffers must hold the largest tensor, the embedding)."""
+    documented NVMe settings; the parameter buffers must hold the largest tensor, the embedding, and
+    so does each optimizer sub-group)."""
     largest = max(p.numel() for p in bench.fresh_model().parameters())
     nvme = os.path.join(bench.budgets.disk_dir, "deepspeed")
     os.makedirs(nvme, exist_ok=True)
@@ -272,6 +273,10 @@ def _on_nvme(conf: dict, bench: PeerBench, pin: bool) -> dict:
                               "buffer_size": largest},
             "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": pin, "buffer_count": 16,
                                   "pipeline_read": True, "pipeline_write": True}}
+    # optimizer states are swapped a sub-group at a time through 16 buffers of one sub-group each:
+    # DeepSpeed's default sub-group (1e9 elements, 4 GB a buffer) would pin 64 GB; one the size of the
+    # largest tensor keeps its swaps as large as its parameter buffers
+    zero["sub_group_size"] = largest
     return {**conf, "zero_optimization": zero,
             "aio": {"block_size": 1 << 20, "queue_depth": 16, "intra_op_parallelism": 1, "single_submit": False,
                     "overlap_events": True}}

@@ -100,3 +100,26 @@ def test_a_rank_killed_mid_step_stops_the_other_naming_it_with_nothing_left(tmp_
     assert "error: rank 1 of 2 stopped" in output, output[-3000:]
     assert all(not Path(f"/proc/{w}").exists() for w in workers)
     assert not disk.exists() or list(disk.iterdir()) == []  # the killed rank's disk tier too
+
+
+def test_nproc_with_ep_trains_expert_parallel_and_its_checkpoint_resumes_at_ep2_and_in_one_process(tmp_path):
+    """Each rank writes the experts it holds (rank 1's file holds experts 2 and 3 of every layer,
+    under their own names); the checkpoint resumes at ep = 2 (the same losses as the uninterrupted
+    run) and in one process holding every expert (rank 0's next loss as at ep = 2)."""
+    moe = ["--model", "tiny-moe", "--batch-size", "2", "--seq-len", "16", "--grad-clip", "0", "--log-every", "1",
+           "--plan", "stream"]
+    out = tmp_path / "run"
+    r = _train(*moe, "--steps", "4", "--save-every", "2", "--out", str(out), "--nproc", "2", "--ep", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    ckpt = out / "checkpoints" / "step-00000002"
+    blocks = json.loads((ckpt / "trainer.json").read_text())["shards"]["blocks"]
+    held = [b for b in blocks if b.get("rank") == 1]
+    assert held and all(".experts.2." in b["params"][0][0] for b in held)
+    ep2 = _losses(out)
+    for world, ep in ((2, 2), (1, 1)):
+        other = tmp_path / f"at{world}"
+        r = _train("--resume", str(ckpt), "--steps", "4", "--out", str(other), "--nproc", str(world), "--ep", str(ep))
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert [m["step"] for m in read_metrics(other)] == [3, 4] and _losses(other)[0] == ep2[2]
+        if world == 2:
+            assert _losses(other) == ep2[2:]

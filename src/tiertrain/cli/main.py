@@ -96,6 +96,8 @@ def cli() -> None:
 @click.option("--host-memory", help='With --plan: host budget, e.g. "16GiB" (default half the RAM).')
 @click.option("--disk", help='With --plan: disk tier "DIR:SIZE", e.g. /nvme/tt:200GiB.')
 @click.option("--page-size", help='With --plan: memory page size, e.g. "4MiB" (default: measured and cached per machine).')
+@click.option("--ep", type=int, help="With --plan under --nproc N: divide each mixture-of-experts layer's experts "
+                                    "over groups of this many ranks (expert parallel; default 1).")
 @click.option("--quiet", is_flag=True, help="Print only the summary.")
 @click.option("--nproc", type=POSITIVE, default=1, show_default=True,
               help="Data-parallel processes on this machine (runs torchrun --nproc-per-node N for you; several "

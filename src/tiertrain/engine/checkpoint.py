@@ -51,8 +51,8 @@ from safetensors.torch import save_file
 
 from tiertrain import typed
 from tiertrain.engine.atomic import publish_dir, write_atomic
-from tiertrain.engine.sharded_checkpoint import (SHARD_FILE, ShardedTensors, ShardMap, check_shard_files, shard_file,
-                                                shard_map, write_rank_file)
+from tiertrain.engine.sharded_checkpoint import (SHARD_FILE, ShardedTensors, ShardMap, check_shard_files,
+                                                experts_held_elsewhere, shard_file, shard_map, write_rank_file)
 from tiertrain.engine.train_state import TrainState, checked_groups
 from tiertrain.errors import CheckpointError, OutputError, one_line
 from tiertrain.optim.hparams import MOMENTS
@@ -611,7 +611,9 @@ def load_checkpoint(ckpt: Path, ts: TrainState) -> TrainerState:
     groups = checked_groups(trainer.param_groups, ts.group_hparams(), f"checkpoint {ckpt}")
     if trainer.shards is not None:
         smap = ShardMap.read(trainer.shards, f"checkpoint file {ckpt / 'trainer.json'}: shards")
-        check_shard_files(ckpt, smap, ts.expected_weights())
+        expected = ts.expected_weights()
+        held_elsewhere = experts_held_elsewhere(smap, expected) if getattr(ts, "expert_parallel", False) else None
+        check_shard_files(ckpt, smap, expected, held_elsewhere or frozenset())
         weights, optim = ShardedTensors(ckpt, smap, moments=False), ShardedTensors(ckpt, smap, moments=True)
     else:
         weights, optim = _checked_weights(ckpt, ts), _checked_optimizer(ckpt, ts)

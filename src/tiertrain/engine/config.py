@@ -57,6 +57,7 @@ class TrainConfig:
     host_memory: str | None = None    # host budget with a plan (default: half the RAM)
     disk: str | None = None           # "DIR[:SIZE]": disk tier for a plan
     page_size: str | None = None      # memory page size, e.g. "4MiB" (default: measured for this machine)
+    ep: int = field(default=1, metadata=at_least(1))  # expert parallel: ranks each MoE layer's experts are divided over
 
     def __post_init__(self) -> None:
         typed.check(self, "config")
@@ -66,6 +67,9 @@ class TrainConfig:
         """What one field alone cannot say."""
         if self.plan is None and any((self.device_memory, self.host_memory, self.disk)):
             raise ConfigError("memory budgets apply to a plan; add --plan resident|stream|max-offload|auto|FILE")
+        if self.ep > 1 and self.plan is None:
+            raise ConfigError("--ep divides a mixture of experts' experts over the ranks of a tiered run; add --plan "
+                              "resident|stream|max-offload|auto|FILE")
         if self.resume and self.overwrite:
             raise ConfigError("--resume continues a run and --overwrite replaces it; give one of them")
         if self.min_lr is not None and self.min_lr > self.lr:

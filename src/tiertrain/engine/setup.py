@@ -201,10 +201,7 @@ def _laid_out(plan: Plan, opts: RunOptions) -> Plan:
     world, ep = world_from_env(), opts.ep or plan.parallel.ep
     if ep > 1 and world == 1:
         raise ConfigError(f"expert parallel ep={ep} divides the experts over {ep} ranks, but this run has one "
-                          f"process: launch it under torchrun (tiertrain train --nproc {ep} ...), or use ep=1")
-    if ep > 1 and not opts.init_states:
-        raise ConfigError("checkpoints of expert-parallel runs cannot be resumed yet (each rank's experts are its "
-                          "own): resume with ep=1, or start the run again")
+                          f"process: launch it under torchrun (tiertrain train --nproc {ep} ...), or use ep=1 (--ep 1)")
     if plan.parallel.dp == world:
         return plan if plan.parallel.ep == ep else dataclasses.replace(plan, parallel=ParallelLayout(world, ep))
     if plan.parallel.dp != 1:

@@ -9,10 +9,16 @@ parameter out of the shards it spans, one parameter at a time: the same named te
 (``<param>``, ``<param>::exp_avg`` ...) a one-process checkpoint holds, so the rest of loading is
 the same. Why not ``torch.distributed.checkpoint``: its metadata file is a pickle, and tiertrain
 never unpickles what it reads.
+
+Expert parallel: the experts rank ``j < ep`` holds (its replicas hold the same) are a block held whole
+in rank ``j``'s file, with their own step counts (an expert steps only where a token reached it); the
+map names each expert by its index among all of a layer's experts, so a checkpoint loads at any
+``ep`` as at any world size.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -24,6 +30,7 @@ import torch
 from tiertrain import typed
 from tiertrain.errors import CheckpointError
 from tiertrain.optim.hparams import MOMENTS
+from tiertrain.parallel.experts import moe_layers
 from tiertrain.tensor_file import LazyTensors, TensorSpec, TensorStream, write_streamed
 from tiertrain.typed import at_least
 
@@ -44,6 +51,11 @@ class BlockMap:
     numel: int = field(metadata=at_least(0))   # padded length of the flat chunk
     sharded: bool
     params: tuple[tuple[str, int, tuple[int, ...]], ...]  # (name, offset, shape), in chunk order
+    rank: int = field(default=0, metadata=at_least(0))    # a whole block's: the rank file holding it
+    index: int = field(default=-1, metadata=at_least(-1))  # its key in the rank files (-1, older maps: its place)
+
+    def key(self, place: int) -> int:
+        return place if self.index < 0 else self.index
 
 
 @dataclass(frozen=True)
@@ -55,6 +67,9 @@ class ShardMap:
     def read(cls, data: Any, where: str) -> "ShardMap":
         found = typed.load(cls, data, where, error=CheckpointError)
         for b in found.blocks:
+            if b.rank >= found.world:
+                raise CheckpointError(f"{where}: block {b.name} is in rank file {b.rank} of {found.world}; "
+                                      "the checkpoint is damaged")
             if b.sharded and b.numel % found.world:
                 raise CheckpointError(f"{where}: block {b.name} of {b.numel} elements does not split over "
                                       f"{found.world} ranks; the checkpoint is damaged")
@@ -75,10 +90,36 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def shard_map(rt: Any) -> ShardMap:
-    return ShardMap(rt.comm.world_size, tuple(
-        BlockMap(g.block.name, g.layout.numel, g.shard is not None,
-                 tuple((n, s.offset, tuple(s.shape)) for (n, _), s in zip(g.block.params, g.layout.slots)))
-        for g in rt.groups))
+    """Rank 0's map of every rank's file: its own groups, and for each of its held-experts groups the
+    same group as each expert-holding rank has it (the same layout, the experts renamed)."""
+    held = {id(g.experts) for g in rt.groups if g.experts is not None}
+    blocks = []
+    for i, g in enumerate(rt.groups):
+        b = BlockMap(g.block.name, g.layout.numel, g.shard is not None,
+                     tuple((n, s.offset, tuple(s.shape)) for (n, _), s in zip(g.block.params, g.layout.slots)),
+                     index=i)  # its key in the rank files: its group's index (a map may list a group per holder)
+        if id(g) not in held:
+            blocks.append(b)
+            continue
+        per = moe_layers(rt.model)[0].n_experts // rt.experts.ep
+        blocks += [dataclasses.replace(b, name=f"{b.name}@{j}", rank=j,
+                                       params=tuple((_expert_of(n, j * per), o, sh) for n, o, sh in b.params))
+                   for j in range(rt.experts.ep)]
+    return ShardMap(rt.comm.world_size, tuple(blocks))
+
+
+_EXPERT = re.compile(r"\.experts\.([0-9]+)\.")
+
+
+def _expert_of(name: str, shift: int) -> str:
+    """Rank 0's held expert parameter ``name`` as another expert-holding rank has it: rank 0 holds the
+    first ``per`` of each layer's experts, rank ``j`` the ``j``-th ``per`` (``shift`` = j x per)."""
+    return _EXPERT.sub(lambda m: f".experts.{int(m.group(1)) + shift}.", name, count=1)
+
+
+def experts_held_elsewhere(smap: ShardMap, expected: Mapping[str, TensorSpec]) -> frozenset[str]:
+    """The mapped expert parameters an expert-parallel rank does not hold (other ranks' experts)."""
+    return frozenset(n for b in smap.blocks for n, _, _ in b.params if n not in expected and _EXPERT.search(n))
 
 
 def write_rank_file(tmp: Path, rt: Any) -> int:
@@ -89,15 +130,17 @@ def write_rank_file(tmp: Path, rt: Any) -> int:
 
     rank, world = rt.comm.rank, rt.comm.world_size
     rt.wait_updates()
+    held = {id(g.experts) for g in rt.groups if g.experts is not None}
     specs, parts = [], []
     for i, g in enumerate(rt.groups):
         steps = logical_steps(g)
-        if g.shard is None and rank != 0:
+        mine = rank < rt.experts.ep if id(g) in held else rank == 0  # whole blocks: one file holds each
+        if g.shard is None and not mine:
             continue
         for kind in KINDS:
             specs.append(TensorSpec(f"{i}::{kind}", F32, (g.state_numel,)))
             parts.append((g, kind))
-        if rank == 0:
+        if mine:
             specs.append(TensorSpec(f"{i}::steps", F32, (len(g.params),)))
             parts.append((g, steps))
 
@@ -118,11 +161,11 @@ class ShardedTensors(Mapping):
         self.smap, self.moments = smap, moments
         self.files = [LazyTensors(ckpt / f) for f in smap.files()]
         self.places: dict[str, tuple[int, BlockMap, int, tuple[int, ...], int]] = {}
-        for b_index, b in enumerate(smap.blocks):
+        for place, b in enumerate(smap.blocks):
             for p_index, (name, offset, shape) in enumerate(b.params):
                 for kind in (("exp_avg", "exp_avg_sq", "step") if moments else ("master",)):
                     key = name if kind == "master" else f"{name}::{kind}"
-                    self.places[key] = (b_index, b, offset, tuple(shape), p_index)
+                    self.places[key] = (b.key(place), b, offset, tuple(shape), p_index)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.places)
@@ -134,10 +177,10 @@ class ShardedTensors(Mapping):
         b_index, b, offset, shape, p_index = self.places[key]
         kind = key.partition("::")[2] or "master"
         if kind == "step":
-            return self.files[0].read_range(f"{b_index}::steps", p_index, p_index + 1).reshape(())
+            return self.files[b.rank].read_range(f"{b_index}::steps", p_index, p_index + 1).reshape(())
         n = _numel(shape)
         if not b.sharded:
-            return self.files[0].read_range(f"{b_index}::{kind}", offset, offset + n).view(shape)
+            return self.files[b.rank].read_range(f"{b_index}::{kind}", offset, offset + n).view(shape)
         size, pieces = b.numel // self.smap.world, []
         for r in range(offset // size, (offset + n - 1) // size + 1 if n else offset // size):
             lo, hi = max(offset, r * size), min(offset + n, (r + 1) * size)
@@ -145,22 +188,25 @@ class ShardedTensors(Mapping):
         return (torch.cat(pieces) if pieces else torch.zeros(0)).view(shape)
 
 
-def check_shard_files(ckpt: Path, smap: ShardMap, expected: Mapping[str, TensorSpec]) -> None:
-    """The map describes this model (names and shapes) and every rank file holds exactly the tensors
-    the map says, in fp32 and of the sizes it says, checked from the headers before anything is read."""
+def check_shard_files(ckpt: Path, smap: ShardMap, expected: Mapping[str, TensorSpec],
+                      others: frozenset[str] = frozenset()) -> None:
+    """The map describes this model (names and shapes; ``others``: parameters of the model that this
+    rank does not hold, other ranks' experts) and every rank file holds exactly the tensors the map
+    says, in fp32 and of the sizes it says, checked from the headers before anything is read."""
     mapped = {n: tuple(shape) for b in smap.blocks for n, _, shape in b.params}
-    if mapped.keys() != expected.keys() or any(mapped[n] != tuple(expected[n].shape) for n in mapped):
+    if (mapped.keys() - others != expected.keys() or not others <= mapped.keys()
+            or any(mapped[n] != tuple(expected[n].shape) for n in expected)):
         raise CheckpointError(f"the shards in {ckpt} are of other parameters than this model's; resume the model "
                               "they came from")
     for r, name in enumerate(smap.files()):
         file = LazyTensors(ckpt / name)
         want = {}
         for i, b in enumerate(smap.blocks):
-            if b.sharded or r == 0:
+            if b.sharded or r == b.rank:
                 size = b.numel // smap.world if b.sharded else b.numel
-                want.update({f"{i}::{kind}": (size,) for kind in KINDS})
-            if r == 0:
-                want[f"{i}::steps"] = (len(b.params),)
+                want.update({f"{b.key(i)}::{kind}": (size,) for kind in KINDS})
+            if r == b.rank:
+                want[f"{b.key(i)}::steps"] = (len(b.params),)
         if set(file) != set(want) or any(file.shape(k) != want[k] or file.dtype(k) != F32 for k in want):
             raise CheckpointError(f"{ckpt / name} does not hold this checkpoint's shards; it is damaged: "
                                   "resume from another checkpoint")

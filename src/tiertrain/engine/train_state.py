@@ -129,6 +129,11 @@ class TieredState:
         self.rt = tiered_model.runtime
         self.module = tiered_model  # tiered in place: the user's model itself
 
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether this rank holds only some of each mixture-of-experts layer's experts."""
+        return self.rt.experts is not None
+
     def weights(self) -> TensorStream:
         from tiertrain.runtime.state_io import weight_stream
 

@@ -154,3 +154,36 @@ def reduction_events(rank: int, plan) -> list[tuple[str, int]]:
     finally:
         tm.runtime.close()
         tm.runtime.mem.close()
+
+
+def gather_events(rank: int, plan) -> list[tuple[str, int]]:
+    """Two steps' ("forward", block) and ("ahead", block) events: when each block's forward began and
+    when a block's updated shards started gathering ahead of its own forward."""
+    import tiertrain
+    from tiertrain.engine.objective import lm_loss
+    from tiertrain.memory import Budgets
+    from tiertrain.runtime.block_group import BlockGroup
+    from tiertrain.runtime.runtime import Runtime
+
+    events: list[tuple[str, int]] = []
+    begins, ahead = Runtime.forward_begins, BlockGroup.gather_ahead
+
+    def gather_ahead(self):
+        started = self.gathering is None
+        ahead(self)
+        if started and self.gathering is not None:
+            events.append(("ahead", self.index))
+
+    Runtime.forward_begins = lambda self, g: (events.append(("forward", g.index)), begins(self, g))[1]
+    BlockGroup.gather_ahead = gather_ahead
+    model, opt = _fresh()
+    tm, topt = tiertrain.setup(model, opt, Budgets(64 << 20, 64 << 20), plan=plan, page_size=64 << 10)
+    try:
+        for b in rank_batches(rank, 2):
+            lm_loss(tm, b[:, :-1], b[:, 1:]).backward()
+            topt.step()
+            topt.zero_grad()
+        return events
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()

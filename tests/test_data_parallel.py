@@ -8,7 +8,7 @@ import functools
 
 import pytest
 
-from dp_harness import TINY4, ddp_losses, reduction_events, run_ranks, sent_per_step, tiered_losses
+from dp_harness import TINY4, ddp_losses, gather_events, reduction_events, run_ranks, sent_per_step, tiered_losses
 from tiertrain.parallel import ring_bytes
 from tiertrain.memory import Tier
 from tiertrain.plan import BlockPlan, Plan, builtin_plan, data_parallel
@@ -38,6 +38,7 @@ def dp2(tmp_path_factory):
         tiered_losses, plan=dataclasses.replace(PLANS["stream"], max_staleness=0), update="lockfree", accum=1,
         clip=None, disk=tmp / "lockfree"))]
     jobs += [(("events", plan), functools.partial(reduction_events, plan=PLANS[plan])) for plan in ("resident", "stream")]
+    jobs += [(("gathers",), functools.partial(gather_events, plan=PLANS["resident"]))]
     return run_ranks(2, tmp, jobs)
 
 
@@ -55,6 +56,19 @@ def test_a_blocks_gradient_reduction_runs_under_the_next_blocks_backward(dp2, pl
         for earlier, after_next in zip(flushed, flushed[2:]):  # one in flight, not all of them
             assert events.index(("landed", earlier)) < events.index(("flush", after_next)), events
         assert [e for e, _ in events[-2:]] == ["landed", "landed"]
+
+
+def test_a_resident_sharded_blocks_updated_shards_are_gathered_under_the_previous_blocks_forward(dp2):
+    """ZeRO-2: after a step each resident block's slot is stale; the next forward starts gathering
+    block k+1's shards when block k's forward begins (both ranks alike), not when k+1's begins."""
+    for rank in (0, 1):
+        events = dp2[(("gathers",), rank)]
+        second = events[events.index(events[0], 1):]  # the second step (in the first nothing is stale)
+        forwards = [b for e, b in second if e == "forward"]
+        assert ("ahead", forwards[0]) not in events and len(forwards) > 2
+        for before, block in zip(forwards, forwards[1:]):
+            assert second.index(("ahead", block)) == second.index(("forward", before)) + 1, second
+    assert dp2[(("gathers",), 0)] == dp2[(("gathers",), 1)]
 
 
 def test_lockfree_at_staleness_zero_keeps_its_meaning_per_shard_and_equals_ddp(dp2):

@@ -32,6 +32,7 @@ from tiertrain.memory.chunk import Chunk
 from tiertrain.memory.heap import release_free_heap
 from tiertrain.optim import AdamWHyper, adamw_step
 from tiertrain.parallel import Collectives
+from tiertrain.parallel.collectives import Waitable
 from tiertrain.plan import BlockPlan
 from tiertrain.plan.bytes import grad_tier
 from tiertrain.runtime.blocks import Block
@@ -72,6 +73,7 @@ class BlockGroup:
     version: int = 0                           # the params include the updates of steps < version
     local: Chunk | None = None                 # data parallel: this rank's gradients, summed over micro-batches
     slot_stale: bool = False                   # a resident sharded block's slot awaits the gather of its update
+    gathering: "Waitable | None" = None        # that gather, started ahead of the block's forward
     acquire: Callable[["BlockGroup"], None] | None = None      # the device cache's: a slot, filled (streamed)
     ready: Callable[["BlockGroup"], None] | None = None        # the update mode's: params final enough to use
     params_written: Callable[["BlockGroup"], None] | None = None  # the cache's: a slot's copy went stale
@@ -91,9 +93,21 @@ class BlockGroup:
             self.acquire(self)
             return
         self.ready(self)
-        if self.slot_stale:
+        if self.gathering is not None:
+            self.gathering.wait()
+            self.gathering = None
+        elif self.slot_stale:
             self.gather_into(self.slot.chunk)
-            self.slot_stale = False
+        self.slot_stale = False
+
+    def gather_ahead(self) -> None:
+        """A resident sharded block whose slot is stale: start gathering its updated shards now, once
+        its update is final (every rank waits for the same update, so every rank issues the same
+        gathers in the same order), so the gather runs while the block before it computes."""
+        if self.plan.stream or not self.slot_stale or self.gathering is not None:
+            return
+        self.ready(self)
+        self.gathering = self.gather_into(self.slot.chunk, async_op=True)
 
     def gather_into(self, dst: Chunk, async_op: bool = False):
         """The block's compute params, whole, into ``dst`` (a device slot): every rank's shard of them."""

@@ -95,6 +95,8 @@ class Runtime:
         self._backward_first = [g for g in self.groups[-2::-1]
                                 if g.plan.home is Tier.DISK and not g.fills_slot_from_master]
         self._unread = list(self._backward_first)  # of those, the ones this step has not read in yet
+        resident = [g for g in self.groups[:-1] if g.shard is not None and not g.plan.stream]
+        self._resident_after = {a.index: b for a, b in zip(resident, resident[1:])}  # ZeRO-2 blocks, forward order
 
     def _keep_held_experts(self, blocks: list) -> set[int]:
         """Expert parallel: each MoE layer keeps the experts this rank holds and exchanges tokens for
@@ -136,6 +138,10 @@ class Runtime:
         g.fetch()
         if g.experts is not None:
             g.experts.fetch()
+        following = self._resident_after.get(g.index)
+        if following is not None and not self._in_backward:  # ZeRO-2: the next resident block's new params,
+            following.gather_ahead()                         # gathered under this one (not in a recompute:
+            #                                                  overlap's updates publish then, rank by rank)
         if self.final_micro() and self.mode.reads_ahead:
             started = set()
             for first in self._unread:

@@ -61,6 +61,22 @@ def test_a_bad_value_under_nproc_is_one_message_before_anything_starts(tmp_path)
     assert r.returncode == 2 and lines == ["error: config: lr must be a finite number, got inf"]
 
 
+def test_a_layout_the_ranks_would_refuse_is_one_message_before_torchrun_starts(tmp_path, capsys):
+    from tiertrain.cli.main import main
+    from tiertrain.plan import builtin_plan, data_parallel
+
+    eight = tmp_path / "eight.json"
+    eight.write_text(data_parallel(builtin_plan("stream", 2), 8).to_json())
+    for args, says in ((["--model", "tiny-moe", "--plan", "stream", "--ep", "3"], "ep=3 does not divide the 2"),
+                       ([*TINY, "--plan", str(eight)], "laid out for 8 ranks but --nproc is 2: use --nproc 8")):
+        out = tmp_path / "r"
+        assert main(["train", *args, "--out", str(out), "--nproc", "2"]) == 2
+        err = capsys.readouterr().err
+        assert says in err and err.count("error:") == 1 and not out.exists(), err
+    assert main(["train", *TINY, "--plan", "stream", "--ep", "2", "--out", str(tmp_path / "dense")]) == 2
+    assert "this model has no tiertrain MoE layer" in capsys.readouterr().err
+
+
 def test_an_error_inside_the_ranks_under_nproc_is_one_line_without_torchruns_report(tmp_path):
     r = _train(*TINY, "--plan", "stream", "--seq-len", "4096", "--out", str(tmp_path / "r"), "--nproc", "2")
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]

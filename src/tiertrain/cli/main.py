@@ -126,6 +126,7 @@ def train(config_file: str | None, quiet: bool, nproc: int, **flags: Any) -> Non
         file_values = {**saved, **file_values}
     cfg = make_config(file_values, flags)  # checked here first: a bad value is one message, not one per rank
     if nproc > 1 and "LOCAL_RANK" not in os.environ:
+        _check_layout(cfg, nproc)
         raise SystemExit(_torchrun(nproc))
     console = Console()
     reporter = Reporter(cfg.steps, cfg.log_every, quiet=quiet)
@@ -134,6 +135,22 @@ def train(config_file: str | None, quiet: bool, nproc: int, **flags: Any) -> Non
     summary = trainer.run()
     if trainer.rank == 0:
         print_summary(summary, console)
+
+
+def _check_layout(cfg: Any, nproc: int) -> None:
+    """What the ranks would each refuse, said once before torchrun starts them: an ``--ep`` that does
+    not divide the ranks, a plan file laid out for another number of ranks."""
+    from pathlib import Path
+
+    from tiertrain.plan import ParallelLayout, Plan
+
+    if cfg.ep > 1:
+        ParallelLayout(dp=nproc, ep=cfg.ep)  # one message where ep does not divide the ranks
+    if cfg.plan and cfg.plan.endswith(".json") and os.path.isfile(cfg.plan):
+        dp = Plan.from_json(Path(cfg.plan).read_text(), f"plan {cfg.plan}").parallel.dp
+        if dp not in (1, nproc):
+            raise ConfigError(f"the plan {cfg.plan} is laid out for {dp} ranks but --nproc is {nproc}: use "
+                              f"--nproc {dp}, or make the plan for {nproc} (tiertrain plan --nproc {nproc} ...)")
 
 
 def _torchrun(nproc: int) -> int:

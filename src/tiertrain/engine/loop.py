@@ -275,7 +275,10 @@ class Trainer:
         state = TrainerState(step=self.step, data_position=self.sampler.position,
                              scaler=self.loss_scaler.state_dict() if self.loss_scaler is not None else {},
                              run_config=self.cfg.to_dict())
-        return save_checkpoint(self.out, self.state, state, self.cfg.keep_checkpoints)
+        saved = save_checkpoint(self.out, self.state, state, self.cfg.keep_checkpoints)
+        if self.tiered:  # what the checkpoint read from the disk tier is not the next step's traffic
+            self._disk_seen = self.model.runtime.mem.disk_traffic()
+        return saved
 
     def run(self) -> RunSummary:
         cfg, losses, tokens_s, tflops, start_step = self.cfg, [], [], [], self.step

@@ -35,6 +35,7 @@ from tiertrain.memory.heap import release_free_heap
 from tiertrain.memory.system import compute_device
 from tiertrain.optim.hparams import KEYS
 from tiertrain.parallel import world_from_env
+from tiertrain.parallel.experts import moe_layers
 from tiertrain.plan import (DEFAULT_MAX_STALENESS, ParallelLayout, Plan, RunOptions, check_update_mode, data_parallel,
                             load_plan)
 from tiertrain.plan.bytes import bounds_grads, page_for_states, widen_read_ahead
@@ -101,6 +102,9 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, memo
     check_budgets(memory, device)  # before anything is profiled, measured or reserved
     groups, group_of = _groups_from(optimizer, model) if opts.train else ([], {})
     found = find_blocks(model, opts.blocks)
+    if (opts.ep or 1) > 1 and not moe_layers(model):
+        raise ConfigError(f"expert parallel (ep={opts.ep}) divides a mixture of experts' experts over ranks, but this "
+                          "model has no tiertrain MoE layer; use a model with n_experts > 0, or leave ep at 1")
     page = page_size_for(opts.page_size, memory.disk_dir if memory.disk else None, device)
     if opts.page_size is None:  # a measured size: no larger than small models' chunks allow
         page = page_for_states([block_numel(b) for b in found], page)
@@ -190,7 +194,9 @@ def _check_lockfree_shards(plan: Plan) -> None:
             and any(b.shard for b in (*plan.blocks, plan.rest))):
         raise ConfigError(f"lockfree updates with max staleness {plan.max_staleness} over {plan.parallel.dp} ranks "
                           "need replicated blocks: use max staleness 0 (--max-staleness 0), update 'overlap', or a "
-                          "replicated layout (tiertrain.plan.data_parallel(plan, N, shard=False))")
+                          "replicated layout (a plan file whose blocks say \"shard\": false, as `tiertrain plan "
+                          "--nproc N` writes where replicating is faster; in Python tiertrain.plan.data_parallel(plan, "
+                          "N, shard=False))")
 
 
 def _laid_out(plan: Plan, opts: RunOptions) -> Plan:
@@ -205,8 +211,9 @@ def _laid_out(plan: Plan, opts: RunOptions) -> Plan:
     if plan.parallel.dp == world:
         return plan if plan.parallel.ep == ep else dataclasses.replace(plan, parallel=ParallelLayout(world, ep))
     if plan.parallel.dp != 1:
-        raise ConfigError(f"the plan is laid out for {plan.parallel.dp} ranks but this run has {world}; make it for "
-                          f"{world} (or leave its parallel field, and tiertrain lays it out)")
+        raise ConfigError(f"the plan is laid out for {plan.parallel.dp} ranks but this run has {world}: run it on "
+                          f"{plan.parallel.dp} ranks, make it for {world} (tiertrain plan --nproc {world} ...), or "
+                          "remove its \"parallel\" field (tiertrain then lays the plan out over the ranks)")
     laid = data_parallel(plan, world, ep=ep)
     if int(os.environ.get("RANK", "0")) == 0:
         experts = f"; each MoE layer's experts divided over {ep} ranks" if ep > 1 else ""

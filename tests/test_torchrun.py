@@ -127,6 +127,8 @@ def test_nproc_with_ep_trains_expert_parallel_and_its_checkpoint_resumes_at_ep2_
     out = tmp_path / "run"
     r = _train(*moe, "--steps", "4", "--save-every", "2", "--out", str(out), "--nproc", "2", "--ep", "2")
     assert r.returncode == 0, r.stderr[-3000:]
+    header = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("training ")]
+    assert len(header) == 1 and "(52.80K params)" in header[0] and "64 tokens/step over 2 ranks" in header[0], header
     ckpt = out / "checkpoints" / "step-00000002"
     blocks = json.loads((ckpt / "trainer.json").read_text())["shards"]["blocks"]
     held = [b for b in blocks if b.get("rank") == 1]

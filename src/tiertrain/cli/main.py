@@ -131,7 +131,8 @@ def train(config_file: str | None, quiet: bool, nproc: int, **flags: Any) -> Non
     console = Console()
     reporter = Reporter(cfg.steps, cfg.log_every, quiet=quiet)
     trainer = Trainer(cfg, reporter)
-    reporter.message(trainer.describe())
+    if trainer.rank == 0:  # one header for the run, not one per rank
+        reporter.message(trainer.describe())
     summary = trainer.run()
     if trainer.rank == 0:
         print_summary(summary, console)

@@ -36,7 +36,7 @@ from tiertrain.engine.tiered import default_budgets, setup_tiered
 from tiertrain.engine.train_state import PlainState, TieredState, TrainState
 from tiertrain.errors import CheckpointError, ConfigError, OutputError, UserError
 from tiertrain.memory import Tier
-from tiertrain.models import build, flops_per_token, resolve_config
+from tiertrain.models import build, flops_per_token, param_count, resolve_config
 from tiertrain.models.config import ModelConfig
 from tiertrain.units import format_bytes, format_count
 
@@ -194,12 +194,16 @@ class Trainer:
             self.reporter.message(self.auto.describe())
 
     def describe(self) -> str:
-        n = sum(p.numel() for p in self.model.parameters())
         inner = self.state.module
+        n = sum(p.numel() for p in self.model.parameters())
+        if self.tiered and self.model.runtime.experts is not None and isinstance(inner.config, ModelConfig):
+            n = param_count(inner.config)  # this rank holds only its experts: the model's count, not its own
         name = getattr(inner.config, "name", "") or type(inner).__name__
+        tokens = self.cfg.batch_size * self.cfg.seq_len * self.cfg.grad_accum
+        ranks = f" over {self.world} ranks" if self.world > 1 else ""
         return (f"training {name} ({format_count(n)} params) on {self.device.type}, {self.precision.name}; "
                 f"{format_count(len(self.sampler.tokens))} tokens of data; "
-                f"{self.cfg.batch_size * self.cfg.seq_len * self.cfg.grad_accum} tokens/step; "
+                f"{tokens * self.world} tokens/step{ranks}; "
                 f"steps {self.step}->{self.cfg.steps}; out {self.out}"
                 + (f"; plan {self.model.runtime.plan.name} ({self.model.runtime.plan.update})" if self.tiered else ""))
 

@@ -307,3 +307,16 @@ def test_auto_with_budgets_too_small_names_the_smallest_that_fit(capsys, tmp_pat
     device, host = re.search(r"the smallest budgets that would: device ([\d.]+ \w+) and host ([\d.]+ \w+)", msg).groups()
     assert main(["train", *TINY, "--plan", "auto", "--device-memory", device, "--host-memory", host,
                  "--page-size", "64KiB", "--steps", "2", "--out", str(tmp_path / "b")]) == 0
+
+
+@pytest.mark.parametrize("kind, fix", [("plan", "tiertrain plan"), ("profile", "--profile FILE"),
+                                       ("machine", "tiertrain probe --out FILE")])
+def test_a_plan_profile_or_machine_file_that_is_not_json_is_one_error_naming_how_to_write_one(kind, fix):
+    from tiertrain.errors import ConfigError
+    from tiertrain.plan import Plan
+    from tiertrain.planner.machine import Machine
+    from tiertrain.planner.profile import Profile
+
+    cls = {"plan": Plan, "profile": Profile, "machine": Machine}[kind]
+    with pytest.raises(ConfigError, match=f"{kind} file is not valid JSON .*{fix}"):
+        cls.from_json("{not json", f"{kind} file")

@@ -36,6 +36,18 @@ def read_text(path: Path, what: str, fix: str, error: type[UserError] = ConfigEr
         raise error(f"{what} {path} cannot be read as text ({exc}); {fix}") from None
 
 
+def load_json(cls: type[T], text: str, where: str, fix: str) -> T:
+    """``cls`` from a JSON text (a plan, a profile, a machine description), every field checked by
+    ``load``; text that is not JSON is one message that says how to write a good one (``fix``)."""
+    import json
+
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"{where} is not valid JSON ({exc}); {fix}") from None
+    return load(cls, data, where)
+
+
 def at_least(low: float) -> dict[str, Any]:
     """Field metadata: the value must be >= ``low``."""
     return {"min": low}

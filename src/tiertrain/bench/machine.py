@@ -3,20 +3,11 @@
 from __future__ import annotations
 
 import os
-import platform
 from pathlib import Path
 
 import torch
 
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+from tiertrain.engine.measure.machine import cpu_model
 
 
 def _ram_bytes() -> int:
@@ -43,7 +34,7 @@ def synchronize(device: torch.device) -> None:
 
 
 def describe(disk_dir: str | None = None) -> str:
-    parts = [f"{_cpu_model()}, {len(os.sched_getaffinity(0))} cores", f"{_ram_bytes() / 2**30:.0f} GiB RAM",
+    parts = [f"{cpu_model()}, {len(os.sched_getaffinity(0))} cores", f"{_ram_bytes() / 2**30:.0f} GiB RAM",
              f"torch {torch.__version__}"]
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)

@@ -463,11 +463,18 @@ def bench_peers_cmd(model: str, batch_size: int, seq_len: int, precision: str, d
         raise SystemExit(1)
 
 
+def _bench_model_shape(command: Callable) -> Callable:
+    """The GPT shape the planner benches build (``--d-model``, ``--layers``, ``--batch-size``, ``--seq-len``)."""
+    for option in reversed((click.option("--d-model", type=POSITIVE, default=512, show_default=True),
+                            click.option("--layers", type=POSITIVE, default=6, show_default=True),
+                            click.option("--batch-size", type=POSITIVE, default=8, show_default=True),
+                            click.option("--seq-len", type=POSITIVE, default=256, show_default=True))):
+        command = option(command)
+    return command
+
+
 @bench.command("planner", context_settings=CONTEXT)
-@click.option("--d-model", type=POSITIVE, default=512, show_default=True)
-@click.option("--layers", type=POSITIVE, default=6, show_default=True)
-@click.option("--batch-size", type=POSITIVE, default=8, show_default=True)
-@click.option("--seq-len", type=POSITIVE, default=256, show_default=True)
+@_bench_model_shape
 @click.option("--steps", type=POSITIVE, default=6, show_default=True, help="Measured steps per plan, after 2 of warm-up.")
 @click.option("--disk-dir", type=click.Path(file_okay=False), help="Disk tier directory (default: a temporary one here).")
 @click.option("--part", type=click.Choice(["solver", "fidelity", "auto", "estimate", "all"]), default="all",
@@ -493,10 +500,7 @@ def bench_planner_cmd(d_model: int, layers: int, batch_size: int, seq_len: int, 
 
 
 @bench.command("description", context_settings=CONTEXT)
-@click.option("--d-model", type=POSITIVE, default=512, show_default=True)
-@click.option("--layers", type=POSITIVE, default=6, show_default=True)
-@click.option("--batch-size", type=POSITIVE, default=8, show_default=True)
-@click.option("--seq-len", type=POSITIVE, default=256, show_default=True)
+@_bench_model_shape
 @click.option("--steps", type=POSITIVE, default=4, show_default=True, help="Measured steps per plan and round, after 2 of warm-up.")
 @click.option("--rounds", type=POSITIVE, default=3, show_default=True)
 @click.option("--disk-dir", type=click.Path(file_okay=False), help="Disk tier directory (default: a temporary one here).")

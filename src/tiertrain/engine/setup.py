@@ -35,7 +35,7 @@ from tiertrain.memory.heap import release_free_heap
 from tiertrain.memory.system import compute_device
 from tiertrain.optim.hparams import KEYS
 from tiertrain.parallel import world_from_env
-from tiertrain.parallel.experts import moe_layers
+from tiertrain.parallel.experts import moe_layers_for
 from tiertrain.plan import (DEFAULT_MAX_STALENESS, ParallelLayout, Plan, RunOptions, check_update_mode, data_parallel,
                             load_plan)
 from tiertrain.plan.bytes import bounds_grads, page_for_states, widen_read_ahead
@@ -102,9 +102,7 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, memo
     check_budgets(memory, device)  # before anything is profiled, measured or reserved
     groups, group_of = _groups_from(optimizer, model) if opts.train else ([], {})
     found = find_blocks(model, opts.blocks)
-    if (opts.ep or 1) > 1 and not moe_layers(model):
-        raise ConfigError(f"expert parallel (ep={opts.ep}) divides a mixture of experts' experts over ranks, but this "
-                          "model has no tiertrain MoE layer; use a model with n_experts > 0, or leave ep at 1")
+    moe_layers_for(model, opts.ep or 1)  # a dense model is refused before anything is laid out
     page = page_size_for(opts.page_size, memory.disk_dir if memory.disk else None, device)
     if opts.page_size is None:  # a measured size: no larger than small models' chunks allow
         page = page_for_states([block_numel(b) for b in found], page)

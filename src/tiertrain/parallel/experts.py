@@ -111,16 +111,21 @@ def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
     return [m for m in model.modules() if isinstance(m, MoEFeedForward)]
 
 
+def moe_layers_for(model: nn.Module, ep: int) -> list[MoEFeedForward]:
+    """The model's mixture-of-experts layers, which expert parallel (``ep`` > 1) needs; one message if none."""
+    layers = moe_layers(model)
+    if ep > 1 and not layers:
+        raise ConfigError(f"expert parallel (ep={ep}) divides a mixture of experts' experts over ranks, but this "
+                          "model has no tiertrain MoE layer; use a model with n_experts > 0, or leave ep at 1")
+    return layers
+
+
 def expert_parallel(world: Collectives, dp: int, ep: int, model: nn.Module) -> ExpertParallel | None:
     """The expert-parallel groups of a run laid out with ``ep`` (None for ``ep`` = 1), checked against
     the model: it must have mixture-of-experts layers whose expert count ``ep`` divides."""
     if ep == 1:
         return None
-    layers = moe_layers(model)
-    if not layers:
-        raise ConfigError(f"expert parallel (ep={ep}) divides a mixture of experts' experts over ranks, but this "
-                          "model has no tiertrain MoE layer; use a model with n_experts > 0, or ep=1")
-    n = layers[0].n_experts
+    n = moe_layers_for(model, ep)[0].n_experts
     if n % ep:
         raise ConfigError(f"ep={ep} does not divide the model's {n} experts; choose ep among "
                           f"{', '.join(str(k) for k in range(1, n + 1) if n % k == 0 and dp % k == 0)}")

@@ -106,12 +106,7 @@ class Plan:
     @classmethod
     def from_json(cls, text: str, where: str = "plan") -> "Plan":
         """Every field checked for type and range (``typed``); unknown keys refused by name."""
-        try:
-            data = json.loads(text)
-        except ValueError as exc:
-            raise ConfigError(f"{where} is not valid JSON ({exc}); write it with `tiertrain plan` "
-                              "or tiertrain.Plan.to_json()") from None
-        return typed.load(cls, data, where)
+        return typed.load_json(cls, text, where, "write it with `tiertrain plan` or tiertrain.Plan.to_json()")
 
 
 def check_update_mode(update: str, compute_dtype: str, grad_accum: int, clips: bool) -> None:

@@ -114,11 +114,7 @@ class Machine:
 
     @classmethod
     def from_json(cls, text: str, where: str = "machine description") -> "Machine":
-        try:
-            data = json.loads(text)
-        except ValueError as exc:
-            raise ConfigError(f"{where} is not JSON ({exc}); write one with `tiertrain probe --out FILE`") from None
-        return typed.load(cls, data, where)
+        return typed.load_json(cls, text, where, "write one with `tiertrain probe --out FILE`")
 
     @classmethod
     def read(cls, path: Path) -> "Machine":

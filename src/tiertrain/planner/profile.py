@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tiertrain import typed
-from tiertrain.errors import ConfigError
 from tiertrain.planner.network import Network
 from tiertrain.precisions import BYTES, PRECISIONS
 from tiertrain.typed import above, at_least, one_of
@@ -84,11 +83,7 @@ class Profile:
 
     @classmethod
     def from_json(cls, text: str, where: str = "profile") -> "Profile":
-        try:
-            data = json.loads(text)
-        except ValueError as exc:
-            raise ConfigError(f"{where} is not a tiertrain profile ({exc})") from None
-        return typed.load(cls, data, where)
+        return typed.load_json(cls, text, where, "write one with `tiertrain plan --model ... --profile FILE`")
 
     @classmethod
     def load(cls, path: Path) -> "Profile":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import platform
 import shutil
 import socket
 import time
@@ -105,17 +106,18 @@ def _measure(disk_dir: str | None) -> Machine:
 def _name(dev: torch.device) -> str:
     if dev.type == "cuda":
         return f"{socket.gethostname()} ({torch.cuda.get_device_name(dev)})"
-    return f"{socket.gethostname()} ({_cpu_model()}, {len(os.sched_getaffinity(0))} cores)"
+    return f"{socket.gethostname()} ({cpu_model()}, {len(os.sched_getaffinity(0))} cores)"
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; elsewhere the platform's word for it)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return "CPU"
+    return platform.processor() or "unknown CPU"
 
 
 def _copies(dev: torch.device, sync: Callable[[], None]) -> tuple[float, float]:

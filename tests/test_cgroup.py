@@ -127,3 +127,56 @@ def test_two_ranks_each_under_its_own_cap_train_a_model_4x_both_caps_with_states
     for group in two_cgroups:
         assert int((group / "memory.max_usage_in_bytes").read_text()) <= CAP
     assert not list((tmp_path / "disk").iterdir())
+
+
+PIECES_MODEL = {"n_layer": 2, "n_head": 4, "d_model": 256, "d_ffn": 1024, "vocab_size": 50304, "max_seq_len": 64}
+PIECES_HOST = 48 << 20
+PIECES_RUN = """
+import json, sys
+import tiertrain
+from tiered_harness import _fresh, _loop
+from tiertrain.memory import Budgets, Tier
+from tiertrain.plan import BlockPlan, Plan
+spec, host, disk = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+model, opt = _fresh(spec)
+plan = Plan((BlockPlan(home=Tier.DISK, stream=True),) * spec["n_layer"], BlockPlan(home=Tier.DISK), update="overlap")
+tm, topt = tiertrain.setup(model, opt, Budgets(device=%d, host=host, disk=2 << 30, disk_dir=disk), plan=plan,
+                           page_size=1 << 20)
+del model, opt  # the caller drops the originals, as a user does
+losses = _loop(tm, topt, None, 3, 1, None)
+ran = tm.runtime.plan
+tm.runtime.close()
+tm.runtime.mem.close()
+print(json.dumps({"losses": losses, "pieces": [b.piece for b in (*ran.blocks, ran.rest)]}))
+""" % DEVICE
+
+
+def test_a_block_whose_states_are_4x_the_host_budget_trains_from_disk_in_pieces_exactly(tmp_path):
+    """The embeddings with the head are one block whose fp32 states (master, moments, gradients) are 4x
+    the host budget: its update streams through host in pieces, under a cgroup cap of the budgets plus
+    the stated overhead and the gradients autograd makes for one block before tiertrain takes them (its
+    activations: plain PyTorch's backward makes them too; the tied embedding and head make two), and the
+    losses are plain PyTorch's, bit for bit."""
+    from tiered_harness import _fresh, train_plain
+    from tiertrain.runtime.blocks import block_numel, find_blocks
+
+    rest = block_numel(find_blocks(_fresh(PIECES_MODEL)[0])[-1])
+    assert rest * STATE_BYTES_PER_PARAM >= 4 * PIECES_HOST
+    cap = DEVICE + PIECES_HOST + OVERHEAD + 2 * 4 * rest
+    group = _make_cgroup("pieces")
+    try:
+        (group / "memory.limit_in_bytes").write_text(str(cap))
+        cmd = (f'echo $$ > {group}/cgroup.procs && exec "{sys.executable}" -c \'{PIECES_RUN}\' '
+               f'\'{json.dumps(PIECES_MODEL)}\' {PIECES_HOST} {tmp_path / "disk"}')
+        r = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, timeout=400,
+                           cwd=Path(__file__).parent)
+        used = int((group / "memory.max_usage_in_bytes").read_text())
+    finally:
+        group.rmdir()
+    assert r.returncode == 0, f"exit {r.returncode} (-9: killed for memory)\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    print(f"cgroup peak {used / 2**20:.0f} MiB beside the cap {cap / 2**20:.0f} MiB; the largest block's "
+          f"states {rest * STATE_BYTES_PER_PARAM / 2**20:.0f} MiB, host budget {PIECES_HOST / 2**20:.0f} MiB")
+    assert used <= cap
+    assert got["pieces"][-1] > 0  # setup cut the plan into pieces: whole blocks' states do not fit the host
+    assert got["losses"] == train_plain(PIECES_MODEL, 3, 1, None)

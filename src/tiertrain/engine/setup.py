@@ -38,7 +38,7 @@ from tiertrain.parallel import world_from_env
 from tiertrain.parallel.experts import moe_layers_for
 from tiertrain.plan import (DEFAULT_MAX_STALENESS, ParallelLayout, Plan, RunOptions, check_update_mode, data_parallel,
                             load_plan)
-from tiertrain.plan.bytes import bounds_grads, page_for_states, widen_read_ahead
+from tiertrain.plan.bytes import bounds_grads, page_for_states, pieces_to_fit, widen_read_ahead
 from tiertrain.plan.bytes import transient as transient_grads
 from tiertrain.runtime.blocks import block_numel, find_blocks
 from tiertrain.runtime.budget_check import PlanDoesNotFit, capacities, check_fits
@@ -117,6 +117,8 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, memo
     _check_lockfree_shards(chosen)
     numels, budgets = [block_numel(b) for b in found], capacities(memory)
     transient = transient_grads(chosen.update, opts.needs_all_grads(chosen.compute_dtype))
+    if opts.train:  # a host too small for whole blocks' states: their updates go through it in pieces
+        chosen = pieces_to_fit(numels, chosen, page, budgets, "transient" if transient else "all")
     _check_fits(found, chosen, memory, page, opts.train, transient, first is not None)
     if opts.train and auto is None:  # an auto plan was widened before it was simulated
         chosen = widen_read_ahead(numels, chosen, page, budgets, transient)

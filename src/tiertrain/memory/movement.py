@@ -129,6 +129,40 @@ class Mover:
         self._submit(parts, join)
         return handle
 
+    def read_pages(self, chunk: Chunk, first: int, count: int, out: torch.Tensor) -> Handle:
+        """Pages ``[first, first + count)`` of a disk chunk into ``out`` (uint8, page-aligned, ``count``
+        pages long), verified; the chunk stays on disk. A piecewise update reads its states so."""
+        disk = self._disk_of(chunk)
+        ps = disk.page_size
+        return self._page_io(chunk, first, count, self._read_disk, lambda i, e: lambda: disk.read_page(
+            e.page, memoryview(out[i * ps : (i + 1) * ps].numpy())))
+
+    def write_pages(self, chunk: Chunk, first: int, count: int, src: torch.Tensor) -> Handle:
+        """``src`` (as ``read_pages`` filled it) written back over pages ``[first, first + count)`` of a
+        disk chunk, in place: each page's checksum is forgotten before its write and recorded after."""
+        disk = self._disk_of(chunk)
+        ps = disk.page_size
+
+        def writer(i: int, e: Extent) -> Callable[[], None]:
+            padded = -(-e.length // IO_ALIGN) * IO_ALIGN
+            return lambda: disk.write_page(e.page, memoryview(src[i * ps : i * ps + padded].numpy()))
+        return self._page_io(chunk, first, count, self._write_disk, writer)
+
+    @staticmethod
+    def _disk_of(chunk: Chunk) -> DiskPool:
+        if not isinstance(chunk.pool, DiskPool):
+            raise ValueError(f"{chunk!r} is not on disk")
+        return chunk.pool
+
+    def _page_io(self, chunk: Chunk, first: int, count: int, submit: Callable, make: Callable) -> Handle:
+        handle = Handle()
+        parts = [(submit, make(i, e)) for i, e in enumerate(chunk.extents[first : first + count])]
+        join = _Join(len(parts), handle._finish)
+        if not parts:
+            handle._finish(None)
+        self._submit(parts, join)
+        return handle
+
     @staticmethod
     def _submit(parts: list, join: _Join) -> None:
         for submit, fn in parts:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -84,12 +84,25 @@ class MemorySystem:
                 view.copy_(data[offset : offset + view.numel()])
                 offset += view.numel()
             return
+        self._write_disk(chunk, lambda stage, pos, n: stage[:n].copy_(data[pos : pos + n]))
+
+    def zero(self, chunk: Chunk) -> None:
+        """Zero every byte of ``chunk`` where it lies (a disk chunk a page at a time: no chunk-sized buffer)."""
+        if chunk.tier is not Tier.DISK:
+            for view in chunk.views():
+                view.zero_()
+            return
+        self._write_disk(chunk, lambda stage, pos, n: stage[:n].zero_())
+
+    def _write_disk(self, chunk: Chunk, fill: Callable[[torch.Tensor, int, int], None]) -> None:
+        """Write a disk chunk's pages in place through one aligned page buffer, ``fill(stage, pos, n)``
+        putting the chunk's bytes ``[pos, pos + n)`` into it."""
         disk = self.pool(Tier.DISK)
         assert isinstance(disk, DiskPool)
         stage, region = host_buffer(disk.page_size, pin=False)  # O_DIRECT needs an aligned buffer
         for pos, e in chunk.segments():  # disk chunks start on page boundaries (e.offset == 0)
             padded = -(-e.length // IO_ALIGN) * IO_ALIGN
-            stage[: e.length] = data[pos : pos + e.length]
+            fill(stage, pos, e.length)
             stage[e.length : padded].zero_()
             disk.write_page(e.page, memoryview(stage[:padded].numpy()))
         del stage, region

@@ -69,11 +69,41 @@ def master_in_slot(bp: BlockPlan, plan: Plan, train: bool = True) -> bool:
             and not sharded(bp, plan))
 
 
+def in_pieces(bp: BlockPlan) -> bool:
+    """Whether a block's update streams its disk-homed states through host piece by piece."""
+    return bp.piece > 0 and bp.home is Tier.DISK
+
+
 def grad_tier(bp: BlockPlan) -> Tier:
     """Where a block's gradients gather: beside its master, where its update runs. A device-homed
     block is updated on the device, so its gradients never cross the host link; the others go to
-    the host, where the CPU optimizer (or the disk states' reader) takes them."""
-    return Tier.DEVICE if bp.home is Tier.DEVICE else Tier.HOST
+    the host, where the CPU optimizer (or the disk states' reader) takes them, except a block updated
+    in pieces: its gradients wait on the device and cross to the host a piece at a time, so the host
+    holds pieces only (ZeRO-Infinity's gradient buckets, per piece)."""
+    return Tier.DEVICE if bp.home is Tier.DEVICE or in_pieces(bp) else Tier.HOST
+
+
+def updated_away(bp: BlockPlan) -> bool:
+    """Whether a block's gradients are among those a transient run bounds (``transient``): the ones
+    the CPU optimizer takes, in host or (updated in pieces) on the device. A device-homed block's
+    stay until its update on the device, counted in full."""
+    return bp.home is not Tier.DEVICE
+
+
+PIECE_BUFFERS = 3  # per update worker: the piece being read, the one being updated, the one being written
+
+
+def piece_bytes(nbytes: int, bp: BlockPlan) -> int:
+    """Bytes of one state piece of a block whose states are ``nbytes`` each (never more than them)."""
+    return min(nbytes, bp.piece)
+
+
+def staging_bytes(sizes: Sequence[int], plans: Sequence[BlockPlan], workers: int, page: int,
+                  bound: bool = True) -> int:
+    """Host bytes the piecewise updates hold: per worker, ``PIECE_BUFFERS`` pieces of each of the
+    three states, at the largest piece of any block updated in pieces (0 if none is)."""
+    largest = max((piece_bytes(s, p) for s, p in zip(sizes, plans) if in_pieces(p)), default=0)
+    return workers * PIECE_BUFFERS * 3 * pages(largest, page, bound) if largest else 0
 
 
 def transient(update: str, needs_all_grads: bool) -> bool:
@@ -137,24 +167,52 @@ def tier_bytes(numels: Sequence[int], plan: Plan, page: int, train: bool = True,
         if (bp.stream or sharded(bp, plan)) and separate_param_home(bp, plan, train):
             need[Tier.HOST] += chunk(home)
         if train:
-            device_grads = grad_tier(bp) is Tier.DEVICE and grads != "none"
-            need[grad_tier(bp)] += copies * chunk(size) if grads == "all" or device_grads else 0
-            if dp > 1 and (grads == "all" or device_grads):
-                need[grad_tier(bp)] += chunk(f)   # this rank's gradients, summed over micro-batches, until reduced
+            if grads == "all" or (grads == "transient" and not updated_away(bp)):
+                need[grad_tier(bp)] += copies * chunk(size)
+                if dp > 1:
+                    need[grad_tier(bp)] += chunk(f)  # this rank's gradients, summed over micro-batches, until reduced
             need[bp.home] += 3 * chunk(size)      # master (the slot, where master_in_slot), exp_avg, exp_avg_sq
     if not train:
         return need
-    host_grads = [s for s, p in zip(sizes, plans) if grad_tier(p) is Tier.HOST]
     if grads == "transient":  # one per optimizer worker, plus the one backward is filling: at most the largest
-        need[Tier.HOST] += sum(chunk(s) for s in sorted(host_grads, reverse=True)[: plan.update_workers + 1])
-        whole = [f for f, p in zip(full, plans) if grad_tier(p) is Tier.HOST]
-        if dp > 1 and whole:  # and the whole-block sum being reduced over the ranks beside them
-            need[Tier.HOST] += chunk(max(whole))
-    disk_sizes = sorted((s for s, p in zip(sizes, plans) if p.home is Tier.DISK), reverse=True)
+        for tier in (Tier.HOST, Tier.DEVICE):
+            away = [(s, f) for s, f, p in zip(sizes, full, plans) if updated_away(p) and grad_tier(p) is tier]
+            need[tier] += sum(chunk(s) for s, _ in sorted(away, reverse=True)[: plan.update_workers + 1])
+            if dp > 1 and away:  # and the whole-block sum being reduced over the ranks beside them
+                need[tier] += chunk(max(f for _, f in away))
+    disk_sizes = sorted((s for s, p in zip(sizes, plans) if p.home is Tier.DISK and not in_pieces(p)), reverse=True)
     # states in host for updates: read ahead, being updated, being written back (one per worker)
     held = plan.read_ahead + 2 * plan.update_workers
     need[Tier.HOST] += sum(3 * chunk(s) for s in disk_sizes[:held])
+    need[Tier.HOST] += staging_bytes(sizes, plans, plan.update_workers, page, bound)
     return need
+
+
+MAX_PIECE = 64 << 20  # the largest piece tried: a few large reads in flight per state, a few buffers per worker
+
+
+def pieces_to_fit(numels: Sequence[int], plan: Plan, page: int, budgets: dict[Tier, int], grads: str = "all") -> Plan:
+    """Where the host cannot hold the states of the blocks whose updates it holds at once, the plan
+    with its larger disk-homed blocks updated in pieces (``in_pieces``): the largest piece, halving
+    from ``MAX_PIECE`` in whole pages, with which the plan fits every budget (the pieces' gradients
+    wait on the device). A plan whose host fits, or that names its pieces already, is returned as it
+    is, and so is one no piece size makes fit (the budget check then says what it needs)."""
+    fits_host = tier_bytes(numels, plan, page, grads=grads)[Tier.HOST] <= budgets[Tier.HOST]
+    if fits_host or not plan.uses_disk or any(b.piece for b in (*plan.blocks, plan.rest)):
+        return plan
+    piece = max(page, MAX_PIECE // page * page)
+    while True:
+        def cut(bp: BlockPlan, n: int) -> BlockPlan:
+            big = bp.home is Tier.DISK and n * F32_BYTES > piece
+            return dataclasses.replace(bp, piece=piece) if big else bp
+        pieced = dataclasses.replace(plan, blocks=tuple(cut(b, n) for b, n in zip(plan.blocks, numels)),
+                                     rest=cut(plan.rest, numels[-1]))
+        need = tier_bytes(numels, pieced, page, grads=grads)
+        if all(need[t] <= budgets[t] for t in need):
+            return pieced
+        if piece <= page:
+            return plan
+        piece = max(page, piece // 2 // page * page)
 
 
 def widest_read_ahead(numels: Sequence[int], plan: Plan, page: int, budgets: dict[Tier, int],

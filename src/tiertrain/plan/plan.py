@@ -38,6 +38,9 @@ class BlockPlan:
     offload_hidden: bool = False  # saved activations (with recompute: the block's input) wait on the host
     shard: bool = False          # data parallel: master, moments and gradients split over the dp ranks (the
     #                              compute params gathered into the slot at use); else replicated on every rank
+    piece: int = field(default=0, metadata=at_least(0))  # disk home: the update streams the states through host
+    #                              in pieces of this many bytes of each state (0: the whole block at once), so the
+    #                              host needs a few pieces, not 12 B x the block; its gradients wait on the device
 
     def to_dict(self) -> dict:
         return {f: (getattr(self, f).value if f == "home" else getattr(self, f)) for f in _BLOCK_FIELDS}
@@ -83,6 +86,10 @@ class Plan:
             raise ConfigError(f"prefetch {self.prefetch} must be below the window {self.window}")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ConfigError(f"compute_dtype {self.compute_dtype!r} is not one of {', '.join(COMPUTE_DTYPES)}")
+        pieced = [b for b in (*self.blocks, self.rest) if b.piece and b.home is not Tier.DISK]
+        if pieced:
+            raise ConfigError(f"a block's piece ({pieced[0].piece} bytes) streams a disk-homed block's update "
+                              "through host; set piece to 0 where home is not disk")
         if self.read_ahead < 0 or self.update_workers < 1 or self.max_staleness < 0 or self.cache < 0:
             raise ConfigError("cache, read_ahead and max_staleness must be >= 0 and update_workers >= 1")
         return self

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from tiertrain.errors import UserError
 from tiertrain.plan.tiers import Tier
 from tiertrain.plan import DEFAULT_MAX_STALENESS, BlockPlan, ParallelLayout, Plan
-from tiertrain.plan.bytes import (TRANSIENT_HINT, disk_passes_per_step, grad_copies, tier_bytes, transient,
+from tiertrain.plan.bytes import (MAX_PIECE, TRANSIENT_HINT, disk_passes_per_step, grad_copies, tier_bytes, transient,
                                   widen_read_ahead)
 from tiertrain.planner.profile import Profile
 from tiertrain.planner.simulator import Simulation, simulate
@@ -33,12 +33,14 @@ def to_plan(s: Solution, p: Profile, update: str = "overlap", max_staleness: int
     net = p.network
     shard = net.parallel and net.shard
     blocks = tuple(BlockPlan(home=Tier.DEVICE if c.device_home else Tier.DISK if disk else Tier.HOST,
-                             stream=c.stream, recompute=c.recompute, offload_hidden=c.offload_hidden, shard=shard)
+                             stream=c.stream, recompute=c.recompute, offload_hidden=c.offload_hidden, shard=shard,
+                             piece=p.piece if disk else 0)
                    for c, disk in zip(s.choices, s.disk_home))
     streams = any(c.stream for c in s.choices)
     rest_disk = len(s.disk_home) > len(s.choices) and s.disk_home[-1]
     layout = f"/{'sharded' if net.shard else 'replicated'} x{net.dp}" if net.parallel else ""
-    return Plan(blocks, BlockPlan(home=Tier.DISK if rest_disk else Tier.HOST, shard=shard),
+    return Plan(blocks, BlockPlan(home=Tier.DISK if rest_disk else Tier.HOST, shard=shard,
+                                  piece=p.piece if rest_disk else 0),
                 window=s.window if streams else 1, prefetch=lifetime_prefetch(p, s.window) if streams else 0,
                 update=update, name=f"auto/{s.solver}{layout}", compute_dtype=p.compute_dtype,
                 max_staleness=max_staleness, read_ahead=p.read_ahead, update_workers=p.update_workers,
@@ -111,11 +113,12 @@ def choose(pb: Problem, solvers: tuple[str, ...] = tuple(SOLVERS), update: str =
     budget that would work, when none fits."""
     cands = candidates(pb, update, solvers, needs_all_grads, max_staleness)
     chosen = best(cands)
-    lean = dataclasses.replace(pb.profile, read_ahead=1, update_workers=1)
-    if chosen is None and lean != pb.profile:
-        # a host too small for the default disk pipeline: one worker, one block read ahead (the
-        # update of each disk-homed block then overlaps less, but the run fits where it did not)
-        return choose(dataclasses.replace(pb, profile=lean), solvers, update, needs_all_grads, max_staleness)
+    if chosen is None:
+        for fallback in _fallbacks(pb):
+            try:
+                return choose(fallback, solvers, update, needs_all_grads, max_staleness)
+            except NoPlanFits:
+                continue
     if chosen is None:
         raise NoPlanFits(f"no plan fits device {format_bytes(pb.device)}, host {format_bytes(pb.host)}, disk "
                          f"{format_bytes(pb.disk)} with solvers {', '.join(solvers)}; {_smallest_hint(pb)}"
@@ -148,12 +151,33 @@ def choose_layout(pb: Problem, solvers: tuple[str, ...] = tuple(SOLVERS), update
     return chosen, [c for _, cands in found for c in cands]
 
 
+def _fallbacks(pb: Problem) -> list[Problem]:
+    """What ``choose`` tries, in order, when no plan fits ``pb``: a host too small for the default
+    disk pipeline gets one worker and one block read ahead (each disk-homed block's update then
+    overlaps less, but the run fits where it did not); one too small even for that, disk-homed
+    blocks updated through it in pieces (``runtime.pieces``), the largest piece first. Each is tried
+    by ``choose`` with its own fallbacks, so a lean pipeline in pieces comes last."""
+    p = pb.profile
+    out = []
+    lean = dataclasses.replace(p, read_ahead=1, update_workers=1)
+    if lean != p:
+        out.append(dataclasses.replace(pb, profile=lean))
+    if not p.piece and pb.disk:
+        out += [dataclasses.replace(pb, profile=dataclasses.replace(p, piece=max(piece, p.page)))
+                for piece in PIECES_TRIED]
+    return out
+
+
+PIECES_TRIED = (MAX_PIECE, MAX_PIECE // 4, MAX_PIECE // 16, MAX_PIECE // 64)
+
+
 def fits(pb: Problem) -> bool:
     """Whether any plan fits the budgets: the DP finds one wherever one exists (within its device
-    discretisation), with the default disk pipeline or the lean one ``choose`` falls back to. No
+    discretisation), with the default disk pipeline or the fallbacks ``choose`` tries. No
     simulation and no hints: what ``--max-model`` asks of each candidate model."""
     lean = dataclasses.replace(pb.profile, read_ahead=1, update_workers=1)
-    return feasible(pb) or (lean != pb.profile and feasible(dataclasses.replace(pb, profile=lean)))
+    frugal = [lean] + ([dataclasses.replace(lean, piece=max(PIECES_TRIED[-1], lean.page))] if pb.disk else [])
+    return feasible(pb) or any(feasible(dataclasses.replace(pb, profile=f)) for f in frugal if f != pb.profile)
 
 
 def _smallest_hint(pb: Problem) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from tiertrain.plan.bytes import pages
+from tiertrain.plan.bytes import PIECE_BUFFERS, pages
 from tiertrain.planner.network import Network
 from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
 
@@ -115,7 +115,8 @@ def fixed_device_bytes(p: Profile, window: int, any_stream: bool) -> int:
     activations in flight (a recomputed block rebuilds all of them during its backward)."""
     biggest = pages(max(b.params for b in p.blocks) * p.compute_bytes, p.page)
     working = max(b.act_bytes for b in p.blocks) if p.acts_on_device else 0
-    return pages(p.rest.params * p.compute_bytes, p.page) + (window * biggest if any_stream else 0) + working
+    pieced = _grads_of(p, [*p.blocks, p.rest]) if p.piece else 0  # any block may go to disk: counted as if all do
+    return pages(p.rest.params * p.compute_bytes, p.page) + (window * biggest if any_stream else 0) + working + pieced
 
 
 def switch_host_bytes(p: Profile, b: BlockProfile, c: Choice) -> int:
@@ -143,7 +144,9 @@ def base_host_bytes(p: Profile, disk_budget: int) -> int:
     dimension only adds: counting them here errs towards refusing, and ``host_bytes`` (which
     every full assignment is checked with) counts them exactly."""
     states = sum(_states(p, b) for b in (*p.blocks, p.rest))
-    return _host_grads(p, [*p.blocks, p.rest]) + max(0, states - disk_budget)
+    if p.piece:  # the blocks the disk takes update in pieces: their gradients wait on the device
+        return _staging(p, [*p.blocks, p.rest]) + max(0, states - disk_budget)
+    return _grads_of(p, [*p.blocks, p.rest]) + max(0, states - disk_budget)
 
 
 def host_bytes(p: Profile, choices: tuple[Choice, ...], disk_home: tuple[bool, ...]) -> int:
@@ -152,20 +155,31 @@ def host_bytes(p: Profile, choices: tuple[Choice, ...], disk_home: tuple[bool, .
     ahead, updates them and writes them back (``plan_bytes.tier_bytes``' rule). ``disk_home`` has
     one more entry than there are blocks where the rest block's states may go to disk too."""
     rest_disk = len(disk_home) > len(p.blocks) and disk_home[-1]
-    total = (0 if rest_disk else _states(p, p.rest)) + _host_grads(
-        p, [p.rest] + [b for b, c in zip(p.blocks, choices) if not c.device_home])
+    in_host = [b for b, c, d in zip(p.blocks, choices, disk_home) if not c.device_home and not (p.piece and d)]
+    total = (0 if rest_disk else _states(p, p.rest)) + _grads_of(
+        p, ([] if p.piece and rest_disk else [p.rest]) + in_host)
     for b, c, disk in zip(p.blocks, choices, disk_home):
         if not c.device_home and not disk:
             total += _states(p, b)
         total += switch_host_bytes(p, b, c)
-    on_disk = [_states(p, b) for b, d in zip(p.blocks, disk_home) if d] + ([_states(p, p.rest)] if rest_disk else [])
+    disk_blocks = [b for b, d in zip(p.blocks, disk_home) if d] + ([p.rest] if rest_disk else [])
+    if p.piece:  # a few pieces per worker, not whole blocks' states
+        return total + _staging(p, disk_blocks)
+    on_disk = [_states(p, b) for b in disk_blocks]
     return total + sum(sorted(on_disk, reverse=True)[: p.read_ahead + 2 * p.update_workers])
 
 
-def _host_grads(p: Profile, blocks: list[BlockProfile]) -> int:
-    """Gradient chunks in host: every block's, or, when they are updated away as backward flushes
-    them (``transient_grads``), one per optimizer worker plus the one backward is filling: the
-    largest that many (a large embedding's chunk need not be counted once per worker)."""
+def _staging(p: Profile, blocks: list[BlockProfile]) -> int:
+    """Host bytes of the piecewise updates' buffers (``plan.bytes.staging_bytes``' rule)."""
+    largest = max((min(p.piece, p.network.per_rank(b.params) * GRAD_BYTES) for b in blocks), default=0)
+    return p.update_workers * PIECE_BUFFERS * 3 * pages(largest, p.page) if largest else 0
+
+
+def _grads_of(p: Profile, blocks: list[BlockProfile]) -> int:
+    """The gradient chunks of ``blocks`` a run holds at once (in host, or on the device for blocks
+    updated in pieces): every block's, or, when they are updated away as backward flushes them
+    (``transient_grads``), one per optimizer worker plus the one backward is filling: the largest
+    that many (a large embedding's chunk need not be counted once per worker)."""
     sizes = sorted((_grads(p, b) for b in blocks), reverse=True)
     if not p.transient_grads:
         return sum(sizes)

@@ -66,6 +66,8 @@ class Profile:
     update_workers: int = field(default=2, metadata=at_least(1))  # the plan's optimizer threads (Plan.update_workers)
     source: str = ""                   # how its block figures were found (measured, reduced shape, estimate)
     network: Network = Network()       # the ranks planned for (per-rank budgets) and their collectives' rates
+    piece: int = field(default=0, metadata=at_least(0))  # disk-homed blocks updated through host in pieces of
+    #                                  this many bytes per state, their gradients waiting on the device (0: whole)
 
     @property
     def compute_bytes(self) -> int:

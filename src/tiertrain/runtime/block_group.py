@@ -34,7 +34,7 @@ from tiertrain.optim import AdamWHyper, adamw_step
 from tiertrain.parallel import Collectives
 from tiertrain.parallel.collectives import Waitable
 from tiertrain.plan import BlockPlan
-from tiertrain.plan.bytes import grad_tier
+from tiertrain.plan.bytes import grad_tier, updated_away
 from tiertrain.runtime.blocks import Block
 from tiertrain.runtime.grads import GradBuffer, TakenGrads
 from tiertrain.runtime.reduction import Copy, Reduction
@@ -131,17 +131,17 @@ class BlockGroup:
                 self.mem.release(chunk)
         self.local, self.local_has = None, [False] * len(self.params)
 
-    def reduce_grads(self, step: int, hypers: list[AdamWHyper] | None, make_room: Callable[[], None],
+    def reduce_grads(self, step: int, hypers: list[AdamWHyper] | None, make_room: Callable[[Tier], None],
                      final: bool) -> None:
         """Move the parameters' fresh gradients into the block's grad chunk (accumulating) and free
         them. With data parallel they first sum over the micro-batches in ``local``, and on the
         ``final`` one are averaged over the ranks (reduce-scattered to the shards, or all-reduced)
         before they join the grad chunk. The chunk lives where the block's update runs
-        (``plan.bytes.grad_tier``). ``make_room`` returns once a new host chunk may be allocated
-        (transient gradients); ``hypers``: lockfree keeps the step's own with its gradients."""
+        (``plan.bytes.grad_tier``). ``make_room(tier)`` returns once a new chunk may be allocated
+        there (transient gradients); ``hypers``: lockfree keeps the step's own with its gradients."""
         if self.mean_over > 1:
-            if self.local is None and grad_tier(self.plan) is Tier.HOST:
-                make_room()  # transient gradients: ``local`` is one more whole-block chunk in host
+            if self.local is None and updated_away(self.plan):
+                make_room(grad_tier(self.plan))  # transient gradients: ``local`` is one more whole-block chunk
             self._sum_locally()
             if final:
                 self._reduce_over_ranks(step, hypers, make_room)
@@ -155,8 +155,8 @@ class BlockGroup:
                 if self.grads.chunk is not None:
                     self.grads.add(self.params, self.views(self.grads.chunk), step, hypers)
                     break
-            if grad_tier(self.plan) is Tier.HOST:
-                make_room()  # outside the lock: it may wait for this block's own update
+            if updated_away(self.plan):
+                make_room(grad_tier(self.plan))  # outside the lock: it may wait for this block's own update
             fresh = self._new_grad_chunk(self.nbytes)
         if fresh is not None:
             self.mem.release(fresh)
@@ -202,13 +202,13 @@ class BlockGroup:
                 self.local_has[i] = True
             p.grad = None
 
-    def _reduce_over_ranks(self, step: int, hypers: list[AdamWHyper] | None, make_room: Callable[[], None]) -> None:
+    def _reduce_over_ranks(self, step: int, hypers: list[AdamWHyper] | None, make_room: Callable[[Tier], None]) -> None:
         """Start averaging ``local`` over the ranks into this rank's part (its shard, or all of it),
         reduced straight into a fresh grad chunk (no temporary); ``finish_reduce`` adds it to the grad
         chunk once it has landed. Started, not waited for: the runtime lets it run under the next
         block's backward. A parameter has a gradient where any rank's micro-batches gave it one."""
-        if grad_tier(self.plan) is Tier.HOST:
-            make_room()
+        if updated_away(self.plan):
+            make_room(grad_tier(self.plan))
         fresh = self._new_grad_chunk(self.state_numel * F32.itemsize)  # before any collective: if this
         mine = fresh.typed(F32)[: self.state_numel]                    # raises, no rank has issued one
         has = torch.tensor(self.local_has, dtype=torch.uint8)
@@ -285,6 +285,11 @@ class BlockGroup:
         """Per-parameter fp32 views of a whole-block chunk (merged) in layout order."""
         flat = chunk.typed(F32)
         return [flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.layout.slots]
+
+    @property
+    def state_cuts(self) -> list[tuple[int, int]]:
+        """[lo, hi) within a state chunk of each piece of a parameter this rank holds (``view_params``)."""
+        return self._cuts
 
     def state_views(self, chunk: Chunk) -> list[torch.Tensor]:
         """fp32 views of a state chunk, one per piece of a parameter this rank holds (``view_params``

@@ -18,7 +18,7 @@ from tiertrain.models.init import init_in_place
 from tiertrain.parallel import Collectives
 from tiertrain.parallel.experts import ExpertParallel
 from tiertrain.plan import BlockPlan, Plan, RunOptions
-from tiertrain.plan.bytes import master_in_slot, separate_param_home, sharded
+from tiertrain.plan.bytes import in_pieces, master_in_slot, separate_param_home, sharded
 from tiertrain.precisions import torch_dtype
 from tiertrain.runtime.block_group import F32, BlockGroup
 from tiertrain.runtime.blocks import Block, HeldExperts, block_layout, split_experts
@@ -123,15 +123,7 @@ def _build(mem: MemorySystem, comm: Collectives, index: int, block: Block, bplan
     master is what its slot is filled from. ``master_in_slot``: the slot is the fp32 master itself."""
     master = exp_avg = exp_avg_sq = None
     if options.train:
-        chunks = _optimizer_chunks if options.init_states else _unwritten_chunks
-        in_slot = slot.chunk if master_in_slot(bplan, plan, options.train) else None
-        master, exp_avg, exp_avg_sq = chunks(mem, block, layout, bplan.home, in_slot)
-        if options.init_states and comm.world_size > 1:
-            comm.broadcast(master.typed(F32))
-        if master is not slot.chunk and master.tier is Tier.DISK:  # unwritten: nothing to publish yet
-            slot.chunk.typed(compute).zero_()
-        elif master is not slot.chunk:
-            slot.chunk.typed(compute)[: layout.numel].copy_(master.typed(F32)[: layout.numel])
+        master, exp_avg, exp_avg_sq = _states(mem, comm, block, bplan, slot, plan, options, compute, layout)
     else:
         _fill(slot.chunk, block.params, layout, compute)
     slot.holder = index
@@ -149,6 +141,28 @@ def _build(mem: MemorySystem, comm: Collectives, index: int, block: Block, bplan
     steps = [torch.zeros((), dtype=F32) for _ in params]
     return BlockGroup(index, block, bplan, layout, params, master, exp_avg, exp_avg_sq, param_home, slot, steps,
                       [], compute, mem, comm)
+
+
+def _states(mem: MemorySystem, comm: Collectives, block: Block, bplan: BlockPlan, slot: Slot, plan: Plan,
+            options: RunOptions, compute: torch.dtype, layout: ChunkLayout) -> tuple[Chunk, Chunk, Chunk]:
+    """The block's master and moments at their home, and its slot filled from the master (zeroed where
+    the master is left unwritten for a checkpoint to fill). An fp32 block updated in pieces makes its
+    weights in its slot and writes them to disk from there: no host staging of a whole block."""
+    if options.init_states and in_pieces(bplan) and compute == F32:
+        _fill(slot.chunk, block.params, layout, F32)
+        if comm.world_size > 1:
+            comm.broadcast(slot.chunk.typed(F32)[: layout.numel])
+        return _disk_chunks(mem, block, layout, slot.chunk)
+    chunks = _optimizer_chunks if options.init_states else _unwritten_chunks
+    in_slot = slot.chunk if master_in_slot(bplan, plan, options.train) else None
+    master, exp_avg, exp_avg_sq = chunks(mem, block, layout, bplan.home, in_slot)
+    if options.init_states and comm.world_size > 1:
+        comm.broadcast(master.typed(F32))
+    if master is not slot.chunk and master.tier is Tier.DISK:  # unwritten: nothing to publish yet
+        slot.chunk.typed(compute).zero_()
+    elif master is not slot.chunk:
+        slot.chunk.typed(compute)[: layout.numel].copy_(master.typed(F32)[: layout.numel])
+    return master, exp_avg, exp_avg_sq
 
 
 def _build_sharded(mem: MemorySystem, comm: Collectives, index: int, block: Block, bplan: BlockPlan, slot: Slot,
@@ -203,6 +217,19 @@ def _fill_tensor(flat: torch.Tensor, params: list[tuple[str, torch.Tensor]], lay
             init_in_place(name, view.view(s.shape))
         else:
             view.copy_(p.detach().reshape(-1))
+
+
+def _disk_chunks(mem: MemorySystem, block: Block, layout: ChunkLayout, weights: Chunk) -> tuple[Chunk, Chunk, Chunk]:
+    """Master and moments of a block updated in pieces, written straight to disk: the master from the
+    fp32 ``weights`` (its slot), the moments as zeros, a page at a time, so the host never holds the
+    block's states (``runtime.pieces``: which is why the block is updated in pieces)."""
+    nbytes = layout.numel * F32.itemsize
+    chunks = [mem.allocate(f"{block.name}.{k.value}", nbytes, Tier.DISK, k, contiguous=True)
+              for k in (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)]
+    mem.overwrite(chunks[0], weights.typed(F32)[: layout.numel].view(torch.uint8))
+    for m in chunks[1:]:
+        mem.zero(m)
+    return chunks[0], chunks[1], chunks[2]
 
 
 def _unwritten_chunks(mem: MemorySystem, block: Block, layout: ChunkLayout, home: Tier,

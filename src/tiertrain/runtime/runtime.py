@@ -20,6 +20,7 @@ from tiertrain.parallel.experts import expert_parallel, moe_layers
 from tiertrain.parallel.norm import sharded_norm
 from tiertrain.parallel import Collectives, collectives_for
 from tiertrain.plan import Plan, RunOptions
+from tiertrain.plan.bytes import in_pieces
 from tiertrain.runtime.block_group import BlockGroup
 from tiertrain.runtime.blocks import find_blocks
 from tiertrain.runtime.build import build_groups
@@ -190,19 +191,26 @@ class Runtime:
         g.finish_reduce()
         self.mode.grads_final(g)
 
-    def _room_for_grads(self) -> None:
-        """With transient gradients, keep at most ``update_workers + 1`` grad chunks alive (what the
-        budget check reserved): wait for an update in flight to free one. Counted from the memory
-        layer, so chunks an update has taken but not yet freed count too."""
+    def _room_for_grads(self, tier: Tier) -> None:
+        """With transient gradients, keep at most ``update_workers + 1`` grad chunks alive in ``tier``
+        (what the budget check reserved): wait for an update in flight to free one. Host chunks are
+        counted from the memory layer, so chunks an update has taken but not yet freed count too; on
+        the device (blocks updated in pieces) a block counts while its update runs, which frees them."""
         if not self.transient_grads:
             return
         while self._reducing:  # its chunks count: let it land and its update start, which frees them
             self._finish_reduction()
-        while self.mem.accounting.chunks(Tier.HOST, Kind.GRAD) > self.plan.update_workers:
+        while self._grads_alive(tier) > self.plan.update_workers:
             pending = [g.pending for g in self.groups if g.pending is not None and not g.pending.done()]
             if not pending:
                 return
             futures.wait(pending, return_when=futures.FIRST_COMPLETED)
+
+    def _grads_alive(self, tier: Tier) -> int:
+        if tier is Tier.HOST:
+            return self.mem.accounting.chunks(Tier.HOST, Kind.GRAD)
+        return sum(1 for g in self.groups if in_pieces(g.plan) and (
+            g.grads.chunk is not None or g.local is not None or (g.pending is not None and not g.pending.done())))
 
     def final_micro(self) -> bool:
         return self.micro + 1 >= self.options.grad_accum

@@ -14,6 +14,7 @@ from concurrent.futures import Future
 
 from tiertrain.errors import BudgetError
 from tiertrain.memory import Handle, MemorySystem, Tier
+from tiertrain.plan.bytes import in_pieces
 from tiertrain.runtime.block_group import BlockGroup
 
 
@@ -32,8 +33,8 @@ class StateMoves:
         in, and, with ``block=False``, while the block's last update or its write-back still runs (a
         forward-time trigger must never make the forward wait). True once its reads are under way (or
         there is nothing to read)."""
-        if g.plan.home is not Tier.DISK or g.master is None:
-            return True
+        if g.plan.home is not Tier.DISK or g.master is None or in_pieces(g.plan):
+            return True  # nothing to read, or read a piece at a time by the update itself
         if not block and not self._settled(g):
             return False
         with self._lock:

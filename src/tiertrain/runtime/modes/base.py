@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from tiertrain.optim import AdamWHyper
+from tiertrain.plan.bytes import in_pieces
+from tiertrain.runtime.pieces import update_in_pieces
 
 if TYPE_CHECKING:
     from tiertrain.runtime.block_group import BlockGroup
@@ -84,7 +86,11 @@ class UpdateMode:
 
     # -- running updates -------------------------------------------------------------------
     def update_now(self, g: "BlockGroup", coef: torch.Tensor | None, hypers: list[AdamWHyper] | None) -> None:
-        """Update one block in this thread: its states in, AdamW, its params published, states home."""
+        """Update one block in this thread: its states in, AdamW, its params published, states home
+        (a block updated in pieces does all of it a piece at a time)."""
+        if in_pieces(g.plan):
+            update_in_pieces(g, hypers or self.rt.hypers(), coef)
+            return
         moves = self.rt.moves
         moves.bring_in(g)
         g.update(hypers or self.rt.hypers(), coef)

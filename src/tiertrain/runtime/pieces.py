@@ -1,0 +1,131 @@
+"""A disk-homed block's update streamed through host a piece at a time (ANGEL-PTM updates page by page;
+DeepSpeed's ``sub_group_size``), so the host holds a few pieces instead of the block's whole states:
+one block's fp32 master and moments are 12 B per parameter, and the largest block (often the
+embeddings with the head) would otherwise set the host budget whatever the disk holds.
+
+Per piece (a run of the state chunks' pages, the same pages of master and both moments): its pages
+are read into host buffers, AdamW runs on the parameters' parts inside it with the gradients' same
+part (the gradients wait on the device: ``plan.bytes.grad_tier``), the new compute params are
+published, and the pages are written back in place. Three buffer sets per update: the next piece is
+read while this one is updated and the last one written. The fused kernel is elementwise, so cutting
+parameters into pieces changes no bit; each parameter's step count is advanced once, after its last
+piece (the kernel advances the copy each piece is given).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tiertrain.memory import Kind, MemorySystem, Tier
+from tiertrain.memory.chunk import Chunk
+from tiertrain.memory.movement import Handle
+from tiertrain.optim import AdamWHyper, adamw_step
+from tiertrain.plan.bytes import PIECE_BUFFERS, piece_bytes
+from tiertrain.runtime.block_group import F32, BlockGroup
+from tiertrain.runtime.grads import TakenGrads
+
+KINDS = (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)
+
+
+class _Buffers:
+    """One piece's host buffers for master and both moments, allocated from the host pool (so the
+    budget counts them), each starting on a page boundary (O_DIRECT reads straight into them)."""
+
+    def __init__(self, mem: MemorySystem, name: str, nbytes: int) -> None:
+        self.chunks = [mem.allocate(f"{name}.piece", nbytes, Tier.HOST, k, contiguous=True) for k in KINDS]
+        self.bytes = [c.merge() for c in self.chunks]
+        self.io: list[Handle] = []   # its reads or its write-back in flight
+
+    def wait(self) -> None:
+        for h in self.io:
+            h.wait()
+        self.io = []
+
+
+def update_in_pieces(g: BlockGroup, hypers: list[AdamWHyper], coef: torch.Tensor | None) -> None:
+    """``BlockGroup.update`` for a block whose states stay on disk (``plan.bytes.in_pieces``)."""
+    taken = g.grads.take()
+    if taken is None:
+        return
+    mem, page = g.mem, g.master.pool.page_size
+    per_piece = max(1, piece_bytes(g.master.nbytes, g.plan) // page)
+    n_pages = len(g.master.extents)
+    firsts = list(range(0, n_pages, per_piece))
+    sets = [_Buffers(mem, g.block.name, min(per_piece, n_pages) * page) for _ in range(min(PIECE_BUFFERS, len(firsts)))]
+    before = [s.detach().clone() for s in g.steps]
+    try:
+        _read(g, sets[0], firsts[0], per_piece)
+        for k, first in enumerate(firsts):
+            buf = sets[k % len(sets)]
+            if k + 1 < len(firsts):
+                nxt = sets[(k + 1) % len(sets)]
+                nxt.wait()  # its last write-back landed: the buffers are free again
+                _read(g, nxt, firsts[k + 1], per_piece)
+            buf.wait()
+            lo = first * page // F32.itemsize
+            _adamw_piece(g, buf, lo, hypers, coef, taken, before)
+            _publish_piece(g, buf, lo)
+            buf.io = [mem.mover.write_pages(c, first, per_piece, b) for c, b in zip(g.states, buf.bytes)]
+        for s in sets:
+            s.wait()
+    finally:
+        for s in sets:
+            _drain(s)
+            for c in s.chunks:
+                mem.release(c)
+    for i, s in enumerate(g.steps):
+        if taken.has_grad[i]:
+            s.copy_(before[i] + 1)
+    mem.release(taken.chunk)
+    g.params_written(g)
+    g.version = max(g.version, taken.step + 1)
+
+
+def _read(g: BlockGroup, buf: _Buffers, first: int, count: int) -> None:
+    buf.io = [g.mem.mover.read_pages(c, first, count, b) for c, b in zip(g.states, buf.bytes)]
+
+
+def _drain(buf: _Buffers) -> None:
+    """Let whatever a failed update left in flight land before its buffers go back to the pool."""
+    for h in buf.io:
+        try:
+            h.wait()
+        except Exception:  # noqa: BLE001 - the update's own error is the one raised
+            pass
+
+
+def _cut(g: BlockGroup, lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """(parameter, start, end) of each parameter part inside state elements ``[lo, hi)``."""
+    out = []
+    for owner, (a, b) in zip(g.view_params, g.state_cuts):
+        a, b = max(a, lo), min(b, hi)
+        if a < b:
+            out.append((owner, a, b))
+    return out
+
+
+def _adamw_piece(g: BlockGroup, buf: _Buffers, lo: int, hypers: list[AdamWHyper], coef: torch.Tensor | None,
+                 taken: TakenGrads, before: list[torch.Tensor]) -> None:
+    """AdamW on the parameter parts inside this piece, each from its step count before the update."""
+    n = buf.bytes[0].numel() // F32.itemsize
+    parts = _cut(g, lo, min(lo + n, g.state_numel))
+    if not parts:
+        return
+    master, m, v = (b.view(F32) for b in buf.bytes)
+    grads = taken.chunk.typed(F32)
+    adamw_step([master[a - lo : b - lo] for _, a, b in parts], [grads[a:b] for _, a, b in parts],
+               [m[a - lo : b - lo] for _, a, b in parts], [v[a - lo : b - lo] for _, a, b in parts],
+               [before[i].clone() for i, _, _ in parts], [taken.has_grad[i] for i, _, _ in parts],
+               [g.group_of[i] for i, _, _ in parts], hypers, coef)
+
+
+def _publish_piece(g: BlockGroup, buf: _Buffers, lo: int) -> None:
+    """The piece's new params into the compute copy the next forward reads; where that copy is the
+    fp32 master itself (on disk), its write-back publishes it."""
+    target: Chunk = g.param_home if g.param_home is not None else g.slot.chunk
+    if target is g.master:
+        return
+    n = min(buf.bytes[0].numel() // F32.itemsize, g.state_numel - lo)
+    target.typed(g.compute)[lo : lo + n].copy_(buf.bytes[0].view(F32)[:n])
+    if g.shard is not None and not g.plan.stream:
+        g.slot_stale = True

@@ -1,0 +1,127 @@
+"""A disk-homed block's update streamed through host a piece at a time (``runtime.pieces``): plain
+PyTorch's numbers bit for bit, whatever cuts the parameters; the host holding pieces, not blocks;
+and the plan cut into pieces only where whole blocks do not fit the host."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import tiertrain
+from tiered_harness import _fresh, _loop, train_plain
+from tiertrain.memory import Budgets, Kind, Tier
+from tiertrain.plan import BlockPlan, Plan
+from tiertrain.plan.bytes import in_pieces, pieces_to_fit, tier_bytes
+from tiertrain.runtime.blocks import block_numel, find_blocks
+
+PAGE = 4096
+MODEL = {"n_layer": 2, "n_head": 2, "d_model": 64, "d_ffn": 128, "vocab_size": 256, "max_seq_len": 64}
+
+
+def _plan(update: str = "sync", piece: int = 2 * PAGE, param_copy: bool = False, stream: bool = True,
+          staleness: int = 1) -> Plan:
+    block = BlockPlan(home=Tier.DISK, stream=stream, param_copy=stream and param_copy, piece=piece)
+    return Plan((block,) * MODEL["n_layer"], BlockPlan(home=Tier.DISK, piece=piece), window=2, prefetch=1,
+                update=update, max_staleness=staleness)
+
+
+def _budgets(tmp_path, host: int = 4 << 20) -> Budgets:
+    return Budgets(device=8 << 20, host=host, disk=64 << 20, disk_dir=str(tmp_path / "disk"))
+
+
+def _train(tmp_path, plan: Plan, steps: int, accum: int = 1, clip: float | None = None, host: int = 4 << 20):
+    model, opt = _fresh(MODEL)
+    tm, topt = tiertrain.setup(model, opt, _budgets(tmp_path, host), plan=plan, grad_accum=accum,
+                               max_grad_norm=clip if plan.update == "overlap" else None, page_size=PAGE)
+    try:
+        losses = _loop(tm, topt, tm.clip_grad_norm_, steps, accum, clip)
+        weights = {n: t.clone() for n, t in tm.state_dict().items()}  # the fp32 masters, read from disk
+        stats = tm.runtime.mem.stats()
+        ran = tm.runtime.plan
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()
+    return losses, weights, stats, ran
+
+
+@pytest.mark.parametrize("update,accum,clip,param_copy", [
+    ("sync", 1, None, False), ("sync", 2, 1.0, True), ("overlap", 1, None, False), ("overlap", 2, 0.5, False),
+    ("overlap", 1, None, True)])
+def test_updates_in_pieces_equal_plain_pytorch_bitwise(tmp_path, update, accum, clip, param_copy):
+    want = train_plain(MODEL, 3, accum, clip)
+    got, _, stats, ran = _train(tmp_path, _plan(update, param_copy=param_copy), 3, accum, clip)
+    assert got == want
+    assert all(in_pieces(b) for b in (*ran.blocks, ran.rest))
+    largest = max(block_numel(b) for b in find_blocks(_fresh(MODEL)[0])) * 4
+    assert largest >= 8 * 2 * PAGE  # every block's states are cut into many pieces, parameters across them
+    assert stats["disk"]["peak_by_kind"]["master"] > 0
+
+
+def test_lockfree_in_pieces_at_staleness_0_equals_plain_pytorch(tmp_path):
+    want = train_plain(MODEL, 3, 1, None)
+    got, _, _, _ = _train(tmp_path, _plan("lockfree", staleness=0), 3)
+    assert got == want
+
+
+@pytest.mark.parametrize("update", ["sync", "overlap"])
+def test_weights_after_updates_in_pieces_are_plain_pytorchs(tmp_path, update):
+    model, opt = _fresh(MODEL)
+    _loop(model, opt, None, 2, 1, None)
+    _, weights, _, _ = _train(tmp_path, _plan(update), 2)
+    for n, p in model.named_parameters():
+        assert torch.equal(weights[n], p.detach()), n
+
+
+def test_the_host_holds_pieces_not_blocks(tmp_path):
+    """The host's peak of states is a few pieces per worker, far below one block's states."""
+    _, _, stats, ran = _train(tmp_path, _plan("sync"), 2)
+    host = stats["host"]["peak_by_kind"]
+    block_states = max(block_numel(b) for b in find_blocks(_fresh(MODEL)[0])) * 4 * 3
+    staged = sum(host.get(k.value, 0) for k in (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ))
+    assert 0 < staged <= ran.update_workers * 3 * 3 * 2 * PAGE < block_states / 2
+    assert host.get(Kind.GRAD.value, 0) == 0  # the gradients wait on the device
+
+
+def test_a_host_too_small_for_whole_blocks_cuts_the_plan_into_pieces_that_fit(tmp_path):
+    blocks = find_blocks(_fresh(MODEL)[0])
+    numels = [block_numel(b) for b in blocks]
+    whole = _plan(piece=0)
+    have = {Tier.DEVICE: 8 << 20, Tier.HOST: 256 << 10, Tier.DISK: 64 << 20}
+    assert tier_bytes(numels, whole, PAGE)[Tier.HOST] > have[Tier.HOST]
+    cut = pieces_to_fit(numels, whole, PAGE, have)
+    assert tier_bytes(numels, cut, PAGE)[Tier.HOST] <= have[Tier.HOST]
+    assert all(b.piece and b.piece % PAGE == 0 for b in (*cut.blocks, cut.rest))
+    roomy = dict(have, **{Tier.HOST: 64 << 20})
+    assert pieces_to_fit(numels, whole, PAGE, roomy) == whole  # whole blocks fit: left as they are
+    want = train_plain(MODEL, 2, 1, None)
+    got, _, _, ran = _train(tmp_path, whole, 2, host=256 << 10)  # setup cuts it, and it trains exactly
+    assert got == want and any(b.piece for b in ran.blocks)
+
+
+def test_a_piece_on_a_block_not_homed_on_disk_is_refused():
+    plan = dataclasses.replace(_plan(), rest=BlockPlan(home=Tier.HOST, piece=PAGE))
+    with pytest.raises(tiertrain.ConfigError, match="piece"):
+        plan.validate(MODEL["n_layer"])
+
+
+def test_overlap_without_clipping_bounds_the_gradients_waiting_on_the_device(tmp_path):
+    """Transient gradients (overlap, no clipping): a device budget too small for every block's gradients
+    is enough for ``update_workers + 1`` of them; backward waits for an update to free one."""
+    spec = dict(MODEL, n_layer=4)
+    blocks = find_blocks(_fresh(spec)[0])
+    numels = [block_numel(b) for b in blocks]
+    plan = dataclasses.replace(_plan("overlap"), blocks=(_plan().blocks[0],) * 4, update_workers=1)
+    few = tier_bytes(numels, plan, PAGE, grads="transient")[Tier.DEVICE]
+    assert tier_bytes(numels, plan, PAGE, grads="all")[Tier.DEVICE] > few
+    model, opt = _fresh(spec)
+    budgets = dataclasses.replace(_budgets(tmp_path), device=few)
+    tm, topt = tiertrain.setup(model, opt, budgets, plan=plan, page_size=PAGE)
+    try:
+        assert tm.runtime.transient_grads  # bounded: all of them would not fit
+        got = _loop(tm, topt, None, 3, 1, None)
+        peak = tm.runtime.mem.stats()["device"]["peak_by_kind"]["grad"]
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()
+    assert got == train_plain(spec, 3, 1, None)
+    assert peak <= 2 * max(numels) * 4 < sum(numels) * 4

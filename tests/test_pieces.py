@@ -11,7 +11,7 @@ import tiertrain
 from tiered_harness import _fresh, _loop, train_plain
 from tiertrain.memory import Budgets, Kind, Tier
 from tiertrain.plan import BlockPlan, Plan
-from tiertrain.plan.bytes import in_pieces, pieces_to_fit, tier_bytes
+from tiertrain.plan.bytes import bounded_grads, in_pieces, pieces_to_fit, tier_bytes
 from tiertrain.runtime.blocks import block_numel, find_blocks
 
 PAGE = 4096
@@ -104,10 +104,13 @@ def test_a_piece_on_a_block_not_homed_on_disk_is_refused():
         plan.validate(MODEL["n_layer"])
 
 
-def test_overlap_without_clipping_bounds_the_gradients_waiting_on_the_device(tmp_path):
+@pytest.mark.parametrize("vocab", [256, 8192])
+def test_overlap_without_clipping_bounds_the_gradients_waiting_on_the_device(tmp_path, vocab):
     """Transient gradients (overlap, no clipping): a device budget too small for every block's gradients
-    is enough for ``update_workers + 1`` of them; backward waits for an update to free one."""
-    spec = dict(MODEL, n_layer=4)
+    is enough for ``update_workers + 1`` of them; backward waits for an update to free one. With a wide
+    vocabulary the embeddings' chunk is several blocks' size: kept at the pool's far end, it always
+    finds its run again, where the holes the blocks' chunks leave would split it."""
+    spec = dict(MODEL, n_layer=4, vocab_size=vocab)
     blocks = find_blocks(_fresh(spec)[0])
     numels = [block_numel(b) for b in blocks]
     plan = dataclasses.replace(_plan("overlap"), blocks=(_plan().blocks[0],) * 4, update_workers=1)
@@ -118,10 +121,72 @@ def test_overlap_without_clipping_bounds_the_gradients_waiting_on_the_device(tmp
     tm, topt = tiertrain.setup(model, opt, budgets, plan=plan, page_size=PAGE)
     try:
         assert tm.runtime.transient_grads  # bounded: all of them would not fit
-        got = _loop(tm, topt, None, 3, 1, None)
+        got = _loop(tm, topt, None, 5, 1, None)
         peak = tm.runtime.mem.stats()["device"]["peak_by_kind"]["grad"]
     finally:
         tm.runtime.close()
         tm.runtime.mem.close()
-    assert got == train_plain(spec, 3, 1, None)
-    assert peak <= 2 * max(numels) * 4 < sum(numels) * 4
+    assert got == train_plain(spec, 5, 1, None)
+    assert peak <= bounded_grads(numels, plan, PAGE)[Tier.DEVICE] < sum(numels) * 4
+
+
+def test_the_planner_plans_pieces_where_no_whole_block_update_fits_the_host_and_the_runtime_accepts_them(tmp_path):
+    """A wide vocabulary's embeddings and head: one block whose states the host cannot hold. The
+    planner finds no plan with whole-block updates, then plans them in pieces; the plan fits the
+    runtime's own check (which counts the pieces and the gradients waiting on the device), and the
+    planner's host figure is the runtime's."""
+    from tiertrain.engine.measure.analytic import analytic_profile
+    from tiertrain.models import ModelConfig, build
+    from tiertrain.planner.auto import NoPlanFits, choose, run_profile
+    from tiertrain.planner.solvers import Problem, feasible
+    from tiertrain.runtime.budget_check import needs
+
+    cfg = ModelConfig(n_layer=4, n_head=4, d_model=128, d_ffn=512, vocab_size=32768, max_seq_len=64, name="wide")
+    page = 64 << 10
+    blocks = find_blocks(build(cfg, device="meta"))
+    prof = run_profile(dataclasses.replace(analytic_profile(cfg, 2, 32, "fp32", str(tmp_path)), page=page),
+                       "overlap", 1, needs_all_grads=False)
+    rest_states = prof.rest.params * 12
+    pb = Problem(prof, device=64 << 20, host=rest_states // 4, disk=1 << 30)
+    whole = dataclasses.replace(prof, read_ahead=1, update_workers=1)
+    assert not feasible(pb) and not feasible(dataclasses.replace(pb, profile=whole))
+    chosen, _ = choose(pb)
+    plan = chosen.plan
+    assert plan.rest.home is Tier.DISK and plan.rest.piece > 0
+    need = needs(blocks, plan, page, transient_grads=True)
+    assert need[Tier.HOST] <= pb.host and need[Tier.DEVICE] <= pb.device
+    with pytest.raises(NoPlanFits):  # no disk: nowhere to stream the pieces from
+        choose(dataclasses.replace(pb, disk=0))
+
+
+def _churn(table, sizes: list[int], alive: int, steps: int, top: int) -> None:
+    """Bounded gradients as a transient run makes them: in backward order each block's chunk is taken
+    once fewer than ``alive`` are alive, the oldest freed first (its update ended); every step ends
+    with all freed (the next forward waits for the updates)."""
+    from collections import deque
+
+    for _ in range(steps):
+        held: deque = deque()
+        for n in sizes:
+            if len(held) == alive:
+                table.release(held.popleft())
+            held.append(table.allocate(n, contiguous=True, top=n == top))
+        while held:
+            table.release(held.popleft())
+
+
+def test_bounded_gradients_of_mixed_sizes_always_find_their_run_in_what_the_budget_counts():
+    """The layout the runtime gives bounded grad chunks (the largest at the pool's far end, the others
+    all one size) never fragments a pool of exactly what ``alive_grad_bytes`` counts; the same chunks
+    in a pool of the sum of the largest ``alive`` sizes (what was counted before) do not fit."""
+    from tiertrain.memory.pages import PageTable, PagesExhausted
+    from tiertrain.plan.bytes import alive_grad_bytes
+
+    page, workers = 4096, 1
+    blocks, rest = [243 * page] * 8, 456 * page  # the 24-layer d=2304 GPT's proportions: embeddings = 1.9 blocks
+    sizes = blocks[::-1] + [rest]  # backward order: the blocks, then the embeddings and head
+    need = alive_grad_bytes(sizes, sizes, workers, 1, page, bound=False)
+    _churn(PageTable(need // page, page, share_pages=True), sizes, workers + 1, 3, top=rest)
+    before = sum(sorted(sizes, reverse=True)[: workers + 1])
+    with pytest.raises(PagesExhausted):
+        _churn(PageTable(before // page, page, share_pages=True), sizes, workers + 1, 3, top=0)

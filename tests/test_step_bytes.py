@@ -79,3 +79,27 @@ def _hwm_now() -> int:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
     raise AssertionError("no VmHWM")
+
+
+def test_setup_frees_the_original_weights_while_the_caller_keeps_its_optimizer(tmp_path):
+    """A caller keeps the optimizer it made (a loop, a scheduler built on it): its param groups held
+    every original weight, a model's worth of memory beyond the budgets. They now name the
+    slot-backed parameters, and the originals are gone."""
+    import gc
+    import weakref
+
+    import tiertrain
+    from tiered_harness import TINY4, _fresh
+    from tiertrain.memory import Budgets
+
+    model, opt = _fresh(TINY4)
+    originals = [weakref.ref(p) for p in model.parameters()]
+    tm, topt = tiertrain.setup(model, opt, Budgets(device=8 << 20, host=64 << 20), plan="stream", page_size=64 << 10)
+    try:
+        gc.collect()
+        assert all(r() is None for r in originals)
+        live = {id(p) for p in tm.parameters()}
+        assert all(id(p) in live for g in opt.param_groups for p in g["params"])
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()

@@ -139,7 +139,11 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, memo
     install_clip_redirect()
     tiered = tiered_in_place(model, runtime, auto)
     after = None if first is None else _replanned_after_step(first, runtime, tiered)
-    return tiered, TieredOptimizer(runtime, optimizer, replaced, after) if opts.train else None
+    topt = TieredOptimizer(runtime, optimizer, replaced, after) if opts.train else None
+    if optimizer is not None:  # the caller's optimizer held the original weights alive as long as it lived
+        for group in optimizer.param_groups:
+            group["params"] = [replaced.get(id(p), p) for p in group["params"]]
+    return tiered, topt
 
 
 def _first_step(model: nn.Module, found: list, memory: Budgets, page: int, opts: RunOptions,

@@ -54,13 +54,17 @@ class PageTable:
             return self.page_size - self._open_tail[1]
         return 0
 
-    def allocate(self, nbytes: int, contiguous: bool = False) -> list[Extent]:
-        """Extents for ``nbytes``; ``contiguous`` asks for one run of whole pages (for merge)."""
+    def allocate(self, nbytes: int, contiguous: bool = False, top: bool = False) -> list[Extent]:
+        """Extents for ``nbytes``; ``contiguous`` asks for one run of whole pages (for merge); ``top``
+        for the last such run in address order: a size class of its own kept at the far end, so
+        the holes it leaves never split the runs the others need (``Runtime._grad_floors``)."""
         if nbytes <= 0:
             return []
+        contiguous = contiguous or top
         ps, head = self.page_size, 0 if contiguous else self._head_room(nbytes)
         n_new = -(-(nbytes - head) // ps)
-        if n_new > self.free_pages or (contiguous and self._find_run(n_new) is None):
+        start = self._find_run_top(n_new) if top else self._find_run(n_new) if contiguous else None
+        if n_new > self.free_pages or (contiguous and start is None):
             raise PagesExhausted(n_new)
         extents: list[Extent] = []
         if head:
@@ -68,7 +72,7 @@ class PageTable:
             extents.append(Extent(page, used, head))
             self._owners[page] += 1
             self._open_tail = None
-        pages = self._take(n_new, extents[0].page + 1 if extents else None)
+        pages = self._take(n_new, start if top else extents[0].page + 1 if extents else None)
         left = nbytes - head
         for page in pages:
             take = min(ps, left)
@@ -92,6 +96,15 @@ class PageTable:
             if hi - lo >= n:
                 return lo
         return self._frontier if self._frontier + n <= self.n_pages else None
+
+    def _find_run_top(self, n: int) -> int | None:
+        """The start of the last free run of ``n`` pages, in address order."""
+        if self._frontier + n <= self.n_pages:
+            return self.n_pages - n
+        for lo, hi in reversed(self._holes):
+            if hi - lo >= n:
+                return hi - n
+        return None
 
     def _take(self, n: int, prefer: int | None) -> list[int]:
         """n free pages: a run starting at ``prefer`` if free, else the first run, else any."""

@@ -47,10 +47,10 @@ class Pool:
     def used_bytes(self) -> int:
         return self.table.used_pages * self.page_size
 
-    def allocate(self, nbytes: int, contiguous: bool = False) -> list[Extent]:
+    def allocate(self, nbytes: int, contiguous: bool = False, top: bool = False) -> list[Extent]:
         with self._lock:
             try:
-                extents = self.table.allocate(nbytes, contiguous)
+                extents = self.table.allocate(nbytes, contiguous, top)
             except PagesExhausted as exc:
                 raise BudgetError(self.tier.value, exc.needed_pages * self.page_size, self.budget,
                                   self.used_bytes) from None

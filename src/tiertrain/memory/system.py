@@ -56,11 +56,13 @@ class MemorySystem:
             raise ValueError(f"no {tier.value} tier in this run; give it a budget (--disk DIR:SIZE)")
         return self.pools[tier]
 
-    def allocate(self, name: str, nbytes: int, tier: Tier, kind: Kind = Kind.OTHER, contiguous: bool = False) -> Chunk:
+    def allocate(self, name: str, nbytes: int, tier: Tier, kind: Kind = Kind.OTHER, contiguous: bool = False,
+                 top: bool = False) -> Chunk:
         """A chunk of ``nbytes`` on ``tier``. ``contiguous``: one run of whole pages, so typed views
-        need no merge (what the runtime wants for every state it computes on)."""
+        need no merge (what the runtime wants for every state it computes on); ``top``: the last such
+        run (``pages.PageTable.allocate``)."""
         pool = self.pool(tier)
-        chunk = Chunk(name, kind, nbytes, pool, pool.allocate(nbytes, contiguous))
+        chunk = Chunk(name, kind, nbytes, pool, pool.allocate(nbytes, contiguous, top))
         self.accounting.add(tier, kind, nbytes)
         return chunk
 

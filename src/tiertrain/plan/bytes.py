@@ -134,6 +134,35 @@ def disk_passes_per_step(update: str, max_staleness: int) -> float:
     return 1 / steps_per_disk_pass(update, max_staleness)
 
 
+def bounded_grads(numels: Sequence[int], plan: Plan, page: int, bound: bool = True) -> dict[Tier, int]:
+    """Per tier, the gradient bytes a run that bounds its gradients (``bounds_grads``) holds at most of
+    the blocks whose updates take them away (``updated_away``): ``alive_grad_bytes`` of their chunks."""
+    plans = list(plan.blocks) + [plan.rest]
+    dp = plan.parallel.dp
+    out: dict[Tier, int] = {}
+    for tier in (Tier.HOST, Tier.DEVICE):
+        away = [(n * F32_BYTES, p) for n, p in zip(numels, plans) if updated_away(p) and grad_tier(p) is tier]
+        if away:
+            own = [-(-f // dp) if sharded(p, plan) else f for f, p in away]
+            out[tier] = alive_grad_bytes(own, [f for f, _ in away], plan.update_workers, dp, page, bound)
+    return out
+
+
+def alive_grad_bytes(own: Sequence[int], whole: Sequence[int], workers: int, dp: int, page: int,
+                     bound: bool = True) -> int:
+    """What ``workers + 1`` bounded grad chunks take, laid out so that they never fragment the pool
+    (``Runtime._grad_floors``): in one process, the largest size at the pool's far end with a slot
+    each for as many blocks of it as may be alive, the others all as large as the largest of them;
+    over several ranks every chunk as large as the largest, and the whole-block sum being reduced."""
+    alive = workers + 1
+    if dp > 1:
+        return alive * pages(max(own), page, bound) + pages(max(whole), page, bound)
+    top = max(own)
+    rest = [n for n in own if n < top]
+    n_top = min(alive, len(own) - len(rest))
+    return n_top * pages(top, page, bound) + (min(alive, len(rest)) * pages(max(rest), page, bound) if rest else 0)
+
+
 def tier_bytes(numels: Sequence[int], plan: Plan, page: int, train: bool = True, grads: str = "all",
                bound: bool = True) -> dict[Tier, int]:
     """Bytes per tier for blocks of ``numels`` elements (the repeated blocks, then the rest).
@@ -174,12 +203,9 @@ def tier_bytes(numels: Sequence[int], plan: Plan, page: int, train: bool = True,
             need[bp.home] += 3 * chunk(size)      # master (the slot, where master_in_slot), exp_avg, exp_avg_sq
     if not train:
         return need
-    if grads == "transient":  # one per optimizer worker, plus the one backward is filling: at most the largest
-        for tier in (Tier.HOST, Tier.DEVICE):
-            away = [(s, f) for s, f, p in zip(sizes, full, plans) if updated_away(p) and grad_tier(p) is tier]
-            need[tier] += sum(chunk(s) for s, _ in sorted(away, reverse=True)[: plan.update_workers + 1])
-            if dp > 1 and away:  # and the whole-block sum being reduced over the ranks beside them
-                need[tier] += chunk(max(f for _, f in away))
+    if grads == "transient":
+        for tier, nbytes in bounded_grads(numels, plan, page, bound).items():
+            need[tier] += nbytes
     disk_sizes = sorted((s for s, p in zip(sizes, plans) if p.home is Tier.DISK and not in_pieces(p)), reverse=True)
     # states in host for updates: read ahead, being updated, being written back (one per worker)
     held = plan.read_ahead + 2 * plan.update_workers

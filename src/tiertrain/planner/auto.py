@@ -76,7 +76,8 @@ def candidates(pb: Problem, update: str = "overlap", solvers: tuple[str, ...] = 
         plan = widen_read_ahead([b.params for b in (*pb.profile.blocks, pb.profile.rest)],
                                 to_plan(s, pb.profile, update, max_staleness), pb.profile.page, pb.budgets,
                                 pb.profile.transient_grads)
-        out.append(Candidate(name, *size_cache(plan, simulate(plan, pb.profile, needs_all_grads), pb, needs_all_grads)))
+        out.append(Candidate(name, *size_cache(plan, simulate(plan, pb.profile, needs_all_grads, pb.budgets), pb,
+                                                needs_all_grads)))
     return out
 
 
@@ -91,7 +92,7 @@ def size_cache(plan: Plan, sim: Simulation, pb: Problem, needs_all_grads: bool =
         bigger = dataclasses.replace(plan, cache=k)
         if tier_bytes(numels, bigger, pb.profile.page)[Tier.DEVICE] > pb.device:  # device-homed grads too
             continue
-        cached = simulate(bigger, pb.profile, needs_all_grads)
+        cached = simulate(bigger, pb.profile, needs_all_grads, pb.budgets)
         if cached.peaks["device"] <= pb.device and cached.step_s <= sim.step_s:
             return bigger, cached
     return plan, sim

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from tiertrain.plan.bytes import PIECE_BUFFERS, pages
+from tiertrain.plan.bytes import PIECE_BUFFERS, alive_grad_bytes, pages
 from tiertrain.planner.network import Network
 from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
 
@@ -178,13 +178,14 @@ def _staging(p: Profile, blocks: list[BlockProfile]) -> int:
 def _grads_of(p: Profile, blocks: list[BlockProfile]) -> int:
     """The gradient chunks of ``blocks`` a run holds at once (in host, or on the device for blocks
     updated in pieces): every block's, or, when they are updated away as backward flushes them
-    (``transient_grads``), one per optimizer worker plus the one backward is filling: the largest
-    that many (a large embedding's chunk need not be counted once per worker)."""
-    sizes = sorted((_grads(p, b) for b in blocks), reverse=True)
+    (``transient_grads``), one per optimizer worker plus the one backward is filling, as the runtime
+    lays them out (``plan.bytes.alive_grad_bytes``)."""
     if not p.transient_grads:
-        return sum(sizes)
-    reducing = pages(max(b.params for b in blocks) * GRAD_BYTES, p.page) if p.network.parallel and blocks else 0
-    return sum(sizes[: p.update_workers + 1]) + reducing  # and the whole-block sum being reduced over the ranks
+        return sum(_grads(p, b) for b in blocks)
+    if not blocks:
+        return 0
+    own = [p.network.per_rank(b.params) * GRAD_BYTES for b in blocks]
+    return alive_grad_bytes(own, [b.params * GRAD_BYTES for b in blocks], p.update_workers, p.network.dp, p.page)
 
 
 def homes(p: Profile, choices: tuple[Choice, ...], host_budget: int, disk_budget: int) -> tuple[bool, ...] | None:

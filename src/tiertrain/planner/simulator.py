@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 from tiertrain.plan.tiers import Tier
 from tiertrain.plan import Plan
-from tiertrain.plan.bytes import (disk_passes_per_step, grad_copies, grad_tier, pages, separate_param_home, sharded,
-                                  tier_bytes)
+from tiertrain.plan.bytes import (bounded_grads, bounds_grads, disk_passes_per_step, grad_copies, grad_tier, pages,
+                                  separate_param_home, sharded, tier_bytes, updated_away)
 from tiertrain.planner.costs import GRAD_BYTES, STATE_BYTES, grads_out_s, publishes_over_link
 from tiertrain.planner.network import Network
 from tiertrain.planner.profile import MachineProfile, Profile
@@ -81,15 +81,23 @@ def _fixed_memory(plan: Plan, p: Profile) -> dict[str, int]:
     return {t.value: v for t, v in need.items()}
 
 
-def simulate(plan: Plan, p: Profile, needs_all_grads: bool = False) -> Simulation:
+def simulate(plan: Plan, p: Profile, needs_all_grads: bool = False, budgets: dict[Tier, int] | None = None) -> Simulation:
     """Replay one step of ``plan`` on ``p``. ``needs_all_grads``: clipping or fp16 makes overlapped
-    updates wait for the end of backward."""
+    updates wait for the end of backward. ``budgets``: where the runtime will bound the gradients
+    (``plan.bytes.bounds_grads``), those the updates take away count at most what it lets live (the
+    time backward then waits for an update to free one is not modelled)."""
     m, tl = p.machine, Timeline()
     mem = _fixed_memory(plan, p)
     curve: list[tuple[float, str, int]] = [(0.0, t, v) for t, v in mem.items()]
     live = dict(mem)
+    caps = _grad_caps(plan, p, budgets)
+    away_live = {t: 0 for t in caps}
 
-    def change(t: float, tier: str, delta: int) -> None:
+    def change(t: float, tier: str, delta: int, away: bool = False) -> None:
+        if away and tier in caps:  # what the bound lets live of the updated-away gradients
+            before = min(away_live[tier], caps[tier])
+            away_live[tier] += delta
+            delta = min(away_live[tier], caps[tier]) - before
         live[tier] += delta
         curve.append((t, tier, live[tier]))
 
@@ -146,18 +154,27 @@ def simulate(plan: Plan, p: Profile, needs_all_grads: bool = False) -> Simulatio
         change(e, "device", -saved * acts)
         landed.append(_reduce(tl, plan, bp, p, e, b.params, b.name))
         _, grads_done[i] = tl.run("d2h", landed[-1], grads_out_s(b, bp.home is Tier.DEVICE, m), f"grads {b.name}")
-        change(grads_done[i], grad_tier(bp).value, pages(_own(plan, bp, b.params) * GRAD_BYTES, p.page, bound=False))
+        change(grads_done[i], grad_tier(bp).value, pages(_own(plan, bp, b.params) * GRAD_BYTES, p.page, bound=False),
+               updated_away(bp))
     _, device_end = tl.run("compute", max(last_done, landed[-2] if len(landed) > 1 else 0.0), p.rest.backward_s / 2,
                            "embed bwd")
     device_end = max(_reduce(tl, plan, plan.rest, p, device_end, p.rest.params, "rest"), landed[-1])
     change(device_end, grad_tier(plan.rest).value,
-           pages(_own(plan, plan.rest, p.rest.params) * GRAD_BYTES, p.page, bound=False))
+           pages(_own(plan, plan.rest, p.rest.params) * GRAD_BYTES, p.page, bound=False), updated_away(plan.rest))
     _updates(plan, p, tl, grads_done, bstarts, order, device_end, needs_all_grads, change)
     step = _step_time(plan, tl, device_end, needs_all_grads, m)
     peaks = {t: max(v for _, tier, v in curve if tier == t) for t in ("device", "host", "disk")}
     peaks["device"] += max(b.act_bytes for b in p.blocks) * acts   # one block's activations while it computes
     bottleneck = max(RESOURCES, key=tl.busy)
     return Simulation(step, peaks, bottleneck, tl, curve)
+
+
+def _grad_caps(plan: Plan, p: Profile, budgets: dict[Tier, int] | None) -> dict[str, int]:
+    """Per tier, the most updated-away gradient bytes the runtime lets live, where it bounds them."""
+    numels = [b.params for b in (*p.blocks, p.rest)]
+    if budgets is None or not bounds_grads(numels, plan, p.page, budgets, p.transient_grads):
+        return {}
+    return {t.value: v for t, v in bounded_grads(numels, plan, p.page, bound=False).items()}
 
 
 def _fetch(tl: Timeline, plan: Plan, bp, p: Profile, ready: float, nbytes: int, label: str) -> tuple[float, float]:
@@ -197,7 +214,7 @@ def _updates(plan, p, tl, grads_done, bstarts, order, device_end, needs_all_grad
             done = ready  # updated on the GPU, next to nothing beside its compute (as costs has it)
         else:
             _, done = tl.run("cpu", ready, share * own / m.adam_params_per_s, f"adam {b.name}")
-        change(done, grad_tier(bp).value, -pages(own * GRAD_BYTES, p.page, bound=False))
+        change(done, grad_tier(bp).value, -pages(own * GRAD_BYTES, p.page, bound=False), updated_away(bp))
         if publishes_over_link(bp.stream, bp.home is Tier.DEVICE, m, p.compute_bytes):
             tl.run("h2d", done, share * own * p.compute_bytes / m.h2d_bps, f"publish {b.name}")
         if sharded(bp, plan) and not bp.stream:  # the new params of every rank's share into the slot
@@ -215,7 +232,8 @@ def _updates(plan, p, tl, grads_done, bstarts, order, device_end, needs_all_grad
         tl.run("net", done, _network(plan, p).gather_s(p.rest.params * p.compute_bytes), "gather rest")
     if rest_disk:
         tl.run("disk_write", done, share * own * STATE_BYTES / m.disk_write_bps, "write rest")
-    change(max(done, device_end), grad_tier(plan.rest).value, -pages(own * GRAD_BYTES, p.page, bound=False))
+    change(max(done, device_end), grad_tier(plan.rest).value, -pages(own * GRAD_BYTES, p.page, bound=False),
+           updated_away(plan.rest))
 
 
 def _step_time(plan: Plan, tl: Timeline, device_end: float, needs_all_grads: bool, m: MachineProfile) -> float:

@@ -66,6 +66,9 @@ class BlockGroup:
     reduces_at_end: bool = False               # reduced when backward ends, never before (expert replicas: a
     #                                            rank's held experts may get no gradient where a replica's do)
     experts: "BlockGroup | None" = None        # expert parallel: the group of this block's held experts
+    grad_floors: tuple[int, int, int] = (0, 0, 0)  # bounded gradients (the runtime's): bytes a grad chunk takes at
+    #                                            least, this rank's part and a whole block's sum, and the size kept
+    #                                            at the pool's far end
     grads: GradBuffer = field(init=False)
     grad_count: int = 0                        # parameters whose gradient arrived in the current backward
     pending: Future | None = None              # its update in flight
@@ -259,7 +262,12 @@ class BlockGroup:
             release_free_heap()  # the transport's buffers for a large chunk, freed, would stay in its threads' heaps
 
     def _new_grad_chunk(self, nbytes: int) -> Chunk:
-        return self.mem.allocate(f"{self.block.name}.grad", nbytes, grad_tier(self.plan), Kind.GRAD, contiguous=True)
+        mine, whole, top = self.grad_floors  # bounded gradients: sizes that never fragment (``Runtime._grad_floors``)
+        at_top = nbytes == top
+        if not at_top:
+            nbytes = max(nbytes, whole if nbytes > self.state_numel * F32.itemsize else mine)
+        return self.mem.allocate(f"{self.block.name}.grad", nbytes, grad_tier(self.plan), Kind.GRAD, contiguous=True,
+                                 top=at_top)
 
     # -- views -------------------------------------------------------------------------
     @property

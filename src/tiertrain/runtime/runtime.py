@@ -20,8 +20,8 @@ from tiertrain.parallel.experts import expert_parallel, moe_layers
 from tiertrain.parallel.norm import sharded_norm
 from tiertrain.parallel import Collectives, collectives_for
 from tiertrain.plan import Plan, RunOptions
-from tiertrain.plan.bytes import in_pieces
-from tiertrain.runtime.block_group import BlockGroup
+from tiertrain.plan.bytes import grad_tier, in_pieces, updated_away
+from tiertrain.runtime.block_group import F32, BlockGroup
 from tiertrain.runtime.blocks import find_blocks
 from tiertrain.runtime.build import build_groups
 from tiertrain.runtime.cache import DeviceCache
@@ -65,11 +65,11 @@ class Runtime:
                 install_grad_hooks(self, g)
             if g.block.module is not None:
                 install_block_hooks(self, g)
+        self.transient_grads = transient_grads
         self.wire()
         self.scaler = LossScaler() if options.train and plan.compute_dtype == "fp16" else None
         # the step needs the global norm (clipping) or the fp16 overflow check before any update
         self.waits_for_norm = options.clips or self.scaler is not None
-        self.transient_grads = transient_grads
         self.steps_taken = 0         # optimizer steps the user has taken
         self.micro = 0               # backward passes in the current accumulation window
         self.last_norm: torch.Tensor | None = None
@@ -85,8 +85,10 @@ class Runtime:
         """Connect the groups to the cache and the update mode of the current plan, and apply its
         switches (at setup, and again when a new plan takes effect)."""
         self.stashes.clear()
+        floors = self._grad_floors()
         for g in self.groups:
             g.acquire, g.ready, g.params_written = self.cache.acquire, self.params_ready, self.cache.invalidate
+            g.grad_floors = floors.get(grad_tier(g.plan), (0, 0, 0)) if updated_away(g.plan) else (0, 0, 0)
             if g.block.module is not None:
                 stash = apply_switches(self, g)
                 if stash is not None:
@@ -98,6 +100,29 @@ class Runtime:
         self._unread = list(self._backward_first)  # of those, the ones this step has not read in yet
         resident = [g for g in self.groups[:-1] if g.shard is not None and not g.plan.stream]
         self._resident_after = {a.index: b for a, b in zip(resident, resident[1:])}  # ZeRO-2 blocks, forward order
+
+    def _grad_floors(self) -> dict[Tier, tuple[int, int, int]]:
+        """With gradients bounded (``transient_grads``), per tier: (this rank's part, a whole block's
+        sum, the size kept at the pool's far end). Chunks of mixed sizes (a wide embedding's beside the
+        blocks') fragment a pool until a contiguous one no longer fits a budget that holds its bytes:
+        so in one process the largest size goes to the far end of the pool and every other chunk is
+        as large as the largest of the others; over several ranks every chunk is as large as the
+        largest of its kind. ``plan.bytes.alive_grad_bytes`` counts them so."""
+        if not self.transient_grads:
+            return {}
+        away: dict[Tier, list[BlockGroup]] = {}
+        for g in self.groups:
+            if updated_away(g.plan):
+                away.setdefault(grad_tier(g.plan), []).append(g)
+        floors = {}
+        for tier, gs in away.items():
+            own = [g.state_numel * F32.itemsize for g in gs]
+            if self.comm.world_size > 1:
+                floors[tier] = (max(own), max(g.nbytes for g in gs), 0)
+            else:
+                others = [n for n in own if n < max(own)]
+                floors[tier] = (max(others, default=0), 0, max(own))
+        return floors
 
     def _keep_held_experts(self, blocks: list) -> set[int]:
         """Expert parallel: each MoE layer keeps the experts this rank holds and exchanges tokens for

@@ -6,7 +6,7 @@ import stat
 import pytest
 import torch
 
-from tiertrain.errors import BudgetError, DiskError
+from tiertrain.errors import BudgetError, ConfigError, DiskError
 from tiertrain.memory import Budgets, Kind, MemorySystem, Tier
 from tiertrain.memory.pages import PageTable
 
@@ -283,6 +283,58 @@ def test_the_disk_queue_serves_reads_before_write_backs_and_hands_errors_to_the_
         failing.result()
     with pytest.raises(RuntimeError, match="shut down"):
         pool.submit(lambda: None)
+
+
+def test_with_a_write_share_write_backs_go_beside_waiting_reads_never_more_than_the_share_at_once():
+    """A disk measured to serve reads and writes together faster gets a write share: that many workers
+    may take write-backs while reads wait, and the others keep taking reads."""
+    import threading
+
+    from tiertrain.memory.io_queue import READ, WRITE, PriorityPool
+
+    pool, ran = PriorityPool(2, "test-io", write_share=1), []
+    read_gate, write_gate = threading.Event(), threading.Event()
+
+    def job(name: str, gate: threading.Event | None = None):
+        def run() -> None:
+            ran.append(name)
+            if gate is not None:
+                assert gate.wait(10)
+        return run
+
+    pool.submit(job("r1", read_gate), READ)   # one worker held by a read
+    pool.submit(job("w1", write_gate), WRITE)  # the other takes the write-back though reads wait
+    later = [pool.submit(job("w2"), WRITE)] + [pool.submit(job(f"r{k}"), READ) for k in (2, 3, 4)]
+    read_gate.set()
+    for f in later:  # the freed worker takes the reads first: the one write allowed is still running
+        f.result(timeout=10)
+    write_gate.set()
+    pool.shutdown(wait=True)
+    assert set(ran[:2]) == {"r1", "w1"} and ran[2:] == ["r2", "r3", "r4", "w2"]
+
+
+def test_the_disk_depth_is_the_plateaus_smallest_and_writes_share_only_where_together_is_faster(tmp_path,
+                                                                                                 monkeypatch):
+    from tiertrain.engine.measure import disk_depth
+
+    curve = {1: 0.5e9, 2: 0.9e9, 4: 1.2e9, 8: 1.24e9, 16: 1.25e9}
+    assert disk_depth.choose(curve, together_bps=2.0e9, apart_bps=1.2e9) == (4, 2)
+    assert disk_depth.choose(curve, together_bps=1.2e9, apart_bps=1.2e9) == (4, 0)
+    assert disk_depth.choose({1: 1e9, 2: 0.9e9}, together_bps=9e9, apart_bps=1e9) == (1, 0)  # one: no share
+    assert min(disk_depth.DEPTHS) == 2  # the tier never measures, nor runs, a single worker
+    found = disk_depth.measure_depth(tmp_path, 64 << 10, total=2 << 20)  # a real, tiny measurement
+    assert found.depth in disk_depth.DEPTHS and found.together_bps > 0 and found.apart_bps > 0
+    assert not [p for p in tmp_path.iterdir()]  # its files are gone
+    first = disk_depth.measured_depth(str(tmp_path), 64 << 10, total=2 << 20)
+    monkeypatch.setattr(disk_depth, "measure_depth", lambda *a, **k: pytest.fail("measured twice"))
+    assert disk_depth.measured_depth(str(tmp_path), 64 << 10) == first  # cached per disk and page size
+    assert disk_depth.disk_io_for(False, str(tmp_path), 64 << 10) == disk_depth.DEFAULT_IO  # a given page size
+    assert disk_depth.disk_io_for(True, str(tmp_path), 64 << 10) == (first.depth, first.write_share)
+    monkeypatch.setenv("TIERTRAIN_IO_WORKERS", "3")
+    assert disk_depth.disk_io_for(True, str(tmp_path), 64 << 10) == (3, 0)
+    monkeypatch.setenv("TIERTRAIN_IO_WORKERS", "many")
+    with pytest.raises(ConfigError, match="TIERTRAIN_IO_WORKERS"):
+        disk_depth.disk_io_for(True, str(tmp_path), 64 << 10)
 
 
 def _mapping_of(addr: int) -> tuple[int, set[str]]:

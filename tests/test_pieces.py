@@ -80,6 +80,8 @@ def test_the_host_holds_pieces_not_blocks(tmp_path):
     staged = sum(host.get(k.value, 0) for k in (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ))
     assert 0 < staged <= ran.update_workers * 3 * 3 * 2 * PAGE < block_states / 2
     assert host.get(Kind.GRAD.value, 0) == 0  # the gradients wait on the device
+    numels = [block_numel(b) for b in find_blocks(_fresh(MODEL)[0])]
+    assert stats["host"]["pages_peak_bytes"] <= tier_bytes(numels, ran, PAGE)[Tier.HOST]  # counted as held
 
 
 def test_a_host_too_small_for_whole_blocks_cuts_the_plan_into_pieces_that_fit(tmp_path):
@@ -190,3 +192,26 @@ def test_bounded_gradients_of_mixed_sizes_always_find_their_run_in_what_the_budg
     before = sum(sorted(sizes, reverse=True)[: workers + 1])
     with pytest.raises(PagesExhausted):
         _churn(PageTable(before // page, page, share_pages=True), sizes, workers + 1, 3, top=0)
+
+
+def test_a_run_updated_in_pieces_checkpoints_a_parameter_at_a_time_and_resumes_bitwise(tmp_path, monkeypatch):
+    """Its checkpoint streams each parameter's master and moments from disk on their own (never a
+    whole disk chunk: that is what the host cannot hold), and resuming from it continues the
+    uninterrupted run bit for bit."""
+    from conftest import tiny_config
+    from tiertrain.engine.loop import train
+    from tiertrain.memory import MemorySystem
+
+    def whole_chunk(self, chunk):
+        if chunk.tier is Tier.DISK:
+            pytest.fail(f"{chunk!r} read whole")
+        return original(self, chunk)
+    original = MemorySystem.to_tensor
+    monkeypatch.setattr(MemorySystem, "to_tensor", whole_chunk)
+    plan = tmp_path / "pieces.json"  # the "tiny" model: two blocks, each cut into several pieces of two pages
+    plan.write_text(_plan("overlap").to_json())
+    kw = dict(steps=4, plan=str(plan), disk=f"{tmp_path / 'disk'}:64MiB", page_size="4KiB", update="overlap",
+              grad_clip=0.0, save_every=2, keep_checkpoints=5)
+    full = train(tiny_config(tmp_path / "full", **kw))
+    resumed = train(tiny_config(tmp_path / "resumed", resume=str(tmp_path / "full/checkpoints/step-00000002"), **kw))
+    assert resumed.losses == full.losses[2:]

@@ -120,3 +120,25 @@ def test_with_cuda_the_measured_device_peak_adds_what_torch_allocated_beside_the
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 900)  # pool not full yet
     assert device_peak_with_activations(400, 1000, torch.device("cuda", 0)) == 400
     assert device_peak_with_activations(400, 1000, torch.device("cpu")) is None
+
+
+def test_a_model_that_fits_the_host_budget_but_not_beside_the_budgets_is_built_on_the_meta_device(
+        tmp_path, monkeypatch):
+    """Under a memory cap, budgets plus the model built whole in memory can exceed what the process may
+    take while setup reserves the budgets: the model is then built on the meta device, and says why."""
+    import io
+
+    import tiertrain.engine.loop as loop
+    from tiertrain.engine.metrics import Reporter
+
+    def said(room: int, out) -> str:
+        monkeypatch.setattr(loop, "host_available", lambda: room)
+        text = io.StringIO()
+        trainer = Trainer(tiny_config(out, plan="stream", device_memory="8MiB", host_memory="64MiB", steps=1),
+                          Reporter(1, 1000, stream=text))
+        trainer.close()
+        return text.getvalue()
+
+    budgets = (8 << 20) + (64 << 20)  # device + host: on a CPU both are host memory
+    assert "beside the budgets" in said(budgets + (100 << 10), tmp_path / "capped")
+    assert "meta device" not in said(1 << 40, tmp_path / "roomy")

@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from tiertrain.engine.budgets import machine_budgets
 from tiertrain.engine.first_step_auto import FIRST_PLAN, FirstStepAuto, first_plan, first_step_auto
+from tiertrain.engine.measure.disk_depth import disk_io_for
 from tiertrain.engine.measure.page_size import page_size_for
 from tiertrain.engine.tiered_module import TieredModule, tiered_in_place
 from tiertrain.engine.tiered_optimizer import TieredOptimizer
@@ -124,7 +125,8 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, memo
         chosen = widen_read_ahead(numels, chosen, page, budgets, transient)
     # Bounding the gradients alive makes backward wait for the optimizer: only when the host needs it
     bound = opts.train and bounds_grads(numels, chosen, page, budgets, transient)
-    mem = MemorySystem(memory, page_size=page, check_machine=False)
+    depth, write_share = disk_io_for(opts.page_size is None, memory.disk_dir if memory.disk else None, page)
+    mem = MemorySystem(memory, page_size=page, check_machine=False, io_workers=depth, write_share=write_share)
     runtime = Runtime(model, groups, group_of, mem, chosen, opts, transient_grads=bound)
     if first is not None:
         first.watch(found[0].module)

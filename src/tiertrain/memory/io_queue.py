@@ -13,19 +13,23 @@ reads first (median of 5 interleaved rounds; sync and lockfree unchanged).
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import threading
+from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable
 
-READ, WRITE = 0, 1  # lower runs first
+READ, WRITE = 0, 1
 
 
 class PriorityPool:
-    def __init__(self, workers: int, name: str) -> None:
-        self._queue: list[tuple[int, int, Callable[[], Any], Future]] = []
-        self._arrival = itertools.count()
+    """``write_share``: how many workers may take write-backs while reads wait (0: reads always
+    first). A disk that serves reads and writes at once faster than one after the other gets some
+    (``engine.measure.disk_depth`` measures it per disk)."""
+
+    def __init__(self, workers: int, name: str, write_share: int = 0) -> None:
+        self._queues: tuple[deque, deque] = (deque(), deque())  # reads, writes: each in order of arrival
+        self._write_share = min(write_share, workers)
+        self._writing = 0
         self._cv = threading.Condition()
         self._closing = False
         self._threads = [threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True) for i in range(workers)]
@@ -37,26 +41,38 @@ class PriorityPool:
         with self._cv:
             if self._closing:
                 raise RuntimeError("the disk queue is shut down")
-            heapq.heappush(self._queue, (priority, next(self._arrival), fn, future))
+            self._queues[priority].append((fn, future))
             self._cv.notify()
         return future
+
+    def _next(self) -> tuple[int, Callable[[], Any], Future]:
+        """Under the lock, with something queued: a write when writes may go beside waiting reads
+        and fewer than ``write_share`` run, else a read if any, else a write."""
+        reads, writes = self._queues
+        if writes and (not reads or self._writing < self._write_share):
+            return WRITE, *writes.popleft()
+        return READ, *reads.popleft()
 
     def _work(self) -> None:
         while True:
             with self._cv:
-                while not self._queue and not self._closing:
+                while not any(self._queues) and not self._closing:
                     self._cv.wait()
-                if not self._queue:
+                if not any(self._queues):
                     return  # closing, and nothing left to do
-                _, _, fn, future = heapq.heappop(self._queue)
-            if not future.set_running_or_notify_cancel():
-                continue
+                kind, fn, future = self._next()
+                self._writing += kind == WRITE
             try:
-                result = fn()
-            except BaseException as exc:  # handed to whoever waits on the future, as an executor does
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
+                if future.set_running_or_notify_cancel():
+                    try:
+                        result = fn()
+                    except BaseException as exc:  # handed to whoever waits on the future, as an executor does
+                        future.set_exception(exc)
+                    else:
+                        future.set_result(result)
+            finally:
+                with self._cv:
+                    self._writing -= kind == WRITE
 
     def shutdown(self, wait: bool = True) -> None:
         """Run what is queued, then stop the workers."""

@@ -76,9 +76,9 @@ class _Join:
 
 class Mover:
     def __init__(self, pools: dict[Tier, Pool], accounting: Accounting, io_workers: int = 8,
-                 copy_workers: int = 2) -> None:
+                 copy_workers: int = 2, write_share: int = 0) -> None:
         self.pools, self.accounting = pools, accounting
-        self._io = PriorityPool(io_workers, "tiertrain-io")  # reads before write-backs
+        self._io = PriorityPool(io_workers, "tiertrain-io", write_share)  # reads before write-backs, or beside them
         self._copy = ThreadPoolExecutor(copy_workers, thread_name_prefix="tiertrain-copy")
         self._local = threading.local()
         self._cuda = torch.cuda.is_available() and any(

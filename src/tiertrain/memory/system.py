@@ -28,9 +28,12 @@ class MemorySystem:
     """
 
     def __init__(self, budgets: Budgets, page_size: int = DEFAULT_PAGE_SIZE, io_workers: int = 8,
-                 device: torch.device | None = None, reserve_disk: bool = True, check_machine: bool = True) -> None:
+                 device: torch.device | None = None, reserve_disk: bool = True, check_machine: bool = True,
+                 write_share: int = 0) -> None:
         """``check_machine=False``: the caller has already held the budgets against the machine
-        (``tiertrain.setup`` does, before it profiles or builds anything)."""
+        (``tiertrain.setup`` does, before it profiles or builds anything). ``io_workers``: disk requests
+        in flight; ``write_share``: how many of them may write while reads wait (runs measure both per
+        disk: ``engine.measure.disk_depth``)."""
         self.device = device or compute_device()
         if check_machine:
             check_budgets(budgets, self.device)
@@ -43,7 +46,7 @@ class MemorySystem:
         if budgets.disk:
             self.pools[Tier.DISK] = DiskPool(budgets.disk, self.page_size, DiskDir(budgets.disk_dir),
                                              reserve=reserve_disk)
-        self.mover = Mover(self.pools, self.accounting, io_workers=io_workers)
+        self.mover = Mover(self.pools, self.accounting, io_workers=io_workers, write_share=write_share)
 
     def __enter__(self) -> "MemorySystem":
         return self
@@ -136,6 +139,20 @@ class MemorySystem:
             n = min(e.length, out.numel() - pos)
             out[pos : pos + n] = stage[e.offset : e.offset + n]
         del stage, region
+
+    def read_range(self, chunk: Chunk, start: int, nbytes: int) -> torch.Tensor:
+        """Bytes ``[start, start + nbytes)`` of a disk chunk, as a CPU tensor of their own (verified): the
+        pages they lie in read through one aligned page buffer, so reading one parameter of a large
+        block costs that parameter, not the block."""
+        disk = self.pool(Tier.DISK)
+        assert isinstance(disk, DiskPool)
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        stage, region = host_buffer(disk.page_size, pin=False)
+        for pos, e in chunk.segments(start, start + nbytes):  # e: the part of a page inside the range
+            disk.read_page(e.page, memoryview(stage.numpy()))
+            out[pos - start : pos - start + e.length] = stage[e.offset : e.offset + e.length]
+        del stage, region
+        return out
 
     def move(self, chunk: Chunk, tier: Tier, contiguous: bool = False) -> Handle:
         self.pool(tier)

@@ -71,8 +71,22 @@ def weight_stream(rt: Runtime) -> TensorStream:
     def tensors() -> Iterator[torch.Tensor]:
         for st in rt.groups:
             release_free_heap()  # the last block's buffer, freed, would stay in the heap (memory.heap)
-            yield from _split(st, _read(rt, st.master))
+            yield from _params_of(rt, st, st.master)
     return TensorStream(specs, tensors)
+
+
+def _params_of(rt: Runtime, st: BlockGroup, chunk: Chunk, which: list[int] | None = None) -> Iterator[torch.Tensor]:
+    """The parameters' values in a state chunk (``which``: those, else all), each a tensor of its own. A
+    disk chunk is read a parameter at a time: a block whose states are several times the host (updated
+    in pieces) never has a whole chunk of them in memory."""
+    which = list(range(len(st.layout.slots))) if which is None else which
+    if chunk.tier is not Tier.DISK:
+        flat = _split(st, _read(rt, chunk))
+        yield from (flat[i] for i in which)
+        return
+    for i in which:
+        s = st.layout.slots[i]
+        yield rt.mem.read_range(chunk, s.offset * F32.itemsize, s.numel * F32.itemsize).view(F32).view(s.shape)
 
 
 def optimizer_stream(rt: Runtime) -> TensorStream:
@@ -87,10 +101,10 @@ def optimizer_stream(rt: Runtime) -> TensorStream:
             if not stepped:
                 continue
             release_free_heap()
-            moments = [_split(st, _read(rt, getattr(st, k))) for k in MOMENTS]
-            for i in stepped:
+            moments = [_params_of(rt, st, getattr(st, k), stepped) for k in MOMENTS]
+            for i, *values in zip(stepped, *moments):
                 yield st.steps[i].detach().clone()
-                yield from (m[i] for m in moments)
+                yield from values
             del moments
     return TensorStream(specs, tensors)
 

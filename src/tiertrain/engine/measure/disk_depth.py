@@ -1,0 +1,151 @@
+"""How many requests the disk tier keeps in flight, and whether reads and writes go in together:
+measured per disk and page size, as the page size is (``page_size``), and cached.
+
+Depth: the disk tier's page requests written then read back with 2 to 32 in flight; the smallest depth
+whose rate is within 95% of the best (more threads past the plateau only cost the cores). Together:
+at that depth, half the requests reads and half writes at once, against the same bytes read and
+written one after the other. Some disks serve both at once faster than either alone (an SSD's
+separate read and write paths); others slow down. Where together is at least ``TOGETHER_GAIN``
+faster, the disk tier lets half its workers take write-backs while reads wait (``io_queue``); else
+reads go first, as before.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from tiertrain.engine.measure import cache
+from tiertrain.engine.measure.disk import _open_direct, measure_disk
+from tiertrain.errors import ConfigError, DiskError
+from tiertrain.memory.pool import host_buffer
+from tiertrain.units import format_bytes
+
+DEPTHS = (2, 4, 8, 16, 32)  # never one: a read on the step's critical path would wait behind a write-back
+PLATEAU = 0.95
+TOGETHER_GAIN = 1.10
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class DiskDepth:
+    depth: int                      # requests in flight (the disk tier's I/O workers)
+    write_share: int                # of those, how many may take write-backs while reads wait (0: reads first)
+    curve: dict[int, float]         # depth -> bytes/s, written then read
+    together_bps: float             # reads and writes at once, at ``depth``
+    apart_bps: float                # the same bytes read and written one after the other
+
+    def describe(self) -> str:
+        way = f"{self.write_share} of them may write while reads wait" if self.write_share else "reads first"
+        return (f"disk depth {self.depth} ({way}; together {self.together_bps / 1e9:.2f} GB/s, "
+                f"apart {self.apart_bps / 1e9:.2f} GB/s)")
+
+
+def choose(curve: dict[int, float], together_bps: float, apart_bps: float) -> tuple[int, int]:
+    """(depth, write share) from the measurements (``DiskDepth``'s rules)."""
+    best = max(curve.values())
+    depth = min(d for d, bps in curve.items() if bps >= PLATEAU * best)
+    share = depth // 2 if together_bps >= TOGETHER_GAIN * apart_bps and depth > 1 else 0
+    return depth, share
+
+
+def together_rate(directory: Path, page: int, total: int, depth: int) -> tuple[float, float]:
+    """(bytes/s with half of ``depth`` reading and half writing at once, bytes/s for the same bytes
+    read and then written): one file, its first half read while its second half is written."""
+    n = max(2, total // page // 2 * 2)
+    fd, path = tempfile.mkstemp(dir=directory, prefix=".tiertrain-depth-")
+    os.close(fd)
+    fd = -1
+    buffers = [host_buffer(page, pin=False) for _ in range(depth)]
+    views = [memoryview(b.random_(0, 256).numpy()) for b, _ in buffers]
+    half = n // 2
+    try:
+        fd = _open_direct(path)
+        for i in range(n):  # the file's pages exist before anything reads them
+            os.pwrite(fd, views[i % depth], i * page)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+        def read(i: int) -> None:
+            os.preadv(fd, [views[i % depth]], i * page)
+
+        def write(i: int) -> None:
+            os.pwrite(fd, views[i % depth], (half + i) * page)
+
+        with ThreadPoolExecutor(max(1, depth // 2)) as readers, ThreadPoolExecutor(max(1, depth - depth // 2)) as writers:
+            t = time.perf_counter()
+            done = [writers.submit(write, i) for i in range(half)] + [readers.submit(read, i) for i in range(half)]
+            for f in done:
+                f.result()
+            os.fsync(fd)
+            together_s = time.perf_counter() - t
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        with ThreadPoolExecutor(depth) as pool:
+            t = time.perf_counter()
+            list(pool.map(read, range(half)))
+            list(pool.map(write, range(half)))
+            os.fsync(fd)
+            apart_s = time.perf_counter() - t
+    except OSError as exc:
+        raise DiskError(f"measuring the disk under {directory} failed ({exc.strerror}): the probe writes "
+                        f"{format_bytes(n * page)}; free space there") from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        os.unlink(path)
+    return 2 * half * page / together_s, 2 * half * page / apart_s
+
+
+def measure_depth(directory: Path, page: int, total: int = 256 * MiB, rounds: int = 2) -> DiskDepth:
+    """Each depth measured ``rounds`` times, interleaved, its best kept (a shared disk is noisy), with
+    the tier's checksums on every page (they run on the I/O workers, so more of them spread that CPU
+    work too)."""
+    curve = {d: 0.0 for d in DEPTHS}
+    for _ in range(rounds):
+        for d in DEPTHS:
+            curve[d] = max(curve[d], measure_disk(directory, page, total, d, verify=True).both_bps)
+    best = min(d for d, bps in curve.items() if bps >= PLATEAU * max(curve.values()))
+    together, apart = max(together_rate(directory, page, total, best) for _ in range(rounds))
+    depth, share = choose(curve, together, apart)
+    return DiskDepth(depth, share, curve, together, apart)
+
+
+def measured_depth(disk_dir: str, page: int, total: int = 256 * MiB) -> DiskDepth:
+    """The cached depth for this disk and page size, measuring it if needed (a few seconds, once)."""
+    key = f"v1/{socket.gethostname()}/disk:{os.stat(disk_dir).st_dev}/{page}"
+    known = cache.load("disk_depth", key)
+    if isinstance(known, dict):
+        try:
+            curve = {int(k): float(v) for k, v in known["curve"].items()}
+            return DiskDepth(int(known["depth"]), int(known["write_share"]), curve, float(known["together_bps"]),
+                             float(known["apart_bps"]))
+        except (KeyError, TypeError, ValueError):
+            pass  # a damaged entry: measured again
+    found = measure_depth(Path(disk_dir), page, total)
+    cache.store("disk_depth", key, {"depth": found.depth, "write_share": found.write_share,
+                                    "curve": {str(k): v for k, v in found.curve.items()},
+                                    "together_bps": found.together_bps, "apart_bps": found.apart_bps})
+    return found
+
+
+DEFAULT_IO = (8, 0)  # BENCHMARKS.md: deeper queues than ~8 were no faster on these disks; reads first
+
+
+def disk_io_for(measured_page: bool, disk_dir: str | None, page: int) -> tuple[int, int]:
+    """(requests in flight, write share) for a run: measured for its disk where its page size was
+    measured too (a run that names its page size, as the tests do, measures neither), else the
+    defaults."""
+    given = os.environ.get("TIERTRAIN_IO_WORKERS")  # an override, for comparing depths on one disk
+    if given:
+        if not given.isdigit() or int(given) < 1:
+            raise ConfigError(f"TIERTRAIN_IO_WORKERS={given!r} must be a whole number of workers, 1 or more")
+        return int(given), 0
+    if not measured_page or not disk_dir:
+        return DEFAULT_IO
+    found = measured_depth(disk_dir, page)
+    return found.depth, found.write_share

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,8 +35,10 @@ class DiskRates:
         return 2 / (1 / self.read_bps + 1 / self.write_bps)
 
 
-def measure_disk(directory: Path, page: int, total: int, in_flight: int, verify: bool = False) -> DiskRates:
-    """``verify``: checksum every page written and read, as the disk tier does."""
+@contextmanager
+def probe_file(directory: Path, nbytes: int) -> Iterator[int]:
+    """A private temporary file under ``directory``, opened for O_DIRECT (buffered where the filesystem
+    refuses it) and removed afterwards; an OSError while measuring becomes one DiskError saying why."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
         fd, path = tempfile.mkstemp(dir=directory, prefix=".tiertrain-probe-")
@@ -43,22 +47,34 @@ def measure_disk(directory: Path, page: int, total: int, in_flight: int, verify:
                           "name a writable directory with --disk") from None
     os.close(fd)
     fd = -1
+    try:
+        fd = _open_direct(path)
+        yield fd
+    except OSError as exc:  # a full or failing disk: the probe's file goes, the user learns why
+        raise DiskError(f"measuring the disk under {directory} failed ({exc.strerror}): the probe writes "
+                        f"{format_bytes(nbytes)}; free space there, or give --page-size to skip the measurement") from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        os.unlink(path)
+
+
+def measure_disk(directory: Path, page: int, total: int, in_flight: int, verify: bool = False) -> DiskRates:
+    """``verify``: checksum every page written and read, as the disk tier does."""
     buffers = [host_buffer(page, pin=False) for _ in range(in_flight)]  # (tensor, its mapping): keep both
     views = [memoryview(b.random_(0, 256).numpy()) for b, _ in buffers]
     n = max(in_flight, total // page)
+    with probe_file(directory, n * page) as fd:
+        def write(i: int) -> None:
+            if verify:
+                checksum(views[i % in_flight])
+            os.pwrite(fd, views[i % in_flight], i * page)
 
-    def write(i: int) -> None:
-        if verify:
-            checksum(views[i % in_flight])
-        os.pwrite(fd, views[i % in_flight], i * page)
+        def read(i: int) -> None:
+            os.preadv(fd, [views[i % in_flight]], i * page)
+            if verify:
+                checksum(views[i % in_flight])
 
-    def read(i: int) -> None:
-        os.preadv(fd, [views[i % in_flight]], i * page)
-        if verify:
-            checksum(views[i % in_flight])
-
-    try:
-        fd = _open_direct(path)
         with ThreadPoolExecutor(in_flight) as pool:
             cpu, t = time.process_time(), time.perf_counter()
             list(pool.map(write, range(n)))
@@ -69,13 +85,6 @@ def measure_disk(directory: Path, page: int, total: int, in_flight: int, verify:
             list(pool.map(read, range(n)))
             read_s = time.perf_counter() - t
             cpu_s = time.process_time() - cpu
-    except OSError as exc:  # a full or failing disk: the probe's file goes, the user learns why
-        raise DiskError(f"measuring the disk under {directory} failed ({exc.strerror}): the probe writes "
-                        f"{format_bytes(n * page)}; free space there, or give --page-size to skip the measurement") from None
-    finally:
-        if fd >= 0:
-            os.close(fd)
-        os.unlink(path)
     nbytes = n * page
     return DiskRates(nbytes / read_s, nbytes / write_s, cpu_s / (2 * nbytes))
 

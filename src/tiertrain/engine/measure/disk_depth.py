@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import os
 import socket
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from tiertrain.engine.measure import cache
-from tiertrain.engine.measure.disk import _open_direct, measure_disk
-from tiertrain.errors import ConfigError, DiskError
+from tiertrain.engine.measure.disk import measure_disk, probe_file
+from tiertrain.errors import ConfigError
 from tiertrain.memory.pool import host_buffer
-from tiertrain.units import format_bytes
 
 DEPTHS = (2, 4, 8, 16, 32)  # never one: a read on the step's critical path would wait behind a write-back
 PLATEAU = 0.95
@@ -58,14 +56,10 @@ def together_rate(directory: Path, page: int, total: int, depth: int) -> tuple[f
     """(bytes/s with half of ``depth`` reading and half writing at once, bytes/s for the same bytes
     read and then written): one file, its first half read while its second half is written."""
     n = max(2, total // page // 2 * 2)
-    fd, path = tempfile.mkstemp(dir=directory, prefix=".tiertrain-depth-")
-    os.close(fd)
-    fd = -1
     buffers = [host_buffer(page, pin=False) for _ in range(depth)]
     views = [memoryview(b.random_(0, 256).numpy()) for b, _ in buffers]
     half = n // 2
-    try:
-        fd = _open_direct(path)
+    with probe_file(directory, n * page) as fd:
         for i in range(n):  # the file's pages exist before anything reads them
             os.pwrite(fd, views[i % depth], i * page)
         os.fsync(fd)
@@ -91,13 +85,6 @@ def together_rate(directory: Path, page: int, total: int, depth: int) -> tuple[f
             list(pool.map(write, range(half)))
             os.fsync(fd)
             apart_s = time.perf_counter() - t
-    except OSError as exc:
-        raise DiskError(f"measuring the disk under {directory} failed ({exc.strerror}): the probe writes "
-                        f"{format_bytes(n * page)}; free space there") from None
-    finally:
-        if fd >= 0:
-            os.close(fd)
-        os.unlink(path)
     return 2 * half * page / together_s, 2 * half * page / apart_s
 
 

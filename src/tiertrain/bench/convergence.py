@@ -42,9 +42,14 @@ class Curve:
         return (total[ends] - total[starts]) / (ends - starts)
 
     def mean_between(self, t0: float, t1: float) -> float:
-        """Mean loss of the steps that ended in (t0, t1]: many steps, so less noise than one point."""
+        """Mean loss of the steps that ended in (t0, t1]: many steps, so less noise than one point. On a
+        loaded machine a run may have finished none there: then the loss of its last step ended by t1,
+        or, with none ended by then, its first (the model was still the initial one)."""
         inside = (self.seconds > t0) & (self.seconds <= t1)
-        return float(self.raw[inside].mean()) if inside.any() else float("nan")
+        if inside.any():
+            return float(self.raw[inside].mean())
+        before = np.flatnonzero(self.seconds <= t1)
+        return float(self.raw[before[-1]] if before.size else self.raw[0])
 
 
 def _curve(label: str, out: Path) -> Curve:

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 from tiertrain.plan.tiers import Tier
 from tiertrain.plan import Plan
-from tiertrain.plan.bytes import (bounded_grads, bounds_grads, disk_passes_per_step, grad_copies, grad_tier, pages,
-                                  separate_param_home, sharded, tier_bytes, updated_away)
+from tiertrain.plan.bytes import (bounded_grads, bounds_grads, disk_passes_per_step, grad_copies, grad_tier, in_pieces,
+                                  pages, separate_param_home, sharded, tier_bytes, updated_away)
 from tiertrain.planner.costs import GRAD_BYTES, STATE_BYTES, grads_out_s, publishes_over_link
 from tiertrain.planner.network import Network
 from tiertrain.planner.profile import MachineProfile, Profile
@@ -206,14 +206,13 @@ def _updates(plan, p, tl, grads_done, bstarts, order, device_end, needs_all_grad
         own = _own(plan, bp, b.params)
         share = disk_passes_per_step(plan.update, plan.max_staleness) if bp.home is Tier.DISK else 1.0
         ready = grads_done[i] if plan.update != "sync" and not needs_all_grads else device_end
+        read = 0.0
         if bp.home is Tier.DISK:
-            _, read = tl.run("disk_read", bstarts[j], share * own * STATE_BYTES / m.disk_read_bps,
-                             f"read {b.name}")
-            ready = max(ready, read)
+            ready, read = _read_states(tl, bp, m, ready, bstarts[j], share * own, f"read {b.name}")
         if bp.home is Tier.DEVICE and not m.device_is_host:
             done = ready  # updated on the GPU, next to nothing beside its compute (as costs has it)
         else:
-            _, done = tl.run("cpu", ready, share * own / m.adam_params_per_s, f"adam {b.name}")
+            done = max(read, tl.run("cpu", ready, share * own / m.adam_params_per_s, f"adam {b.name}")[1])
         change(done, grad_tier(bp).value, -pages(own * GRAD_BYTES, p.page, bound=False), updated_away(bp))
         if publishes_over_link(bp.stream, bp.home is Tier.DEVICE, m, p.compute_bytes):
             tl.run("h2d", done, share * own * p.compute_bytes / m.h2d_bps, f"publish {b.name}")
@@ -225,15 +224,28 @@ def _updates(plan, p, tl, grads_done, bstarts, order, device_end, needs_all_grad
     rest_disk = plan.rest.home is Tier.DISK
     share = disk_passes_per_step(plan.update, plan.max_staleness) if rest_disk else 1.0
     own = _own(plan, plan.rest, p.rest.params)
+    read = 0.0
     if rest_disk:  # the embeddings' and head's states are read in and written back like a block's
-        ready = max(ready, tl.run("disk_read", 0.0, share * own * STATE_BYTES / m.disk_read_bps, "read rest")[1])
-    _, done = tl.run("cpu", ready, share * own / m.adam_params_per_s, "adam rest")
+        ready, read = _read_states(tl, plan.rest, m, ready, 0.0, share * own, "read rest")
+    done = max(read, tl.run("cpu", ready, share * own / m.adam_params_per_s, "adam rest")[1])
     if sharded(plan.rest, plan):
         tl.run("net", done, _network(plan, p).gather_s(p.rest.params * p.compute_bytes), "gather rest")
     if rest_disk:
         tl.run("disk_write", done, share * own * STATE_BYTES / m.disk_write_bps, "write rest")
     change(max(done, device_end), grad_tier(plan.rest).value, -pages(own * GRAD_BYTES, p.page, bound=False),
            updated_away(plan.rest))
+
+
+def _read_states(tl: Timeline, bp, m, ready: float, ahead: float, numel: float, label: str) -> tuple[float, float]:
+    """A disk-homed block's states read for its update: (when its AdamW may start, when the reads end).
+    Read ahead from ``ahead`` and the update after them; or, updated in pieces, read as the update
+    starts and the update a piece behind its reads (``runtime.pieces``)."""
+    seconds = numel * STATE_BYTES / m.disk_read_bps
+    if not in_pieces(bp):
+        return max(ready, tl.run("disk_read", ahead, seconds, label)[1]), 0.0
+    start, end = tl.run("disk_read", ready, seconds, label)
+    first = min(seconds, 3 * bp.piece / m.disk_read_bps)
+    return start + first, end
 
 
 def _step_time(plan: Plan, tl: Timeline, device_end: float, needs_all_grads: bool, m: MachineProfile) -> float:

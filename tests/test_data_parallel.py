@@ -16,7 +16,10 @@ from tiertrain.plan import BlockPlan, Plan, builtin_plan, data_parallel
 N = TINY4["n_layer"]
 DISK = Plan(tuple(BlockPlan(home=Tier.DISK, stream=True) for _ in range(N)), BlockPlan(home=Tier.DISK),
             name="disk-home")
-PLANS = {"resident": builtin_plan("resident", N), "stream": builtin_plan("stream", N), "disk": DISK}
+PIECES = dataclasses.replace(DISK, blocks=tuple(dataclasses.replace(b, piece=64 << 10) for b in DISK.blocks),
+                             rest=dataclasses.replace(DISK.rest, piece=64 << 10), name="disk-pieces")
+PLANS = {"resident": builtin_plan("resident", N), "stream": builtin_plan("stream", N), "disk": DISK,
+         "disk-pieces": PIECES}  # pieces: each rank's shard updated through host in pieces, the rest resident
 CASES = [(plan, update, accum) for plan in PLANS for update in ("sync", "overlap") for accum in (1, 2)]
 
 

@@ -332,6 +332,9 @@ def test_the_disk_depth_is_the_plateaus_smallest_and_writes_share_only_where_tog
     assert disk_depth.disk_io_for(True, str(tmp_path), 64 << 10) == (first.depth, first.write_share)
     monkeypatch.setenv("TIERTRAIN_IO_WORKERS", "3")
     assert disk_depth.disk_io_for(True, str(tmp_path), 64 << 10) == (3, 0)
+    monkeypatch.delenv("TIERTRAIN_IO_WORKERS")
+    monkeypatch.setattr(disk_depth, "measured_depth", lambda *a: (_ for _ in ()).throw(DiskError("disk gone")))
+    assert disk_depth.disk_io_for(True, str(tmp_path), 64 << 10) == disk_depth.DEFAULT_IO  # a failing probe
     monkeypatch.setenv("TIERTRAIN_IO_WORKERS", "many")
     with pytest.raises(ConfigError, match="TIERTRAIN_IO_WORKERS"):
         disk_depth.disk_io_for(True, str(tmp_path), 64 << 10)

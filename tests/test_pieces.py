@@ -215,3 +215,25 @@ def test_a_run_updated_in_pieces_checkpoints_a_parameter_at_a_time_and_resumes_b
     full = train(tiny_config(tmp_path / "full", **kw))
     resumed = train(tiny_config(tmp_path / "resumed", resume=str(tmp_path / "full/checkpoints/step-00000002"), **kw))
     assert resumed.losses == full.losses[2:]
+
+
+def test_bf16_updates_in_pieces_equal_whole_block_updates_and_stage_nothing_whole_at_setup(tmp_path):
+    """bf16 compute with an fp32 master: pieces change no bit against whole-block updates, and setup
+    writes each block's master a parameter at a time, so a host budget of exactly what the plan counts
+    (a few pieces) is enough from the start."""
+    def run(plan: Plan, host: int) -> list[float]:
+        model, opt = _fresh(MODEL)
+        tm, topt = tiertrain.setup(model, opt, _budgets(tmp_path / f"d{host}", host), plan=plan, page_size=PAGE,
+                                   compute_dtype="bf16")
+        try:
+            return _loop(tm, topt, None, 3, 1, None)
+        finally:
+            tm.runtime.close()
+            tm.runtime.mem.close()
+
+    pieced = dataclasses.replace(_plan("sync"), compute_dtype="bf16")
+    numels = [block_numel(b) for b in find_blocks(_fresh(MODEL)[0])]
+    exact = tier_bytes(numels, pieced, PAGE)[Tier.HOST]
+    whole = dataclasses.replace(pieced, blocks=tuple(dataclasses.replace(b, piece=0) for b in pieced.blocks),
+                                rest=dataclasses.replace(pieced.rest, piece=0))
+    assert run(pieced, exact) == run(whole, 16 << 20)

@@ -36,7 +36,7 @@ from tiertrain.engine.tiered import default_budgets, setup_tiered
 from tiertrain.engine.train_state import PlainState, TieredState, TrainState
 from tiertrain.errors import CheckpointError, ConfigError, OutputError, UserError
 from tiertrain.memory import Tier
-from tiertrain.memory.capacity import host_available
+from tiertrain.memory.capacity import cgroup_room
 from tiertrain.models import build, flops_per_token, param_count, resolve_config
 from tiertrain.models.config import ModelConfig
 from tiertrain.units import format_bytes, format_count
@@ -160,8 +160,8 @@ class Trainer:
     def _build(self, model_cfg: Any) -> nn.Module:
         """A plain run's model on its device. A tiered run's stays on the host (setup places its
         parameters in the tiers; a model bigger than the device must never go there whole), and one
-        whose fp32 weights exceed the host budget, or with the budgets the memory the process may take
-        (a cgroup's cap: setup reserves the budgets while the model still lives), is built on the meta
+        whose fp32 weights exceed the host budget, or with the budgets its memory cgroup's limit (setup
+        reserves the budgets while the model still lives), is built on the meta
         device instead: setup
         then initialises it block by block, so it never exists whole in host memory either. Its
         initial weights are drawn per block (``init_in_place``), not as an in-memory build draws them."""
@@ -175,13 +175,13 @@ class Trainer:
             self.reporter.message(self.budgets.describe())
         host = self.budgets.budgets.host
         reserved = host + (self.budgets.budgets.device if self.device.type == "cpu" else 0)
-        room = host_available()
-        if weights <= host and weights + reserved <= room:
+        room = cgroup_room()  # a cap, fixed for the run: free memory, which varies, never picks how weights are drawn
+        if weights <= host and (room is None or weights + reserved <= room):
             seed_everything(self.cfg.seed)  # as a plain run draws its initial weights
             return build(model_cfg)
         why = (f"exceed the host budget ({format_bytes(host)})" if weights > host else
-               f"beside the budgets ({format_bytes(reserved)}) exceed the memory this process can take "
-               f"({format_bytes(room)})")
+               f"beside the budgets ({format_bytes(reserved)}) exceed this process's memory cgroup limit "
+               f"({format_bytes(room)} left under it)")
         self.reporter.message(f"the model's fp32 weights ({format_bytes(weights)}) {why}: building it on the meta "
                               "device; setup initialises it block by block")
         return shell

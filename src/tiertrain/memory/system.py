@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -89,7 +90,7 @@ class MemorySystem:
                 view.copy_(data[offset : offset + view.numel()])
                 offset += view.numel()
             return
-        self._write_disk(chunk, lambda stage, pos, n: stage[:n].copy_(data[pos : pos + n]))
+        self.write_parts(chunk, [(0, data)])
 
     def zero(self, chunk: Chunk) -> None:
         """Zero every byte of ``chunk`` where it lies (a disk chunk a page at a time: no chunk-sized buffer)."""
@@ -97,19 +98,40 @@ class MemorySystem:
             for view in chunk.views():
                 view.zero_()
             return
-        self._write_disk(chunk, lambda stage, pos, n: stage[:n].zero_())
+        self.write_parts(chunk, [])
 
-    def _write_disk(self, chunk: Chunk, fill: Callable[[torch.Tensor, int, int], None]) -> None:
-        """Write a disk chunk's pages in place through one aligned page buffer, ``fill(stage, pos, n)``
-        putting the chunk's bytes ``[pos, pos + n)`` into it."""
+    def write_parts(self, chunk: Chunk, parts: Iterable[tuple[int, torch.Tensor]]) -> None:
+        """Write a disk chunk in place from ``parts``, (byte offset, bytes) in increasing order without
+        overlaps, each page once through one aligned page buffer, bytes no part covers zeroed: a
+        block's weights go to disk a parameter at a time, never whole in memory."""
         disk = self.pool(Tier.DISK)
         assert isinstance(disk, DiskPool)
-        stage, region = host_buffer(disk.page_size, pin=False)  # O_DIRECT needs an aligned buffer
-        for pos, e in chunk.segments():  # disk chunks start on page boundaries (e.offset == 0)
-            padded = -(-e.length // IO_ALIGN) * IO_ALIGN
-            fill(stage, pos, e.length)
-            stage[e.length : padded].zero_()
-            disk.write_page(e.page, memoryview(stage[:padded].numpy()))
+        ps = disk.page_size
+        stage, region = host_buffer(ps, pin=False)  # O_DIRECT needs an aligned buffer
+        pages = chunk.extents  # disk chunks: one extent per page, each from its start (e.offset == 0)
+        done = 0
+
+        def flush_until(i: int) -> None:
+            nonlocal done
+            while done < i:
+                e = pages[done]
+                padded = -(-e.length // IO_ALIGN) * IO_ALIGN
+                stage[e.length : padded].zero_()
+                disk.write_page(e.page, memoryview(stage[:padded].numpy()))
+                stage.zero_()
+                done += 1
+
+        stage.zero_()
+        for offset, data in parts:
+            data = data.detach().contiguous().view(-1).view(torch.uint8).cpu()
+            pos = 0
+            while pos < data.numel():
+                at = offset + pos
+                flush_until(at // ps)
+                n = min(data.numel() - pos, (at // ps + 1) * ps - at)
+                stage[at % ps : at % ps + n] = data[pos : pos + n]
+                pos += n
+        flush_until(len(pages))
         del stage, region
 
     def to_tensor(self, chunk: Chunk) -> torch.Tensor:

@@ -112,19 +112,14 @@ def choose(pb: Problem, solvers: tuple[str, ...] = tuple(SOLVERS), update: str =
            max_staleness: int = DEFAULT_MAX_STALENESS) -> tuple[Candidate, list[Candidate]]:
     """The best predicted plan and every solver's candidate; NoPlanFits, with the smallest device
     budget that would work, when none fits."""
-    cands = candidates(pb, update, solvers, needs_all_grads, max_staleness)
-    chosen = best(cands)
-    if chosen is None:
-        for fallback in _fallbacks(pb):
-            try:
-                return choose(fallback, solvers, update, needs_all_grads, max_staleness)
-            except NoPlanFits:
-                continue
-    if chosen is None:
-        raise NoPlanFits(f"no plan fits device {format_bytes(pb.device)}, host {format_bytes(pb.host)}, disk "
-                         f"{format_bytes(pb.disk)} with solvers {', '.join(solvers)}; {_smallest_hint(pb)}"
-                         f"{_transient_hint(pb)}")
-    return chosen, cands
+    for tried in [pb, *_fallbacks(pb)]:
+        cands = candidates(tried, update, solvers, needs_all_grads, max_staleness)
+        chosen = best(cands)
+        if chosen is not None:
+            return chosen, cands
+    raise NoPlanFits(f"no plan fits device {format_bytes(pb.device)}, host {format_bytes(pb.host)}, disk "
+                     f"{format_bytes(pb.disk)} with solvers {', '.join(solvers)}; {_smallest_hint(pb)}"
+                     f"{_transient_hint(pb)}")
 
 
 def choose_layout(pb: Problem, solvers: tuple[str, ...] = tuple(SOLVERS), update: str = "overlap",
@@ -156,17 +151,15 @@ def _fallbacks(pb: Problem) -> list[Problem]:
     """What ``choose`` tries, in order, when no plan fits ``pb``: a host too small for the default
     disk pipeline gets one worker and one block read ahead (each disk-homed block's update then
     overlaps less, but the run fits where it did not); one too small even for that, disk-homed
-    blocks updated through it in pieces (``runtime.pieces``), the largest piece first. Each is tried
-    by ``choose`` with its own fallbacks, so a lean pipeline in pieces comes last."""
+    blocks updated through it in pieces (``runtime.pieces``), the largest piece first, with the default
+    pipeline and then the lean one."""
     p = pb.profile
-    out = []
     lean = dataclasses.replace(p, read_ahead=1, update_workers=1)
-    if lean != p:
-        out.append(dataclasses.replace(pb, profile=lean))
+    profiles = [lean] if lean != p else []
     if not p.piece and pb.disk:
-        out += [dataclasses.replace(pb, profile=dataclasses.replace(p, piece=max(piece, p.page)))
-                for piece in PIECES_TRIED]
-    return out
+        for pipeline in dict.fromkeys((p, lean)):  # the default pipeline's pieces first, largest first
+            profiles += [dataclasses.replace(pipeline, piece=max(piece, p.page)) for piece in PIECES_TRIED]
+    return [dataclasses.replace(pb, profile=q) for q in profiles]
 
 
 PIECES_TRIED = (MAX_PIECE, MAX_PIECE // 4, MAX_PIECE // 16, MAX_PIECE // 64)
@@ -177,7 +170,8 @@ def fits(pb: Problem) -> bool:
     discretisation), with the default disk pipeline or the fallbacks ``choose`` tries. No
     simulation and no hints: what ``--max-model`` asks of each candidate model."""
     lean = dataclasses.replace(pb.profile, read_ahead=1, update_workers=1)
-    frugal = [lean] + ([dataclasses.replace(lean, piece=max(PIECES_TRIED[-1], lean.page))] if pb.disk else [])
+    frugal = [lean] + ([dataclasses.replace(lean, piece=max(PIECES_TRIED[-1], lean.page))]
+                       if pb.disk and not pb.profile.piece else [])
     return feasible(pb) or any(feasible(dataclasses.replace(pb, profile=f)) for f in frugal if f != pb.profile)
 
 

@@ -8,6 +8,7 @@ copy is the master rounded to the compute dtype, as the optimizer will publish i
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
@@ -146,13 +147,10 @@ def _build(mem: MemorySystem, comm: Collectives, index: int, block: Block, bplan
 def _states(mem: MemorySystem, comm: Collectives, block: Block, bplan: BlockPlan, slot: Slot, plan: Plan,
             options: RunOptions, compute: torch.dtype, layout: ChunkLayout) -> tuple[Chunk, Chunk, Chunk]:
     """The block's master and moments at their home, and its slot filled from the master (zeroed where
-    the master is left unwritten for a checkpoint to fill). An fp32 block updated in pieces makes its
-    weights in its slot and writes them to disk from there: no host staging of a whole block."""
-    if options.init_states and in_pieces(bplan) and compute == F32:
-        _fill(slot.chunk, block.params, layout, F32)
-        if comm.world_size > 1:
-            comm.broadcast(slot.chunk.typed(F32)[: layout.numel])
-        return _disk_chunks(mem, block, layout, slot.chunk)
+    the master is left unwritten for a checkpoint to fill). A block updated in pieces writes its
+    weights to disk a parameter at a time: no host staging of a whole block."""
+    if options.init_states and in_pieces(bplan):
+        return _disk_chunks(mem, comm, block, layout, slot.chunk, compute)
     chunks = _optimizer_chunks if options.init_states else _unwritten_chunks
     in_slot = slot.chunk if master_in_slot(bplan, plan, options.train) else None
     master, exp_avg, exp_avg_sq = chunks(mem, block, layout, bplan.home, in_slot)
@@ -180,12 +178,13 @@ def _build_sharded(mem: MemorySystem, comm: Collectives, index: int, block: Bloc
     if options.init_states:
         _fill_tensor(full, block.params, layout)
         comm.broadcast(full)
-    stage = Tier.HOST if bplan.home is Tier.DISK else bplan.home
+    pieced = in_pieces(bplan)  # its shard written to disk where it lies: never staged whole on the host
+    stage = Tier.HOST if bplan.home is Tier.DISK and not pieced else bplan.home
     states = [mem.allocate(f"{block.name}.{k.value}", nbytes, stage, k, contiguous=True)
               for k in (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)]
-    states[0].typed(F32).copy_(full[lo:hi])
+    mem.overwrite(states[0], full[lo:hi].contiguous())
     for m in states[1:]:
-        m.typed(F32).zero_()
+        mem.zero(m)
     if not fp32_slot:
         slot.chunk.typed(compute)[: layout.numel].copy_(full)
     slot.holder = index
@@ -219,14 +218,30 @@ def _fill_tensor(flat: torch.Tensor, params: list[tuple[str, torch.Tensor]], lay
             view.copy_(p.detach().reshape(-1))
 
 
-def _disk_chunks(mem: MemorySystem, block: Block, layout: ChunkLayout, weights: Chunk) -> tuple[Chunk, Chunk, Chunk]:
-    """Master and moments of a block updated in pieces, written straight to disk: the master from the
-    fp32 ``weights`` (its slot), the moments as zeros, a page at a time, so the host never holds the
-    block's states (``runtime.pieces``: which is why the block is updated in pieces)."""
+def _disk_chunks(mem: MemorySystem, comm: Collectives, block: Block, layout: ChunkLayout, slot: Chunk,
+                 compute: torch.dtype) -> tuple[Chunk, Chunk, Chunk]:
+    """Master and moments of a block updated in pieces, written straight to disk: the master a
+    parameter at a time (each drawn, or broadcast from rank 0, on its own, and its compute copy put
+    in the slot), the moments as zeros, so the host never holds the block's states (``runtime.pieces``:
+    which is why the block is updated in pieces)."""
     nbytes = layout.numel * F32.itemsize
     chunks = [mem.allocate(f"{block.name}.{k.value}", nbytes, Tier.DISK, k, contiguous=True)
               for k in (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)]
-    mem.overwrite(chunks[0], weights.typed(F32)[: layout.numel].view(torch.uint8))
+    flat = slot.typed(compute)
+    flat.zero_()
+
+    def weights() -> Iterator[tuple[int, torch.Tensor]]:
+        for s, (name, p) in zip(layout.slots, block.params):
+            value = torch.empty(s.numel, dtype=F32)
+            if p.is_meta:
+                init_in_place(name, value.view(s.shape))
+            else:
+                value.copy_(p.detach().reshape(-1))
+            if comm.world_size > 1:
+                comm.broadcast(value)
+            flat[s.offset : s.offset + s.numel].copy_(value)
+            yield s.offset * F32.itemsize, value
+    mem.write_parts(chunks[0], weights())
     for m in chunks[1:]:
         mem.zero(m)
     return chunks[0], chunks[1], chunks[2]

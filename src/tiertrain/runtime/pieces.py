@@ -47,13 +47,16 @@ def update_in_pieces(g: BlockGroup, hypers: list[AdamWHyper], coef: torch.Tensor
     taken = g.grads.take()
     if taken is None:
         return
+    hypers = taken.hypers or hypers  # lockfree keeps each step's own with its gradients
     mem, page = g.mem, g.master.pool.page_size
     per_piece = max(1, piece_bytes(g.master.nbytes, g.plan) // page)
     n_pages = len(g.master.extents)
     firsts = list(range(0, n_pages, per_piece))
-    sets = [_Buffers(mem, g.block.name, min(per_piece, n_pages) * page) for _ in range(min(PIECE_BUFFERS, len(firsts)))]
     before = [s.detach().clone() for s in g.steps]
+    sets: list[_Buffers] = []
     try:
+        for _ in range(min(PIECE_BUFFERS, len(firsts))):  # in the try: a refusal frees those already made
+            sets.append(_Buffers(mem, g.block.name, min(per_piece, n_pages) * page))
         _read(g, sets[0], firsts[0], per_piece)
         for k, first in enumerate(firsts):
             buf = sets[k % len(sets)]
@@ -73,10 +76,12 @@ def update_in_pieces(g: BlockGroup, hypers: list[AdamWHyper], coef: torch.Tensor
             _drain(s)
             for c in s.chunks:
                 mem.release(c)
+        mem.release(taken.chunk)  # gradients live from backward's flush to here, whatever happened
     for i, s in enumerate(g.steps):
         if taken.has_grad[i]:
             s.copy_(before[i] + 1)
-    mem.release(taken.chunk)
+    if g.shard is not None and not g.plan.stream:
+        g.slot_stale = True  # a resident sharded block gathers the new shards into its slot at its next use
     g.params_written(g)
     g.version = max(g.version, taken.step + 1)
 
@@ -127,5 +132,3 @@ def _publish_piece(g: BlockGroup, buf: _Buffers, lo: int) -> None:
         return
     n = min(buf.bytes[0].numel() // F32.itemsize, g.state_numel - lo)
     target.typed(g.compute)[lo : lo + n].copy_(buf.bytes[0].view(F32)[:n])
-    if g.shard is not None and not g.plan.stream:
-        g.slot_stale = True

@@ -16,6 +16,7 @@ from tiertrain.memory import Tier
 from tiertrain.memory.chunk import Chunk
 from tiertrain.memory.heap import release_free_heap
 from tiertrain.optim.hparams import MOMENTS
+from tiertrain.plan.bytes import in_pieces
 from tiertrain.runtime.block_group import F32, BlockGroup
 from tiertrain.runtime.runtime import Runtime
 from tiertrain.tensor_file import TensorSpec, TensorStream
@@ -77,10 +78,10 @@ def weight_stream(rt: Runtime) -> TensorStream:
 
 def _params_of(rt: Runtime, st: BlockGroup, chunk: Chunk, which: list[int] | None = None) -> Iterator[torch.Tensor]:
     """The parameters' values in a state chunk (``which``: those, else all), each a tensor of its own. A
-    disk chunk is read a parameter at a time: a block whose states are several times the host (updated
-    in pieces) never has a whole chunk of them in memory."""
+    block updated in pieces has its disk chunks read a parameter at a time: its states may be several
+    times the host, so a whole chunk of them is never in memory."""
     which = list(range(len(st.layout.slots))) if which is None else which
-    if chunk.tier is not Tier.DISK:
+    if chunk.tier is not Tier.DISK or not in_pieces(st.plan):  # read whole: one pass over its pages
         flat = _split(st, _read(rt, chunk))
         yield from (flat[i] for i in which)
         return

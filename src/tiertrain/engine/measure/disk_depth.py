@@ -12,6 +12,7 @@ reads go first, as before.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -21,13 +22,15 @@ from pathlib import Path
 
 from tiertrain.engine.measure import cache
 from tiertrain.engine.measure.disk import measure_disk, probe_file
-from tiertrain.errors import ConfigError
+from tiertrain.errors import ConfigError, DiskError
 from tiertrain.memory.pool import host_buffer
 
 DEPTHS = (2, 4, 8, 16, 32)  # never one: a read on the step's critical path would wait behind a write-back
 PLATEAU = 0.95
 TOGETHER_GAIN = 1.10
+MAX_REQUESTS = 2048  # per pass: at 4 KiB pages 8 MiB, at 1 MiB the whole 256 MiB
 MiB = 1 << 20
+log = logging.getLogger("tiertrain")
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,7 @@ def measure_depth(directory: Path, page: int, total: int = 256 * MiB, rounds: in
     """Each depth measured ``rounds`` times, interleaved, its best kept (a shared disk is noisy), with
     the tier's checksums on every page (they run on the I/O workers, so more of them spread that CPU
     work too)."""
+    total = min(total, MAX_REQUESTS * page)  # small pages: a bounded count of requests, not of bytes
     curve = {d: 0.0 for d in DEPTHS}
     for _ in range(rounds):
         for d in DEPTHS:
@@ -134,5 +138,9 @@ def disk_io_for(measured_page: bool, disk_dir: str | None, page: int) -> tuple[i
         return int(given), 0
     if not measured_page or not disk_dir:
         return DEFAULT_IO
-    found = measured_depth(disk_dir, page)
+    try:
+        found = measured_depth(disk_dir, page)
+    except DiskError as exc:  # the tier's own checks report a failing disk; the run need not stop here
+        log.warning("measuring the disk's depth failed (%s); using %d workers, reads first", exc, DEFAULT_IO[0])
+        return DEFAULT_IO
     return found.depth, found.write_share

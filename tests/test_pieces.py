@@ -195,9 +195,9 @@ def test_bounded_gradients_of_mixed_sizes_always_find_their_run_in_what_the_budg
 
 
 def test_a_run_updated_in_pieces_checkpoints_a_parameter_at_a_time_and_resumes_bitwise(tmp_path, monkeypatch):
-    """Its checkpoint streams each parameter's master and moments from disk on their own (never a
-    whole disk chunk: that is what the host cannot hold), and resuming from it continues the
-    uninterrupted run bit for bit."""
+    """Its checkpoint streams each parameter's master and moments from disk on their own, and a resume
+    writes them back so (never a whole block's tensor: that is what the host cannot hold); resuming
+    continues the uninterrupted run bit for bit."""
     from conftest import tiny_config
     from tiertrain.engine.loop import train
     from tiertrain.memory import MemorySystem
@@ -208,6 +208,14 @@ def test_a_run_updated_in_pieces_checkpoints_a_parameter_at_a_time_and_resumes_b
         return original(self, chunk)
     original = MemorySystem.to_tensor
     monkeypatch.setattr(MemorySystem, "to_tensor", whole_chunk)
+    from tiertrain.runtime import state_io
+
+    def flat(st, tensors):
+        if in_pieces(st.plan):
+            pytest.fail(f"{st.block.name} made whole to be written")
+        return flat_of(st, tensors)
+    flat_of = state_io._flat
+    monkeypatch.setattr(state_io, "_flat", flat)
     plan = tmp_path / "pieces.json"  # the "tiny" model: two blocks, each cut into several pieces of two pages
     plan.write_text(_plan("overlap").to_json())
     kw = dict(steps=4, plan=str(plan), disk=f"{tmp_path / 'disk'}:64MiB", page_size="4KiB", update="overlap",

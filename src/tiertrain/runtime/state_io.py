@@ -158,6 +158,15 @@ def current_weights(rt: Runtime) -> Iterator[tuple[BlockGroup, list[torch.Tensor
 def write_weights(rt: Runtime, g: BlockGroup, tensors: list[torch.Tensor | None]) -> None:
     """New weights for a block (None: keep the parameter's current value): its master and the compute
     copy its next forward reads; its moments are left as they are. A sharded block keeps its shard."""
+    if _by_parts(g) and all(t is not None for t in tensors):
+        _write_parts(rt, g, g.master, tensors)
+        target = g.param_home if g.param_home is not None else g.slot.chunk
+        if target is not g.master:
+            flat = target.typed(g.compute)
+            for slot, t in zip(g.layout.slots, tensors):
+                flat[slot.offset : slot.offset + slot.numel].copy_(t.reshape(-1))
+        rt.cache.invalidate(g)
+        return
     if any(t is None for t in tensors):
         current = _split(g, _weights_of(rt, g))
         tensors = [c if t is None else t for c, t in zip(current, tensors)]
@@ -177,10 +186,27 @@ def write_moments(rt: Runtime, g: BlockGroup, state: Mapping[str, torch.Tensor],
     """A block's AdamW moments and step counts from ``state`` keyed ``<name>::<kind>`` (missing: zero,
     as a parameter AdamW never stepped has none); a sharded block keeps its shard of the moments."""
     for k in MOMENTS:
-        whole = _flat(g, [state.get(f"{n}::{k}") for n in names])
+        given = [state.get(f"{n}::{k}") for n in names]
+        if _by_parts(g):
+            _write_parts(rt, g, getattr(g, k), given)
+            continue
+        whole = _flat(g, given)
         _write(rt, getattr(g, k), whole if g.shard is None else whole[g.shard[0] : g.shard[1]])
     for i, n in enumerate(names):
         g.steps[i].copy_(state.get(f"{n}::step", torch.zeros((), dtype=F32)))
+
+
+def _by_parts(g: BlockGroup) -> bool:
+    """Whether a block's saved states go to disk a parameter at a time (one updated in pieces, on one
+    rank: its states may be several times the host, so no whole-block tensor of them is made)."""
+    return in_pieces(g.plan) and g.shard is None and g.master is not None and g.master.tier is Tier.DISK
+
+
+def _write_parts(rt: Runtime, g: BlockGroup, chunk: Chunk, tensors: list[torch.Tensor | None]) -> None:
+    """A disk state chunk from its parameters' tensors, each read (from a lazy checkpoint) only as its
+    pages are written; a missing one (and the padding) zero."""
+    rt.mem.write_parts(chunk, ((s.offset * F32.itemsize, t.reshape(-1).to(F32))
+                               for s, t in zip(g.layout.slots, tensors) if t is not None))
 
 
 def import_state(rt: Runtime, weights: Mapping[str, torch.Tensor], optim: Mapping[str, torch.Tensor]) -> None:

@@ -245,3 +245,20 @@ def test_bf16_updates_in_pieces_equal_whole_block_updates_and_stage_nothing_whol
     whole = dataclasses.replace(pieced, blocks=tuple(dataclasses.replace(b, piece=0) for b in pieced.blocks),
                                 rest=dataclasses.replace(pieced.rest, piece=0))
     assert run(pieced, exact) == run(whole, 16 << 20)
+
+
+def test_a_sync_run_that_fits_only_in_pieces_is_told_how(tmp_path):
+    """In sync mode every block's gradients wait for the step, so pieces (whose gradients wait on the
+    device) do not help; the refusal says the run fits in pieces when gradients are updated away."""
+    from tiertrain.runtime.budget_check import PlanDoesNotFit, check_fits
+
+    blocks = find_blocks(_fresh(MODEL)[0])
+    numels = [block_numel(b) for b in blocks]
+    whole = _plan("sync", piece=0)
+    host = 256 << 10
+    have = _budgets(tmp_path, host)
+    cut = pieces_to_fit(numels, whole, PAGE, {Tier.DEVICE: have.device, Tier.HOST: host, Tier.DISK: have.disk},
+                        "transient")
+    assert cut is not whole
+    with pytest.raises(PlanDoesNotFit, match="updated in pieces .* --update overlap --grad-clip 0"):
+        check_fits(blocks, whole, have, PAGE)

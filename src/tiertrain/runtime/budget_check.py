@@ -9,7 +9,7 @@ from __future__ import annotations
 from tiertrain.errors import UserError
 from tiertrain.memory import Budgets, Tier
 from tiertrain.plan import Plan, builtin_plan
-from tiertrain.plan.bytes import TRANSIENT_HINT, tier_bytes
+from tiertrain.plan.bytes import TRANSIENT_HINT, pieces_to_fit, tier_bytes
 from tiertrain.plan.bytes import widest_read_ahead as bytes_widest
 from tiertrain.runtime.blocks import Block, block_numel
 from tiertrain.units import format_bytes
@@ -64,7 +64,16 @@ def check_fits(blocks: list[Block], plan: Plan, budgets: Budgets, page: int, tra
         smallest += f"; with plan 'max-offload' and a disk: {_budgets(best)}"
     if train and not transient_grads and fits(blocks, plan, budgets, page, transient_grads=True):
         smallest += f". It fits as it is when {TRANSIENT_HINT}"
+    elif train and not transient_grads and _fits_in_pieces(blocks, plan, budgets, page):
+        smallest += (f". It fits with its disk-homed blocks updated in pieces (their gradients then wait on the "
+                     f"device, a few at a time) when {TRANSIENT_HINT}")
     raise PlanDoesNotFit(smallest)
+
+
+def _fits_in_pieces(blocks: list[Block], plan: Plan, budgets: Budgets, page: int) -> bool:
+    """Whether the plan fits once ``pieces_to_fit`` cuts it, with gradients updated away as they come."""
+    cut = pieces_to_fit(_numels(blocks), plan, page, capacities(budgets), "transient")
+    return cut is not plan and fits(blocks, cut, budgets, page, transient_grads=True)
 
 
 def _budgets(need: dict[Tier, int]) -> str:

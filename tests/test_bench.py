@@ -154,3 +154,21 @@ def test_the_loss_at_equal_time_is_a_number_when_a_run_finished_no_step_in_the_w
     assert c.mean_between(0.5, 1.0) == 4.0       # the steps that ended inside
     assert c.mean_between(0.95, 1.1) == 4.0      # none inside: the last that ended by then
     assert c.mean_between(0.1, 0.4) == 5.0       # none ended yet: the initial model's loss
+
+
+def test_each_peer_gets_a_private_disk_directory_removed_with_what_it_left(tmp_path):
+    from pathlib import Path
+
+    from tiertrain.bench.peers import PeerBench, own_disk_dir
+    from tiertrain.memory import Budgets
+    from tiertrain.models import ModelConfig
+
+    (tmp_path / "theirs").write_text("a user's file")
+    bench = PeerBench(ModelConfig(n_layer=1, n_head=1, d_model=8, d_ffn=8, vocab_size=16, max_seq_len=8), 1, 4,
+                      "fp32", Budgets(1 << 20, 1 << 20, 1 << 30, str(tmp_path)), 1, 0, "sync")
+    with own_disk_dir(bench) as mine:
+        work = Path(mine.budgets.disk_dir)
+        assert work.parent == tmp_path and work.stat().st_mode & 0o077 == 0
+        (work / "deepspeed").mkdir()
+        (work / "deepspeed" / "swap.bin").write_bytes(b"x" * 4096)  # what a peer leaves
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["theirs"]

@@ -88,6 +88,7 @@ def test_resume_alone_continues_the_run_with_the_options_it_was_started_with(tmp
     second = run_cli("train", "--resume", str(out), "--steps", "5")  # as the summary tells the user
     assert second.returncode == 0, second.stderr
     assert "resumed from" in second.stdout and "tiny" in second.stdout
+    assert "done: 2 steps (steps 3 -> 5)" in second.stdout and "done: 3 steps in" in first.stdout
     saved = json.loads((out / "checkpoints" / "step-00000005" / "trainer.json").read_text())["run_config"]
     assert (saved["model"], saved["batch_size"], saved["seq_len"], saved["lr"], saved["grad_clip"], saved["steps"]) \
         == ("tiny", 4, 32, 1e-2, 0.5, 5)

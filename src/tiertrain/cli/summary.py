@@ -9,7 +9,9 @@ from tiertrain.engine.loop import RunSummary
 
 def print_summary(s: RunSummary, console: Console) -> None:
     state = "stopped early" if s.stopped_early else "done"
-    console.print(f"[bold]{state}[/]: {s.steps} steps in {s.seconds:.1f} s")
+    ran = len(s.losses)  # this process's steps: a resumed run started past step 0
+    span = f" (steps {s.steps - ran} -> {s.steps})" if ran != s.steps else ""
+    console.print(f"[bold]{state}[/]: {ran} steps{span} in {s.seconds:.1f} s")
     console.print(f"  loss            {s.first_loss:.4f} -> {s.last_loss:.4f}" if s.losses else "  loss            (no steps run)")
     console.print(f"  throughput      {s.tokens_per_s:,.0f} tokens/s, {s.tflops:.3f} TFLOPS (median step)")
     console.print(f"  metrics         {s.out / 'metrics.jsonl'}")

@@ -161,8 +161,7 @@ class Trainer:
         """A plain run's model on its device. A tiered run's stays on the host (setup places its
         parameters in the tiers; a model bigger than the device must never go there whole), and one
         whose fp32 weights exceed the host budget, or with the budgets its memory cgroup's limit (setup
-        reserves the budgets while the model still lives), is built on the meta
-        device instead: setup
+        reserves the budgets while the model still lives), is built on the meta device instead: setup
         then initialises it block by block, so it never exists whole in host memory either. Its
         initial weights are drawn per block (``init_in_place``), not as an in-memory build draws them."""
         seed_everything(self.cfg.seed)

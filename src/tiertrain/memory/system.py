@@ -148,32 +148,23 @@ class MemorySystem:
         self.read_into(chunk, out)
         return out
 
-    def read_into(self, chunk: Chunk, out: torch.Tensor) -> None:
-        """A disk chunk's bytes into ``out`` (uint8, at least as long; verified), through one aligned
-        page buffer, without allocating a copy of the chunk."""
+    def read_into(self, chunk: Chunk, out: torch.Tensor, start: int = 0) -> None:
+        """A disk chunk's bytes from ``start`` into ``out`` (uint8; as many as it holds, up to the chunk's
+        end; verified), through one aligned page buffer: only the pages they lie in are read, and no
+        copy of the chunk is made."""
         disk = self.pool(Tier.DISK)
         assert isinstance(disk, DiskPool)
         stage, region = host_buffer(disk.page_size, pin=False)  # O_DIRECT needs an aligned buffer
-        for pos, e in chunk.segments():
-            if pos >= out.numel():
-                break
+        for pos, e in chunk.segments(start, start + out.numel()):  # e: the part of a page in the range
             disk.read_page(e.page, memoryview(stage.numpy()))  # raises on a short read or a bad checksum
-            n = min(e.length, out.numel() - pos)
-            out[pos : pos + n] = stage[e.offset : e.offset + n]
+            out[pos - start : pos - start + e.length] = stage[e.offset : e.offset + e.length]
         del stage, region
 
     def read_range(self, chunk: Chunk, start: int, nbytes: int) -> torch.Tensor:
-        """Bytes ``[start, start + nbytes)`` of a disk chunk, as a CPU tensor of their own (verified): the
-        pages they lie in read through one aligned page buffer, so reading one parameter of a large
-        block costs that parameter, not the block."""
-        disk = self.pool(Tier.DISK)
-        assert isinstance(disk, DiskPool)
+        """Bytes ``[start, start + nbytes)`` of a disk chunk, as a CPU tensor of their own: reading one
+        parameter of a large block costs that parameter, not the block."""
         out = torch.empty(nbytes, dtype=torch.uint8)
-        stage, region = host_buffer(disk.page_size, pin=False)
-        for pos, e in chunk.segments(start, start + nbytes):  # e: the part of a page inside the range
-            disk.read_page(e.page, memoryview(stage.numpy()))
-            out[pos - start : pos - start + e.length] = stage[e.offset : e.offset + e.length]
-        del stage, region
+        self.read_into(chunk, out, start)
         return out
 
     def move(self, chunk: Chunk, tier: Tier, contiguous: bool = False) -> Handle:

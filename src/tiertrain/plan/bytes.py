@@ -103,6 +103,11 @@ def staging_bytes(sizes: Sequence[int], plans: Sequence[BlockPlan], workers: int
     """Host bytes the piecewise updates hold: per worker, ``PIECE_BUFFERS`` pieces of each of the
     three states, at the largest piece of any block updated in pieces (0 if none is)."""
     largest = max((piece_bytes(s, p) for s, p in zip(sizes, plans) if in_pieces(p)), default=0)
+    return piece_buffer_bytes(largest, workers, page, bound)
+
+
+def piece_buffer_bytes(largest: int, workers: int, page: int, bound: bool = True) -> int:
+    """Host bytes of the piecewise updates' buffers with ``largest``-byte pieces (0: none)."""
     return workers * PIECE_BUFFERS * 3 * pages(largest, page, bound) if largest else 0
 
 
@@ -226,13 +231,14 @@ def pieces_to_fit(numels: Sequence[int], plan: Plan, page: int, budgets: dict[Ti
     fits_host = tier_bytes(numels, plan, page, grads=grads)[Tier.HOST] <= budgets[Tier.HOST]
     if fits_host or not plan.uses_disk or any(b.piece for b in (*plan.blocks, plan.rest)):
         return plan
+    def cut(bp: BlockPlan, n: int, piece: int) -> BlockPlan:
+        big = bp.home is Tier.DISK and n * F32_BYTES > piece
+        return dataclasses.replace(bp, piece=piece) if big else bp
+
     piece = max(page, MAX_PIECE // page * page)
     while True:
-        def cut(bp: BlockPlan, n: int) -> BlockPlan:
-            big = bp.home is Tier.DISK and n * F32_BYTES > piece
-            return dataclasses.replace(bp, piece=piece) if big else bp
-        pieced = dataclasses.replace(plan, blocks=tuple(cut(b, n) for b, n in zip(plan.blocks, numels)),
-                                     rest=cut(plan.rest, numels[-1]))
+        pieced = dataclasses.replace(plan, blocks=tuple(cut(b, n, piece) for b, n in zip(plan.blocks, numels)),
+                                     rest=cut(plan.rest, numels[-1], piece))
         need = tier_bytes(numels, pieced, page, grads=grads)
         if all(need[t] <= budgets[t] for t in need):
             return pieced

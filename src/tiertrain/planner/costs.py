@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from tiertrain.plan.bytes import PIECE_BUFFERS, alive_grad_bytes, pages
+from tiertrain.plan.bytes import alive_grad_bytes, pages, piece_buffer_bytes
 from tiertrain.planner.network import Network
 from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
 
@@ -172,7 +172,7 @@ def host_bytes(p: Profile, choices: tuple[Choice, ...], disk_home: tuple[bool, .
 def _staging(p: Profile, blocks: list[BlockProfile]) -> int:
     """Host bytes of the piecewise updates' buffers (``plan.bytes.staging_bytes``' rule)."""
     largest = max((min(p.piece, p.network.per_rank(b.params) * GRAD_BYTES) for b in blocks), default=0)
-    return p.update_workers * PIECE_BUFFERS * 3 * pages(largest, p.page) if largest else 0
+    return piece_buffer_bytes(largest, p.update_workers, p.page)
 
 
 def _grads_of(p: Profile, blocks: list[BlockProfile]) -> int:

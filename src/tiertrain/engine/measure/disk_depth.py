@@ -47,10 +47,15 @@ class DiskDepth:
                 f"apart {self.apart_bps / 1e9:.2f} GB/s)")
 
 
+def plateau_depth(curve: dict[int, float]) -> int:
+    """The smallest depth within ``PLATEAU`` of the best rate measured."""
+    best = max(curve.values())
+    return min(d for d, bps in curve.items() if bps >= PLATEAU * best)
+
+
 def choose(curve: dict[int, float], together_bps: float, apart_bps: float) -> tuple[int, int]:
     """(depth, write share) from the measurements (``DiskDepth``'s rules)."""
-    best = max(curve.values())
-    depth = min(d for d, bps in curve.items() if bps >= PLATEAU * best)
+    depth = plateau_depth(curve)
     share = depth // 2 if together_bps >= TOGETHER_GAIN * apart_bps and depth > 1 else 0
     return depth, share
 
@@ -100,8 +105,8 @@ def measure_depth(directory: Path, page: int, total: int = 256 * MiB, rounds: in
     for _ in range(rounds):
         for d in DEPTHS:
             curve[d] = max(curve[d], measure_disk(directory, page, total, d, verify=True).both_bps)
-    best = min(d for d, bps in curve.items() if bps >= PLATEAU * max(curve.values()))
-    together, apart = max(together_rate(directory, page, total, best) for _ in range(rounds))
+    rates = [together_rate(directory, page, total, plateau_depth(curve)) for _ in range(rounds)]
+    together, apart = max(r[0] for r in rates), max(r[1] for r in rates)  # each at its best, as the curve
     depth, share = choose(curve, together, apart)
     return DiskDepth(depth, share, curve, together, apart)
 

@@ -18,8 +18,11 @@ DISK = Plan(tuple(BlockPlan(home=Tier.DISK, stream=True) for _ in range(N)), Blo
             name="disk-home")
 PIECES = dataclasses.replace(DISK, blocks=tuple(dataclasses.replace(b, piece=64 << 10) for b in DISK.blocks),
                              rest=dataclasses.replace(DISK.rest, piece=64 << 10), name="disk-pieces")
+HOST_MASTER = dataclasses.replace(DISK, blocks=tuple(dataclasses.replace(b, host_master=True) for b in DISK.blocks),
+                                  rest=dataclasses.replace(PIECES.rest, host_master=True), name="disk-host-master")
 PLANS = {"resident": builtin_plan("resident", N), "stream": builtin_plan("stream", N), "disk": DISK,
-         "disk-pieces": PIECES}  # pieces: each rank's shard updated through host in pieces, the rest resident
+         "disk-pieces": PIECES,  # pieces: each rank's shard updated through host in pieces, the rest resident
+         "disk-host-master": HOST_MASTER}  # masters on the host, moments on disk (the rest's in pieces)
 CASES = [(plan, update, accum) for plan in PLANS for update in ("sync", "overlap") for accum in (1, 2)]
 
 

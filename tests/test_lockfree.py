@@ -11,18 +11,19 @@ from tiertrain.memory import Budgets, Tier
 from tiertrain.plan import BlockPlan, Plan
 
 
-def plan(home: Tier, staleness: int) -> Plan:
-    return Plan(tuple(BlockPlan(home=home, stream=True) for _ in range(4)), BlockPlan(home=home), window=2,
-                prefetch=1, update="lockfree", max_staleness=staleness, name="lockfree")
+def plan(home: Tier, staleness: int, host_master: bool = False) -> Plan:
+    return Plan(tuple(BlockPlan(home=home, stream=True, host_master=host_master) for _ in range(4)),
+                BlockPlan(home=home, host_master=host_master), window=2, prefetch=1, update="lockfree",
+                max_staleness=staleness, name="lockfree")
 
 
 def budgets(tmp_path) -> Budgets:
     return Budgets(device=8 << 20, host=64 << 20, disk=64 << 20, disk_dir=str(tmp_path / "disk"))
 
 
-@pytest.mark.parametrize("home", [Tier.HOST, Tier.DISK])
-def test_lockfree_with_zero_staleness_is_plain_pytorch_bitwise(tmp_path, home):
-    got, _ = train_tiered(TINY4, 12, 1, None, plan(home, 0), budgets(tmp_path))
+@pytest.mark.parametrize("home,host_master", [(Tier.HOST, False), (Tier.DISK, False), (Tier.DISK, True)])
+def test_lockfree_with_zero_staleness_is_plain_pytorch_bitwise(tmp_path, home, host_master):
+    got, _ = train_tiered(TINY4, 12, 1, None, plan(home, 0, host_master), budgets(tmp_path))
     assert got == train_plain(TINY4, 12, 1, None)
 
 

@@ -19,10 +19,11 @@ MODEL = {"n_layer": 2, "n_head": 2, "d_model": 64, "d_ffn": 128, "vocab_size": 2
 
 
 def _plan(update: str = "sync", piece: int = 2 * PAGE, param_copy: bool = False, stream: bool = True,
-          staleness: int = 1) -> Plan:
-    block = BlockPlan(home=Tier.DISK, stream=stream, param_copy=stream and param_copy, piece=piece)
-    return Plan((block,) * MODEL["n_layer"], BlockPlan(home=Tier.DISK, piece=piece), window=2, prefetch=1,
-                update=update, max_staleness=staleness)
+          staleness: int = 1, host_master: bool = False) -> Plan:
+    block = BlockPlan(home=Tier.DISK, stream=stream, param_copy=stream and param_copy, piece=piece,
+                      host_master=host_master)
+    return Plan((block,) * MODEL["n_layer"], BlockPlan(home=Tier.DISK, piece=piece, host_master=host_master),
+                window=2, prefetch=1, update=update, max_staleness=staleness)
 
 
 def _budgets(tmp_path, host: int = 4 << 20) -> Budgets:
@@ -44,30 +45,34 @@ def _train(tmp_path, plan: Plan, steps: int, accum: int = 1, clip: float | None 
     return losses, weights, stats, ran
 
 
-@pytest.mark.parametrize("update,accum,clip,param_copy", [
-    ("sync", 1, None, False), ("sync", 2, 1.0, True), ("overlap", 1, None, False), ("overlap", 2, 0.5, False),
-    ("overlap", 1, None, True)])
-def test_updates_in_pieces_equal_plain_pytorch_bitwise(tmp_path, update, accum, clip, param_copy):
+@pytest.mark.parametrize("update,accum,clip,param_copy,host_master", [
+    ("sync", 1, None, False, False), ("sync", 2, 1.0, True, False), ("overlap", 1, None, False, False),
+    ("overlap", 2, 0.5, False, False), ("overlap", 1, None, True, False), ("sync", 2, 1.0, False, True),
+    ("overlap", 1, None, False, True)])
+def test_updates_in_pieces_equal_plain_pytorch_bitwise(tmp_path, update, accum, clip, param_copy, host_master):
     want = train_plain(MODEL, 3, accum, clip)
-    got, _, stats, ran = _train(tmp_path, _plan(update, param_copy=param_copy), 3, accum, clip)
+    got, _, stats, ran = _train(tmp_path, _plan(update, param_copy=param_copy, host_master=host_master), 3, accum,
+                                clip)
     assert got == want
     assert all(in_pieces(b) for b in (*ran.blocks, ran.rest))
     largest = max(block_numel(b) for b in find_blocks(_fresh(MODEL)[0])) * 4
     assert largest >= 8 * 2 * PAGE  # every block's states are cut into many pieces, parameters across them
-    assert stats["disk"]["peak_by_kind"]["master"] > 0
+    assert (stats["disk"]["peak_by_kind"].get("master", 0) > 0) is not host_master  # a host master never travels
+    assert stats["disk"]["peak_by_kind"]["exp_avg"] > 0
 
 
-def test_lockfree_in_pieces_at_staleness_0_equals_plain_pytorch(tmp_path):
+@pytest.mark.parametrize("host_master", [False, True])
+def test_lockfree_in_pieces_at_staleness_0_equals_plain_pytorch(tmp_path, host_master):
     want = train_plain(MODEL, 3, 1, None)
-    got, _, _, _ = _train(tmp_path, _plan("lockfree", staleness=0), 3)
+    got, _, _, _ = _train(tmp_path, _plan("lockfree", staleness=0, host_master=host_master), 3)
     assert got == want
 
 
-@pytest.mark.parametrize("update", ["sync", "overlap"])
-def test_weights_after_updates_in_pieces_are_plain_pytorchs(tmp_path, update):
+@pytest.mark.parametrize("update,host_master", [("sync", False), ("overlap", False), ("overlap", True)])
+def test_weights_after_updates_in_pieces_are_plain_pytorchs(tmp_path, update, host_master):
     model, opt = _fresh(MODEL)
     _loop(model, opt, None, 2, 1, None)
-    _, weights, _, _ = _train(tmp_path, _plan(update), 2)
+    _, weights, _, _ = _train(tmp_path, _plan(update, host_master=host_master), 2)
     for n, p in model.named_parameters():
         assert torch.equal(weights[n], p.detach()), n
 
@@ -194,7 +199,9 @@ def test_bounded_gradients_of_mixed_sizes_always_find_their_run_in_what_the_budg
         _churn(PageTable(before // page, page, share_pages=True), sizes, workers + 1, 3, top=0)
 
 
-def test_a_run_updated_in_pieces_checkpoints_a_parameter_at_a_time_and_resumes_bitwise(tmp_path, monkeypatch):
+@pytest.mark.parametrize("host_master", [False, True])
+def test_a_run_updated_in_pieces_checkpoints_a_parameter_at_a_time_and_resumes_bitwise(tmp_path, monkeypatch,
+                                                                                        host_master):
     """Its checkpoint streams each parameter's master and moments from disk on their own, and a resume
     writes them back so (never a whole block's tensor: that is what the host cannot hold); resuming
     continues the uninterrupted run bit for bit."""
@@ -217,7 +224,7 @@ def test_a_run_updated_in_pieces_checkpoints_a_parameter_at_a_time_and_resumes_b
     flat_of = state_io._flat
     monkeypatch.setattr(state_io, "_flat", flat)
     plan = tmp_path / "pieces.json"  # the "tiny" model: two blocks, each cut into several pieces of two pages
-    plan.write_text(_plan("overlap").to_json())
+    plan.write_text(_plan("overlap", host_master=host_master).to_json())
     kw = dict(steps=4, plan=str(plan), disk=f"{tmp_path / 'disk'}:64MiB", page_size="4KiB", update="overlap",
               grad_clip=0.0, save_every=2, keep_checkpoints=5)
     full = train(tiny_config(tmp_path / "full", **kw))

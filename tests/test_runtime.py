@@ -82,9 +82,13 @@ def hf_runs(tmp_path_factory):
 
 
 def random_plan(rng: random.Random, n_blocks: int) -> Plan:
-    blocks = tuple(BlockPlan(home=rng.choice(list(Tier)), stream=rng.random() < 0.5, recompute=rng.random() < 0.5,
-                             param_copy=rng.random() < 0.5, offload_hidden=rng.random() < 0.5)
-                   for _ in range(n_blocks))
+    def block() -> BlockPlan:
+        home = rng.choice(list(Tier))
+        return BlockPlan(home=home, stream=rng.random() < 0.5, recompute=rng.random() < 0.5,
+                         param_copy=rng.random() < 0.5, offload_hidden=rng.random() < 0.5,
+                         host_master=(rng.random() < 0.5) and home is Tier.DISK)
+
+    blocks = tuple(block() for _ in range(n_blocks))
     window = rng.randint(1, 3)
     return Plan(blocks, BlockPlan(home=rng.choice(list(Tier))), window=window, prefetch=rng.randint(0, window - 1),
                 update=rng.choice(["sync", "overlap"]), name="random", cache=rng.randint(0, 2))
@@ -96,8 +100,8 @@ PLANS = [random_plan(random.Random(seed), 4) for seed in range(50)]
 def test_the_random_plans_cover_every_switch_and_tier_combination():
     seen = {(b.home, b.stream, b.recompute, b.offload_hidden) for p in PLANS for b in p.blocks}
     assert len(seen) == len(Tier) * 2 * 2 * 2
-    assert {(b.home, b.stream, b.param_copy) for p in PLANS for b in p.blocks if b.home is Tier.DISK} == {
-        (Tier.DISK, s, c) for s in (True, False) for c in (True, False)}
+    assert {(b.stream, b.param_copy, b.host_master) for p in PLANS for b in p.blocks if b.home is Tier.DISK} == {
+        (s, c, m) for s in (True, False) for c in (True, False) for m in (True, False)}
     assert {p.update for p in PLANS} == {"sync", "overlap"}
     assert {p.window for p in PLANS} == {1, 2, 3} and {p.rest.home for p in PLANS} == set(Tier)
     assert {p.cache for p in PLANS} == {0, 1, 2}

@@ -33,25 +33,31 @@ def _predicted_disk_bytes(plan: Plan, model_name: str) -> tuple[float, float, in
     return sim.timeline.busy("disk_read") * 2e9, sim.timeline.busy("disk_write") * 1e9, transfers
 
 
-def _mixed(tmp_path: Path) -> str:
-    """max-offload with the second block's states on the host and resident: some blocks' states on
-    disk, some not."""
+def _variant(tmp_path: Path, name: str) -> str:
+    """max-offload, and ``mixed``: the second block's states on the host and resident (some blocks'
+    states on disk, some not); ``host-master``: the first block's and the rest's masters on the host
+    (only their moments cross to disk), the second block's all on disk."""
     import dataclasses
 
     from tiertrain.plan import builtin_plan
     from tiertrain.plan.tiers import Tier
 
     plan = builtin_plan("max-offload", 2, disk=True)
-    host = dataclasses.replace(plan.blocks[1], home=Tier.HOST, stream=False)
-    path = tmp_path / "mixed.json"
-    path.write_text(dataclasses.replace(plan, blocks=(plan.blocks[0], host)).to_json())
+    if name == "mixed":
+        plan = dataclasses.replace(plan, blocks=(plan.blocks[0], dataclasses.replace(plan.blocks[1], home=Tier.HOST,
+                                                                                       stream=False)))
+    elif name == "host-master":
+        plan = dataclasses.replace(plan, blocks=(dataclasses.replace(plan.blocks[0], host_master=True), plan.blocks[1]),
+                                   rest=dataclasses.replace(plan.rest, host_master=True))
+    path = tmp_path / f"{name}.json"
+    path.write_text(plan.to_json())
     return str(path)
 
 
-@pytest.mark.parametrize("plan", ["max-offload", "mixed"])
+@pytest.mark.parametrize("plan", ["max-offload", "mixed", "host-master"])
 def test_the_disk_bytes_a_sync_step_moves_are_the_simulators_up_to_sector_rounding(tmp_path, plan):
     out = tmp_path / "run"
-    plan = _mixed(tmp_path) if plan == "mixed" else plan
+    plan = _variant(tmp_path, plan)
     train(tiny_config(out, steps=4, plan=plan, disk=f"{tmp_path / 'disk'}:64MiB", page_size="64KiB",
                       update="sync", save_every=2))  # what a checkpoint reads is no step's
     rows = read_metrics(out)

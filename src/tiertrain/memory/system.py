@@ -101,9 +101,16 @@ class MemorySystem:
         self.write_parts(chunk, [])
 
     def write_parts(self, chunk: Chunk, parts: Iterable[tuple[int, torch.Tensor]]) -> None:
-        """Write a disk chunk in place from ``parts``, (byte offset, bytes) in increasing order without
-        overlaps, each page once through one aligned page buffer, bytes no part covers zeroed: a
-        block's weights go to disk a parameter at a time, never whole in memory."""
+        """Write a chunk in place from ``parts``, (byte offset, bytes) in increasing order without
+        overlaps, bytes no part covers zeroed: a block's weights go to disk a parameter at a time,
+        never whole in memory (each page once, through one aligned page buffer)."""
+        if chunk.tier is not Tier.DISK:
+            flat = chunk.merge()
+            flat.zero_()
+            for offset, data in parts:
+                data = data.detach().contiguous().view(-1).view(torch.uint8).cpu()
+                flat[offset : offset + data.numel()].copy_(data)
+            return
         disk = self.pool(Tier.DISK)
         assert isinstance(disk, DiskPool)
         ps = disk.page_size

@@ -69,6 +69,18 @@ def master_in_slot(bp: BlockPlan, plan: Plan, train: bool = True) -> bool:
             and not sharded(bp, plan))
 
 
+def state_homes(bp: BlockPlan) -> tuple[Tier, Tier, Tier]:
+    """Where a block's master, exp_avg and exp_avg_sq live between steps: at its home, but a disk-homed
+    block's master on the host where ``host_master`` says so."""
+    master = Tier.HOST if bp.host_master and bp.home is Tier.DISK else bp.home
+    return master, bp.home, bp.home
+
+
+def disk_states(bp: BlockPlan) -> int:
+    """How many of a block's three fp32 states live on disk (and cross to the host for its update)."""
+    return sum(t is Tier.DISK for t in state_homes(bp))
+
+
 def in_pieces(bp: BlockPlan) -> bool:
     """Whether a block's update streams its disk-homed states through host piece by piece."""
     return bp.piece > 0 and bp.home is Tier.DISK
@@ -100,15 +112,16 @@ def piece_bytes(nbytes: int, bp: BlockPlan) -> int:
 
 def staging_bytes(sizes: Sequence[int], plans: Sequence[BlockPlan], workers: int, page: int,
                   bound: bool = True) -> int:
-    """Host bytes the piecewise updates hold: per worker, ``PIECE_BUFFERS`` pieces of each of the
-    three states, at the largest piece of any block updated in pieces (0 if none is)."""
-    largest = max((piece_bytes(s, p) for s, p in zip(sizes, plans) if in_pieces(p)), default=0)
-    return piece_buffer_bytes(largest, workers, page, bound)
+    """Host bytes the piecewise updates hold: per worker, ``PIECE_BUFFERS`` pieces of each state that
+    lives on disk, at the largest such set of any block updated in pieces (0 if none is)."""
+    sets = [(disk_states(p), piece_bytes(s, p)) for s, p in zip(sizes, plans) if in_pieces(p)]
+    return max((piece_buffer_bytes(n, workers, page, bound, k) for k, n in sets), default=0)
 
 
-def piece_buffer_bytes(largest: int, workers: int, page: int, bound: bool = True) -> int:
-    """Host bytes of the piecewise updates' buffers with ``largest``-byte pieces (0: none)."""
-    return workers * PIECE_BUFFERS * 3 * pages(largest, page, bound) if largest else 0
+def piece_buffer_bytes(largest: int, workers: int, page: int, bound: bool = True, states: int = 3) -> int:
+    """Host bytes of the piecewise updates' buffers with ``largest``-byte pieces of ``states`` disk
+    states (0: none)."""
+    return workers * PIECE_BUFFERS * states * pages(largest, page, bound) if largest else 0
 
 
 def transient(update: str, needs_all_grads: bool) -> bool:
@@ -205,16 +218,18 @@ def tier_bytes(numels: Sequence[int], plan: Plan, page: int, train: bool = True,
                 need[grad_tier(bp)] += copies * chunk(size)
                 if dp > 1:
                     need[grad_tier(bp)] += chunk(f)  # this rank's gradients, summed over micro-batches, until reduced
-            need[bp.home] += 3 * chunk(size)      # master (the slot, where master_in_slot), exp_avg, exp_avg_sq
+            for tier in state_homes(bp):      # master (the slot, where master_in_slot), exp_avg, exp_avg_sq
+                need[tier] += chunk(size)
     if not train:
         return need
     if grads == "transient":
         for tier, nbytes in bounded_grads(numels, plan, page, bound).items():
             need[tier] += nbytes
-    disk_sizes = sorted((s for s, p in zip(sizes, plans) if p.home is Tier.DISK and not in_pieces(p)), reverse=True)
+    on_disk = sorted((disk_states(p) * chunk(s) for s, p in zip(sizes, plans)
+                      if p.home is Tier.DISK and not in_pieces(p)), reverse=True)
     # states in host for updates: read ahead, being updated, being written back (one per worker)
     held = plan.read_ahead + 2 * plan.update_workers
-    need[Tier.HOST] += sum(3 * chunk(s) for s in disk_sizes[:held])
+    need[Tier.HOST] += sum(on_disk[:held])
     need[Tier.HOST] += staging_bytes(sizes, plans, plan.update_workers, page, bound)
     return need
 

@@ -38,6 +38,9 @@ class BlockPlan:
     offload_hidden: bool = False  # saved activations (with recompute: the block's input) wait on the host
     shard: bool = False          # data parallel: master, moments and gradients split over the dp ranks (the
     #                              compute params gathered into the slot at use); else replicated on every rank
+    host_master: bool = False    # disk home: the fp32 master stays on the host (4 B/param), only the moments go to
+    #                              disk: the update neither reads nor writes it, and an fp32 slot is filled from it
+    #                              (ANGEL-PTM places each page by itself; this keeps the 4 B that spare 16 B of traffic)
     piece: int = field(default=0, metadata=at_least(0))  # disk home: the update streams the states through host
     #                              in pieces of this many bytes of each state (0: the whole block at once), so the
     #                              host needs a few pieces, not 12 B x the block; its gradients wait on the device
@@ -90,6 +93,10 @@ class Plan:
         if pieced:
             raise ConfigError(f"a block's piece ({pieced[0].piece} bytes) streams a disk-homed block's update "
                               "through host; set piece to 0 where home is not disk")
+        split = [b for b in (*self.blocks, self.rest) if b.host_master and b.home is not Tier.DISK]
+        if split:
+            raise ConfigError(f"host_master keeps a disk-homed block's master on the host; its home is "
+                              f"{split[0].home.value}: set host_master to false or home to disk")
         if self.read_ahead < 0 or self.update_workers < 1 or self.max_staleness < 0 or self.cache < 0:
             raise ConfigError("cache, read_ahead and max_staleness must be >= 0 and update_workers >= 1")
         return self

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 from tiertrain.plan.tiers import Tier
 from tiertrain.plan import Plan
-from tiertrain.plan.bytes import (bounded_grads, bounds_grads, disk_passes_per_step, grad_copies, grad_tier, in_pieces,
-                                  pages, separate_param_home, sharded, tier_bytes, updated_away)
-from tiertrain.planner.costs import GRAD_BYTES, STATE_BYTES, grads_out_s, publishes_over_link
+from tiertrain.plan.bytes import (bounded_grads, bounds_grads, disk_passes_per_step, disk_states, grad_copies, grad_tier,
+                                  in_pieces, pages, separate_param_home, sharded, state_homes, tier_bytes, updated_away)
+from tiertrain.planner.costs import GRAD_BYTES, grads_out_s, publishes_over_link
 from tiertrain.planner.network import Network
 from tiertrain.planner.profile import MachineProfile, Profile
 
@@ -182,7 +182,7 @@ def _fetch(tl: Timeline, plan: Plan, bp, p: Profile, ready: float, nbytes: int, 
     master on disk is its only copy (no separate param home); a sharded block's own share so,
     then all-gathered from the others'."""
     own = _own(plan, bp, nbytes)
-    if bp.home is Tier.DISK and not separate_param_home(bp, plan):
+    if state_homes(bp)[0] is Tier.DISK and not separate_param_home(bp, plan):
         start, end = tl.run("disk_read", ready, own / p.machine.disk_read_bps, label)
     else:
         start, end = tl.run("h2d", ready, own / p.machine.h2d_bps, label)
@@ -219,7 +219,7 @@ def _updates(plan, p, tl, grads_done, bstarts, order, device_end, needs_all_grad
         if sharded(bp, plan) and not bp.stream:  # the new params of every rank's share into the slot
             tl.run("net", done, share * _network(plan, p).gather_s(b.params * p.compute_bytes), f"gather {b.name}")
         if bp.home is Tier.DISK:
-            tl.run("disk_write", done, share * own * STATE_BYTES / m.disk_write_bps, f"write {b.name}")
+            tl.run("disk_write", done, share * own * _disk_bytes(bp) / m.disk_write_bps, f"write {b.name}")
     ready = device_end if plan.update == "sync" or needs_all_grads else 0.0
     rest_disk = plan.rest.home is Tier.DISK
     share = disk_passes_per_step(plan.update, plan.max_staleness) if rest_disk else 1.0
@@ -231,7 +231,7 @@ def _updates(plan, p, tl, grads_done, bstarts, order, device_end, needs_all_grad
     if sharded(plan.rest, plan):
         tl.run("net", done, _network(plan, p).gather_s(p.rest.params * p.compute_bytes), "gather rest")
     if rest_disk:
-        tl.run("disk_write", done, share * own * STATE_BYTES / m.disk_write_bps, "write rest")
+        tl.run("disk_write", done, share * own * _disk_bytes(plan.rest) / m.disk_write_bps, "write rest")
     change(max(done, device_end), grad_tier(plan.rest).value, -pages(own * GRAD_BYTES, p.page, bound=False),
            updated_away(plan.rest))
 
@@ -240,12 +240,17 @@ def _read_states(tl: Timeline, bp, m, ready: float, ahead: float, numel: float, 
     """A disk-homed block's states read for its update: (when its AdamW may start, when the reads end).
     Read ahead from ``ahead`` and the update after them; or, updated in pieces, read as the update
     starts and the update a piece behind its reads (``runtime.pieces``)."""
-    seconds = numel * STATE_BYTES / m.disk_read_bps
+    seconds = numel * _disk_bytes(bp) / m.disk_read_bps
     if not in_pieces(bp):
         return max(ready, tl.run("disk_read", ahead, seconds, label)[1]), 0.0
     start, end = tl.run("disk_read", ready, seconds, label)
-    first = min(seconds, 3 * bp.piece / m.disk_read_bps)
+    first = min(seconds, disk_states(bp) * bp.piece / m.disk_read_bps)
     return start + first, end
+
+
+def _disk_bytes(bp) -> int:
+    """Bytes per parameter a disk-homed block's update reads and writes back: its states on disk."""
+    return disk_states(bp) * GRAD_BYTES
 
 
 def _step_time(plan: Plan, tl: Timeline, device_end: float, needs_all_grads: bool, m: MachineProfile) -> float:

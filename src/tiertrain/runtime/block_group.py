@@ -34,7 +34,7 @@ from tiertrain.optim import AdamWHyper, adamw_step
 from tiertrain.parallel import Collectives
 from tiertrain.parallel.collectives import Waitable
 from tiertrain.plan import BlockPlan
-from tiertrain.plan.bytes import grad_tier, updated_away
+from tiertrain.plan.bytes import grad_tier, state_homes, updated_away
 from tiertrain.runtime.blocks import Block
 from tiertrain.runtime.grads import GradBuffer, TakenGrads
 from tiertrain.runtime.reduction import Copy, Reduction
@@ -280,10 +280,22 @@ class BlockGroup:
         return self.layout.numel if self.shard is None else self.shard[1] - self.shard[0]
 
     @property
+    def on_disk(self) -> list[Chunk]:
+        """The states that live on disk between steps (``plan.bytes.state_homes``), which cross to the
+        host for each update and back; a ``host_master`` block's master stays where it is."""
+        return [c for c, home in zip(self.states, state_homes(self.plan)) if home is Tier.DISK]
+
+    @property
     def fills_slot_from_master(self) -> bool:
         """A streamed fp32 block without a param home of its own: its slot is copied from the fp32
         master wherever that lives, so the master must stay put (its write-back landed, no read)."""
         return self.param_home is not None and self.param_home is self.master
+
+    @property
+    def fills_slot_from_disk(self) -> bool:
+        """``fills_slot_from_master`` where that master travels between disk and host: reading the
+        states in must wait for the slot's fill, and the fill for the master's write-back."""
+        return self.fills_slot_from_master and state_homes(self.plan)[0] is Tier.DISK
 
     @property
     def nbytes(self) -> int:

@@ -19,7 +19,7 @@ from tiertrain.models.init import init_in_place
 from tiertrain.parallel import Collectives
 from tiertrain.parallel.experts import ExpertParallel
 from tiertrain.plan import BlockPlan, Plan, RunOptions
-from tiertrain.plan.bytes import in_pieces, master_in_slot, separate_param_home, sharded
+from tiertrain.plan.bytes import in_pieces, master_in_slot, separate_param_home, sharded, state_homes
 from tiertrain.precisions import torch_dtype
 from tiertrain.runtime.block_group import F32, BlockGroup
 from tiertrain.runtime.blocks import Block, HeldExperts, block_layout, split_experts
@@ -135,9 +135,9 @@ def _build(mem: MemorySystem, comm: Collectives, index: int, block: Block, bplan
         param_home = mem.allocate(f"{block.name}.param", layout.numel * compute.itemsize, Tier.HOST, Kind.PARAM,
                                   contiguous=True)
         param_home.typed(compute)[: layout.numel].copy_(slot.chunk.typed(compute)[: layout.numel])
-    for chunk in (master, exp_avg, exp_avg_sq):
-        if chunk is not None and chunk.tier is not bplan.home:
-            mem.move(chunk, bplan.home, contiguous=True).wait()
+    for chunk, home in zip((master, exp_avg, exp_avg_sq), state_homes(bplan)):
+        if chunk is not None and chunk.tier is not home:
+            mem.move(chunk, home, contiguous=True).wait()
     params = [nn.Parameter(t, requires_grad=options.train) for t in alias(slot, layout, compute)]
     steps = [torch.zeros((), dtype=F32) for _ in params]
     return BlockGroup(index, block, bplan, layout, params, master, exp_avg, exp_avg_sq, param_home, slot, steps,
@@ -150,10 +150,10 @@ def _states(mem: MemorySystem, comm: Collectives, block: Block, bplan: BlockPlan
     the master is left unwritten for a checkpoint to fill). A block updated in pieces writes its
     weights to disk a parameter at a time: no host staging of a whole block."""
     if options.init_states and in_pieces(bplan):
-        return _disk_chunks(mem, comm, block, layout, slot.chunk, compute)
+        return _disk_chunks(mem, comm, block, layout, slot.chunk, compute, state_homes(bplan)[0])
     chunks = _optimizer_chunks if options.init_states else _unwritten_chunks
     in_slot = slot.chunk if master_in_slot(bplan, plan, options.train) else None
-    master, exp_avg, exp_avg_sq = chunks(mem, block, layout, bplan.home, in_slot)
+    master, exp_avg, exp_avg_sq = chunks(mem, block, layout, state_homes(bplan), in_slot)
     if options.init_states and comm.world_size > 1:
         comm.broadcast(master.typed(F32))
     if master is not slot.chunk and master.tier is Tier.DISK:  # unwritten: nothing to publish yet
@@ -179,9 +179,9 @@ def _build_sharded(mem: MemorySystem, comm: Collectives, index: int, block: Bloc
         _fill_tensor(full, block.params, layout)
         comm.broadcast(full)
     pieced = in_pieces(bplan)  # its shard written to disk where it lies: never staged whole on the host
-    stage = Tier.HOST if bplan.home is Tier.DISK and not pieced else bplan.home
-    states = [mem.allocate(f"{block.name}.{k.value}", nbytes, stage, k, contiguous=True)
-              for k in (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)]
+    homes = state_homes(bplan)
+    states = [mem.allocate(f"{block.name}.{k.value}", nbytes, Tier.HOST if home is Tier.DISK and not pieced else home,
+                           k, contiguous=True) for k, home in zip((Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ), homes)]
     mem.overwrite(states[0], full[lo:hi].contiguous())
     for m in states[1:]:
         mem.zero(m)
@@ -194,9 +194,9 @@ def _build_sharded(mem: MemorySystem, comm: Collectives, index: int, block: Bloc
         param_home.typed(compute).copy_(full[lo:hi])
     else:
         param_home = states[0]
-    for chunk in states:
-        if chunk.tier is not bplan.home:
-            mem.move(chunk, bplan.home, contiguous=True).wait()
+    for chunk, home in zip(states, homes):
+        if chunk.tier is not home:
+            mem.move(chunk, home, contiguous=True).wait()
     params = [nn.Parameter(t, requires_grad=options.train) for t in alias(slot, layout, compute)]
     steps = [torch.zeros((), dtype=F32) for _ in params]
     return BlockGroup(index, block, bplan, layout, params, *states, param_home, slot, steps, [], compute, mem, comm,
@@ -219,14 +219,15 @@ def _fill_tensor(flat: torch.Tensor, params: list[tuple[str, torch.Tensor]], lay
 
 
 def _disk_chunks(mem: MemorySystem, comm: Collectives, block: Block, layout: ChunkLayout, slot: Chunk,
-                 compute: torch.dtype) -> tuple[Chunk, Chunk, Chunk]:
+                 compute: torch.dtype, master_home: Tier) -> tuple[Chunk, Chunk, Chunk]:
     """Master and moments of a block updated in pieces, written straight to disk: the master a
     parameter at a time (each drawn, or broadcast from rank 0, on its own, and its compute copy put
     in the slot), the moments as zeros, so the host never holds the block's states (``runtime.pieces``:
-    which is why the block is updated in pieces)."""
+    which is why the block is updated in pieces). A ``host_master`` block's master goes into its
+    host chunk the same way."""
     nbytes = layout.numel * F32.itemsize
-    chunks = [mem.allocate(f"{block.name}.{k.value}", nbytes, Tier.DISK, k, contiguous=True)
-              for k in (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)]
+    chunks = [mem.allocate(f"{block.name}.{k.value}", nbytes, home, k, contiguous=True)
+              for k, home in ((Kind.MASTER, master_home), (Kind.EXP_AVG, Tier.DISK), (Kind.EXP_AVG_SQ, Tier.DISK))]
     flat = slot.typed(compute)
     flat.zero_()
 
@@ -247,32 +248,34 @@ def _disk_chunks(mem: MemorySystem, comm: Collectives, block: Block, layout: Chu
     return chunks[0], chunks[1], chunks[2]
 
 
-def _unwritten_chunks(mem: MemorySystem, block: Block, layout: ChunkLayout, home: Tier,
+def _unwritten_chunks(mem: MemorySystem, block: Block, layout: ChunkLayout, homes: tuple[Tier, Tier, Tier],
                       slot: Chunk | None) -> tuple[Chunk, Chunk, Chunk]:
-    """Master and moments at their home, for a checkpoint to fill next (resume): no weights are
+    """Master and moments at their homes, for a checkpoint to fill next (resume): no weights are
     drawn and nothing is staged on the host or written twice. Disk pages stay unwritten, so reading
     one before the checkpoint has written it fails; host and device bytes are zeroed."""
     nbytes = layout.numel * F32.itemsize
+    kinds = list(zip((Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ), homes))
     out = [slot] if slot is not None else []
     out += [mem.allocate(f"{block.name}.{k.value}", nbytes, home, k, contiguous=True)
-            for k in ((Kind.MASTER,) if slot is None else ()) + (Kind.EXP_AVG, Kind.EXP_AVG_SQ)]
+            for k, home in (kinds if slot is None else kinds[1:])]
     for chunk in out:
         if chunk.tier is not Tier.DISK:
             chunk.typed(F32).zero_()
     return out[0], out[1], out[2]
 
 
-def _optimizer_chunks(mem: MemorySystem, block: Block, layout: ChunkLayout, home: Tier,
+def _optimizer_chunks(mem: MemorySystem, block: Block, layout: ChunkLayout, homes: tuple[Tier, Tier, Tier],
                       slot: Chunk | None) -> tuple[Chunk, Chunk, Chunk]:
-    """fp32 master (the weights) and zeroed moments, written where they live: at their home, or
+    """fp32 master (the weights) and zeroed moments, written where they live: at their homes, or
     on the host for the caller to send to disk (a disk chunk is written by moving it there).
     The budget check counts no host bytes for device-homed states, so they never pass through it.
     ``slot``: the master is that device slot itself (``plan.bytes.master_in_slot``)."""
-    nbytes, tier = layout.numel * F32.itemsize, Tier.HOST if home is Tier.DISK else home
-    master = slot or mem.allocate(f"{block.name}.master", nbytes, tier, Kind.MASTER, contiguous=True)
+    nbytes = layout.numel * F32.itemsize
+    tier = [Tier.HOST if home is Tier.DISK else home for home in homes]
+    master = slot or mem.allocate(f"{block.name}.master", nbytes, tier[0], Kind.MASTER, contiguous=True)
     _fill(master, block.params, layout, F32)
-    moments = [mem.allocate(f"{block.name}.{k.value}", nbytes, tier, k, contiguous=True)
-               for k in (Kind.EXP_AVG, Kind.EXP_AVG_SQ)]
+    moments = [mem.allocate(f"{block.name}.{k.value}", nbytes, t, k, contiguous=True)
+               for k, t in zip((Kind.EXP_AVG, Kind.EXP_AVG_SQ), tier[1:])]
     for m in moments:
         m.typed(F32).zero_()
     return master, moments[0], moments[1]

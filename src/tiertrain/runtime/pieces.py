@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from tiertrain.memory import Kind, MemorySystem, Tier
+from tiertrain.memory import Tier
 from tiertrain.memory.chunk import Chunk
 from tiertrain.memory.movement import Handle
 from tiertrain.optim import AdamWHyper, adamw_step
@@ -24,17 +24,25 @@ from tiertrain.plan.bytes import PIECE_BUFFERS, piece_bytes
 from tiertrain.runtime.block_group import F32, BlockGroup
 from tiertrain.runtime.grads import TakenGrads
 
-KINDS = (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)
-
 
 class _Buffers:
-    """One piece's host buffers for master and both moments, allocated from the host pool (so the
-    budget counts them), each starting on a page boundary (O_DIRECT reads straight into them)."""
+    """One piece's host buffers for each state on disk, allocated from the host pool (so the budget
+    counts them), each starting on a page boundary (O_DIRECT reads straight into them). A state
+    on the host (a ``host_master`` block's master) is updated where it lies: its piece is a view."""
 
-    def __init__(self, mem: MemorySystem, name: str, nbytes: int) -> None:
-        self.chunks = [mem.allocate(f"{name}.piece", nbytes, Tier.HOST, k, contiguous=True) for k in KINDS]
-        self.bytes = [c.merge() for c in self.chunks]
+    def __init__(self, g: BlockGroup, nbytes: int) -> None:
+        disk = g.on_disk
+        self.chunks = [g.mem.allocate(f"{g.block.name}.piece", nbytes, Tier.HOST, c.kind, contiguous=True)
+                       for c in disk]
+        self.disk = disk                 # the disk chunks, in the order of ``chunks``
+        self.bytes: list[torch.Tensor] = []  # per state (master, exp_avg, exp_avg_sq): this piece's bytes
         self.io: list[Handle] = []   # its reads or its write-back in flight
+
+    def at(self, g: BlockGroup, first: int, count: int) -> None:
+        """Point the buffers at pages ``[first, first + count)``: a host state's bytes are its own."""
+        page, mine = self.disk[0].pool.page_size, iter(c.merge() for c in self.chunks)
+        self.bytes = [next(mine) if c in self.disk else c.merge()[first * page : (first + count) * page]
+                      for c in g.states]
 
     def wait(self) -> None:
         for h in self.io:
@@ -48,15 +56,16 @@ def update_in_pieces(g: BlockGroup, hypers: list[AdamWHyper], coef: torch.Tensor
     if taken is None:
         return
     hypers = taken.hypers or hypers  # lockfree keeps each step's own with its gradients
-    mem, page = g.mem, g.master.pool.page_size
-    per_piece = max(1, piece_bytes(g.master.nbytes, g.plan) // page)
-    n_pages = len(g.master.extents)
+    disk = g.on_disk[0]  # disk chunks: one extent per page
+    mem, page = g.mem, disk.pool.page_size
+    per_piece = max(1, piece_bytes(disk.nbytes, g.plan) // page)
+    n_pages = len(disk.extents)
     firsts = list(range(0, n_pages, per_piece))
     before = [s.detach().clone() for s in g.steps]
     sets: list[_Buffers] = []
     try:
         for _ in range(min(PIECE_BUFFERS, len(firsts))):  # in the try: a refusal frees those already made
-            sets.append(_Buffers(mem, g.block.name, min(per_piece, n_pages) * page))
+            sets.append(_Buffers(g, min(per_piece, n_pages) * page))
         _read(g, sets[0], firsts[0], per_piece)
         for k, first in enumerate(firsts):
             buf = sets[k % len(sets)]
@@ -68,7 +77,8 @@ def update_in_pieces(g: BlockGroup, hypers: list[AdamWHyper], coef: torch.Tensor
             lo = first * page // F32.itemsize
             _adamw_piece(g, buf, lo, hypers, coef, taken, before)
             _publish_piece(g, buf, lo)
-            buf.io = [mem.mover.write_pages(c, first, per_piece, b) for c, b in zip(g.states, buf.bytes)]
+            buf.io = [mem.mover.write_pages(c, first, per_piece, b) for c, b in zip(g.states, buf.bytes)
+                      if c in buf.disk]
         for s in sets:
             s.wait()
     finally:
@@ -87,7 +97,8 @@ def update_in_pieces(g: BlockGroup, hypers: list[AdamWHyper], coef: torch.Tensor
 
 
 def _read(g: BlockGroup, buf: _Buffers, first: int, count: int) -> None:
-    buf.io = [g.mem.mover.read_pages(c, first, count, b) for c, b in zip(g.states, buf.bytes)]
+    buf.at(g, first, count)
+    buf.io = [g.mem.mover.read_pages(c, first, count, b) for c, b in zip(g.states, buf.bytes) if c in buf.disk]
 
 
 def _drain(buf: _Buffers) -> None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from tiertrain.memory import Kind, Tier
 from tiertrain.plan import Plan
-from tiertrain.plan.bytes import master_in_slot, separate_param_home
+from tiertrain.plan.bytes import master_in_slot, separate_param_home, state_homes
 from tiertrain.runtime.block_group import F32, BlockGroup
 from tiertrain.runtime.build import ring_slots
 from tiertrain.runtime.cache import DeviceCache
@@ -45,8 +45,8 @@ def replan(rt: "Runtime", plan: Plan, transient_grads: bool) -> None:
     rt.plan = plan
     for tier in _MOVE_ORDER:
         for g in rt.groups:
-            for chunk in g.states:
-                if g.plan.home is tier and chunk.tier is not tier:
+            for chunk, home in zip(g.states, state_homes(g.plan)):
+                if home is tier and chunk.tier is not tier:
                     rt.mem.move(chunk, tier, contiguous=True).wait()
     ring = ring_slots(rt.mem, [g.layout for g in rt.groups], plan)
     _compute_copies(rt, ring)

@@ -96,7 +96,7 @@ class Runtime:
         # disk-homed blocks in the order backward reaches them (the rest has no hook), whose states
         # may be read during forward: not those whose slot is filled from the master itself
         self._backward_first = [g for g in self.groups[-2::-1]
-                                if g.plan.home is Tier.DISK and not g.fills_slot_from_master]
+                                if g.plan.home is Tier.DISK and not g.fills_slot_from_disk]
         self._unread = list(self._backward_first)  # of those, the ones this step has not read in yet
         resident = [g for g in self.groups[:-1] if g.shard is not None and not g.plan.stream]
         self._resident_after = {a.index: b for a, b in zip(resident, resident[1:])}  # ZeRO-2 blocks, forward order

@@ -199,12 +199,13 @@ def write_moments(rt: Runtime, g: BlockGroup, state: Mapping[str, torch.Tensor],
 def _by_parts(g: BlockGroup) -> bool:
     """Whether a block's saved states go to disk a parameter at a time (one updated in pieces, on one
     rank: its states may be several times the host, so no whole-block tensor of them is made)."""
-    return in_pieces(g.plan) and g.shard is None and g.master is not None and g.master.tier is Tier.DISK
+    return in_pieces(g.plan) and g.shard is None and g.master is not None and g.exp_avg.tier is Tier.DISK
 
 
 def _write_parts(rt: Runtime, g: BlockGroup, chunk: Chunk, tensors: list[torch.Tensor | None]) -> None:
-    """A disk state chunk from its parameters' tensors, each read (from a lazy checkpoint) only as its
-    pages are written; a missing one (and the padding) zero."""
+    """A state chunk from its parameters' tensors, each read (from a lazy checkpoint) only as its
+    pages are written (a ``host_master`` block's master: as it is copied in); a missing one (and the
+    padding) zero."""
     rt.mem.write_parts(chunk, ((s.offset * F32.itemsize, t.reshape(-1).to(F32))
                                for s, t in zip(g.layout.slots, tensors) if t is not None))
 

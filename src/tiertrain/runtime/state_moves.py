@@ -47,7 +47,7 @@ class StateMoves:
             h.wait()  # the last update's write-back must land before we read the states again
         reads = []
         try:
-            for c in g.states:
+            for c in g.on_disk:
                 reads.append(self.mem.move(c, Tier.HOST, contiguous=True))
         except BudgetError:  # no room now: the update reads what is still on disk itself
             pass
@@ -84,7 +84,7 @@ class StateMoves:
     def send_home(self, g: BlockGroup) -> None:
         """After an update: a disk-homed block's states start back to disk; the block is read in no more."""
         if g.plan.home is Tier.DISK:
-            moves = [self.mem.move(c, Tier.DISK) for c in g.states]
+            moves = [self.mem.move(c, Tier.DISK) for c in g.on_disk]
             self._home[g.index] = moves
             self._local.writeback = moves
         with self._lock:
@@ -92,7 +92,7 @@ class StateMoves:
 
     def settle(self, g: BlockGroup) -> None:
         """Return once the block's params are final (before reading them): its update is done and,
-        where its slot is filled from the fp32 master itself, the master's write-back has landed.
+        where its slot is filled from the fp32 master itself on disk, the master's write-back has landed.
 
         Other blocks' params were published before the write-back began (a host param home or their
         device slot), so the next forward runs while their states go home to disk: that write-back
@@ -100,7 +100,7 @@ class StateMoves:
         (``read_ahead``, ``bring_in``) waits for it instead."""
         if g.pending is not None:
             g.pending.result()
-        if g.fills_slot_from_master:
+        if g.fills_slot_from_disk:
             for h in self._home.pop(g.index, []):
                 h.wait()
 

@@ -134,9 +134,9 @@ def test_planning_for_the_probed_description_gives_the_same_plan_as_planning_her
     capsys.readouterr()
     probed = Machine.read(tmp_path / "m.json")
     assert probed.matmul_flops.fp32 > 0 and probed.load is not None and probed.page_size > 0
-    page = probed.page_size  # chunks take whole pages of the size measured here: budgets in pages, so some stream
-    common = ["plan", "--model", "gpt-small", "--batch", "2", "--seq", "64", "--device-memory", str(8 * page),
-              "--host-memory", str(64 * page), "--disk", f"{disk}:4GiB"]
+    # a device budget below the model's fp32 params (4 blocks of 3.2 MB), so blocks stream
+    common = ["plan", "--model", "gpt-small", "--batch", "2", "--seq", "64", "--device-memory", "8MiB",
+              "--host-memory", "64MiB", "--disk", f"{disk}:4GiB"]
     assert _cli(*common, "--out", str(tmp_path / "here.json")) == 0
     here = capsys.readouterr().out
     assert _cli(*common, "--machine", str(tmp_path / "m.json"), "--out", str(tmp_path / "there.json")) == 0
@@ -151,7 +151,7 @@ def test_planning_for_the_probed_description_gives_the_same_plan_as_planning_her
     from tiertrain.cli.plan import run_plan
 
     quiet = Console(file=io.StringIO())
-    flags = dict(model="gpt-small", batch=2, seq=64, device_memory=str(8 * page), host_memory=str(64 * page),
+    flags = dict(model="gpt-small", batch=2, seq=64, device_memory="8MiB", host_memory="64MiB",
                  disk=f"{disk}:4GiB", solvers=())
     a, b = run_plan(_request(**flags), quiet), run_plan(_request(**flags, machine=str(tmp_path / "m.json")), quiet)
     assert a.plan == b.plan and a.sim.step_s == b.sim.step_s and a.sim.peaks == b.sim.peaks

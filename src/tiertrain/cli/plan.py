@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tiertrain.errors import ConfigError
+from tiertrain.plan import BlockPlan
 from tiertrain.planner.auto import Candidate
 from tiertrain.planner.machine import Machine, TierSizes
 from tiertrain.planner.profile import Profile
@@ -83,6 +84,13 @@ def sizes_for(req: PlanRequest, target: Machine | None) -> tuple[TierSizes, str 
     return sizes, disk_dir
 
 
+def _home(bp: BlockPlan) -> str:
+    """Where a block's states live: its home, and a disk-homed one's master kept on the host, or its
+    update cut into pieces."""
+    notes = (["master host"] if bp.host_master else []) + ([f"pieces {format_bytes(bp.piece)}"] if bp.piece else [])
+    return bp.home.value + (f" ({', '.join(notes)})" if notes else "")
+
+
 def print_plan(chosen: Candidate, cands: list[Candidate], profile: Profile, console: Console) -> None:
     plan, sim = chosen.plan, chosen.sim
     table = Table(title=f"plan {plan.name}: window {plan.window}, cache {plan.cache}, prefetch {plan.prefetch}, "
@@ -91,7 +99,7 @@ def print_plan(chosen: Candidate, cands: list[Candidate], profile: Profile, cons
     for col in ("block", "home", "stream", "recompute", "offload_hidden", *(("shard",) if dp > 1 else ())):
         table.add_column(col)
     for b, bp in zip(profile.blocks, plan.blocks):
-        table.add_row(b.name, bp.home.value, _yes(bp.stream), _yes(bp.recompute), _yes(bp.offload_hidden),
+        table.add_row(b.name, _home(bp), _yes(bp.stream), _yes(bp.recompute), _yes(bp.offload_hidden),
                       *((_yes(bp.shard),) if dp > 1 else ()))
     console.print(table)
     if profile.source:
@@ -233,8 +241,10 @@ def _network(req: PlanRequest, target: Machine, here: Machine, profile: Profile)
 
 
 def _page(req: PlanRequest, profile: Profile, target: Machine, disk_dir: str | None) -> int:
-    """The page size the run will use: as given, else the profile's, else the described machine's,
-    else measured here (chunks take whole pages, so the plan needs the run's)."""
+    """The page size the run will use: as given, else the profile's, else the described machine's or
+    the one measured here, as setup cuts it for the model's chunks (``plan.bytes.page_for_states``):
+    chunks take whole pages, so the plan needs the run's."""
+    from tiertrain.plan.bytes import page_for_states
     from tiertrain.units import parse_size
 
     if req.page_size:
@@ -243,12 +253,13 @@ def _page(req: PlanRequest, profile: Profile, target: Machine, disk_dir: str | N
         return check_page_size(parse_size(req.page_size))
     if profile.page:
         return profile.page
+    numels = [b.params for b in (*profile.blocks, profile.rest)]
     if target.page_size:
-        return target.page_size
+        return page_for_states(numels, target.page_size)
     from tiertrain.engine.measure.page_size import page_size_for
     from tiertrain.memory.system import compute_device
 
-    return page_size_for(None, disk_dir, compute_device())
+    return page_for_states(numels, page_size_for(None, disk_dir, compute_device()))
 
 
 def run_max_model(req: PlanRequest, console: Console) -> "Largest":

@@ -38,12 +38,14 @@ MAX_PAGE_WASTE = 0.10
 
 def page_for_states(numels: Sequence[int], page: int, max_waste: float = MAX_PAGE_WASTE) -> int:
     """The largest page size up to ``page`` (halving from it) whose whole-page rounding of the blocks'
-    fp32 state chunks wastes at most ``max_waste`` of their bytes. A measured page size (megabytes,
-    for bandwidth) would otherwise give a small model's every chunk a page of its own: a 100K-param
-    model asked for 640 MiB of device. Never below 4 KiB."""
+    fp32 state chunks, as the budget check counts it (with the page a chunk may share), wastes at
+    most ``max_waste`` of their bytes. A measured page size (megabytes, for bandwidth) would otherwise
+    give a small model's every chunk a page of its own: a 100K-param model asked for 640 MiB of
+    device. And 8 MiB pages counted a 354M GPT's 48 MiB chunks as 64 MiB each: a third of the host
+    budget not spent on states, where 2 MiB pages cost 0.02 CPU-s per GB more here. Never below 4 KiB."""
     sizes = [n * F32_BYTES for n in numels if n]
     total = sum(sizes)
-    while page > MIN_PAGE and sum(pages(s, page, bound=False) - s for s in sizes) > max_waste * total:
+    while page > MIN_PAGE and sum(pages(s, page) - s for s in sizes) > max_waste * total:
         page = max(MIN_PAGE, page // 2 // MIN_PAGE * MIN_PAGE)
     return page
 
@@ -281,6 +283,40 @@ def widest_read_ahead(numels: Sequence[int], plan: Plan, page: int, budgets: dic
     return best
 
 
+def host_masters(numels: Sequence[int], plan: Plan, page: int, budgets: dict[Tier, int], grads: str = "all") -> Plan:
+    """The plan with the host it leaves spent where that spares the most disk traffic per byte: first
+    disk-homed blocks' masters on the host (``host_master``: 4 B a parameter spare the update's 4 B
+    read and 4 B write of it, and for a streamed fp32 block both 4 B reads of its compute params),
+    those sparing most first, the largest first; then, with host to spare, their whole states (8 B
+    more spare the moments' 16 B). Each is kept where the plan still fits. Host-homed blocks stay:
+    sending one to disk frees its states but stages them for its update (the largest blocks, read
+    ahead, being updated and written back, are what the host holds of the disk's)."""
+    plans = list((*plan.blocks, plan.rest))
+
+    def with_(trial: list[BlockPlan]) -> Plan:
+        return dataclasses.replace(plan, blocks=tuple(trial[:-1]), rest=trial[-1])
+
+    def fits(trial: list[BlockPlan]) -> bool:
+        need = tier_bytes(numels, with_(trial), page, grads=grads)
+        return all(need[t] <= budgets[t] for t in need)
+
+    def spares(i: int) -> int:
+        return 16 if plans[i].stream and not separate_param_home(plans[i], plan) else 8
+
+    def kept(i: int, **change) -> None:
+        nonlocal plans
+        trial = plans[:i] + [dataclasses.replace(plans[i], **change)] + plans[i + 1:]
+        if fits(trial):
+            plans = trial
+
+    on_disk = [i for i, bp in enumerate(plans) if bp.home is Tier.DISK]
+    for i in sorted(on_disk, key=lambda i: (-spares(i), -numels[i])):
+        kept(i, host_master=True)
+    for i in sorted((i for i in on_disk if plans[i].host_master), key=lambda i: numels[i]):
+        kept(i, home=Tier.HOST, host_master=False, piece=0)
+    return with_(plans)
+
+
 def bounds_grads(numels: Sequence[int], plan: Plan, page: int, budgets: dict[Tier, int], transient: bool) -> bool:
     """Whether backward must wait for updates to free gradient chunks: the run updates gradients away
     as they come (``transient``: overlap, no clipping, no accumulation) and the budgets cannot hold
@@ -290,9 +326,13 @@ def bounds_grads(numels: Sequence[int], plan: Plan, page: int, budgets: dict[Tie
 
 
 def widen_read_ahead(numels: Sequence[int], plan: Plan, page: int, budgets: dict[Tier, int],
-                     transient: bool) -> Plan:
+                     transient: bool, masters: bool = False) -> Plan:
     """``widest_read_ahead`` with the gradients counted as the runtime will hold them: all of them,
-    unless they do not all fit (``bounds_grads``). The planner applies it to each plan before
-    simulating it, and setup to a plan it was given, so the plan that runs is the simulated one."""
+    unless they do not all fit (``bounds_grads``); with ``masters``, ``host_masters`` first, within
+    the same count (so keeping masters never makes backward wait where it did not). The planner
+    applies it to each plan before simulating it, and setup to a plan it was given, so the plan that
+    runs is the simulated one."""
     grads = "transient" if bounds_grads(numels, plan, page, budgets, transient) else "all"
+    if masters:
+        plan = host_masters(numels, plan, page, budgets, grads)
     return widest_read_ahead(numels, plan, page, budgets, grads)

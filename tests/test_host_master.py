@@ -1,0 +1,109 @@
+"""A disk-homed block's master kept on the host (``BlockPlan.host_master``): only its moments cross
+to disk. The runtime's side (plain PyTorch bitwise, the bytes moved) is tested with the other plans
+(test_runtime's random plans, test_pieces, test_lockfree, test_data_parallel, test_replan,
+test_step_bytes); here, how the planner spends the host on it, and the page size the host is
+counted in."""
+
+import dataclasses
+
+import pytest
+
+from tiered_harness import train_plain, train_tiered
+from tiertrain.memory import Budgets
+from tiertrain.plan import BlockPlan, Plan
+from tiertrain.plan.bytes import host_masters, page_for_states, pages, tier_bytes
+from tiertrain.plan.tiers import Tier
+
+PAGE = 64 << 10
+BLOCK = 200_000       # parameters of each block: seven streamed, the eighth resident
+NUMELS = [BLOCK] * 8 + [500_000]
+
+
+def _on_disk() -> Plan:
+    """Blocks on disk, the rest (embeddings, head) on the device; one block read ahead and one
+    optimizer worker, so that the host stages two blocks' states and every master beyond costs."""
+    blocks = tuple(BlockPlan(home=Tier.DISK, stream=i < 7) for i in range(8))
+    return Plan(blocks, BlockPlan(home=Tier.DEVICE), window=2, prefetch=1, update="overlap", read_ahead=0,
+                update_workers=1)
+
+
+def _budgets(host: int) -> dict[Tier, int]:
+    return {Tier.DEVICE: 1 << 30, Tier.HOST: host, Tier.DISK: 1 << 30}
+
+
+def _host(plan: Plan) -> int:
+    return tier_bytes(NUMELS, plan, PAGE)[Tier.HOST]
+
+
+def test_the_host_left_goes_to_masters_first_then_whole_blocks_and_the_plan_always_fits():
+    """Each budget from the plan's own need up: the plan returned fits it; masters are added as the
+    budget grows (never taken back), a streamed block's (sparing its two compute reads too) before the
+    resident one's; a whole block comes home only once every master is there."""
+    plan = _on_disk()
+    every = dataclasses.replace(plan, blocks=tuple(dataclasses.replace(b, host_master=True) for b in plan.blocks))
+    master = pages(BLOCK * 4, PAGE)
+    assert host_masters(NUMELS, plan, PAGE, _budgets(_host(plan))) == plan  # no room: as it was
+    before = 0
+    for host in range(_host(plan), _host(every) + 4 * master, master // 2):
+        got = host_masters(NUMELS, plan, PAGE, _budgets(host)).blocks
+        masters = sum(b.host_master or b.home is Tier.HOST for b in got)
+        assert _host(dataclasses.replace(plan, blocks=got)) <= host and masters >= before
+        if got[7].host_master:
+            assert all(b.host_master or b.home is Tier.HOST for b in got[:7])
+        if any(b.home is Tier.HOST for b in got):
+            assert all(b.host_master or b.home is Tier.HOST for b in got)
+        before = masters
+    assert before == 8 and host_masters(NUMELS, plan, PAGE, _budgets(_host(every))) == every
+    assert sum(b.host_master for b in host_masters(NUMELS, plan, PAGE, _budgets(_host(plan) + master)).blocks) == 1
+    roomy = host_masters(NUMELS, plan, PAGE, _budgets(1 << 30))
+    assert all(b.home is Tier.HOST and not b.host_master for b in roomy.blocks)
+
+
+def test_the_planner_keeps_masters_on_the_host_it_has_and_the_plan_trains_as_plain_pytorch(tmp_path):
+    """A disk-bound machine (a fixed profile: the choice must not hang on this one's measured rates)
+    with host for some masters but not for whole blocks: the chosen plan keeps masters on the host,
+    is predicted faster than the same plan without them, fits the runtime's own count, and trains
+    as plain PyTorch does."""
+    from tiered_harness import TINY4
+    from tiertrain.models import build
+    from tiertrain.planner.auto import choose, run_profile
+    from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
+    from tiertrain.planner.simulator import simulate
+    from tiertrain.planner.solvers import Problem
+    from tiertrain.runtime.blocks import block_numel, find_blocks
+    from tiertrain.runtime.budget_check import needs
+
+    spec = dict(TINY4, n_layer=12)
+    blocks = find_blocks(build(spec, device="meta"))
+    prof = [BlockProfile(b.name, 1e-4, 2e-4, block_numel(b), 1 << 12, 1 << 10) for b in blocks]
+    disk_bound = MachineProfile(h2d_bps=1e10, d2h_bps=1e10, disk_read_bps=1e7, disk_write_bps=1e7,
+                                adam_params_per_s=1e9, device_is_host=True)
+    profile = run_profile(Profile(tuple(prof[:-1]), prof[-1], disk_bound, page=PAGE), "overlap", 1, False)
+    numels = [block_numel(b) for b in blocks]
+    all_disk = Plan(tuple(BlockPlan(home=Tier.DISK, stream=True) for _ in numels[:-1]), BlockPlan(home=Tier.DISK),
+                    window=2, prefetch=1, update="overlap")
+    host = tier_bytes(numels, all_disk, PAGE, grads="transient")[Tier.HOST] + 4 * pages(numels[0] * 4, PAGE)
+    pb = Problem(profile, device=1 << 20, host=host, disk=64 << 20)
+    plan = choose(pb)[0].plan
+    assert any(b.host_master for b in (*plan.blocks, plan.rest)), plan.to_json()
+    without = dataclasses.replace(plan, blocks=tuple(dataclasses.replace(b, host_master=False) for b in plan.blocks),
+                                  rest=dataclasses.replace(plan.rest, host_master=False))
+    assert simulate(plan, profile).step_s < simulate(without, profile).step_s
+    assert needs(blocks, plan, PAGE, transient_grads=True)[Tier.HOST] <= host
+    got, stats = train_tiered(spec, 3, 1, None, plan, Budgets(device=1 << 20, host=host, disk=64 << 20,
+                                                               disk_dir=str(tmp_path / "disk")))
+    assert got == train_plain(spec, 3, 1, None)
+    assert stats["host"]["pages_peak_bytes"] <= host
+
+
+@pytest.mark.parametrize("numel,page,want", [(12_596_224, 8 << 20, 2 << 20), (52_513_792, 8 << 20, 8 << 20)])
+def test_the_page_size_is_cut_until_the_states_waste_little_as_the_budget_counts_them(numel, page, want):
+    """A 354M GPT's 48 MiB state chunks took 64 MiB each in 8 MiB pages as the budget counts them (whole
+    pages, and the one a chunk may share): a third of the host. Its blocks get 2 MiB pages; a chunk
+    many pages long keeps the measured size."""
+    got = page_for_states([numel] * 8, page)
+    assert got == want
+    waste = pages(numel * 4, got) - numel * 4
+    assert waste <= 0.10 * numel * 4
+    if got < page:
+        assert pages(numel * 4, 2 * got) - numel * 4 > 0.10 * numel * 4  # the next size up wastes more

@@ -269,3 +269,33 @@ def test_a_sync_run_that_fits_only_in_pieces_is_told_how(tmp_path):
     assert cut is not whole
     with pytest.raises(PlanDoesNotFit, match="updated in pieces .* --update overlap --grad-clip 0"):
         check_fits(blocks, whole, have, PAGE)
+
+
+def test_a_piece_buffer_refused_part_way_frees_those_already_made(tmp_path, monkeypatch):
+    """The host refuses the second buffer of a piece's set: the update fails with that refusal, and
+    every buffer made before it goes back to the pool (none is left holding host pages)."""
+    from tiertrain.errors import BudgetError
+    from tiertrain.memory import MemorySystem
+
+    model, opt = _fresh(MODEL)
+    tm, topt = tiertrain.setup(model, opt, _budgets(tmp_path), plan=_plan("sync"), page_size=PAGE)
+    try:
+        _loop(tm, topt, None, 1, 1, None)
+        mem = tm.runtime.mem
+        before = mem.stats()["host"]["pages_in_use_bytes"]
+        allocate, made = MemorySystem.allocate, []
+
+        def refuse_second(self, name, nbytes, tier, *args, **kwargs):
+            if name.endswith(".piece"):
+                made.append(name)
+                if len(made) == 2:
+                    raise BudgetError("host", nbytes, nbytes, 0)
+            return allocate(self, name, nbytes, tier, *args, **kwargs)
+        monkeypatch.setattr(MemorySystem, "allocate", refuse_second)
+        with pytest.raises(BudgetError):
+            _loop(tm, topt, None, 1, 1, None)
+        monkeypatch.setattr(MemorySystem, "allocate", allocate)
+        assert len(made) == 2 and mem.stats()["host"]["pages_in_use_bytes"] == before
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()

@@ -58,9 +58,11 @@ def sharded(bp: BlockPlan, plan: Plan) -> bool:
 def separate_param_home(bp: BlockPlan, plan: Plan, train: bool = True) -> bool:
     """Whether a streamed (or sharded) block keeps its compute params in a host chunk of their own;
     else its fp32 master is what its device slot is filled (gathered) from, wherever the master lives
-    (disk too)."""
+    (disk too). A master that travels between disk and host is no source for a lockfree forward (an
+    update may have it in flight), nor for ``param_copy``'s; one kept on the host is, as a
+    host-homed block's is."""
     return (not train or plan.compute_dtype != "fp32"
-            or (bp.home is Tier.DISK and (bp.param_copy or plan.update == "lockfree")))
+            or (master_home(bp) is Tier.DISK and (bp.param_copy or plan.update == "lockfree")))
 
 
 def master_in_slot(bp: BlockPlan, plan: Plan, train: bool = True) -> bool:
@@ -71,11 +73,15 @@ def master_in_slot(bp: BlockPlan, plan: Plan, train: bool = True) -> bool:
             and not sharded(bp, plan))
 
 
+def master_home(bp: BlockPlan) -> Tier:
+    """Where a block's fp32 master lives between steps: at its home, but a disk-homed block's on the
+    host where ``host_master`` says so."""
+    return Tier.HOST if bp.host_master and bp.home is Tier.DISK else bp.home
+
+
 def state_homes(bp: BlockPlan) -> tuple[Tier, Tier, Tier]:
-    """Where a block's master, exp_avg and exp_avg_sq live between steps: at its home, but a disk-homed
-    block's master on the host where ``host_master`` says so."""
-    master = Tier.HOST if bp.host_master and bp.home is Tier.DISK else bp.home
-    return master, bp.home, bp.home
+    """Where a block's master, exp_avg and exp_avg_sq live between steps."""
+    return master_home(bp), bp.home, bp.home
 
 
 def disk_states(bp: BlockPlan) -> int:

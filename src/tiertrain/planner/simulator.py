@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from tiertrain.plan.tiers import Tier
 from tiertrain.plan import Plan
 from tiertrain.plan.bytes import (bounded_grads, bounds_grads, disk_passes_per_step, disk_states, grad_copies, grad_tier,
-                                  in_pieces, pages, separate_param_home, sharded, state_homes, tier_bytes, updated_away)
+                                  in_pieces, master_home, pages, separate_param_home, sharded, tier_bytes, updated_away)
 from tiertrain.planner.costs import GRAD_BYTES, grads_out_s, publishes_over_link
 from tiertrain.planner.network import Network
 from tiertrain.planner.profile import MachineProfile, Profile
@@ -182,7 +182,7 @@ def _fetch(tl: Timeline, plan: Plan, bp, p: Profile, ready: float, nbytes: int, 
     master on disk is its only copy (no separate param home); a sharded block's own share so,
     then all-gathered from the others'."""
     own = _own(plan, bp, nbytes)
-    if state_homes(bp)[0] is Tier.DISK and not separate_param_home(bp, plan):
+    if master_home(bp) is Tier.DISK and not separate_param_home(bp, plan):
         start, end = tl.run("disk_read", ready, own / p.machine.disk_read_bps, label)
     else:
         start, end = tl.run("h2d", ready, own / p.machine.h2d_bps, label)

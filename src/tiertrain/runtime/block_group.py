@@ -34,7 +34,7 @@ from tiertrain.optim import AdamWHyper, adamw_step
 from tiertrain.parallel import Collectives
 from tiertrain.parallel.collectives import Waitable
 from tiertrain.plan import BlockPlan
-from tiertrain.plan.bytes import grad_tier, state_homes, updated_away
+from tiertrain.plan.bytes import grad_tier, master_home, state_homes, updated_away
 from tiertrain.runtime.blocks import Block
 from tiertrain.runtime.grads import GradBuffer, TakenGrads
 from tiertrain.runtime.reduction import Copy, Reduction
@@ -286,16 +286,11 @@ class BlockGroup:
         return [c for c, home in zip(self.states, state_homes(self.plan)) if home is Tier.DISK]
 
     @property
-    def fills_slot_from_master(self) -> bool:
-        """A streamed fp32 block without a param home of its own: its slot is copied from the fp32
-        master wherever that lives, so the master must stay put (its write-back landed, no read)."""
-        return self.param_home is not None and self.param_home is self.master
-
-    @property
     def fills_slot_from_disk(self) -> bool:
-        """``fills_slot_from_master`` where that master travels between disk and host: reading the
-        states in must wait for the slot's fill, and the fill for the master's write-back."""
-        return self.fills_slot_from_master and state_homes(self.plan)[0] is Tier.DISK
+        """A streamed fp32 block without a param home of its own whose master travels between disk and
+        host: its slot is copied from that master, so the master must stay put (its write-back landed,
+        no read in) while the slot is filled."""
+        return self.param_home is not None and self.param_home is self.master and master_home(self.plan) is Tier.DISK
 
     @property
     def nbytes(self) -> int:

@@ -19,7 +19,7 @@ from tiertrain.models.init import init_in_place
 from tiertrain.parallel import Collectives
 from tiertrain.parallel.experts import ExpertParallel
 from tiertrain.plan import BlockPlan, Plan, RunOptions
-from tiertrain.plan.bytes import in_pieces, master_in_slot, separate_param_home, sharded, state_homes
+from tiertrain.plan.bytes import in_pieces, master_home, master_in_slot, separate_param_home, sharded, state_homes
 from tiertrain.precisions import torch_dtype
 from tiertrain.runtime.block_group import F32, BlockGroup
 from tiertrain.runtime.blocks import Block, HeldExperts, block_layout, split_experts
@@ -150,7 +150,7 @@ def _states(mem: MemorySystem, comm: Collectives, block: Block, bplan: BlockPlan
     the master is left unwritten for a checkpoint to fill). A block updated in pieces writes its
     weights to disk a parameter at a time: no host staging of a whole block."""
     if options.init_states and in_pieces(bplan):
-        return _disk_chunks(mem, comm, block, layout, slot.chunk, compute, state_homes(bplan)[0])
+        return _disk_chunks(mem, comm, block, layout, slot.chunk, compute, master_home(bplan))
     chunks = _optimizer_chunks if options.init_states else _unwritten_chunks
     in_slot = slot.chunk if master_in_slot(bplan, plan, options.train) else None
     master, exp_avg, exp_avg_sq = chunks(mem, block, layout, state_homes(bplan), in_slot)
@@ -219,7 +219,7 @@ def _fill_tensor(flat: torch.Tensor, params: list[tuple[str, torch.Tensor]], lay
 
 
 def _disk_chunks(mem: MemorySystem, comm: Collectives, block: Block, layout: ChunkLayout, slot: Chunk,
-                 compute: torch.dtype, master_home: Tier) -> tuple[Chunk, Chunk, Chunk]:
+                 compute: torch.dtype, master_tier: Tier) -> tuple[Chunk, Chunk, Chunk]:
     """Master and moments of a block updated in pieces, written straight to disk: the master a
     parameter at a time (each drawn, or broadcast from rank 0, on its own, and its compute copy put
     in the slot), the moments as zeros, so the host never holds the block's states (``runtime.pieces``:
@@ -227,7 +227,7 @@ def _disk_chunks(mem: MemorySystem, comm: Collectives, block: Block, layout: Chu
     host chunk the same way."""
     nbytes = layout.numel * F32.itemsize
     chunks = [mem.allocate(f"{block.name}.{k.value}", nbytes, home, k, contiguous=True)
-              for k, home in ((Kind.MASTER, master_home), (Kind.EXP_AVG, Tier.DISK), (Kind.EXP_AVG_SQ, Tier.DISK))]
+              for k, home in ((Kind.MASTER, master_tier), (Kind.EXP_AVG, Tier.DISK), (Kind.EXP_AVG_SQ, Tier.DISK))]
     flat = slot.typed(compute)
     flat.zero_()
 

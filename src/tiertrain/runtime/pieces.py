@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from tiertrain.memory import Tier
+from tiertrain.memory import MemorySystem, Tier
 from tiertrain.memory.chunk import Chunk
 from tiertrain.memory.movement import Handle
 from tiertrain.optim import AdamWHyper, adamw_step
@@ -31,23 +31,39 @@ class _Buffers:
     on the host (a ``host_master`` block's master) is updated where it lies: its piece is a view."""
 
     def __init__(self, g: BlockGroup, nbytes: int) -> None:
-        disk = g.on_disk
-        self.chunks = [g.mem.allocate(f"{g.block.name}.piece", nbytes, Tier.HOST, c.kind, contiguous=True)
-                       for c in disk]
-        self.disk = disk                 # the disk chunks, in the order of ``chunks``
-        self.bytes: list[torch.Tensor] = []  # per state (master, exp_avg, exp_avg_sq): this piece's bytes
-        self.io: list[Handle] = []   # its reads or its write-back in flight
+        self.held: list[tuple[Chunk, Chunk]] = []  # (a disk state, its host buffer)
+        self.bytes: list[torch.Tensor] = []        # per state (master, exp_avg, exp_avg_sq): this piece's bytes
+        self.io: list[Handle] = []                 # its reads or its write-back in flight
+        try:
+            for c in g.on_disk:
+                self.held.append((c, g.mem.allocate(f"{g.block.name}.piece", nbytes, Tier.HOST, c.kind,
+                                                    contiguous=True)))
+        except BaseException:
+            self.release(g.mem)  # a refusal frees the buffers already made
+            raise
 
     def at(self, g: BlockGroup, first: int, count: int) -> None:
         """Point the buffers at pages ``[first, first + count)``: a host state's bytes are its own."""
-        page, mine = self.disk[0].pool.page_size, iter(c.merge() for c in self.chunks)
-        self.bytes = [next(mine) if c in self.disk else c.merge()[first * page : (first + count) * page]
-                      for c in g.states]
+        page, mine = self.held[0][0].pool.page_size, {id(c): b.merge() for c, b in self.held}
+
+        def piece(c: Chunk) -> torch.Tensor:
+            return mine[id(c)] if id(c) in mine else c.merge()[first * page : (first + count) * page]
+        self.bytes = [piece(c) for c in g.states]
+
+    def on_disk(self, g: BlockGroup) -> list[tuple[Chunk, torch.Tensor]]:
+        """(disk state, this piece's bytes of it) for each state on disk."""
+        mine = {id(c) for c, _ in self.held}
+        return [(c, b) for c, b in zip(g.states, self.bytes) if id(c) in mine]
 
     def wait(self) -> None:
         for h in self.io:
             h.wait()
         self.io = []
+
+    def release(self, mem: MemorySystem) -> None:
+        for _, b in self.held:
+            mem.release(b)
+        self.held = []
 
 
 def update_in_pieces(g: BlockGroup, hypers: list[AdamWHyper], coef: torch.Tensor | None) -> None:
@@ -77,15 +93,13 @@ def update_in_pieces(g: BlockGroup, hypers: list[AdamWHyper], coef: torch.Tensor
             lo = first * page // F32.itemsize
             _adamw_piece(g, buf, lo, hypers, coef, taken, before)
             _publish_piece(g, buf, lo)
-            buf.io = [mem.mover.write_pages(c, first, per_piece, b) for c, b in zip(g.states, buf.bytes)
-                      if c in buf.disk]
+            buf.io = [mem.mover.write_pages(c, first, per_piece, b) for c, b in buf.on_disk(g)]
         for s in sets:
             s.wait()
     finally:
         for s in sets:
             _drain(s)
-            for c in s.chunks:
-                mem.release(c)
+            s.release(mem)
         mem.release(taken.chunk)  # gradients live from backward's flush to here, whatever happened
     for i, s in enumerate(g.steps):
         if taken.has_grad[i]:
@@ -98,7 +112,7 @@ def update_in_pieces(g: BlockGroup, hypers: list[AdamWHyper], coef: torch.Tensor
 
 def _read(g: BlockGroup, buf: _Buffers, first: int, count: int) -> None:
     buf.at(g, first, count)
-    buf.io = [g.mem.mover.read_pages(c, first, count, b) for c, b in zip(g.states, buf.bytes) if c in buf.disk]
+    buf.io = [g.mem.mover.read_pages(c, first, count, b) for c, b in buf.on_disk(g)]
 
 
 def _drain(buf: _Buffers) -> None:

@@ -78,10 +78,16 @@ def weight_stream(rt: Runtime) -> TensorStream:
 
 def _params_of(rt: Runtime, st: BlockGroup, chunk: Chunk, which: list[int] | None = None) -> Iterator[torch.Tensor]:
     """The parameters' values in a state chunk (``which``: those, else all), each a tensor of its own. A
-    block updated in pieces has its disk chunks read a parameter at a time: its states may be several
-    times the host, so a whole chunk of them is never in memory."""
+    chunk in memory is copied a parameter at a time, and a block updated in pieces has its disk chunks
+    read so: its states may be several times the host, so a whole chunk of them is never copied."""
     which = list(range(len(st.layout.slots))) if which is None else which
-    if chunk.tier is not Tier.DISK or not in_pieces(st.plan):  # read whole: one pass over its pages
+    if chunk.tier is not Tier.DISK:  # in memory: each parameter copied on its own, never the whole chunk
+        flat = chunk.typed(F32)
+        for i in which:
+            s = st.layout.slots[i]
+            yield flat[s.offset : s.offset + s.numel].detach().cpu().clone().view(s.shape)
+        return
+    if not in_pieces(st.plan):  # read whole: one pass over its pages
         flat = _split(st, _read(rt, chunk))
         yield from (flat[i] for i in which)
         return

@@ -13,6 +13,8 @@ from tiertrain.memory import Budgets
 from tiertrain.plan import BlockPlan, Plan
 from tiertrain.plan.bytes import host_masters, page_for_states, pages, tier_bytes
 from tiertrain.plan.tiers import Tier
+from tiertrain.planner.auto import to_plan
+from tiertrain.planner.solvers import Problem
 
 PAGE = 64 << 10
 BLOCK = 200_000       # parameters of each block: seven streamed, the eighth resident
@@ -59,6 +61,24 @@ def test_the_host_left_goes_to_masters_first_then_whole_blocks_and_the_plan_alwa
     assert all(b.home is Tier.HOST and not b.host_master for b in roomy.blocks)
 
 
+def _disk_bound(n_layer: int):
+    """A fixed profile (the choice must not hang on this machine's measured rates) of the harness's
+    model with ``n_layer`` blocks on a disk-bound machine, for an overlap run without clipping; and
+    the blocks' sizes."""
+    from tiered_harness import TINY4
+    from tiertrain.models import build
+    from tiertrain.planner.auto import run_profile
+    from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
+    from tiertrain.runtime.blocks import block_numel, find_blocks
+
+    blocks = find_blocks(build(dict(TINY4, n_layer=n_layer), device="meta"))
+    prof = [BlockProfile(b.name, 1e-4, 2e-4, block_numel(b), 1 << 12, 1 << 10) for b in blocks]
+    disk_bound = MachineProfile(h2d_bps=1e10, d2h_bps=1e10, disk_read_bps=1e7, disk_write_bps=1e7,
+                                adam_params_per_s=1e9, device_is_host=True)
+    profile = run_profile(Profile(tuple(prof[:-1]), prof[-1], disk_bound, page=PAGE), "overlap", 1, False)
+    return profile, [block_numel(b) for b in blocks]
+
+
 def test_the_planner_keeps_masters_on_the_host_it_has_and_the_plan_trains_as_plain_pytorch(tmp_path):
     """A disk-bound machine (a fixed profile: the choice must not hang on this one's measured rates)
     with host for some masters but not for whole blocks: the chosen plan keeps masters on the host,
@@ -66,20 +86,14 @@ def test_the_planner_keeps_masters_on_the_host_it_has_and_the_plan_trains_as_pla
     as plain PyTorch does."""
     from tiered_harness import TINY4
     from tiertrain.models import build
-    from tiertrain.planner.auto import choose, run_profile
-    from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
+    from tiertrain.planner.auto import choose
     from tiertrain.planner.simulator import simulate
-    from tiertrain.planner.solvers import Problem
-    from tiertrain.runtime.blocks import block_numel, find_blocks
+    from tiertrain.runtime.blocks import find_blocks
     from tiertrain.runtime.budget_check import needs
 
     spec = dict(TINY4, n_layer=12)
     blocks = find_blocks(build(spec, device="meta"))
-    prof = [BlockProfile(b.name, 1e-4, 2e-4, block_numel(b), 1 << 12, 1 << 10) for b in blocks]
-    disk_bound = MachineProfile(h2d_bps=1e10, d2h_bps=1e10, disk_read_bps=1e7, disk_write_bps=1e7,
-                                adam_params_per_s=1e9, device_is_host=True)
-    profile = run_profile(Profile(tuple(prof[:-1]), prof[-1], disk_bound, page=PAGE), "overlap", 1, False)
-    numels = [block_numel(b) for b in blocks]
+    profile, numels = _disk_bound(12)
     all_disk = Plan(tuple(BlockPlan(home=Tier.DISK, stream=True) for _ in numels[:-1]), BlockPlan(home=Tier.DISK),
                     window=2, prefetch=1, update="overlap")
     host = tier_bytes(numels, all_disk, PAGE, grads="transient")[Tier.HOST] + 4 * pages(numels[0] * 4, PAGE)
@@ -94,6 +108,26 @@ def test_the_planner_keeps_masters_on_the_host_it_has_and_the_plan_trains_as_pla
                                                                disk_dir=str(tmp_path / "disk")))
     assert got == train_plain(spec, 3, 1, None)
     assert stats["host"]["pages_peak_bytes"] <= host
+
+
+def test_the_planner_sends_the_solvers_host_homed_blocks_to_disk_where_every_master_fits_instead():
+    """Host for every block's master beside its disk pipeline, not for whole blocks: the solvers keep
+    two blocks' whole states on the host (32 B of traffic spared a parameter for 12 B), the planner
+    spends the same host on every master (16 B for 4 B) and predicts that faster."""
+    from tiertrain.planner.auto import choose
+    from tiertrain.planner.simulator import simulate
+    from tiertrain.planner.solvers import SOLVERS
+
+    profile, numels = _disk_bound(12)
+    every = Plan(tuple(BlockPlan(home=Tier.DISK, stream=True, host_master=True) for _ in numels[:-1]),
+                 BlockPlan(home=Tier.DISK, host_master=True), window=2, prefetch=1, update="overlap")
+    pb = Problem(profile, device=1 << 20, host=tier_bytes(numels, every, PAGE, grads="transient")[Tier.HOST],
+                 disk=64 << 20)
+    assert all(not all(SOLVERS[name](pb).disk_home) for name in ("dp", "greedy"))  # blocks kept on the host
+    chosen = choose(pb)[0]
+    assert all(b.home is Tier.DISK and b.host_master for b in (*chosen.plan.blocks, chosen.plan.rest))
+    kept = to_plan(SOLVERS["dp"](pb), profile, "overlap")
+    assert chosen.sim.step_s < simulate(kept, profile).step_s
 
 
 @pytest.mark.parametrize("numel,page,want", [(12_596_224, 8 << 20, 2 << 20), (52_513_792, 8 << 20, 8 << 20)])

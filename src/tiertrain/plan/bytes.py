@@ -332,13 +332,14 @@ def bounds_grads(numels: Sequence[int], plan: Plan, page: int, budgets: dict[Tie
 
 
 def widen_read_ahead(numels: Sequence[int], plan: Plan, page: int, budgets: dict[Tier, int],
-                     transient: bool, masters: bool = False) -> Plan:
+                     transient: bool) -> Plan:
     """``widest_read_ahead`` with the gradients counted as the runtime will hold them: all of them,
-    unless they do not all fit (``bounds_grads``); with ``masters``, ``host_masters`` first, within
-    the same count (so keeping masters never makes backward wait where it did not). The planner
-    applies it to each plan before simulating it, and setup to a plan it was given, so the plan that
-    runs is the simulated one."""
-    grads = "transient" if bounds_grads(numels, plan, page, budgets, transient) else "all"
-    if masters:
-        plan = host_masters(numels, plan, page, budgets, grads)
-    return widest_read_ahead(numels, plan, page, budgets, grads)
+    unless they do not all fit (``bounds_grads``). The planner applies it to each plan before
+    simulating it, and setup to a plan it was given, so the plan that runs is the simulated one."""
+    return widest_read_ahead(numels, plan, page, budgets, grads_held(numels, plan, page, budgets, transient))
+
+
+def grads_held(numels: Sequence[int], plan: Plan, page: int, budgets: dict[Tier, int], transient: bool) -> str:
+    """How ``tier_bytes`` counts the gradients the runtime will hold under ``plan``: ``transient`` where
+    it bounds them (``bounds_grads``), else ``all``."""
+    return "transient" if bounds_grads(numels, plan, page, budgets, transient) else "all"

@@ -242,6 +242,12 @@ def tier_bytes(numels: Sequence[int], plan: Plan, page: int, train: bool = True,
     return need
 
 
+def fits_budgets(numels: Sequence[int], plan: Plan, page: int, budgets: dict[Tier, int], grads: str = "all") -> bool:
+    """Whether ``plan`` fits every budget, its gradients counted as ``grads`` says (``tier_bytes``)."""
+    need = tier_bytes(numels, plan, page, grads=grads)
+    return all(need[t] <= budgets[t] for t in need)
+
+
 MAX_PIECE = 64 << 20  # the largest piece tried: a few large reads in flight per state, a few buffers per worker
 
 
@@ -262,8 +268,7 @@ def pieces_to_fit(numels: Sequence[int], plan: Plan, page: int, budgets: dict[Ti
     while True:
         pieced = dataclasses.replace(plan, blocks=tuple(cut(b, n, piece) for b, n in zip(plan.blocks, numels)),
                                      rest=cut(plan.rest, numels[-1], piece))
-        need = tier_bytes(numels, pieced, page, grads=grads)
-        if all(need[t] <= budgets[t] for t in need):
+        if fits_budgets(numels, pieced, page, budgets, grads):
             return pieced
         if piece <= page:
             return plan
@@ -282,8 +287,7 @@ def widest_read_ahead(numels: Sequence[int], plan: Plan, page: int, budgets: dic
     best = plan
     for k in range(plan.read_ahead + 1, on_disk + 1):
         wider = dataclasses.replace(plan, read_ahead=k)
-        need = tier_bytes(numels, wider, page, grads=grads)
-        if any(need[t] > budgets[t] for t in need):
+        if not fits_budgets(numels, wider, page, budgets, grads):
             break
         best = wider
     return best
@@ -294,17 +298,13 @@ def host_masters(numels: Sequence[int], plan: Plan, page: int, budgets: dict[Tie
     disk-homed blocks' masters on the host (``host_master``: 4 B a parameter spare the update's 4 B
     read and 4 B write of it, and for a streamed fp32 block both 4 B reads of its compute params),
     those sparing most first, the largest first; then, with host to spare, their whole states (8 B
-    more spare the moments' 16 B). Each is kept where the plan still fits. Host-homed blocks stay:
-    sending one to disk frees its states but stages them for its update (the largest blocks, read
-    ahead, being updated and written back, are what the host holds of the disk's)."""
+    more spare the moments' 16 B). Each is kept where the plan still fits. Host-homed blocks stay
+    (the planner tries them on disk as a plan of its own, ``planner.auto._widened``): sending one to
+    disk frees its states but stages them for its update."""
     plans = list((*plan.blocks, plan.rest))
 
     def with_(trial: list[BlockPlan]) -> Plan:
         return dataclasses.replace(plan, blocks=tuple(trial[:-1]), rest=trial[-1])
-
-    def fits(trial: list[BlockPlan]) -> bool:
-        need = tier_bytes(numels, with_(trial), page, grads=grads)
-        return all(need[t] <= budgets[t] for t in need)
 
     def spares(i: int) -> int:
         return 16 if plans[i].stream and not separate_param_home(plans[i], plan) else 8
@@ -312,7 +312,7 @@ def host_masters(numels: Sequence[int], plan: Plan, page: int, budgets: dict[Tie
     def kept(i: int, **change) -> None:
         nonlocal plans
         trial = plans[:i] + [dataclasses.replace(plans[i], **change)] + plans[i + 1:]
-        if fits(trial):
+        if fits_budgets(numels, with_(trial), page, budgets, grads):
             plans = trial
 
     on_disk = [i for i, bp in enumerate(plans) if bp.home is Tier.DISK]
@@ -327,8 +327,7 @@ def bounds_grads(numels: Sequence[int], plan: Plan, page: int, budgets: dict[Tie
     """Whether backward must wait for updates to free gradient chunks: the run updates gradients away
     as they come (``transient``: overlap, no clipping, no accumulation) and the budgets cannot hold
     them all. Only then does the runtime bound them; elsewhere it never makes backward wait."""
-    need = tier_bytes(numels, plan, page, grads="all")
-    return transient and any(need[t] > budgets[t] for t in need)
+    return transient and not fits_budgets(numels, plan, page, budgets)
 
 
 def widen_read_ahead(numels: Sequence[int], plan: Plan, page: int, budgets: dict[Tier, int],

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from tiertrain.errors import UserError
 from tiertrain.plan.tiers import Tier
 from tiertrain.plan import DEFAULT_MAX_STALENESS, BlockPlan, ParallelLayout, Plan
-from tiertrain.plan.bytes import (MAX_PIECE, TRANSIENT_HINT, disk_passes_per_step, grad_copies, grads_held,
-                                  host_masters, tier_bytes, transient, widen_read_ahead)
+from tiertrain.plan.bytes import (MAX_PIECE, TRANSIENT_HINT, disk_passes_per_step, fits_budgets, grad_copies,
+                                  grads_held, host_masters, tier_bytes, transient, widen_read_ahead)
 from tiertrain.planner.profile import Profile
 from tiertrain.planner.simulator import Simulation, simulate
 from tiertrain.planner.solvers import SOLVERS, Problem, Solution, dynamic_programming, feasible
@@ -103,9 +103,8 @@ def _widened(plan: Plan, pb: Problem, needs_all_grads: bool) -> tuple[Plan, Simu
 
 def _fits(numels: list[int], plan: Plan, pb: Problem) -> bool:
     """Whether a plan fits the budgets with the gradients counted as the runtime will hold them."""
-    grads = grads_held(numels, plan, pb.profile.page, pb.budgets, pb.profile.transient_grads)
-    need = tier_bytes(numels, plan, pb.profile.page, grads=grads)
-    return all(need[t] <= pb.budgets[t] for t in need)
+    return fits_budgets(numels, plan, pb.profile.page, pb.budgets,
+                grads_held(numels, plan, pb.profile.page, pb.budgets, pb.profile.transient_grads))
 
 
 def _host_homes_to_disk(plan: Plan) -> Plan:

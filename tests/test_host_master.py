@@ -141,3 +141,18 @@ def test_the_page_size_is_cut_until_the_states_waste_little_as_the_budget_counts
     assert waste <= 0.10 * numel * 4
     if got < page:
         assert pages(numel * 4, 2 * got) - numel * 4 > 0.10 * numel * 4  # the next size up wastes more
+
+
+@pytest.mark.parametrize("update", ["lockfree", "overlap"])
+def test_a_master_kept_on_the_host_is_the_streamed_blocks_param_home_no_copy_beside_it(update):
+    """Under lockfree (or with ``param_copy``) a master that travels to disk needs a host copy of the
+    compute params beside it (an update may have it in flight); one kept on the host does not, as a
+    host-homed block's does not: 4 B a parameter of host saved."""
+    from tiertrain.plan.bytes import separate_param_home
+
+    plan = Plan((BlockPlan(),), update=update)
+    for copy in (False, True):
+        travels = BlockPlan(home=Tier.DISK, stream=True, param_copy=copy)
+        kept = dataclasses.replace(travels, host_master=True)
+        assert not separate_param_home(kept, plan)
+        assert separate_param_home(travels, plan) is (copy or update == "lockfree")

@@ -72,7 +72,7 @@ class MemorySystem:
 
     def from_tensor(self, name: str, tensor: torch.Tensor, tier: Tier, kind: Kind = Kind.OTHER) -> Chunk:
         """A chunk holding ``tensor``'s bytes, on any tier (disk is written and waited for)."""
-        data = tensor.detach().contiguous().view(-1).view(torch.uint8).cpu()
+        data = _bytes_of(tensor)
         chunk = self.allocate(name, data.numel(), tier, kind)
         self.overwrite(chunk, data)
         return chunk
@@ -81,7 +81,7 @@ class MemorySystem:
         """Replace every byte of ``chunk`` with ``data``'s, where the chunk lies. A disk chunk's pages
         are written directly, without reading what they held (a move to the host and back read it
         all first, and needed host room for it)."""
-        data = data.detach().contiguous().view(-1).view(torch.uint8).cpu()
+        data = _bytes_of(data)
         if data.numel() != chunk.nbytes:
             raise ValueError(f"{chunk.name}: {data.numel()} bytes given for a chunk of {chunk.nbytes}")
         if chunk.tier is not Tier.DISK:
@@ -108,7 +108,7 @@ class MemorySystem:
             flat = chunk.merge()
             flat.zero_()
             for offset, data in parts:
-                data = data.detach().contiguous().view(-1).view(torch.uint8).cpu()
+                data = _bytes_of(data)
                 flat[offset : offset + data.numel()].copy_(data)
             return
         disk = self.pool(Tier.DISK)
@@ -130,7 +130,7 @@ class MemorySystem:
 
         stage.zero_()
         for offset, data in parts:
-            data = data.detach().contiguous().view(-1).view(torch.uint8).cpu()
+            data = _bytes_of(data)
             pos = 0
             while pos < data.numel():
                 at = offset + pos
@@ -209,3 +209,8 @@ class MemorySystem:
         self.mover.close()
         for pool in self.pools.values():
             pool.close()
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes, flat uint8 on the CPU (a view where it already is one)."""
+    return t.detach().contiguous().view(-1).view(torch.uint8).cpu()

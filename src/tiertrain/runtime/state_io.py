@@ -168,9 +168,7 @@ def write_weights(rt: Runtime, g: BlockGroup, tensors: list[torch.Tensor | None]
         _write_parts(rt, g, g.master, tensors)
         target = g.param_home if g.param_home is not None else g.slot.chunk
         if target is not g.master:
-            flat = target.typed(g.compute)
-            for slot, t in zip(g.layout.slots, tensors):
-                flat[slot.offset : slot.offset + slot.numel].copy_(t.reshape(-1))
+            _write_parts(rt, g, target, tensors, g.compute)
         rt.cache.invalidate(g)
         return
     if any(t is None for t in tensors):
@@ -208,11 +206,12 @@ def _by_parts(g: BlockGroup) -> bool:
     return in_pieces(g.plan) and g.shard is None and g.master is not None and g.exp_avg.tier is Tier.DISK
 
 
-def _write_parts(rt: Runtime, g: BlockGroup, chunk: Chunk, tensors: list[torch.Tensor | None]) -> None:
-    """A state chunk from its parameters' tensors, each read (from a lazy checkpoint) only as its
-    pages are written (a ``host_master`` block's master: as it is copied in); a missing one (and the
-    padding) zero."""
-    rt.mem.write_parts(chunk, ((s.offset * F32.itemsize, t.reshape(-1).to(F32))
+def _write_parts(rt: Runtime, g: BlockGroup, chunk: Chunk, tensors: list[torch.Tensor | None],
+                 dtype: torch.dtype = F32) -> None:
+    """A chunk of the block's (a state, or its compute copy in ``dtype``) from its parameters' tensors,
+    each read (from a lazy checkpoint) only as its pages are written, or copied in where the chunk is in
+    memory; a missing one (and the padding) zero."""
+    rt.mem.write_parts(chunk, ((s.offset * dtype.itemsize, t.reshape(-1).to(dtype))
                                for s, t in zip(g.layout.slots, tensors) if t is not None))
 
 

@@ -137,12 +137,26 @@ def test_bench_peers_with_a_disk_counts_each_systems_disk_bytes_and_peak_rss(tmp
     lines: list[str] = []
     rows = bench_peers(PeerBench(cfg, 2, 16, "fp32", Budgets.parse("2MiB", "8MiB", f"{tmp_path}:64MiB"), 2, 1,
                                  "sync"), ("deepspeed",), lines.append)
-    assert "disk, raw O_DIRECT" in lines[2]
     ran = [r for r in rows if r.ran]
     assert rows[0].ran and all(r.disk_bytes is not None and r.peak_rss > 100 << 20 for r in ran)
+    assert all(len(r.limits) == 2 and min(r.limits[0].read, r.limits[1].together) > 0 for r in ran)
+    assert sum("before its steps: read" in ln for ln in lines) == sum("after its steps: read" in ln for ln in lines) \
+        == len(ran)
     assert sum("disk per step: read" in ln and "peak RSS" in ln for ln in lines) == len(ran)
+    assert not any(p.name.startswith(".tiertrain-probe-") for p in tmp_path.rglob("*"))  # the probes' files went
     r = run_cli("bench", "peers", "--disk", f"{tmp_path}:1GiB")
     assert r.returncode != 0 and "FSDP2 offloads to host memory only" in r.stderr
+
+
+def test_a_disk_bound_is_the_faster_of_one_after_the_other_and_the_common_part_at_once():
+    from tiertrain.bench.disk_bound import DiskLimit
+
+    fast_together = DiskLimit(read=1e9, write=2e9, together=4e9)
+    assert fast_together.seconds(3e9, 1e9) == 2e9 / 4e9 + 2e9 / 1e9     # 1 GB each way at once, 2 GB read alone
+    assert fast_together.seconds(1e9, 3e9) == 2e9 / 4e9 + 2e9 / 2e9
+    slow_together = DiskLimit(read=1e9, write=2e9, together=1e9)
+    assert slow_together.seconds(3e9, 1e9) == 3e9 / 1e9 + 1e9 / 2e9     # apart is faster: the disk may do that
+    assert slow_together.seconds(0, 0) == 0
 
 
 def test_the_loss_at_equal_time_is_a_number_when_a_run_finished_no_step_in_the_window():

@@ -21,7 +21,8 @@ DeepSpeed runs as ZeRO-Infinity, parameters and optimizer states on NVMe through
 at first use where ``libaio`` and a C++ compiler are: ``apt-get install libaio-dev g++``). Each row then
 adds the bytes read and written per step (the disk's own counters, ``/proc/diskstats``), the process's
 peak RSS (each system runs in a process of its own, ``_isolated``), and the step's disk bound: those
-bytes at the raw O_DIRECT rates measured on the same disk in the same run.
+bytes at the raw rates measured on the same disk just before and just after that system's timed steps,
+with nothing of its own in flight (``disk_bound``).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from tiertrain.bench.machine import synchronize
-from tiertrain.bench.memory import raw_disk
+from tiertrain.bench.disk_bound import DiskLimit, measure_limit
 from tiertrain.bench.overhead import matmul_peak
 from tiertrain.engine.auto_plan import ProfileStep
 from tiertrain.engine.objective import lm_loss
@@ -103,6 +104,7 @@ class Row:
     note: str = ""
     disk_bytes: tuple[float, float] | None = None   # read, written per timed step
     peak_rss: int | None = None
+    limits: list[DiskLimit] = field(default_factory=list)  # the disk's raw rates before and after the steps
 
     @property
     def ran(self) -> bool:
@@ -110,14 +112,18 @@ class Row:
 
 
 def _time_steps(step: Callable[[torch.Tensor], torch.Tensor], bench: PeerBench, device: torch.device,
-                name: str, note: str = "") -> Row:
-    """Every batch once; the warm-up steps' losses are kept, their times are not."""
+                name: str, note: str = "", drain: Callable[[], None] = lambda: None) -> Row:
+    """Every batch once; the warm-up steps' losses are kept, their times are not. With a disk, its
+    raw rates are measured just before the first timed step and just after the last, once ``drain``
+    has let the system's own transfers land."""
     row = Row(name, note=note)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     disk, before = bench.budgets.disk_dir, None
     for i, x in enumerate(bench.batches(device)):
         if i == bench.warmup and disk:
+            drain()
+            row.limits.append(measure_limit(Path(disk)))
             before = disk_counters(disk)
         synchronize(device)
         t = time.perf_counter()
@@ -129,6 +135,9 @@ def _time_steps(step: Callable[[torch.Tensor], torch.Tensor], bench: PeerBench, 
     after = disk_counters(disk) if before is not None else None
     if before is not None and after is not None:
         row.disk_bytes = ((after[0] - before[0]) / bench.steps, (after[1] - before[1]) / bench.steps)
+    if disk:
+        drain()
+        row.limits.append(measure_limit(Path(disk)))
     if device.type == "cuda":
         row.device_peak = torch.cuda.max_memory_allocated(device)
     row.peak_rss = peak_rss()
@@ -179,7 +188,7 @@ def _run_tiertrain(bench: PeerBench, device: torch.device) -> Row:
 
     try:
         return _time_steps(step, bench, device, f"tiertrain ({bench.update})", tm.auto_plan.describe()
-                           if tm.auto_plan is not None else "")
+                           if tm.auto_plan is not None else "", tm.runtime.wait_updates)
     finally:
         tm.runtime.close()
         tm.runtime.mem.close()
@@ -408,7 +417,6 @@ def bench_peers(bench: PeerBench, peers: tuple[str, ...], out: Callable[[str], N
     if unknown:
         raise ValueError(f"unknown peer(s) {unknown}; choose from {', '.join(PEERS)}")
     device = compute_device()
-    limit = raw_disk(Path(bench.budgets.disk_dir), 1 << 30, 1 << 20, 8) if bench.budgets.disk_dir else None
     rows = [_isolated(f"tiertrain ({bench.update})", _tiertrain_under_cap, bench, device)]
     for name in peers:
         with own_disk_dir(bench) as mine:
@@ -421,9 +429,6 @@ def bench_peers(bench: PeerBench, peers: tuple[str, ...], out: Callable[[str], N
         f"on {device.type}; device budget {format_bytes(bench.budgets.device)} ({cap}); "
         f"{bench.steps} timed steps after {bench.warmup} warm-up")
     out(f"matrix product measured here: {peak / 1e12:.2f} TFLOP/s (the MFU ceiling)")
-    if limit is not None:
-        out(f"disk, raw O_DIRECT 1 MiB x 8 in flight, same run: read {limit.read / 1e9:.2f} GB/s, write "
-            f"{limit.write / 1e9:.2f} GB/s")
     for row in rows:
         if not row.ran:
             out(f"{row.name:24s}: {row.note}")
@@ -432,18 +437,28 @@ def bench_peers(bench: PeerBench, peers: tuple[str, ...], out: Callable[[str], N
         mem = f", device peak {format_bytes(row.device_peak)}" if row.device_peak is not None else ""
         out(f"{row.name:24s}: step {s:.3f} s, {bench.batch * bench.seq / s:,.0f} tokens/s, MFU {flops / s / peak:.3f}"
             f"{mem}; loss {row.losses[0]:.4f} -> {row.losses[-1]:.4f}")
-        if limit is not None and row.disk_bytes is None:
-            out(f"{'':26s}disk per step: not counted ({bench.budgets.disk_dir} is on no block device in /proc/diskstats)")
-        if row.disk_bytes is not None and limit is not None:
-            read, wrote = row.disk_bytes
-            bound = read / limit.read + wrote / limit.write  # both at once is faster on some disks: a looser floor
-            ratio = f"step / that {s / bound:.2f}" if bound > 0 else "no disk traffic"
-            out(f"{'':26s}disk per step: read {read / 1e9:.3f} GB, written {wrote / 1e9:.3f} GB; at the raw rates "
-                f"{bound:.3f} s ({ratio}); peak RSS {format_bytes(row.peak_rss or 0)}")
+        if bench.budgets.disk_dir:
+            _disk_lines(row, s, out)
         if row.note:
             out(f"{'':26s}{row.note}")
     _against_tiertrain(rows, out)
     return rows
+
+
+def _disk_lines(row: Row, step_s: float, out: Callable[[str], None]) -> None:
+    """The disk's raw rates around a system's steps, its bytes per step, and the least time those
+    bytes take at each measured rate beside the step."""
+    for when, limit in zip(("before", "after"), row.limits):
+        out(f"{'':26s}disk raw, O_DIRECT 1 MiB x 8 in flight, {when} its steps: {limit.describe()}")
+    if row.disk_bytes is None:
+        out(f"{'':26s}disk per step: not counted (the disk directory is on no block device in /proc/diskstats)")
+        return
+    read, wrote = row.disk_bytes
+    bounds = [limit.seconds(read, wrote) for limit in row.limits]
+    ratios = " / ".join(f"{step_s / b:.2f}" for b in bounds) if all(b > 0 for b in bounds) else "no disk traffic"
+    out(f"{'':26s}disk per step: read {read / 1e9:.3f} GB, written {wrote / 1e9:.3f} GB; at the raw rates before / "
+        f"after: {' / '.join(f'{b:.3f}' for b in bounds)} s (step / that: {ratios}); "
+        f"peak RSS {format_bytes(row.peak_rss or 0)}")
 
 
 def _against_tiertrain(rows: list[Row], out: Callable[[str], None]) -> None:

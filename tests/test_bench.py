@@ -136,7 +136,7 @@ def test_bench_peers_with_a_disk_counts_each_systems_disk_bytes_and_peak_rss(tmp
     cfg = ModelConfig(n_layer=2, n_head=2, d_model=128, d_ffn=512, vocab_size=64, max_seq_len=32, name="peer")
     lines: list[str] = []
     rows = bench_peers(PeerBench(cfg, 2, 16, "fp32", Budgets.parse("2MiB", "8MiB", f"{tmp_path}:64MiB"), 2, 1,
-                                 "sync"), ("deepspeed",), lines.append)
+                                 "sync", probe_bytes=64 << 20), ("deepspeed",), lines.append)
     ran = [r for r in rows if r.ran]
     assert rows[0].ran and all(r.disk_bytes is not None and r.peak_rss > 100 << 20 for r in ran)
     assert all(len(r.limits) == 2 and min(r.limits[0].read, r.limits[1].together) > 0 for r in ran)
@@ -146,6 +146,33 @@ def test_bench_peers_with_a_disk_counts_each_systems_disk_bytes_and_peak_rss(tmp
     assert not any(p.name.startswith(".tiertrain-probe-") for p in tmp_path.rglob("*"))  # the probes' files went
     r = run_cli("bench", "peers", "--disk", f"{tmp_path}:1GiB")
     assert r.returncode != 0 and "FSDP2 offloads to host memory only" in r.stderr
+
+
+def test_bench_peers_can_set_each_step_against_the_disk_rates_measured_on_either_side_of_it(tmp_path):
+    """``probe_each_step``: a probe after every timed step, each step's own bytes, and a line per step
+    with its bounds at the probes before and after it; tiertrain alone (no peers) is allowed."""
+    from tiertrain.bench.peers import PeerBench, bench_peers, disk_counters
+    from tiertrain.memory import Budgets
+    from tiertrain.models import ModelConfig
+
+    if disk_counters(str(tmp_path)) is None:
+        import pytest
+
+        pytest.skip(f"{tmp_path} is on no block device (tmpfs or overlay): nothing to count")
+    cfg = ModelConfig(n_layer=12, n_head=2, d_model=256, d_ffn=1024, vocab_size=64, max_seq_len=32, name="peer")
+    lines: list[str] = []  # 150 MB of states, 80 MiB of host: the plan homes them on disk
+    bench = PeerBench(cfg, 2, 16, "fp32", Budgets.parse("4MiB", "80MiB", f"{tmp_path}:512MiB"), 3, 1, "overlap", True,
+                      probe_bytes=64 << 20)
+    (row,) = bench_peers(bench, (), lines.append)
+    assert row.ran and len(row.limits) == 4 and len(row.step_bytes) == 3, lines
+    assert all(read > 0 and wrote > 0 for read, wrote in row.step_bytes), (row.step_bytes, lines)  # disk states move
+    assert row.disk_bytes == tuple(sum(b[k] for b in row.step_bytes) / 3 for k in (0, 1))
+    assert [sum(f"after its step {i}:" in ln for ln in lines) for i in (1, 2, 3)] == [1, 1, 1]
+    assert sum(ln.strip().startswith("step ") and "at the rates before / after it" in ln for ln in lines) == 3
+    assert any("step / its disk bound, median over steps" in ln for ln in lines)
+    assert not any(p.name.startswith(".tiertrain-probe-") for p in tmp_path.rglob("*"))
+    r = run_cli("bench", "peers", "--peers", "", "--probe-each-step")
+    assert r.returncode != 0 and "give --disk DIR:SIZE too" in r.stderr
 
 
 def test_a_disk_bound_is_the_faster_of_one_after_the_other_and_the_common_part_at_once():

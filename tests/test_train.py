@@ -129,11 +129,11 @@ def test_a_model_that_fits_the_host_budget_but_not_beside_the_budgets_is_built_o
     says why. Free memory, which varies from run to run, never decides how the weights are drawn."""
     import io
 
-    import tiertrain.engine.loop as loop
+    import tiertrain.engine.budgets as budgets_module
     from tiertrain.engine.metrics import Reporter
 
     def said(room: int, out) -> str:
-        monkeypatch.setattr(loop, "cgroup_room", lambda: room)
+        monkeypatch.setattr(budgets_module, "cgroup_room", lambda: room)
         text = io.StringIO()
         trainer = Trainer(tiny_config(out, plan="stream", device_memory="8MiB", host_memory="64MiB", steps=1),
                           Reporter(1, 1000, stream=text))

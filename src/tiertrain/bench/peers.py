@@ -55,6 +55,7 @@ from tiertrain.bench.machine import synchronize
 from tiertrain.bench.disk_bound import DiskLimit, measure_limit
 from tiertrain.bench.overhead import matmul_peak
 from tiertrain.engine.auto_plan import ProfileStep
+from tiertrain.engine.budgets import meta_build_reason
 from tiertrain.engine.objective import lm_loss
 from tiertrain.engine.optimizer import make_adamw
 from tiertrain.engine.precision import Precision
@@ -81,16 +82,19 @@ class PeerBench:
     steps: int
     warmup: int
     update: str
+    probe_each_step: bool = False  # drain and measure the disk between timed steps (``_time_steps``)
+    probe_bytes: int = 1 << 30     # each way, per disk probe
 
     def batches(self, device: torch.device) -> list[torch.Tensor]:
         g = torch.Generator().manual_seed(1)
         return [torch.randint(0, self.cfg.vocab_size, (self.batch, self.seq + 1), generator=g).to(device)
                 for _ in range(self.warmup + self.steps)]
 
-    def fresh_model(self) -> nn.Module:
-        """The same initial fp32 weights for every system."""
+    def fresh_model(self, meta: bool = False) -> nn.Module:
+        """The same initial fp32 weights for every system (``meta``: shapes only, for tiertrain's setup
+        to draw block by block where the whole model may not live beside its budgets)."""
         torch.manual_seed(0)
-        return build(self.cfg)
+        return build(self.cfg, device="meta") if meta else build(self.cfg)
 
 
 @dataclass
@@ -105,6 +109,7 @@ class Row:
     disk_bytes: tuple[float, float] | None = None   # read, written per timed step
     peak_rss: int | None = None
     limits: list[DiskLimit] = field(default_factory=list)  # the disk's raw rates before and after the steps
+    step_bytes: list[tuple[float, float]] = field(default_factory=list)  # read, written by each step (probed each)
 
     @property
     def ran(self) -> bool:
@@ -115,29 +120,43 @@ def _time_steps(step: Callable[[torch.Tensor], torch.Tensor], bench: PeerBench, 
                 name: str, note: str = "", drain: Callable[[], None] = lambda: None) -> Row:
     """Every batch once; the warm-up steps' losses are kept, their times are not. With a disk, its
     raw rates are measured just before the first timed step and just after the last, once ``drain``
-    has let the system's own transfers land."""
+    has let the system's own transfers land. ``probe_each_step`` also drains and measures between
+    timed steps: each step's time then includes its own write-backs, none overlapping the next step
+    (slower than a steady run), and its bytes are paired with the rates on either side of it."""
     row = Row(name, note=note)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     disk, before = bench.budgets.disk_dir, None
+    each = bool(disk) and bench.probe_each_step
     for i, x in enumerate(bench.batches(device)):
         if i == bench.warmup and disk:
             drain()
-            row.limits.append(measure_limit(Path(disk)))
+            row.limits.append(measure_limit(Path(disk), bench.probe_bytes))
             before = disk_counters(disk)
         synchronize(device)
         t = time.perf_counter()
         loss = step(x)
+        if each and i >= bench.warmup:
+            drain()
         synchronize(device)
         if i >= bench.warmup:
             row.step_s.append(time.perf_counter() - t)
+        if each and i >= bench.warmup and before is not None:
+            now = disk_counters(disk)
+            row.step_bytes.append((now[0] - before[0], now[1] - before[1]))
+            row.limits.append(measure_limit(Path(disk), bench.probe_bytes))
+            before = disk_counters(disk)
         row.losses.append(float(loss))
-    after = disk_counters(disk) if before is not None else None
-    if before is not None and after is not None:
-        row.disk_bytes = ((after[0] - before[0]) / bench.steps, (after[1] - before[1]) / bench.steps)
-    if disk:
-        drain()
-        row.limits.append(measure_limit(Path(disk)))
+    if each:
+        if row.step_bytes:
+            row.disk_bytes = tuple(statistics.mean(b[k] for b in row.step_bytes) for k in (0, 1))
+    else:
+        after = disk_counters(disk) if before is not None else None
+        if before is not None and after is not None:
+            row.disk_bytes = ((after[0] - before[0]) / bench.steps, (after[1] - before[1]) / bench.steps)
+        if disk:
+            drain()
+            row.limits.append(measure_limit(Path(disk), bench.probe_bytes))
     if device.type == "cuda":
         row.device_peak = torch.cuda.max_memory_allocated(device)
     row.peak_rss = peak_rss()
@@ -171,7 +190,8 @@ def peak_rss() -> int:
 def _run_tiertrain(bench: PeerBench, device: torch.device) -> Row:
     import tiertrain
 
-    model = bench.fresh_model()
+    why = meta_build_reason(4 * param_count(bench.cfg), bench.budgets, device)
+    model = bench.fresh_model(meta=why is not None)
     opt, _ = make_adamw(model, _LR, _BETAS, _EPS, _WD)
     precision = Precision(bench.precision, device.type)
     probe = ProfileStep(model, lm_loss, bench.cfg.vocab_size, bench.batch, bench.seq, precision.autocast, device)
@@ -187,8 +207,11 @@ def _run_tiertrain(bench: PeerBench, device: torch.device) -> Row:
         return loss.detach()
 
     try:
-        return _time_steps(step, bench, device, f"tiertrain ({bench.update})", tm.auto_plan.describe()
-                           if tm.auto_plan is not None else "", tm.runtime.wait_updates)
+        notes = [tm.auto_plan.describe()] if tm.auto_plan is not None else []
+        if why is not None:
+            notes.append(f"its fp32 weights {why}: built on the meta device and drawn block by block by setup, "
+                         "so its initial weights, and losses, are not the peers'")
+        return _time_steps(step, bench, device, f"tiertrain ({bench.update})", "; ".join(notes), tm.runtime.wait_updates)
     finally:
         tm.runtime.close()
         tm.runtime.mem.close()
@@ -448,17 +471,38 @@ def bench_peers(bench: PeerBench, peers: tuple[str, ...], out: Callable[[str], N
 def _disk_lines(row: Row, step_s: float, out: Callable[[str], None]) -> None:
     """The disk's raw rates around a system's steps, its bytes per step, and the least time those
     bytes take at each measured rate beside the step."""
-    for when, limit in zip(("before", "after"), row.limits):
-        out(f"{'':26s}disk raw, O_DIRECT 1 MiB x 8 in flight, {when} its steps: {limit.describe()}")
+    whens = ["before its steps", "after its steps"] if len(row.limits) == 2 else \
+        ["before its steps"] + [f"after its step {i + 1}" for i in range(len(row.limits) - 1)]
+    for when, limit in zip(whens, row.limits):
+        out(f"{'':26s}disk raw, O_DIRECT 1 MiB x 8 in flight, {when}: {limit.describe()}")
+    if row.step_bytes:
+        _per_step_lines(row, out)
     if row.disk_bytes is None:
         out(f"{'':26s}disk per step: not counted (the disk directory is on no block device in /proc/diskstats)")
         return
     read, wrote = row.disk_bytes
-    bounds = [limit.seconds(read, wrote) for limit in row.limits]
+    bounds = [limit.seconds(read, wrote) for limit in (row.limits[0], row.limits[-1])]
     ratios = " / ".join(f"{step_s / b:.2f}" for b in bounds) if all(b > 0 for b in bounds) else "no disk traffic"
     out(f"{'':26s}disk per step: read {read / 1e9:.3f} GB, written {wrote / 1e9:.3f} GB; at the raw rates before / "
         f"after: {' / '.join(f'{b:.3f}' for b in bounds)} s (step / that: {ratios}); "
         f"peak RSS {format_bytes(row.peak_rss or 0)}")
+
+
+def _per_step_lines(row: Row, out: Callable[[str], None]) -> None:
+    """Each step (its write-backs drained) against the least time its bytes take at the raw rates
+    measured just before and just after it: the disk's rate during the step lies near one of them."""
+    ratios = []
+    for i, ((read, wrote), s) in enumerate(zip(row.step_bytes, row.step_s)):
+        bounds = [row.limits[i].seconds(read, wrote), row.limits[i + 1].seconds(read, wrote)]
+        if min(bounds) <= 0:
+            continue
+        ratios.append((s / max(bounds), s / min(bounds)))
+        out(f"{'':26s}step {i + 1}: {s:.3f} s with its write-backs, read {read / 1e9:.3f} GB, written "
+            f"{wrote / 1e9:.3f} GB; at the rates before / after it {bounds[0]:.3f} / {bounds[1]:.3f} s "
+            f"(step / that {s / bounds[0]:.2f} / {s / bounds[1]:.2f})")
+    if ratios:
+        out(f"{'':26s}step / its disk bound, median over steps: {statistics.median(r for r, _ in ratios):.2f} "
+            f"against the larger of its two bounds, {statistics.median(r for _, r in ratios):.2f} against the smaller")
 
 
 def _against_tiertrain(rows: list[Row], out: Callable[[str], None]) -> None:

@@ -436,8 +436,11 @@ def bench_parallel_cmd(nproc: int, layouts: str, d_model: int, layers: int, batc
 @click.option("--steps", type=POSITIVE, default=4, show_default=True, help="Timed steps per system (the median is taken).")
 @click.option("--warmup", type=AtLeast(0), default=2, show_default=True, help="Untimed steps first.")
 @click.option("--disk", help='States on disk, "DIR:SIZE": tiertrain\'s disk budget, and DeepSpeed ZeRO-Infinity (NVMe) there.')
+@click.option("--probe-each-step", is_flag=True,
+              help="With --disk: let each timed step's write-backs land and measure the disk's raw rates between "
+                   "steps, so each step is set against the rates on either side of it (for a disk whose rate moves).")
 def bench_peers_cmd(model: str, batch_size: int, seq_len: int, precision: str, device_memory: str, host_memory: str,
-                    update: str, peer_list: str, steps: int, warmup: int, disk: str | None) -> None:
+                    update: str, peer_list: str, steps: int, warmup: int, disk: str | None, probe_each_step: bool) -> None:
     """tiertrain (plan auto) beside DeepSpeed ZeRO-Offload and FSDP2 CPU offload: tokens/s, MFU, device peak."""
     from tiertrain.bench.machine import describe
     from tiertrain.bench.peers import PEERS, PeerBench, bench_peers
@@ -457,8 +460,10 @@ def bench_peers_cmd(model: str, batch_size: int, seq_len: int, precision: str, d
     budgets = Budgets.parse(device_memory, host_memory, disk)
     if disk and "fsdp2" in peers:
         raise ConfigError("--disk: FSDP2 offloads to host memory only; leave it out (--peers deepspeed)")
-    rows = bench_peers(PeerBench(cfg, batch_size, seq_len, precision, budgets, steps, warmup, update), peers,
-                       click.echo)
+    if probe_each_step and not disk:
+        raise ConfigError("--probe-each-step measures the disk: give --disk DIR:SIZE too")
+    work = PeerBench(cfg, batch_size, seq_len, precision, budgets, steps, warmup, update, probe_each_step)
+    rows = bench_peers(work, peers, click.echo)
     if not rows[0].ran:
         raise SystemExit(1)
 

@@ -36,7 +36,7 @@ from tiertrain.engine.tiered import default_budgets, setup_tiered
 from tiertrain.engine.train_state import PlainState, TieredState, TrainState
 from tiertrain.errors import CheckpointError, ConfigError, OutputError, UserError
 from tiertrain.memory import Tier
-from tiertrain.memory.capacity import cgroup_room
+from tiertrain.engine.budgets import meta_build_reason
 from tiertrain.models import build, flops_per_token, param_count, resolve_config
 from tiertrain.models.config import ModelConfig
 from tiertrain.units import format_bytes, format_count
@@ -172,15 +172,10 @@ class Trainer:
         self.budgets = default_budgets(self.cfg, self.device)
         if self.budgets.taken:
             self.reporter.message(self.budgets.describe())
-        host = self.budgets.budgets.host
-        reserved = host + (self.budgets.budgets.device if self.device.type == "cpu" else 0)
-        room = cgroup_room()  # a cap, fixed for the run: free memory, which varies, never picks how weights are drawn
-        if weights <= host and (room is None or weights + reserved <= room):
+        why = meta_build_reason(weights, self.budgets.budgets, self.device)
+        if why is None:
             seed_everything(self.cfg.seed)  # as a plain run draws its initial weights
             return build(model_cfg)
-        why = (f"exceed the host budget ({format_bytes(host)})" if weights > host else
-               f"beside the budgets ({format_bytes(reserved)}) exceed this process's memory cgroup limit "
-               f"({format_bytes(room)} left under it)")
         self.reporter.message(f"the model's fp32 weights ({format_bytes(weights)}) {why}: building it on the meta "
                               "device; setup initialises it block by block")
         return shell

@@ -118,7 +118,8 @@ def test_bench_parallel_prints_dp2_beside_dp1_with_the_bytes_each_rank_sent():
 def test_bench_peers_with_a_disk_counts_each_systems_disk_bytes_and_peak_rss(tmp_path):
     import os
 
-    from tiertrain.bench.peers import PeerBench, bench_peers, disk_counters
+    from tiertrain.bench.disk_bound import disk_counters
+    from tiertrain.bench.peers import PeerBench, bench_peers
     from tiertrain.memory import Budgets
     from tiertrain.models import ModelConfig
 
@@ -132,7 +133,7 @@ def test_bench_peers_with_a_disk_counts_each_systems_disk_bytes_and_peak_rss(tmp
     os.fsync(fd)
     os.close(fd)
     after = disk_counters(str(tmp_path))
-    assert after[1] - before[1] >= 8 << 20  # what was written reached the disk's own counter
+    assert (after - before).written >= 8 << 20 and (after - before).busy_s > 0  # the disk's own counters
     cfg = ModelConfig(n_layer=2, n_head=2, d_model=128, d_ffn=512, vocab_size=64, max_seq_len=32, name="peer")
     lines: list[str] = []
     rows = bench_peers(PeerBench(cfg, 2, 16, "fp32", Budgets.parse("2MiB", "8MiB", f"{tmp_path}:64MiB"), 2, 1,
@@ -151,7 +152,8 @@ def test_bench_peers_with_a_disk_counts_each_systems_disk_bytes_and_peak_rss(tmp
 def test_bench_peers_can_set_each_step_against_the_disk_rates_measured_on_either_side_of_it(tmp_path):
     """``probe_each_step``: a probe after every timed step, each step's own bytes, and a line per step
     with its bounds at the probes before and after it; tiertrain alone (no peers) is allowed."""
-    from tiertrain.bench.peers import PeerBench, bench_peers, disk_counters
+    from tiertrain.bench.disk_bound import disk_counters
+    from tiertrain.bench.peers import PeerBench, bench_peers
     from tiertrain.memory import Budgets
     from tiertrain.models import ModelConfig
 
@@ -164,9 +166,9 @@ def test_bench_peers_can_set_each_step_against_the_disk_rates_measured_on_either
     bench = PeerBench(cfg, 2, 16, "fp32", Budgets.parse("4MiB", "80MiB", f"{tmp_path}:512MiB"), 3, 1, "overlap", True,
                       probe_bytes=64 << 20)
     (row,) = bench_peers(bench, (), lines.append)
-    assert row.ran and len(row.limits) == 4 and len(row.step_bytes) == 3, lines
-    assert all(read > 0 and wrote > 0 for read, wrote in row.step_bytes), (row.step_bytes, lines)  # disk states move
-    assert row.disk_bytes == tuple(sum(b[k] for b in row.step_bytes) / 3 for k in (0, 1))
+    assert row.ran and len(row.limits) == 4 and len(row.step_disk) == 3, lines
+    assert all(d.read > 0 and d.written > 0 and 0 < d.busy_s <= s + 0.1 for d, s in zip(row.step_disk, row.step_s))
+    assert row.disk_bytes == (sum(d.read for d in row.step_disk) / 3, sum(d.written for d in row.step_disk) / 3)
     assert [sum(f"after its step {i}:" in ln for ln in lines) for i in (1, 2, 3)] == [1, 1, 1]
     assert sum(ln.strip().startswith("step ") and "at the rates before / after it" in ln for ln in lines) == 3
     assert any("step / its disk bound, median over steps" in ln for ln in lines)

@@ -52,7 +52,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from tiertrain.bench.machine import synchronize
-from tiertrain.bench.disk_bound import DiskLimit, measure_limit
+from tiertrain.bench.disk_bound import DiskCounters, DiskLimit, disk_counters, measure_limit
 from tiertrain.bench.overhead import matmul_peak
 from tiertrain.engine.auto_plan import ProfileStep
 from tiertrain.engine.budgets import meta_build_reason
@@ -109,7 +109,7 @@ class Row:
     disk_bytes: tuple[float, float] | None = None   # read, written per timed step
     peak_rss: int | None = None
     limits: list[DiskLimit] = field(default_factory=list)  # the disk's raw rates before and after the steps
-    step_bytes: list[tuple[float, float]] = field(default_factory=list)  # read, written by each step (probed each)
+    step_disk: list[DiskCounters] = field(default_factory=list)  # what each step did to the disk (probed each)
 
     @property
     def ran(self) -> bool:
@@ -142,18 +142,18 @@ def _time_steps(step: Callable[[torch.Tensor], torch.Tensor], bench: PeerBench, 
         if i >= bench.warmup:
             row.step_s.append(time.perf_counter() - t)
         if each and i >= bench.warmup and before is not None:
-            now = disk_counters(disk)
-            row.step_bytes.append((now[0] - before[0], now[1] - before[1]))
+            row.step_disk.append(disk_counters(disk) - before)
             row.limits.append(measure_limit(Path(disk), bench.probe_bytes))
             before = disk_counters(disk)
         row.losses.append(float(loss))
     if each:
-        if row.step_bytes:
-            row.disk_bytes = tuple(statistics.mean(b[k] for b in row.step_bytes) for k in (0, 1))
+        if row.step_disk:
+            row.disk_bytes = (statistics.mean(d.read for d in row.step_disk),
+                              statistics.mean(d.written for d in row.step_disk))
     else:
         after = disk_counters(disk) if before is not None else None
         if before is not None and after is not None:
-            row.disk_bytes = ((after[0] - before[0]) / bench.steps, (after[1] - before[1]) / bench.steps)
+            row.disk_bytes = ((after.read - before.read) / bench.steps, (after.written - before.written) / bench.steps)
         if disk:
             drain()
             row.limits.append(measure_limit(Path(disk), bench.probe_bytes))
@@ -161,18 +161,6 @@ def _time_steps(step: Callable[[torch.Tensor], torch.Tensor], bench: PeerBench, 
         row.device_peak = torch.cuda.max_memory_allocated(device)
     row.peak_rss = peak_rss()
     return row
-
-
-def disk_counters(directory: str) -> tuple[int, int] | None:
-    """Bytes read and written so far by the block device ``directory`` is on (``/proc/diskstats``
-    counts 512-byte sectors, whatever the device's own sector size); None where it is on none (a
-    tmpfs, an overlay)."""
-    dev = os.stat(directory).st_dev
-    for line in open("/proc/diskstats", encoding="ascii"):
-        f = line.split()
-        if (int(f[0]), int(f[1])) == (os.major(dev), os.minor(dev)):
-            return int(f[5]) * 512, int(f[9]) * 512
-    return None
 
 
 def reset_peak_rss() -> None:
@@ -475,7 +463,7 @@ def _disk_lines(row: Row, step_s: float, out: Callable[[str], None]) -> None:
         ["before its steps"] + [f"after its step {i + 1}" for i in range(len(row.limits) - 1)]
     for when, limit in zip(whens, row.limits):
         out(f"{'':26s}disk raw, O_DIRECT 1 MiB x 8 in flight, {when}: {limit.describe()}")
-    if row.step_bytes:
+    if row.step_disk:
         _per_step_lines(row, out)
     if row.disk_bytes is None:
         out(f"{'':26s}disk per step: not counted (the disk directory is on no block device in /proc/diskstats)")
@@ -492,14 +480,14 @@ def _per_step_lines(row: Row, out: Callable[[str], None]) -> None:
     """Each step (its write-backs drained) against the least time its bytes take at the raw rates
     measured just before and just after it: the disk's rate during the step lies near one of them."""
     ratios = []
-    for i, ((read, wrote), s) in enumerate(zip(row.step_bytes, row.step_s)):
-        bounds = [row.limits[i].seconds(read, wrote), row.limits[i + 1].seconds(read, wrote)]
+    for i, (d, s) in enumerate(zip(row.step_disk, row.step_s)):
+        bounds = [row.limits[i].seconds(d.read, d.written), row.limits[i + 1].seconds(d.read, d.written)]
         if min(bounds) <= 0:
             continue
         ratios.append((s / max(bounds), s / min(bounds)))
-        out(f"{'':26s}step {i + 1}: {s:.3f} s with its write-backs, read {read / 1e9:.3f} GB, written "
-            f"{wrote / 1e9:.3f} GB; at the rates before / after it {bounds[0]:.3f} / {bounds[1]:.3f} s "
-            f"(step / that {s / bounds[0]:.2f} / {s / bounds[1]:.2f})")
+        out(f"{'':26s}step {i + 1}: {s:.3f} s with its write-backs, read {d.read / 1e9:.3f} GB, written "
+            f"{d.written / 1e9:.3f} GB, disk busy {d.busy_s / s:.0%} of it; at the rates before / after it "
+            f"{bounds[0]:.3f} / {bounds[1]:.3f} s (step / that {s / bounds[0]:.2f} / {s / bounds[1]:.2f})")
     if ratios:
         out(f"{'':26s}step / its disk bound, median over steps: {statistics.median(r for r, _ in ratios):.2f} "
             f"against the larger of its two bounds, {statistics.median(r for _, r in ratios):.2f} against the smaller")

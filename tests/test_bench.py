@@ -118,7 +118,7 @@ def test_bench_parallel_prints_dp2_beside_dp1_with_the_bytes_each_rank_sent():
 def test_bench_peers_with_a_disk_counts_each_systems_disk_bytes_and_peak_rss(tmp_path):
     import os
 
-    from tiertrain.bench.disk_bound import disk_counters
+    from tiertrain.engine.measure.diskstats import disk_counters
     from tiertrain.bench.peers import PeerBench, bench_peers
     from tiertrain.memory import Budgets
     from tiertrain.models import ModelConfig
@@ -152,7 +152,7 @@ def test_bench_peers_with_a_disk_counts_each_systems_disk_bytes_and_peak_rss(tmp
 def test_bench_peers_can_set_each_step_against_the_disk_rates_measured_on_either_side_of_it(tmp_path):
     """``probe_each_step``: a probe after every timed step, each step's own bytes, and a line per step
     with its bounds at the probes before and after it; tiertrain alone (no peers) is allowed."""
-    from tiertrain.bench.disk_bound import disk_counters
+    from tiertrain.engine.measure.diskstats import disk_counters
     from tiertrain.bench.peers import PeerBench, bench_peers
     from tiertrain.memory import Budgets
     from tiertrain.models import ModelConfig

@@ -70,6 +70,33 @@ def test_the_disk_bytes_a_sync_step_moves_are_the_simulators_up_to_sector_roundi
         assert 0 <= got["written"] - written < transfers * CHUNKS * SECTOR, (got, written, transfers)
 
 
+def test_each_disk_step_says_how_much_of_it_the_disk_was_busy_and_the_summary_gives_the_median(tmp_path):
+    """``disk_busy``: the share of the step the disk directory's device had requests in flight (its
+    own counters), where that directory is on a block device; the summary prints the median."""
+    import io
+    import statistics
+
+    from rich.console import Console
+
+    from tiertrain.cli.summary import print_summary
+    from tiertrain.engine.measure.diskstats import disk_counters
+
+    (tmp_path / "disk").mkdir()
+    if disk_counters(str(tmp_path / "disk")) is None:
+        pytest.skip(f"{tmp_path} is on no block device (tmpfs or overlay): no counters to read")
+    out = tmp_path / "run"
+    summary = train(tiny_config(out, steps=4, plan="max-offload", disk=f"{tmp_path / 'disk'}:64MiB",
+                                page_size="64KiB", update="sync"))
+    rows = read_metrics(out)
+    assert all(0 < r["disk_busy"] <= 1 for r in rows[1:]), rows  # every step reads and writes its states
+    assert summary.disk_busy == pytest.approx(statistics.median(r["disk_busy"] for r in rows[2:]))  # after warm-up
+    text = io.StringIO()
+    print_summary(summary, Console(file=text, width=200))
+    assert f"disk busy       {summary.disk_busy:.0%} of a step" in text.getvalue()
+    plain = train(tiny_config(tmp_path / "host", steps=2, plan="max-offload", page_size="64KiB"))
+    assert plain.disk_busy is None and "disk_busy" not in read_metrics(tmp_path / "host")[-1]
+
+
 def test_each_row_reports_the_process_resident_memory_beside_the_tier_peaks(tmp_path):
     out = tmp_path / "run"
     train(tiny_config(out, steps=3, plan="max-offload", page_size="64KiB"))

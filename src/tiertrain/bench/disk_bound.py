@@ -13,7 +13,6 @@ or throttled disk slower, and the disk may do whichever is faster.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,28 +49,3 @@ def measure_limit(directory: Path, total: int = 1 << 30, page: int = MiB, in_fli
     together, _ = together_rate(directory, page, total, in_flight)
     return DiskLimit(alone.read_bps, alone.write_bps, together)
 
-
-@dataclass(frozen=True)
-class DiskCounters:
-    """What the block device has done so far (or between two readings, subtracted): bytes read and
-    written, and seconds with at least one request in flight (a step whose disk is busy all its time
-    cannot go faster without fewer bytes or a faster disk, whatever a probe says)."""
-
-    read: int
-    written: int
-    busy_s: float
-
-    def __sub__(self, other: DiskCounters) -> DiskCounters:
-        return DiskCounters(self.read - other.read, self.written - other.written, self.busy_s - other.busy_s)
-
-
-def disk_counters(directory: str) -> DiskCounters | None:
-    """The counters of the block device ``directory`` is on (``/proc/diskstats`` counts 512-byte sectors,
-    whatever the device's own sector size, and busy time in ms); None where it is on none (a tmpfs, an
-    overlay)."""
-    dev = os.stat(directory).st_dev
-    for line in open("/proc/diskstats", encoding="ascii"):
-        f = line.split()
-        if (int(f[0]), int(f[1])) == (os.major(dev), os.minor(dev)):
-            return DiskCounters(int(f[5]) * 512, int(f[9]) * 512, int(f[12]) / 1000)
-    return None

@@ -52,10 +52,11 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from tiertrain.bench.machine import synchronize
-from tiertrain.bench.disk_bound import DiskCounters, DiskLimit, disk_counters, measure_limit
+from tiertrain.bench.disk_bound import DiskLimit, measure_limit
 from tiertrain.bench.overhead import matmul_peak
 from tiertrain.engine.auto_plan import ProfileStep
 from tiertrain.engine.budgets import meta_build_reason
+from tiertrain.engine.measure.diskstats import DiskCounters, disk_counters
 from tiertrain.engine.objective import lm_loss
 from tiertrain.engine.optimizer import make_adamw
 from tiertrain.engine.precision import Precision

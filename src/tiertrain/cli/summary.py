@@ -14,6 +14,8 @@ def print_summary(s: RunSummary, console: Console) -> None:
     console.print(f"[bold]{state}[/]: {ran} steps{span} in {s.seconds:.1f} s")
     console.print(f"  loss            {s.first_loss:.4f} -> {s.last_loss:.4f}" if s.losses else "  loss            (no steps run)")
     console.print(f"  throughput      {s.tokens_per_s:,.0f} tokens/s, {s.tflops:.3f} TFLOPS (median step)")
+    if s.disk_busy is not None:
+        console.print(f"  disk busy       {s.disk_busy:.0%} of a step (median; near 100%: the disk is the limit)")
     console.print(f"  metrics         {s.out / 'metrics.jsonl'}")
     if s.checkpoint:
         console.print(f"  checkpoint      {s.checkpoint}")

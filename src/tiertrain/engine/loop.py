@@ -37,6 +37,7 @@ from tiertrain.engine.train_state import PlainState, TieredState, TrainState
 from tiertrain.errors import CheckpointError, ConfigError, OutputError, UserError
 from tiertrain.memory import Tier
 from tiertrain.engine.budgets import meta_build_reason
+from tiertrain.engine.disk_watch import DiskWatch
 from tiertrain.models import build, flops_per_token, param_count, resolve_config
 from tiertrain.models.config import ModelConfig
 from tiertrain.units import format_bytes, format_count
@@ -61,6 +62,7 @@ class RunSummary:
     out: Path
     losses: list[float] = field(default_factory=list)
     stopped_early: bool = False
+    disk_busy: float | None = None   # median share of a step (after warm-up) its disk was busy
 
 
 def prepare_out(out: Path) -> Path:
@@ -149,8 +151,9 @@ class Trainer:
             self._resume(Path(cfg.resume))
         if self.tiered and self.rank == 0:  # only once a resume is accepted: a refused one changes nothing in OUT
             write_atomic(self.out / PLAN_FILE, self.model.runtime.plan.to_json().encode())
-        # the disk traffic of setup and of a resume's load is not a step's
-        self._disk_seen = self.model.runtime.mem.disk_traffic() if self.tiered else {}
+        mem = self.model.runtime.mem if self.tiered else None  # setup's and a resume's disk traffic are not a step's
+        self.disk_watch = DiskWatch(mem, self.budgets.budgets.disk_dir) if mem and Tier.DISK in mem.pools else None
+        self.disk_busy: list[float] = []
         self.metrics = (MetricsFile(self.out / METRICS_FILE, self.step if cfg.resume else None) if self.rank == 0
                         else NoMetrics())
         if self.metrics.dropped:
@@ -281,8 +284,8 @@ class Trainer:
                              scaler=self.loss_scaler.state_dict() if self.loss_scaler is not None else {},
                              run_config=self.cfg.to_dict())
         saved = save_checkpoint(self.out, self.state, state, self.cfg.keep_checkpoints)
-        if self.tiered:  # what the checkpoint read from the disk tier is not the next step's traffic
-            self._disk_seen = self.model.runtime.mem.disk_traffic()
+        if self.disk_watch is not None:  # what the checkpoint read from the disk tier is not the next step's traffic
+            self.disk_watch.reset()
         return saved
 
     def run(self) -> RunSummary:
@@ -301,7 +304,8 @@ class Trainer:
         return RunSummary(steps=self.step, first_loss=losses[0] if losses else float("nan"),
                           last_loss=losses[-1] if losses else float("nan"), tokens_per_s=med(tokens_s),
                           tflops=med(tflops), seconds=began.elapsed(), checkpoint=checkpoint,
-                          out=self.out, losses=losses, stopped_early=self.step < cfg.steps)
+                          out=self.out, losses=losses, stopped_early=self.step < cfg.steps,
+                          disk_busy=med(self.disk_busy) if self.disk_busy else None)
 
     def close(self) -> None:
         """Give back what the Trainer holds (its tiers, the run directory's lock); ``run`` ends with it,
@@ -371,8 +375,10 @@ class Trainer:
         stats = self.model.runtime.mem.stats()
         row["peak_bytes"] = {t: v["pages_peak_bytes"] for t, v in stats.items() if "budget" in v}
         mem = self.model.runtime.mem
-        if Tier.DISK in mem.pools:
-            row["disk_bytes"] = self._disk_step_bytes(mem.disk_traffic())
+        if self.disk_watch is not None:
+            row.update(self.disk_watch.since_last())
+            if "disk_busy" in row and self.step > WARMUP_STEPS:
+                self.disk_busy.append(row["disk_busy"])
         total = device_peak_with_activations(stats["device"]["pages_peak_bytes"], mem.pool(Tier.DEVICE).capacity,
                                              self.device)
         if total is not None:
@@ -388,12 +394,6 @@ class Trainer:
                 self.auto, line = recheck(self.auto, measured, row["peak_bytes"], self.model.runtime.plan)
                 self.reporter.message(line)
             row["predicted"] = self.auto.predicted_row()
-
-    def _disk_step_bytes(self, now: dict[str, int]) -> dict[str, int]:
-        """Bytes the disk tier read and wrote since the last row (a write-back still in flight when a
-        step ends is counted in the step it lands in)."""
-        last, self._disk_seen = self._disk_seen, now
-        return {k: now[k] - last[k] for k in now}
 
 
 def train(cfg: TrainConfig, reporter: Reporter | None = None) -> RunSummary:

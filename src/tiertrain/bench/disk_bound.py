@@ -48,4 +48,3 @@ def measure_limit(directory: Path, total: int = 1 << 30, page: int = MiB, in_fli
     alone = measure_disk(directory, page, total, in_flight)
     together, _ = together_rate(directory, page, total, in_flight)
     return DiskLimit(alone.read_bps, alone.write_bps, together)
-

@@ -131,9 +131,7 @@ def _time_steps(step: Callable[[torch.Tensor], torch.Tensor], bench: PeerBench, 
     each = bool(disk) and bench.probe_each_step
     for i, x in enumerate(bench.batches(device)):
         if i == bench.warmup and disk:
-            drain()
-            row.limits.append(measure_limit(Path(disk), bench.probe_bytes))
-            before = disk_counters(disk)
+            before = _probe(row, bench, drain)
         synchronize(device)
         t = time.perf_counter()
         loss = step(x)
@@ -144,24 +142,28 @@ def _time_steps(step: Callable[[torch.Tensor], torch.Tensor], bench: PeerBench, 
             row.step_s.append(time.perf_counter() - t)
         if each and i >= bench.warmup and before is not None:
             row.step_disk.append(disk_counters(disk) - before)
-            row.limits.append(measure_limit(Path(disk), bench.probe_bytes))
-            before = disk_counters(disk)
+            before = _probe(row, bench, drain)
         row.losses.append(float(loss))
-    if each:
-        if row.step_disk:
-            row.disk_bytes = (statistics.mean(d.read for d in row.step_disk),
-                              statistics.mean(d.written for d in row.step_disk))
-    else:
-        after = disk_counters(disk) if before is not None else None
-        if before is not None and after is not None:
-            row.disk_bytes = ((after.read - before.read) / bench.steps, (after.written - before.written) / bench.steps)
-        if disk:
-            drain()
-            row.limits.append(measure_limit(Path(disk), bench.probe_bytes))
+    if row.step_disk:
+        row.disk_bytes = (statistics.mean(d.read for d in row.step_disk),
+                          statistics.mean(d.written for d in row.step_disk))
+    elif before is not None:
+        done = disk_counters(disk) - before
+        row.disk_bytes = (done.read / bench.steps, done.written / bench.steps)
+    if disk and not each:
+        _probe(row, bench, drain)
     if device.type == "cuda":
         row.device_peak = torch.cuda.max_memory_allocated(device)
     row.peak_rss = peak_rss()
     return row
+
+
+def _probe(row: Row, bench: PeerBench, drain: Callable[[], None]) -> DiskCounters | None:
+    """The disk's raw rates, once the system's own transfers have landed, added to the row; the
+    device's counters after it (None where the disk directory is on no block device)."""
+    drain()
+    row.limits.append(measure_limit(Path(bench.budgets.disk_dir), bench.probe_bytes))
+    return disk_counters(bench.budgets.disk_dir)
 
 
 def reset_peak_rss() -> None:

@@ -129,7 +129,7 @@ def test_bench_peers_with_a_disk_counts_each_systems_disk_bytes_and_peak_rss(tmp
 
         pytest.skip(f"{tmp_path} is on no block device (tmpfs or overlay): nothing to count")
     fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
-    os.write(fd, os.urandom(8 << 20))
+    os.write(fd, os.urandom(64 << 20))  # more than a tick of the busy counter
     os.fsync(fd)
     os.close(fd)
     after = disk_counters(str(tmp_path))
@@ -175,6 +175,29 @@ def test_bench_peers_can_set_each_step_against_the_disk_rates_measured_on_either
     assert not any(p.name.startswith(".tiertrain-probe-") for p in tmp_path.rglob("*"))
     r = run_cli("bench", "peers", "--peers", "", "--probe-each-step")
     assert r.returncode != 0 and "give --disk DIR:SIZE too" in r.stderr
+
+
+def test_bench_peers_builds_tiertrains_model_on_the_meta_device_where_it_may_not_live_beside_the_budgets(
+        monkeypatch):
+    """Under a memory cgroup whose room cannot hold the whole model beside the budgets, tiertrain's
+    model is built on the meta device (setup draws it block by block), as train builds it, and its row
+    says its initial weights are not the peers'; with room, it is built whole, as the peers' are."""
+    import torch
+
+    import tiertrain.engine.budgets as budgets_module
+    from tiertrain.bench.peers import PeerBench, _run_tiertrain
+    from tiertrain.memory import Budgets
+    from tiertrain.models import ModelConfig
+
+    cfg = ModelConfig(n_layer=2, n_head=2, d_model=64, d_ffn=256, vocab_size=64, max_seq_len=32, name="peer")
+    bench = PeerBench(cfg, 2, 16, "fp32", Budgets.parse("8MiB", "64MiB"), 2, 1, "sync")
+    monkeypatch.setattr(budgets_module, "cgroup_room", lambda: (72 << 20) + (16 << 10))  # budgets and 16 KiB
+    capped = _run_tiertrain(bench, torch.device("cpu"))
+    assert capped.ran and "built on the meta device" in capped.note, capped.note
+    monkeypatch.setattr(budgets_module, "cgroup_room", lambda: None)
+    roomy = _run_tiertrain(bench, torch.device("cpu"))
+    assert roomy.ran and "meta device" not in roomy.note
+    assert capped.losses != roomy.losses  # drawn block by block: other initial weights
 
 
 def test_a_disk_bound_is_the_faster_of_one_after_the_other_and_the_common_part_at_once():

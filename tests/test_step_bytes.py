@@ -122,7 +122,11 @@ def test_the_disk_watch_counts_the_time_the_device_was_busy_between_two_readings
     row = watch.since_last()
     assert row["disk_bytes"] == {"read": 5, "written": 7} and 0 < row["disk_busy"] <= 1, row
     assert watch.since_last()["disk_bytes"] == {"read": 0, "written": 0}
+    mem.traffic = {"read": 9, "written": 11}
+    watch.skip_device()  # a machine probe meanwhile: the tier's bytes still count, the device's time not
+    assert watch.since_last()["disk_bytes"] == {"read": 4, "written": 4}
     assert "disk_busy" not in DiskWatch(mem, None).since_last()
+    assert disk_counters(str(tmp_path / "gone")) is None
 
 
 def test_each_row_reports_the_process_resident_memory_beside_the_tier_peaks(tmp_path):

@@ -118,10 +118,10 @@ class Row:
 
 
 def _time_steps(step: Callable[[torch.Tensor], torch.Tensor], bench: PeerBench, device: torch.device,
-                name: str, note: str = "", drain: Callable[[], None] = lambda: None) -> Row:
+                name: str, note: str = "", drain: Callable[[], None] = os.sync) -> Row:
     """Every batch once; the warm-up steps' losses are kept, their times are not. With a disk, its
     raw rates are measured just before the first timed step and just after the last, once ``drain``
-    has let the system's own transfers land. ``probe_each_step`` also drains and measures between
+    has let the system's own transfers land (a peer's: ``os.sync``). ``probe_each_step`` also drains and measures between
     timed steps: each step's time then includes its own write-backs, none overlapping the next step
     (slower than a steady run), and its bytes are paired with the rates on either side of it."""
     row = Row(name, note=note)
@@ -148,6 +148,7 @@ def _time_steps(step: Callable[[torch.Tensor], torch.Tensor], bench: PeerBench, 
         row.disk_bytes = (statistics.mean(d.read for d in row.step_disk),
                           statistics.mean(d.written for d in row.step_disk))
     elif before is not None:
+        drain()  # the last step's write-backs are its bytes too
         done = disk_counters(disk) - before
         row.disk_bytes = (done.read / bench.steps, done.written / bench.steps)
     if disk and not each:
@@ -202,7 +203,8 @@ def _run_tiertrain(bench: PeerBench, device: torch.device) -> Row:
         if why is not None:
             notes.append(f"its fp32 weights {why}: built on the meta device and drawn block by block by setup, "
                          "so its initial weights, and losses, are not the peers'")
-        return _time_steps(step, bench, device, f"tiertrain ({bench.update})", "; ".join(notes), tm.runtime.wait_updates)
+        return _time_steps(step, bench, device, f"tiertrain ({bench.update})", "; ".join(notes),
+                           tm.runtime.wait_updates)
     finally:
         tm.runtime.close()
         tm.runtime.mem.close()
@@ -441,7 +443,8 @@ def bench_peers(bench: PeerBench, peers: tuple[str, ...], out: Callable[[str], N
         "not enforceable for peers on CPU"
     out(f"model {param_count(bench.cfg) / 1e6:.1f}M params, batch {bench.batch} x {bench.seq}, {bench.precision} "
         f"on {device.type}; device budget {format_bytes(bench.budgets.device)} ({cap}); "
-        f"{bench.steps} timed steps after {bench.warmup} warm-up")
+        f"{bench.steps} timed steps after {bench.warmup} warm-up"
+        + ("; each timed step waits for its own disk writes (--probe-each-step)" if bench.probe_each_step else ""))
     out(f"matrix product measured here: {peak / 1e12:.2f} TFLOP/s (the MFU ceiling)")
     for row in rows:
         if not row.ran:
@@ -465,7 +468,8 @@ def _disk_lines(row: Row, step_s: float, out: Callable[[str], None]) -> None:
     whens = ["before its steps", "after its steps"] if len(row.limits) == 2 else \
         ["before its steps"] + [f"after its step {i + 1}" for i in range(len(row.limits) - 1)]
     for when, limit in zip(whens, row.limits):
-        out(f"{'':26s}disk raw, O_DIRECT 1 MiB x 8 in flight, {when}: {limit.describe()}")
+        out(f"{'':26s}disk raw (1 MiB requests, 8 in flight, O_DIRECT where the filesystem allows), {when}: "
+            f"{limit.describe()}")
     if row.step_disk:
         _per_step_lines(row, out)
     if row.disk_bytes is None:

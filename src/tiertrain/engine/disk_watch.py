@@ -23,6 +23,11 @@ class DiskWatch:
         """From now on: what setup, a resume or a checkpoint moved is not a step's."""
         self._traffic, self._device, self._t = self._now()
 
+    def skip_device(self) -> None:
+        """The device's counters and the clock from now on (the run itself used the disk meanwhile: a
+        machine probe); the tier's bytes keep counting, so a write-back that lands meanwhile is a step's."""
+        _, self._device, self._t = self._now()
+
     def _now(self) -> tuple[dict[str, int], DiskCounters | None, float]:
         return self.mem.disk_traffic(), disk_counters(self.directory) if self.directory else None, time.perf_counter()
 

@@ -22,7 +22,9 @@ from tiertrain.engine.atomic import write_atomic
 from tiertrain.engine.auto_plan import AutoPlan, ProfileStep
 from tiertrain.engine.checkpoint import (TrainerState, checkpoint_root, find_checkpoint, load_checkpoint,
                                          save_checkpoint)
+from tiertrain.engine.budgets import meta_build_reason
 from tiertrain.engine.config import TrainConfig
+from tiertrain.engine.disk_watch import DiskWatch
 from tiertrain.engine.metrics import (MetricsFile, NoMetrics, Reporter, StepTimer, device_peak_with_activations,
                                       peak_bytes, process_rss)
 from tiertrain.parallel import rank_from_env, world_from_env
@@ -36,8 +38,6 @@ from tiertrain.engine.tiered import default_budgets, setup_tiered
 from tiertrain.engine.train_state import PlainState, TieredState, TrainState
 from tiertrain.errors import CheckpointError, ConfigError, OutputError, UserError
 from tiertrain.memory import Tier
-from tiertrain.engine.budgets import meta_build_reason
-from tiertrain.engine.disk_watch import DiskWatch
 from tiertrain.models import build, flops_per_token, param_count, resolve_config
 from tiertrain.models.config import ModelConfig
 from tiertrain.units import format_bytes, format_count
@@ -377,7 +377,7 @@ class Trainer:
         mem = self.model.runtime.mem
         if self.disk_watch is not None:
             row.update(self.disk_watch.since_last())
-            if "disk_busy" in row and self.step > WARMUP_STEPS:
+            if "disk_busy" in row and len(self.step_seconds) >= WARMUP_STEPS:  # this process's warm-up, resumed too
                 self.disk_busy.append(row["disk_busy"])
         total = device_peak_with_activations(stats["device"]["pages_peak_bytes"], mem.pool(Tier.DEVICE).capacity,
                                              self.device)
@@ -392,6 +392,8 @@ class Trainer:
             measured = self.step_seconds[WARMUP_STEPS:] + [row["step_s"]]
             if len(measured) == CHECK_AFTER:  # held against the first steps; remeasured where far off
                 self.auto, line = recheck(self.auto, measured, row["peak_bytes"], self.model.runtime.plan)
+                if self.disk_watch is not None:  # a recheck may probe the disk: that is no step's busy time
+                    self.disk_watch.skip_device()
                 self.reporter.message(line)
             row["predicted"] = self.auto.predicted_row()
 

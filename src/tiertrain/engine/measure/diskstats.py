@@ -27,8 +27,13 @@ def disk_counters(directory: str) -> DiskCounters | None:
     """The counters of the block device ``directory`` is on (``/proc/diskstats`` counts 512-byte sectors,
     whatever the device's own sector size, and busy time in ms); None where it is on none (a tmpfs, an
     overlay)."""
-    dev = os.stat(directory).st_dev
-    for line in open("/proc/diskstats", encoding="ascii"):
+    try:
+        dev = os.stat(directory).st_dev
+        with open("/proc/diskstats", encoding="ascii") as stats:
+            lines = stats.read().splitlines()
+    except OSError:  # no /proc/diskstats (not Linux, a locked-down container), or the directory is gone
+        return None
+    for line in lines:
         f = line.split()
         if (int(f[0]), int(f[1])) == (os.major(dev), os.minor(dev)):
             return DiskCounters(int(f[5]) * 512, int(f[9]) * 512, int(f[12]) / 1000)

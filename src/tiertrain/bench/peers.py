@@ -121,9 +121,10 @@ def _time_steps(step: Callable[[torch.Tensor], torch.Tensor], bench: PeerBench, 
                 name: str, note: str = "", drain: Callable[[], None] = os.sync) -> Row:
     """Every batch once; the warm-up steps' losses are kept, their times are not. With a disk, its
     raw rates are measured just before the first timed step and just after the last, once ``drain``
-    has let the system's own transfers land (a peer's: ``os.sync``). ``probe_each_step`` also drains and measures between
-    timed steps: each step's time then includes its own write-backs, none overlapping the next step
-    (slower than a steady run), and its bytes are paired with the rates on either side of it."""
+    has let the system's own transfers land (a peer's: ``os.sync``). ``probe_each_step`` also drains
+    and measures between timed steps: each step's time then includes its own write-backs, none
+    overlapping the next step (slower than a steady run), and its bytes are paired with the rates on
+    either side of it."""
     row = Row(name, note=note)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

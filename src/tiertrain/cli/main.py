@@ -450,6 +450,8 @@ def bench_peers_cmd(model: str, batch_size: int, seq_len: int, precision: str, d
     peers = tuple(p for p in peer_list.split(",") if p)
     if any(p not in PEERS for p in peers):
         raise ConfigError(f"--peers {peer_list!r}: choose from {', '.join(PEERS)}, comma-separated")
+    if probe_each_step and not disk:
+        raise ConfigError("--probe-each-step measures the disk: give --disk DIR:SIZE too")
     cfg = resolve_config(model)
     if not isinstance(cfg, ModelConfig):
         raise ConfigError(f"--model {model!r}: bench peers runs our GPT configs (tiertrain info --list), "
@@ -460,8 +462,6 @@ def bench_peers_cmd(model: str, batch_size: int, seq_len: int, precision: str, d
     budgets = Budgets.parse(device_memory, host_memory, disk)
     if disk and "fsdp2" in peers:
         raise ConfigError("--disk: FSDP2 offloads to host memory only; leave it out (--peers deepspeed)")
-    if probe_each_step and not disk:
-        raise ConfigError("--probe-each-step measures the disk: give --disk DIR:SIZE too")
     work = PeerBench(cfg, batch_size, seq_len, precision, budgets, steps, warmup, update, probe_each_step)
     rows = bench_peers(work, peers, click.echo)
     if not rows[0].ran:

@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 
 from tiertrain.plan.tiers import Tier
 from tiertrain.plan import Plan
-from tiertrain.plan.bytes import (bounded_grads, bounds_grads, disk_passes_per_step, disk_states, grad_copies, grad_tier,
-                                  in_pieces, master_home, pages, separate_param_home, sharded, tier_bytes, updated_away)
+from tiertrain.plan.bytes import (F32_BYTES, bounded_grads, bounds_grads, disk_passes_per_step, disk_states,
+                                  grad_copies, grad_tier, in_pieces, master_home, pages, separate_param_home, sharded,
+                                  tier_bytes, updated_away)
 from tiertrain.planner.costs import GRAD_BYTES, grads_out_s, publishes_over_link
 from tiertrain.planner.network import Network
 from tiertrain.planner.profile import MachineProfile, Profile
@@ -249,8 +250,8 @@ def _read_states(tl: Timeline, bp, m, ready: float, ahead: float, numel: float, 
 
 
 def _disk_bytes(bp) -> int:
-    """Bytes per parameter a disk-homed block's update reads and writes back: its states on disk."""
-    return disk_states(bp) * GRAD_BYTES
+    """Bytes per parameter a disk-homed block's update reads and writes back: its fp32 states on disk."""
+    return disk_states(bp) * F32_BYTES
 
 
 def _step_time(plan: Plan, tl: Timeline, device_end: float, needs_all_grads: bool, m: MachineProfile) -> float:

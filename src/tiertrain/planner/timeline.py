@@ -1,0 +1,42 @@
+"""The simulator's resources: one lane each, on which a task holds the resource for its seconds.
+
+A task starts at the first gap of its lane, at or after it is ready, long enough to hold it. The
+runtime's queues serve work in the order it is submitted, and the simulator schedules work block by
+block rather than in time order (a block's update is placed before the next block's fetch, which was
+submitted earlier): filling gaps gives each task the place its submission time gives it in the
+runtime, where appending after the lane's last task would queue an early read behind a later one.
+A disk's reads and writes take turns on one lane, as the step's disk bound adds them up (``simulator``).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+RESOURCES = ("compute", "h2d", "d2h", "disk_read", "disk_write", "cpu", "net")
+LANES = {r: "disk" if r.startswith("disk") else r for r in RESOURCES}  # reads and writes share one disk
+
+
+@dataclass
+class Timeline:
+    tasks: list[tuple[str, float, float, str]] = field(default_factory=list)   # resource, start, end, label
+    _starts: dict[str, list[float]] = field(default_factory=lambda: {lane: [] for lane in LANES.values()})
+    _ends: dict[str, list[float]] = field(default_factory=lambda: {lane: [] for lane in LANES.values()})
+
+    def run(self, resource: str, ready: float, seconds: float, label: str) -> tuple[float, float]:
+        """Hold ``resource`` for ``seconds`` in the first gap from ``ready`` on: (start, end)."""
+        starts, ends = self._starts[LANES[resource]], self._ends[LANES[resource]]
+        start = ready
+        k = bisect.bisect_right(ends, start)       # the first busy span that ends after ``ready``
+        while k < len(starts) and starts[k] < start + seconds:
+            start = max(start, ends[k])           # it overlaps: try the gap after it
+            k += 1
+        end = start + seconds
+        if seconds > 0:
+            starts.insert(k, start)
+            ends.insert(k, end)
+            self.tasks.append((resource, start, end, label))
+        return start, end
+
+    def busy(self, resource: str) -> float:
+        return sum(e - s for r, s, e, _ in self.tasks if r == resource)

@@ -1,0 +1,179 @@
+"""The simulator's block updates, in the pipeline the runtime runs them in (``runtime.state_moves``,
+``runtime.modes``): a plan's ``update_workers`` and ``read_ahead`` decide when each update can start.
+
+- An update runs on one of ``update_workers`` workers (sync: the loop's own thread, one), which is
+  taken from the update's start to its AdamW's end; it first waits for that worker's last write-back
+  to land (one write-back per worker in flight bounds the states the host holds).
+- A disk-homed block's states are read ahead of its update, at most ``read_ahead`` blocks at once:
+  during forward, the blocks backward reaches first (not those whose slot is filled from their master
+  on disk); then each block as its backward begins, if a place is free. A place frees when the update
+  of a block read ahead ends. A block not read ahead is read by its worker as its update starts.
+  Lockfree reads nothing ahead (a block's loop may be moving its states).
+- ``overlap``: the next step's forward needs each block's new params. So a step is at least as long
+  as the latest update, counted from where that block's params are needed in the step (its fetch for
+  a streamed block, its forward otherwise, the embeddings at once), plus the write-back where the
+  slot is filled from the master on disk (``BlockGroup.fills_slot_from_disk``).
+
+Where the runtime bounds the gradients updated away (``plan.bytes.bounds_grads``), backward waits,
+before it flushes a block's gradients, until at most ``update_workers`` chunks are alive
+(``Runtime._room_for_grads``): ``room_for_grads`` says when.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+from tiertrain.plan import BlockPlan, Plan
+from tiertrain.plan.bytes import (F32_BYTES, disk_passes_per_step, disk_states, grad_tier, in_pieces, master_home,
+                                  pages, separate_param_home, sharded, updated_away)
+from tiertrain.plan.tiers import Tier
+from tiertrain.planner.costs import GRAD_BYTES, publishes_over_link
+from tiertrain.planner.network import Network
+from tiertrain.planner.profile import Profile
+from tiertrain.planner.timeline import Timeline
+
+Change = Callable[..., None]   # the simulator's memory curve: change(time, tier, delta, away=False)
+
+
+def network(plan: Plan, p: Profile) -> Network:
+    """The profile's collective rates over the plan's ranks."""
+    return dataclasses.replace(p.network, dp=plan.parallel.dp)
+
+
+def own(plan: Plan, bp: BlockPlan, numel: int) -> int:
+    """Elements of a block's states one rank holds and updates."""
+    return -(-numel // plan.parallel.dp) if sharded(bp, plan) else numel
+
+
+def fills_slot_from_disk(bp: BlockPlan, plan: Plan) -> bool:
+    """A streamed block whose slot is filled from its fp32 master on disk (no other copy of its params)."""
+    return bp.stream and master_home(bp) is Tier.DISK and not separate_param_home(bp, plan)
+
+
+def disk_bytes(bp: BlockPlan) -> int:
+    """Bytes per parameter a disk-homed block's update reads and writes back: its fp32 states on disk."""
+    return disk_states(bp) * F32_BYTES
+
+
+@dataclass
+class _Worker:
+    free: float = 0.0      # when its last update's AdamW ended
+    written: float = 0.0   # when its last write-back lands
+
+
+@dataclass
+class UpdatePipeline:
+    plan: Plan
+    p: Profile
+    tl: Timeline
+    change: Change
+    workers: list[_Worker]
+    read_ahead: int
+    bounded: bool                                  # backward waits for room for gradients
+    reads: dict[int, float] = field(default_factory=dict)      # block -> when its read-ahead lands
+    held: dict[int, float] = field(default_factory=dict)       # block read ahead -> when its place frees
+    settled: dict[int, float] = field(default_factory=dict)    # block -> when its params are final
+    away_done: list[float] = field(default_factory=list)       # updates that free bounded chunks, in order
+
+    @classmethod
+    def of(cls, plan: Plan, p: Profile, tl: Timeline, change: Change, bounded: bool) -> "UpdatePipeline":
+        workers = 1 if plan.update == "sync" else plan.update_workers
+        read_ahead = 0 if plan.update == "lockfree" else plan.read_ahead
+        return cls(plan, p, tl, change, [_Worker() for _ in range(workers)], read_ahead, bounded)
+
+    def _plan_of(self, i: int) -> BlockPlan:
+        return self.plan.rest if i == len(self.p.blocks) else self.plan.blocks[i]
+
+    def _numel(self, i: int) -> int:
+        return self.p.rest.params if i == len(self.p.blocks) else self.p.blocks[i].params
+
+    def _name(self, i: int) -> str:
+        return "rest" if i == len(self.p.blocks) else self.p.blocks[i].name
+
+    def _share(self, bp: BlockPlan) -> float:
+        """The step's share of a disk-homed block's update (lockfree passes every few steps)."""
+        return disk_passes_per_step(self.plan.update, self.plan.max_staleness) if bp.home is Tier.DISK else 1.0
+
+    def _reads_ahead(self, bp: BlockPlan) -> bool:
+        return bp.home is Tier.DISK and not in_pieces(bp) and self.read_ahead > 0
+
+    def forward_reads(self, t: float) -> None:
+        """As forward starts: the blocks backward reaches first, as many as the places allow."""
+        for i in range(len(self.p.blocks) - 1, -1, -1):
+            bp = self.plan.blocks[i]
+            if self._reads_ahead(bp) and not fills_slot_from_disk(bp, self.plan):
+                self.read(i, t)
+
+    def read(self, i: int, t: float) -> None:
+        """A block's states read ahead from ``t``, if it is not already and a place is free then."""
+        bp = self._plan_of(i)
+        if i in self.reads or not self._reads_ahead(bp):
+            return
+        if sum(1 for end in self.held.values() if end > t) >= self.read_ahead:
+            return
+        seconds = self._share(bp) * own(self.plan, bp, self._numel(i)) * disk_bytes(bp) / self.p.machine.disk_read_bps
+        self.reads[i] = self.tl.run("disk_read", t, seconds, f"read {self._name(i)}")[1]
+        self.held[i] = math.inf  # until its update ends
+
+    def room_for_grads(self) -> float:
+        """When backward may flush the next bounded block's gradients: at most ``update_workers``
+        chunks alive, so all but ``update_workers`` of the updates of those flushed before have freed theirs."""
+        k = len(self.away_done) - len(self.workers) - 1
+        return sorted(self.away_done)[k] if k >= 0 else 0.0
+
+    def update(self, i: int, ready: float) -> float:
+        """Block ``i``'s update (``len(p.blocks)``: the rest) once its gradients are in at ``ready``;
+        when its AdamW ends."""
+        plan, p, m, tl = self.plan, self.p, self.p.machine, self.tl
+        bp, name = self._plan_of(i), self._name(i)
+        n = own(plan, bp, self._numel(i))
+        share = self._share(bp)
+        worker = None
+        if bp.home is Tier.DEVICE and not m.device_is_host:
+            done = ready  # updated on the GPU, next to nothing beside its compute (as costs has it)
+        else:
+            worker = min(self.workers, key=lambda w: max(w.free, w.written))
+            start = max(ready, worker.free, worker.written)
+            done = self._adam(i, bp, start, share * n, name)
+            worker.free = done
+        if i in self.held:
+            self.held[i] = done
+        self.change(done, grad_tier(bp).value, -pages(n * GRAD_BYTES, p.page, bound=False), updated_away(bp))
+        if self.bounded and updated_away(bp):
+            self.away_done.append(done)
+        if publishes_over_link(bp.stream, bp.home is Tier.DEVICE, m, p.compute_bytes):
+            tl.run("h2d", done, share * n * p.compute_bytes / m.h2d_bps, f"publish {name}")
+        if sharded(bp, plan) and not bp.stream:  # the new params of every rank's share into the slot
+            tl.run("net", done, share * network(plan, p).gather_s(self._numel(i) * p.compute_bytes), f"gather {name}")
+        self.settled[i] = done
+        if bp.home is Tier.DISK:
+            written = tl.run("disk_write", done, share * n * disk_bytes(bp) / m.disk_write_bps, f"write {name}")[1]
+            if worker is not None:
+                worker.written = written
+            if fills_slot_from_disk(bp, plan):
+                self.settled[i] = written
+        return done
+
+    def _adam(self, i: int, bp: BlockPlan, start: float, numel: float, name: str) -> float:
+        """The states in (read ahead, else read now; in pieces, a piece ahead of AdamW), then AdamW."""
+        m, tl = self.p.machine, self.tl
+        ready, read_end = start, 0.0
+        if bp.home is Tier.DISK:
+            seconds = numel * disk_bytes(bp) / m.disk_read_bps
+            if i in self.reads:
+                ready = max(start, self.reads[i])
+            elif in_pieces(bp):
+                first = min(seconds, disk_states(bp) * bp.piece / m.disk_read_bps)
+                begun, read_end = tl.run("disk_read", start, seconds, f"read {name}")
+                ready = begun + first
+            else:
+                ready = tl.run("disk_read", start, seconds, f"read {name}")[1]
+        return max(read_end, tl.run("cpu", ready, numel / m.adam_params_per_s, f"adam {name}")[1])
+
+    def chain(self, needed: dict[int, float]) -> float:
+        """The shortest step that lets the next step's forward find every block's params final:
+        ``needed`` says, per block, when this step needed them (the rest's at 0)."""
+        return max((self.settled[i] - t for i, t in needed.items() if i in self.settled), default=0.0)

@@ -1,0 +1,113 @@
+"""The simulator's timeline and its model of the runtime's update pipeline (``planner.timeline``,
+``planner.updates``): workers, states read ahead, the next step's wait for updates, bounded gradients."""
+
+import dataclasses
+
+import pytest
+
+from tiertrain.memory import Tier
+from tiertrain.plan import BlockPlan, Plan
+from tiertrain.planner.simulator import simulate
+from tiertrain.planner.timeline import Timeline
+from test_planner import synthetic
+
+
+def _task(sim, label: str) -> tuple[float, float]:
+    (span,) = [(s, e) for _, s, e, lab in sim.timeline.tasks if lab == label]
+    return span
+
+
+def _disk_plan(n: int = 6, read_ahead: int = 2, workers: int = 2, **block) -> Plan:
+    b = BlockPlan(home=Tier.DISK, **block)
+    return Plan((b,) * n, BlockPlan(), window=1, prefetch=0, update="overlap", name="disk",
+                read_ahead=read_ahead, update_workers=workers)
+
+
+def _slow_disk(prof, bps: float = 1e8):
+    return dataclasses.replace(prof, machine=dataclasses.replace(prof.machine, disk_read_bps=bps, disk_write_bps=bps))
+
+
+def test_a_task_fills_the_first_gap_it_fits_and_reads_and_writes_share_the_disk():
+    tl = Timeline()
+    assert tl.run("disk_read", 10.0, 2.0, "late") == (10.0, 12.0)
+    assert tl.run("disk_read", 0.0, 3.0, "early") == (0.0, 3.0)        # before the later task, in the gap
+    assert tl.run("disk_read", 8.0, 3.0, "too long") == (12.0, 15.0)   # 8..11 overlaps 10..12: after it
+    assert tl.run("disk_write", 1.0, 1.0, "write") == (3.0, 4.0)       # the disk is busy reading until 3
+    assert tl.run("cpu", 1.0, 1.0, "adam") == (1.0, 2.0)               # another resource is free
+    assert tl.run("disk_read", 3.5, 0.0, "nothing") == (4.0, 4.0)      # an empty task is not recorded
+    assert tl.busy("disk_read") == 8.0 and tl.busy("disk_write") == 1.0
+
+
+@pytest.mark.parametrize("read_ahead", [1, 2, 3])
+def test_no_more_blocks_are_read_ahead_than_the_plan_allows(read_ahead):
+    """A block read ahead holds its place from its read's start until its update's AdamW ends."""
+    prof = _slow_disk(synthetic(8))
+    sim = simulate(_disk_plan(8, read_ahead=read_ahead), prof)
+    held = []
+    for b in prof.blocks:
+        read, adam = _task(sim, f"read {b.name}"), _task(sim, f"adam {b.name}")
+        held.append((read[0], adam[1]))
+    for start, _ in held:
+        assert sum(1 for s, e in held if s <= start < e) <= read_ahead
+    # on a disk fast enough, the first blocks backward reaches are read during forward
+    fast = simulate(_disk_plan(8, read_ahead=read_ahead), _slow_disk(synthetic(8), 1e11))
+    backward = _task(fast, f"bwd {prof.blocks[-1].name}")[0]
+    early = sorted(b.name for b in prof.blocks if _task(fast, f"read {b.name}")[1] < backward)
+    assert early == sorted(b.name for b in prof.blocks[-read_ahead:])
+
+
+def test_one_worker_updates_one_block_at_a_time_after_its_last_write_back():
+    """The runtime's worker waits for its last write-back before it takes the next block's states in."""
+    prof = _slow_disk(synthetic(6))
+    one = simulate(_disk_plan(6, read_ahead=3, workers=1), prof)
+    order = [b.name for b in reversed(prof.blocks)]
+    for before, after in zip(order, order[1:]):
+        assert _task(one, f"adam {after}")[0] >= _task(one, f"write {before}")[1] - 1e-12
+    two = simulate(_disk_plan(6, read_ahead=3, workers=2), prof)
+    assert any(_task(two, f"adam {after}")[0] < _task(two, f"write {before}")[1]
+               for before, after in zip(order, order[1:]))
+
+
+def test_the_next_forward_waits_for_the_updates_it_needs():
+    """With AdamW far slower than compute and nothing else busy, an overlap step is as long as the
+    update of the embeddings (the rest), which ends after backward and which the next step's forward
+    needs first."""
+    prof = synthetic(4)
+    prof = dataclasses.replace(prof, machine=dataclasses.replace(prof.machine, adam_params_per_s=1e7,
+                                                                 device_is_host=False))
+    host = Plan((BlockPlan(home=Tier.HOST),) * 4, BlockPlan(), update="overlap", name="host")
+    sim = simulate(host, prof)
+    rest = _task(sim, "adam rest")
+    assert sim.step_s == pytest.approx(rest[1])
+    assert sim.step_s > sim.timeline.busy("cpu") * 0.99  # no shorter than the updates themselves either
+
+
+def test_a_block_whose_slot_is_filled_from_its_master_on_disk_is_needed_after_its_write_back():
+    """Such a block's next fetch reads the master its write-back puts on disk: the next step waits
+    for the write, counted from when this step fetched the block."""
+    prof = _slow_disk(synthetic(4), 5e7)
+    b = BlockPlan(home=Tier.DISK, stream=True)
+    plan = Plan((b,) * 4, BlockPlan(), window=2, prefetch=1, update="overlap", name="slot from disk",
+                read_ahead=2, update_workers=2)
+    sim = simulate(plan, prof)
+    first = prof.blocks[0].name
+    assert sim.step_s >= _task(sim, f"write {first}")[1] - _task(sim, f"fetch {first}")[0] - 1e-12
+
+
+def test_backward_waits_for_room_for_gradients_where_the_runtime_bounds_them():
+    """With gradients bounded to update_workers + 1 chunks, a block's gradients are flushed only once
+    the update that many blocks back has freed its chunk."""
+    from tiertrain.plan.bytes import bounds_grads
+
+    prof = dataclasses.replace(_slow_disk(synthetic(6)), transient_grads=True, page=1 << 20)
+    plan = _disk_plan(6, read_ahead=1, workers=1)
+    numels = [b.params for b in (*prof.blocks, prof.rest)]
+    tight = {Tier.DEVICE: 1 << 40, Tier.HOST: 64 << 20, Tier.DISK: 1 << 40}
+    assert bounds_grads(numels, plan, prof.page, tight, True)
+    sim = simulate(plan, prof, budgets=tight)
+    order = [b.name for b in reversed(prof.blocks)]
+    for k in range(2, len(order)):
+        assert _task(sim, f"grads {order[k]}")[0] >= _task(sim, f"adam {order[k - 2]}")[1] - 1e-12
+    free = simulate(plan, prof)  # no budgets given: nothing bounds them
+    assert any(_task(free, f"grads {order[k]}")[0] < _task(free, f"adam {order[k - 2]}")[1]
+               for k in range(2, len(order)))

@@ -110,10 +110,12 @@ def test_the_planner_keeps_masters_on_the_host_it_has_and_the_plan_trains_as_pla
     assert stats["host"]["pages_peak_bytes"] <= host
 
 
-def test_the_planner_sends_the_solvers_host_homed_blocks_to_disk_where_every_master_fits_instead():
+def test_the_planner_sends_the_solvers_host_homed_blocks_to_disk_where_every_master_fits_instead(monkeypatch):
     """Host for every block's master beside its disk pipeline, not for whole blocks: the solvers keep
     two blocks' whole states on the host (32 B of traffic spared a parameter for 12 B), the planner
-    spends the same host on every master (16 B for 4 B) and predicts that faster."""
+    spends the same host on every master (16 B for 4 B) and predicts that faster. (With that pipeline:
+    the lean one, which frees host for whole blocks beside the masters, is no slower.)"""
+    import tiertrain.planner.auto as auto
     from tiertrain.planner.auto import choose
     from tiertrain.planner.simulator import simulate
     from tiertrain.planner.solvers import SOLVERS
@@ -124,10 +126,46 @@ def test_the_planner_sends_the_solvers_host_homed_blocks_to_disk_where_every_mas
     pb = Problem(profile, device=1 << 20, host=tier_bytes(numels, every, PAGE, grads="transient")[Tier.HOST],
                  disk=64 << 20)
     assert all(not all(SOLVERS[name](pb).disk_home) for name in ("dp", "greedy"))  # blocks kept on the host
-    chosen = choose(pb)[0]
+    with monkeypatch.context() as m:
+        m.setattr(auto, "_pipelines", lambda plan: [plan])
+        chosen = choose(pb)[0]
     assert all(b.home is Tier.DISK and b.host_master for b in (*chosen.plan.blocks, chosen.plan.rest))
     kept = to_plan(SOLVERS["dp"](pb), profile, "overlap")
     assert chosen.sim.step_s < simulate(kept, profile).step_s
+    assert choose(pb)[0].sim.step_s <= chosen.sim.step_s
+
+
+def test_where_host_is_short_the_planner_takes_the_lean_pipeline_for_more_masters(monkeypatch):
+    """With host for about one master beside the default disk pipeline (two workers, blocks read
+    ahead), the lean one (one worker, one block read ahead) stages three blocks' states fewer, so the
+    host keeps more masters: on a disk-bound machine the planner predicts it faster and takes it,
+    within the runtime's own count. With host for every master either way, the lean pipeline only
+    waits longer, and the default one is kept."""
+    import tiertrain.planner.auto as auto
+    from tiertrain.runtime.budget_check import needs
+    from tiertrain.runtime.blocks import find_blocks
+    from tiertrain.models import build
+    from tiered_harness import TINY4
+
+    profile, numels = _disk_bound(12)
+    all_disk = Plan(tuple(BlockPlan(home=Tier.DISK, stream=True) for _ in numels[:-1]), BlockPlan(home=Tier.DISK),
+                    window=2, prefetch=1, update="overlap")
+    host = tier_bytes(numels, all_disk, PAGE, grads="transient")[Tier.HOST] + pages(numels[0] * 4, PAGE)
+    pb = Problem(profile, device=1 << 20, host=host, disk=64 << 20)
+    chosen = auto.choose(pb)[0]
+    assert (chosen.plan.update_workers, chosen.plan.read_ahead) == (1, 1), chosen.plan.to_json()
+    blocks = find_blocks(build(dict(TINY4, n_layer=12), device="meta"))
+    assert needs(blocks, chosen.plan, PAGE, transient_grads=True)[Tier.HOST] <= host
+    with monkeypatch.context() as m:
+        m.setattr(auto, "_pipelines", lambda plan: [plan])
+        default = auto.choose(pb)[0]
+    assert default.plan.update_workers == 2
+    assert sum(b.host_master for b in chosen.plan.blocks) > sum(b.host_master for b in default.plan.blocks)
+    assert chosen.sim.step_s < default.sim.step_s
+    every = Plan(tuple(BlockPlan(home=Tier.DISK, stream=True, host_master=True) for _ in numels[:-1]),
+                 BlockPlan(home=Tier.DISK, host_master=True), window=2, prefetch=1, update="overlap")
+    roomy = dataclasses.replace(pb, host=2 * tier_bytes(numels, every, PAGE, grads="transient")[Tier.HOST])
+    assert auto.choose(roomy)[0].plan.update_workers == 2
 
 
 @pytest.mark.parametrize("numel,page,want", [(12_596_224, 8 << 20, 2 << 20), (52_513_792, 8 << 20, 8 << 20)])

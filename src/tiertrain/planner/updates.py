@@ -2,8 +2,9 @@
 ``runtime.modes``): a plan's ``update_workers`` and ``read_ahead`` decide when each update can start.
 
 - An update runs on one of ``update_workers`` workers (sync: the loop's own thread, one), which is
-  taken from the update's start to its AdamW's end; it first waits for that worker's last write-back
-  to land (one write-back per worker in flight bounds the states the host holds).
+  taken from the update's start to its AdamW's end, and, for a disk-homed block, until that worker's
+  last write-back has landed, before it starts its own (one write-back per worker in flight bounds
+  the states the host holds); its reads overlap that last write-back.
 - A disk-homed block's states are read ahead of its update, at most ``read_ahead`` blocks at once:
   during forward, the blocks backward reaches first (not those whose slot is filled from their master
   on disk); then each block as its backward begins, if a place is free. A place frees when the update
@@ -60,7 +61,7 @@ def disk_bytes(bp: BlockPlan) -> int:
 
 @dataclass
 class _Worker:
-    free: float = 0.0      # when its last update's AdamW ended
+    free: float = 0.0      # when it may take the next update
     written: float = 0.0   # when its last write-back lands
 
 
@@ -126,21 +127,21 @@ class UpdatePipeline:
 
     def update(self, i: int, ready: float) -> float:
         """Block ``i``'s update (``len(p.blocks)``: the rest) once its gradients are in at ``ready``;
-        when its AdamW ends."""
+        when its AdamW ends (and frees its gradients)."""
         plan, p, m, tl = self.plan, self.p, self.p.machine, self.tl
         bp, name = self._plan_of(i), self._name(i)
         n = own(plan, bp, self._numel(i))
         share = self._share(bp)
         worker = None
         if bp.home is Tier.DEVICE and not m.device_is_host:
-            done = ready  # updated on the GPU, next to nothing beside its compute (as costs has it)
+            done = finished = ready  # updated on the GPU, next to nothing beside its compute (as costs has it)
         else:
-            worker = min(self.workers, key=lambda w: max(w.free, w.written))
-            start = max(ready, worker.free, worker.written)
-            done = self._adam(i, bp, start, share * n, name)
-            worker.free = done
+            worker = min(self.workers, key=lambda w: w.free)
+            done = self._adam(i, bp, max(ready, worker.free), share * n, name)
+            finished = max(done, worker.written) if bp.home is Tier.DISK else done  # its write-back may start
+            worker.free = finished
         if i in self.held:
-            self.held[i] = done
+            self.held[i] = finished
         self.change(done, grad_tier(bp).value, -pages(n * GRAD_BYTES, p.page, bound=False), updated_away(bp))
         if self.bounded and updated_away(bp):
             self.away_done.append(done)
@@ -148,9 +149,9 @@ class UpdatePipeline:
             tl.run("h2d", done, share * n * p.compute_bytes / m.h2d_bps, f"publish {name}")
         if sharded(bp, plan) and not bp.stream:  # the new params of every rank's share into the slot
             tl.run("net", done, share * network(plan, p).gather_s(self._numel(i) * p.compute_bytes), f"gather {name}")
-        self.settled[i] = done
+        self.settled[i] = finished
         if bp.home is Tier.DISK:
-            written = tl.run("disk_write", done, share * n * disk_bytes(bp) / m.disk_write_bps, f"write {name}")[1]
+            written = tl.run("disk_write", finished, share * n * disk_bytes(bp) / m.disk_write_bps, f"write {name}")[1]
             if worker is not None:
                 worker.written = written
             if fills_slot_from_disk(bp, plan):

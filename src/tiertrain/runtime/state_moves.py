@@ -3,7 +3,8 @@
 A disk-homed block's master and moments are read in before its update (ahead of it, where the
 plan's ``read_ahead`` and the update mode allow: ANGEL-PTM's trigger points) and written back
 after it. One write-back per update worker is in flight at a time, which bounds the states the
-host holds (the budget check and the planner count exactly that: ``plan.bytes.tier_bytes``).
+host holds (the budget check and the planner count exactly that: ``plan.bytes.tier_bytes``); a
+worker's next block is read in while its last write-back still goes out.
 A chunk has one mover at a time: a read waits for the block's last write-back to land.
 """
 
@@ -65,12 +66,10 @@ class StateMoves:
         return (pending is None or pending.done()) and all(h.done() for h in self._home.get(g.index, []))
 
     def bring_in(self, g: BlockGroup) -> None:
-        """Before an update (on its worker): this worker's last write-back landed, the block's reads
-        landed, and whatever is still on disk read in."""
-        last = getattr(self._local, "writeback", None)
-        if last is not None:  # one write-back per worker in flight bounds the states held in host
-            for h in last:
-                h.wait()
+        """Before an update (on its worker): the block's reads landed, and whatever is still on disk
+        read in, while this worker's last write-back may still be going out (the disk reads and
+        writes at once: a block counts as being updated from its first read on, beside the one write-back
+        per worker the host holds)."""
         with self._lock:
             reads = self._reads.get(g.index, [])
         if not reads:
@@ -82,8 +81,12 @@ class StateMoves:
             h.wait()
 
     def send_home(self, g: BlockGroup) -> None:
-        """After an update: a disk-homed block's states start back to disk; the block is read in no more."""
+        """After an update: a disk-homed block's states start back to disk once this worker's last
+        write-back has landed (one write-back per worker in flight bounds the states held in host:
+        ``plan.bytes.tier_bytes``); the block is read in no more."""
         if g.plan.home is Tier.DISK:
+            for h in getattr(self._local, "writeback", None) or []:
+                h.wait()
             moves = [self.mem.move(c, Tier.DISK) for c in g.on_disk]
             self._home[g.index] = moves
             self._local.writeback = moves

@@ -32,7 +32,7 @@ from tiertrain.plan.bytes import (bounded_grads, bounds_grads, grad_copies, grad
 from tiertrain.planner.costs import GRAD_BYTES, grads_out_s
 from tiertrain.planner.profile import MachineProfile, Profile
 from tiertrain.planner.timeline import RESOURCES, Timeline
-from tiertrain.planner.updates import UpdatePipeline, disk_bytes, fills_slot_from_disk, network, own
+from tiertrain.planner.updates import UpdatePipeline, fills_slot_from_disk, network, own
 
 __all__ = ["RESOURCES", "Simulation", "Timeline", "simulate"]
 

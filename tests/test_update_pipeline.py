@@ -40,7 +40,7 @@ def test_a_task_fills_the_first_gap_it_fits_and_reads_and_writes_share_the_disk(
 
 @pytest.mark.parametrize("read_ahead", [1, 2, 3])
 def test_no_more_blocks_are_read_ahead_than_the_plan_allows(read_ahead):
-    """A block read ahead holds its place from its read's start until its update's AdamW ends."""
+    """A block read ahead holds its place from its read's start at least until its update's AdamW ends."""
     prof = _slow_disk(synthetic(8))
     sim = simulate(_disk_plan(8, read_ahead=read_ahead), prof)
     held = []
@@ -115,3 +115,15 @@ def test_backward_waits_for_room_for_gradients_where_the_runtime_bounds_them():
     free = simulate(plan, prof)  # no budgets given: nothing bounds them
     assert any(_task(free, f"grads {order[k]}")[0] < _task(free, f"adam {order[k - 2]}")[1]
                for k in range(2, len(order)))
+
+
+def test_a_block_updated_in_pieces_holds_its_worker_until_its_pieces_are_written():
+    """``update_in_pieces`` returns once its last piece is written: its worker takes the next block (one
+    homed on the host here, which reads nothing) only then."""
+    prof = _slow_disk(synthetic(4))
+    pieced, host = BlockPlan(home=Tier.DISK, piece=1 << 20), BlockPlan(home=Tier.HOST)
+    plan = Plan((host, pieced, host, pieced), BlockPlan(), window=1, prefetch=0, update="overlap", name="pieces",
+                read_ahead=1, update_workers=1)
+    sim = simulate(plan, prof)
+    for disk, after in ((3, 2), (1, 0)):
+        assert _task(sim, f"adam b{after}")[0] >= _task(sim, f"write b{disk}")[1] - 1e-12

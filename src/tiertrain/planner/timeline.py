@@ -1,10 +1,11 @@
 """The simulator's resources: one lane each, on which a task holds the resource for its seconds.
 
 A task starts at the first gap of its lane, at or after it is ready, long enough to hold it. The
-runtime's queues serve work in the order it is submitted, and the simulator schedules work block by
-block rather than in time order (a block's update is placed before the next block's fetch, which was
-submitted earlier): filling gaps gives each task the place its submission time gives it in the
-runtime, where appending after the lane's last task would queue an early read behind a later one.
+simulator schedules work block by block rather than in time order (a block's update is placed before
+the next block's fetch, though that fetch was submitted earlier): filling gaps lets a task scheduled
+later but ready earlier run in the idle time before the tasks placed already, where appending after
+the lane's last task would queue an early read behind a later one. It is not a queue: a task that
+does not fit a gap goes after the tasks around it, even one that became ready after it.
 A disk's reads and writes take turns on one lane, as the step's disk bound adds them up (``simulator``).
 """
 

@@ -4,11 +4,14 @@
 - An update runs on one of ``update_workers`` workers (sync: the loop's own thread, one), which is
   taken from the update's start to its AdamW's end, and, for a disk-homed block, until that worker's
   last write-back has landed, before it starts its own (one write-back per worker in flight bounds
-  the states the host holds); its reads overlap that last write-back.
+  the states the host holds); its reads overlap that last write-back. A block updated in pieces
+  (``runtime.pieces``) holds its worker until its last piece is written. A device-homed block on a
+  GPU takes a worker only to start its update there.
 - A disk-homed block's states are read ahead of its update, at most ``read_ahead`` blocks at once:
   during forward, the blocks backward reaches first (not those whose slot is filled from their master
   on disk); then each block as its backward begins, if a place is free. A place frees when the update
-  of a block read ahead ends. A block not read ahead is read by its worker as its update starts.
+  of a block read ahead has finished (its worker's last write-back landed). A block not read ahead is
+  read by its worker as its update starts.
   Lockfree reads nothing ahead (a block's loop may be moving its states).
 - ``overlap``: the next step's forward needs each block's new params. So a step is at least as long
   as the latest update, counted from where that block's params are needed in the step (its fetch for
@@ -17,7 +20,11 @@
 
 Where the runtime bounds the gradients updated away (``plan.bytes.bounds_grads``), backward waits,
 before it flushes a block's gradients, until at most ``update_workers`` chunks are alive
-(``Runtime._room_for_grads``): ``room_for_grads`` says when.
+(``Runtime._room_for_grads``, which looks again as each update finishes): ``room_for_grads`` says when.
+
+Not modelled: the forward-time reads start with block 0's fetch, not after the prefetches it submits;
+a sharded resident block whose slot is gathered from its master on disk counts as any resident block;
+host and device gradient chunks are bounded as one count.
 """
 
 from __future__ import annotations
@@ -132,19 +139,19 @@ class UpdatePipeline:
         bp, name = self._plan_of(i), self._name(i)
         n = own(plan, bp, self._numel(i))
         share = self._share(bp)
-        worker = None
+        worker = min(self.workers, key=lambda w: w.free)
         if bp.home is Tier.DEVICE and not m.device_is_host:
-            done = finished = ready  # updated on the GPU, next to nothing beside its compute (as costs has it)
+            done = max(ready, worker.free)  # updated on the GPU, next to nothing beside its compute (as costs has it)
         else:
-            worker = min(self.workers, key=lambda w: w.free)
             done = self._adam(i, bp, max(ready, worker.free), share * n, name)
-            finished = max(done, worker.written) if bp.home is Tier.DISK else done  # its write-back may start
-            worker.free = finished
+        waits = bp.home is Tier.DISK and not in_pieces(bp)  # for the worker's last write-back (``send_home``)
+        finished = max(done, worker.written) if waits else done
+        worker.free = finished
         if i in self.held:
             self.held[i] = finished
         self.change(done, grad_tier(bp).value, -pages(n * GRAD_BYTES, p.page, bound=False), updated_away(bp))
         if self.bounded and updated_away(bp):
-            self.away_done.append(done)
+            self.away_done.append(finished)
         if publishes_over_link(bp.stream, bp.home is Tier.DEVICE, m, p.compute_bytes):
             tl.run("h2d", done, share * n * p.compute_bytes / m.h2d_bps, f"publish {name}")
         if sharded(bp, plan) and not bp.stream:  # the new params of every rank's share into the slot
@@ -152,8 +159,9 @@ class UpdatePipeline:
         self.settled[i] = finished
         if bp.home is Tier.DISK:
             written = tl.run("disk_write", finished, share * n * disk_bytes(bp) / m.disk_write_bps, f"write {name}")[1]
-            if worker is not None:
-                worker.written = written
+            worker.written = written
+            if in_pieces(bp):  # its pieces are written before its update returns
+                worker.free = self.settled[i] = written
             if fills_slot_from_disk(bp, plan):
                 self.settled[i] = written
         return done

@@ -24,6 +24,7 @@ all-gather of its new params; each rank updates its own share of the states.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from tiertrain.plan.tiers import Tier
 from tiertrain.plan import Plan
@@ -80,86 +81,113 @@ def simulate(plan: Plan, p: Profile, needs_all_grads: bool = False, budgets: dic
 
     pipe = UpdatePipeline.of(plan, p, tl, change, bounded=bool(caps))
     during = plan.update != "sync" and not needs_all_grads  # each block updated as its gradients are in
-
-    slots = plan.window + plan.cache
+    replay = _Replay(plan, p, tl, pipe, change, acts=int(p.acts_on_device))
+    needed, last_done = replay.forward()
+    device_end = replay.backward(last_done, during)
     n = len(p.blocks)
-    acts = int(p.acts_on_device)    # on CPU, activations are outside the device tier's pool
-    _, rest_end = tl.run("compute", 0.0, p.rest.forward_s / 2, "embed")
-    starts, ends = [], []
-    needed = {n: 0.0}  # when the step needs each block's params final (the next step waits for their updates)
-    last_done = rest_end
-    for k, (b, bp) in enumerate(zip(p.blocks, plan.blocks)):
-        ready = last_done
-        if bp.stream:
-            trigger = starts[k - plan.prefetch] if plan.prefetch and k >= plan.prefetch else last_done
-            slot_free = ends[k - slots] if k >= slots else 0.0
-            needed[k] = max(trigger, slot_free)
-            _, ready = _fetch(tl, plan, bp, p, needed[k], b.params * p.compute_bytes, f"fetch {b.name}")
-            ready = max(ready, last_done)
-        if k == 0:
-            pipe.forward_reads(rest_end)
-        s, e = tl.run("compute", ready, b.forward_s, f"fwd {b.name}")
-        needed.setdefault(k, s)
-        starts.append(s)
-        ends.append(e)
-        last_done = e
-        saved = b.hidden_bytes if bp.recompute else b.act_bytes
-        change(e, "device", saved * acts)
-        if bp.offload_hidden:
-            _, off = tl.run("d2h", e, saved / m.d2h_bps, f"stash {b.name}")
-            change(off, "device", -saved * acts)
-            change(off, "host", saved)
-    _, last_done = tl.run("compute", last_done, p.rest.forward_s / 2 + p.rest.backward_s / 2, "head")
-    grads_done, bstarts, bends = {}, [], []
-    order = list(range(n - 1, -1, -1))
-    streamed = [i for i in range(n) if plan.blocks[i].stream]
-    resident_after_forward = set(streamed[-slots:]) if streamed else set()  # still in their slots
-    landed = [0.0]  # reductions' ends, in backward order: each is waited for when the next block's backward ends
-    for j, i in enumerate(order):
-        b, bp = p.blocks[i], plan.blocks[i]
-        ready = last_done = max(last_done, landed[-2] if len(landed) > 1 else 0.0)
-        pipe.read(i, last_done)
-        saved = b.hidden_bytes if bp.recompute else b.act_bytes
-        params_in = b.params * p.compute_bytes if bp.stream and i not in resident_after_forward else 0
-        if params_in or bp.offload_hidden:
-            trigger = bstarts[j - plan.prefetch] if plan.prefetch and j >= plan.prefetch else last_done
-            slot_free = bends[j - slots] if j >= slots else 0.0
-            arrived = max(trigger, slot_free)
-            if params_in:
-                arrived = _fetch(tl, plan, bp, p, arrived, params_in, f"fetch {b.name} (bwd)")[1]
-            if bp.offload_hidden:
-                arrived = tl.run("h2d", arrived, saved / m.h2d_bps, f"unstash {b.name}")[1]
-            ready = max(ready, arrived)
-            if bp.offload_hidden:
-                change(arrived, "host", -saved)
-                change(arrived, "device", saved * acts)
-        work = b.backward_s + (b.recompute_seconds if bp.recompute else 0.0)
-        s, e = tl.run("compute", ready, work, f"bwd {b.name}")
-        bstarts.append(s)
-        bends.append(e)
-        change(e, "device", -saved * acts)
-        landed.append(_reduce(tl, plan, bp, p, e, b.params, b.name))
-        room = pipe.room_for_grads() if pipe.bounded and updated_away(bp) else 0.0  # backward waits for it
-        last_done = max(e, room)
-        _, grads_done[i] = tl.run("d2h", max(landed[-1], room), grads_out_s(b, bp.home is Tier.DEVICE, m),
-                                  f"grads {b.name}")
-        change(grads_done[i], grad_tier(bp).value, pages(own(plan, bp, b.params) * GRAD_BYTES, p.page, bound=False),
-               updated_away(bp))
-        if during:
-            pipe.update(i, grads_done[i])
-    _, device_end = tl.run("compute", max(last_done, landed[-2] if len(landed) > 1 else 0.0), p.rest.backward_s / 2,
-                           "embed bwd")
-    device_end = max(_reduce(tl, plan, plan.rest, p, device_end, p.rest.params, "rest"), landed[-1])
-    change(device_end, grad_tier(plan.rest).value,
-           pages(own(plan, plan.rest, p.rest.params) * GRAD_BYTES, p.page, bound=False), updated_away(plan.rest))
     for i in [n] if during else [n, *range(n)]:  # the rest's gradients come last; all at once: forward order
         pipe.update(i, device_end)
     chain = pipe.chain(needed) if plan.update == "overlap" else 0.0
     step = _step_time(plan, tl, device_end, needs_all_grads, m, chain)
     peaks = {t: max(v for _, tier, v in curve if tier == t) for t in ("device", "host", "disk")}
-    peaks["device"] += max(b.act_bytes for b in p.blocks) * acts   # one block's activations while it computes
+    peaks["device"] += max(b.act_bytes for b in p.blocks) * replay.acts   # one block's activations while it computes
     bottleneck = max(RESOURCES, key=tl.busy)
     return Simulation(step, peaks, bottleneck, tl, curve)
+
+
+@dataclass
+class _Replay:
+    """One step's forward and backward on the timeline, the updates handed to ``pipe`` as backward
+    frees each block's gradients."""
+    plan: Plan
+    p: Profile
+    tl: Timeline
+    pipe: UpdatePipeline
+    change: Callable[..., None]
+    acts: int    # 1 where activations take device memory (on CPU they are outside the device tier's pool)
+
+    @property
+    def slots(self) -> int:
+        return self.plan.window + self.plan.cache
+
+    def forward(self) -> tuple[dict[int, float], float]:
+        """(when the step needs each block's params final, the next step waiting for their updates;
+        when forward and the head end)."""
+        plan, p, tl, m, change = self.plan, self.p, self.tl, self.p.machine, self.change
+        _, rest_end = tl.run("compute", 0.0, p.rest.forward_s / 2, "embed")
+        starts, ends = [], []
+        needed = {len(p.blocks): 0.0}
+        last_done = rest_end
+        for k, (b, bp) in enumerate(zip(p.blocks, plan.blocks)):
+            ready = last_done
+            if bp.stream:
+                trigger = starts[k - plan.prefetch] if plan.prefetch and k >= plan.prefetch else last_done
+                slot_free = ends[k - self.slots] if k >= self.slots else 0.0
+                needed[k] = max(trigger, slot_free)
+                _, ready = _fetch(tl, plan, bp, p, needed[k], b.params * p.compute_bytes, f"fetch {b.name}")
+                ready = max(ready, last_done)
+            if k == 0:
+                self.pipe.forward_reads(rest_end)
+            s, e = tl.run("compute", ready, b.forward_s, f"fwd {b.name}")
+            needed.setdefault(k, s)
+            starts.append(s)
+            ends.append(e)
+            last_done = e
+            saved = b.hidden_bytes if bp.recompute else b.act_bytes
+            change(e, "device", saved * self.acts)
+            if bp.offload_hidden:
+                _, off = tl.run("d2h", e, saved / m.d2h_bps, f"stash {b.name}")
+                change(off, "device", -saved * self.acts)
+                change(off, "host", saved)
+        return needed, tl.run("compute", last_done, p.rest.forward_s / 2 + p.rest.backward_s / 2, "head")[1]
+
+    def backward(self, last_done: float, during: bool) -> float:
+        """Backward from ``last_done``, each block updated as its gradients are in where ``during``;
+        when the device's part of the step ends (the embeddings' backward and the rest's reduction)."""
+        plan, p, tl, m, change, pipe = self.plan, self.p, self.tl, self.p.machine, self.change, self.pipe
+        n, slots = len(p.blocks), self.slots
+        bstarts, bends = [], []
+        streamed = [i for i in range(n) if plan.blocks[i].stream]
+        resident_after_forward = set(streamed[-slots:]) if streamed else set()  # still in their slots
+        landed = [0.0]  # reductions' ends, in backward order: each is waited for when the next block's backward ends
+        for j, i in enumerate(range(n - 1, -1, -1)):
+            b, bp = p.blocks[i], plan.blocks[i]
+            ready = last_done = max(last_done, landed[-2] if len(landed) > 1 else 0.0)
+            pipe.read(i, last_done)
+            saved = b.hidden_bytes if bp.recompute else b.act_bytes
+            params_in = b.params * p.compute_bytes if bp.stream and i not in resident_after_forward else 0
+            if params_in or bp.offload_hidden:
+                trigger = bstarts[j - plan.prefetch] if plan.prefetch and j >= plan.prefetch else last_done
+                arrived = max(trigger, bends[j - slots] if j >= slots else 0.0)
+                if params_in:
+                    arrived = _fetch(tl, plan, bp, p, arrived, params_in, f"fetch {b.name} (bwd)")[1]
+                if bp.offload_hidden:
+                    arrived = tl.run("h2d", arrived, saved / m.h2d_bps, f"unstash {b.name}")[1]
+                    change(arrived, "host", -saved)
+                    change(arrived, "device", saved * self.acts)
+                ready = max(ready, arrived)
+            work = b.backward_s + (b.recompute_seconds if bp.recompute else 0.0)
+            s, e = tl.run("compute", ready, work, f"bwd {b.name}")
+            bstarts.append(s)
+            bends.append(e)
+            change(e, "device", -saved * self.acts)
+            landed.append(_reduce(tl, plan, bp, p, e, b.params, b.name))
+            room = pipe.room_for_grads() if pipe.bounded and updated_away(bp) else 0.0  # backward waits for it
+            last_done = max(e, room)
+            _, grads = tl.run("d2h", max(landed[-1], room), grads_out_s(b, bp.home is Tier.DEVICE, m),
+                              f"grads {b.name}")
+            change(grads, grad_tier(bp).value, pages(own(plan, bp, b.params) * GRAD_BYTES, p.page, bound=False),
+                   updated_away(bp))
+            if during:
+                pipe.update(i, grads)
+        _, end = tl.run("compute", max(last_done, landed[-2] if len(landed) > 1 else 0.0), p.rest.backward_s / 2,
+                        "embed bwd")
+        end = max(_reduce(tl, plan, plan.rest, p, end, p.rest.params, "rest"), landed[-1])
+        change(end, grad_tier(plan.rest).value,
+               pages(own(plan, plan.rest, p.rest.params) * GRAD_BYTES, p.page, bound=False), updated_away(plan.rest))
+        return end
+
+
 
 
 def _grad_caps(plan: Plan, p: Profile, budgets: dict[Tier, int] | None) -> dict[str, int]:

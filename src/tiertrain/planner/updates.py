@@ -40,7 +40,7 @@ from tiertrain.plan.bytes import (F32_BYTES, disk_passes_per_step, disk_states, 
 from tiertrain.plan.tiers import Tier
 from tiertrain.planner.costs import GRAD_BYTES, publishes_over_link
 from tiertrain.planner.network import Network
-from tiertrain.planner.profile import Profile
+from tiertrain.planner.profile import BlockProfile, Profile
 from tiertrain.planner.timeline import Timeline
 
 Change = Callable[..., None]   # the simulator's memory curve: change(time, tier, delta, away=False)
@@ -92,14 +92,15 @@ class UpdatePipeline:
         read_ahead = 0 if plan.update == "lockfree" else plan.read_ahead
         return cls(plan, p, tl, change, [_Worker() for _ in range(workers)], read_ahead, bounded)
 
-    def _plan_of(self, i: int) -> BlockPlan:
-        return self.plan.rest if i == len(self.p.blocks) else self.plan.blocks[i]
+    def _block(self, i: int) -> tuple[BlockPlan, BlockProfile]:
+        """Block ``i``'s plan and profile; ``len(p.blocks)``: the rest's."""
+        if i == len(self.p.blocks):
+            return self.plan.rest, self.p.rest
+        return self.plan.blocks[i], self.p.blocks[i]
 
-    def _numel(self, i: int) -> int:
-        return self.p.rest.params if i == len(self.p.blocks) else self.p.blocks[i].params
-
-    def _name(self, i: int) -> str:
-        return "rest" if i == len(self.p.blocks) else self.p.blocks[i].name
+    def _read_s(self, bp: BlockPlan, numel: float) -> float:
+        """Seconds to read ``numel`` parameters' disk states of a block."""
+        return numel * disk_bytes(bp) / self.p.machine.disk_read_bps
 
     def _share(self, bp: BlockPlan) -> float:
         """The step's share of a disk-homed block's update (lockfree passes every few steps)."""
@@ -117,13 +118,13 @@ class UpdatePipeline:
 
     def read(self, i: int, t: float) -> None:
         """A block's states read ahead from ``t``, if it is not already and a place is free then."""
-        bp = self._plan_of(i)
+        bp, b = self._block(i)
         if i in self.reads or not self._reads_ahead(bp):
             return
         if sum(1 for end in self.held.values() if end > t) >= self.read_ahead:
             return
-        seconds = self._share(bp) * own(self.plan, bp, self._numel(i)) * disk_bytes(bp) / self.p.machine.disk_read_bps
-        self.reads[i] = self.tl.run("disk_read", t, seconds, f"read {self._name(i)}")[1]
+        seconds = self._read_s(bp, self._share(bp) * own(self.plan, bp, b.params))
+        self.reads[i] = self.tl.run("disk_read", t, seconds, f"read {b.name}")[1]
         self.held[i] = math.inf  # until its update ends
 
     def room_for_grads(self) -> float:
@@ -136,8 +137,8 @@ class UpdatePipeline:
         """Block ``i``'s update (``len(p.blocks)``: the rest) once its gradients are in at ``ready``;
         when its AdamW ends (and frees its gradients)."""
         plan, p, m, tl = self.plan, self.p, self.p.machine, self.tl
-        bp, name = self._plan_of(i), self._name(i)
-        n = own(plan, bp, self._numel(i))
+        bp, b = self._block(i)
+        name, n = b.name, own(plan, bp, b.params)
         share = self._share(bp)
         worker = min(self.workers, key=lambda w: w.free)
         if bp.home is Tier.DEVICE and not m.device_is_host:
@@ -155,7 +156,7 @@ class UpdatePipeline:
         if publishes_over_link(bp.stream, bp.home is Tier.DEVICE, m, p.compute_bytes):
             tl.run("h2d", done, share * n * p.compute_bytes / m.h2d_bps, f"publish {name}")
         if sharded(bp, plan) and not bp.stream:  # the new params of every rank's share into the slot
-            tl.run("net", done, share * network(plan, p).gather_s(self._numel(i) * p.compute_bytes), f"gather {name}")
+            tl.run("net", done, share * network(plan, p).gather_s(b.params * p.compute_bytes), f"gather {name}")
         self.settled[i] = finished
         if bp.home is Tier.DISK:
             written = tl.run("disk_write", finished, share * n * disk_bytes(bp) / m.disk_write_bps, f"write {name}")[1]
@@ -171,7 +172,7 @@ class UpdatePipeline:
         m, tl = self.p.machine, self.tl
         ready, read_end = start, 0.0
         if bp.home is Tier.DISK:
-            seconds = numel * disk_bytes(bp) / m.disk_read_bps
+            seconds = self._read_s(bp, numel)
             if i in self.reads:
                 ready = max(start, self.reads[i])
             elif in_pieces(bp):

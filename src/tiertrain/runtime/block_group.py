@@ -150,20 +150,29 @@ class BlockGroup:
                 self._reduce_over_ranks(step, hypers, make_room)
             self.grad_count = 0
             return
+        fresh = [(i, p.grad) for i, p in enumerate(self.params) if p.grad is not None]
+        for p in self.params:
+            p.grad = None
+        self.add_grads(fresh, step, hypers, make_room)
+        self.grad_count = 0
+
+    def add_grads(self, grads: list[tuple[int, torch.Tensor]], step: int, hypers: list[AdamWHyper] | None,
+                  make_room: Callable[[Tier], None]) -> None:
+        """One process: (parameter index, gradient) pairs into the grad chunk, a new one if the update
+        took the last (``make_room`` first, as in ``reduce_grads``)."""
         fresh = None
         while True:  # a lockfree update loop may take the chunk at any moment between these lines
             with self.grads.lock:
                 if self.grads.chunk is None and fresh is not None:
                     self.grads.chunk, fresh = fresh, None
                 if self.grads.chunk is not None:
-                    self.grads.add(self.params, self.views(self.grads.chunk), step, hypers)
+                    self.grads.add(grads, self.views(self.grads.chunk), step, hypers)
                     break
             if updated_away(self.plan):
                 make_room(grad_tier(self.plan))  # outside the lock: it may wait for this block's own update
             fresh = self._new_grad_chunk(self.nbytes)
         if fresh is not None:
             self.mem.release(fresh)
-        self.grad_count = 0
 
     def update(self, hypers: list[AdamWHyper], coef: torch.Tensor | None) -> None:
         """Apply the gathered gradients to master and moments (which must be in memory), free the

@@ -44,19 +44,16 @@ class GradBuffer:
             self.chunk, self.has_grad = None, [False] * self.n
             return taken
 
-    def add(self, params: Sequence[torch.nn.Parameter], views: Sequence[torch.Tensor], step: int,
+    def add(self, grads: Sequence[tuple[int, torch.Tensor]], views: Sequence[torch.Tensor], step: int,
             hypers: list[AdamWHyper] | None) -> None:
-        """Add the parameters' ``.grad`` into the chunk (``views``: its per-parameter views) and free
-        them. Call under ``lock``, with ``chunk`` set."""
-        for i, p in enumerate(params):
-            if p.grad is None:
-                continue
+        """Add fresh gradients, (parameter index, gradient), into the chunk (``views``: its per-parameter
+        views). Call under ``lock``, with ``chunk`` set."""
+        for i, grad in grads:
             if self.has_grad[i]:
-                views[i].add_(p.grad)
+                views[i].add_(grad)
             else:
-                views[i].copy_(p.grad)
+                views[i].copy_(grad)
                 self.has_grad[i] = True
-            p.grad = None
         self.step, self.hypers = step, hypers
 
     def clear(self) -> Chunk | None:

@@ -30,6 +30,7 @@ from tiertrain.runtime.loss_scale import LossScaler
 from tiertrain.runtime.modes import make_mode
 from tiertrain.runtime.state_moves import StateMoves
 from tiertrain.runtime.switches import HostStash
+from tiertrain.runtime.tied import extra_uses, give_own_leaf
 
 REDUCTIONS_IN_FLIGHT = 1  # a block's reduction runs under the next block's backward (runtime.reduction)
 
@@ -66,6 +67,11 @@ class Runtime:
             if g.block.module is not None:
                 install_block_hooks(self, g)
         self.transient_grads = transient_grads
+        self.tied_early = False  # a tied weight's other uses send their gradients on at once (``wire``)
+        if options.train:
+            rest = self.groups[-1]
+            for use in extra_uses(model, rest.params):
+                give_own_leaf(use, lambda i, leaf: self.tied_grad_arrived(rest, i, leaf), lambda: self.tied_early)
         self.wire()
         self.scaler = LossScaler() if options.train and plan.compute_dtype == "fp16" else None
         # the step needs the global norm (clipping) or the fp16 overflow check before any update
@@ -98,6 +104,7 @@ class Runtime:
         self._backward_first = [g for g in self.groups[-2::-1]
                                 if g.plan.home is Tier.DISK and not g.fills_slot_from_disk]
         self._unread = list(self._backward_first)  # of those, the ones this step has not read in yet
+        self.tied_early = self._tied_grads_early()
         resident = [g for g in self.groups[:-1] if g.shard is not None and not g.plan.stream]
         self._resident_after = {a.index: b for a, b in zip(resident, resident[1:])}  # ZeRO-2 blocks, forward order
 
@@ -123,6 +130,26 @@ class Runtime:
                 others = [n for n in own if n < max(own)]
                 floors[tier] = (max(others, default=0), 0, max(own))
         return floors
+
+    def _tied_grads_early(self) -> bool:
+        """Whether a tied weight's other uses (``runtime.tied``) put their gradients into the rest's
+        grad chunk as they arrive: with one process and one micro-batch (several would add the uses in
+        another order than autograd: not bitwise), not lockfree (its loop may take the chunk between
+        the uses), and where gradients are bounded only if the budget gives the rest's chunk a place
+        of its own (``plan.bytes.alive_grad_bytes``: a size no block's chunk has), so that holding it
+        through backward leaves the blocks' count alone (``_grads_alive``)."""
+        if self.comm.world_size > 1 or self.options.grad_accum > 1 or self.plan.update == "lockfree":
+            return False
+        rest = self.groups[-1]
+        if not (self.transient_grads and updated_away(rest.plan)):
+            return True
+        if grad_tier(rest.plan) is not Tier.HOST:
+            return False
+        own = rest.state_numel * F32.itemsize
+        others = [g.state_numel * F32.itemsize for g in self.groups[:-1]
+                  if updated_away(g.plan) and grad_tier(g.plan) is Tier.HOST]
+        top = max(others + [own])
+        return own not in others if own == top else all(o == top for o in others)
 
     def _keep_held_experts(self, blocks: list) -> set[int]:
         """Expert parallel: each MoE layer keeps the experts this rank holds and exchanges tokens for
@@ -187,6 +214,19 @@ class Runtime:
             self.moves.read_ahead(g)
 
     def grad_arrived(self, g: BlockGroup) -> None:
+        self._backward_runs()
+        g.grad_count += 1
+        if g.grad_count == len(g.params) and not g.reduces_at_end:
+            self._flush(g)
+
+    def tied_grad_arrived(self, g: BlockGroup, index: int, leaf: torch.Tensor) -> None:
+        """A tied weight's other use (``runtime.tied``): its gradient into the group's chunk now."""
+        self._backward_runs()
+        grad, leaf.grad = leaf.grad, None
+        g.add_grads([(index, grad)], self.steps_taken, self.mode.step_hypers(), self._room_for_grads)
+
+    def _backward_runs(self) -> None:
+        """The first gradient of a backward: ``_backward_done`` is queued to run when it ends."""
         if not self._in_backward:
             if self.updates_started:
                 raise RuntimeError(
@@ -194,9 +234,6 @@ class Runtime:
                     "before optimizer.step(); pass the right grad_accum to tiertrain.setup or call step() first")
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
-        g.grad_count += 1
-        if g.grad_count == len(g.params) and not g.reduces_at_end:
-            self._flush(g)
 
     def _flush(self, g: BlockGroup) -> None:
         """A block's gradients are all in: into its grad chunk, or, over several ranks on the last
@@ -232,8 +269,10 @@ class Runtime:
             futures.wait(pending, return_when=futures.FIRST_COMPLETED)
 
     def _grads_alive(self, tier: Tier) -> int:
-        if tier is Tier.HOST:
-            return self.mem.accounting.chunks(Tier.HOST, Kind.GRAD)
+        if tier is Tier.HOST:  # the rest's chunk, held through backward by a tied weight's uses, has its own place
+            rest = self.groups[-1]
+            held = self.tied_early and rest.grads.chunk is not None and grad_tier(rest.plan) is Tier.HOST
+            return self.mem.accounting.chunks(Tier.HOST, Kind.GRAD) - held
         return sum(1 for g in self.groups if in_pieces(g.plan) and (
             g.grads.chunk is not None or g.local is not None or (g.pending is not None and not g.pending.done())))
 

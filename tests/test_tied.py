@@ -1,0 +1,91 @@
+"""A tied weight's head gradient joins the grad chunk as backward starts (``runtime.tied``), not at its end."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import tiertrain
+import tiertrain.runtime.block_group as updater
+from tiered_harness import HF_GPT2, TINY4, _fresh, _loop, train_plain
+from tiertrain.memory import Budgets
+from tiertrain.plan import builtin_plan
+from tiertrain.plan.bytes import alive_grad_bytes
+from tiertrain.runtime.blocks import find_blocks
+from tiertrain.runtime.budget_check import needs
+from tiertrain.plan.tiers import Tier
+
+PAGE = 64 * 1024
+WIDE = {**TINY4, "vocab_size": 8192}  # the embeddings' chunk is larger than any block's: a place of its own
+WIDE_HF = {**HF_GPT2, "vocab_size": 8192, "n_layer": 4}
+
+
+def _embedding(model: torch.nn.Module) -> torch.nn.Parameter:
+    return model.get_input_embeddings().weight if hasattr(model, "get_input_embeddings") else model.tok_emb.weight
+
+
+def _run(spec, update: str, bounded: bool, accum: int = 1):
+    """Losses of 3 steps, per step whether the tied weight's gradient was already in the rest's chunk
+    when backward reached the first block (the last block it reaches before the embeddings), and the
+    peak bytes of host gradient chunks."""
+    plan = builtin_plan("stream", spec["n_layer"], update=update)
+    blocks = find_blocks(_fresh(spec)[0])
+    few, every = (needs(blocks, plan, PAGE, transient_grads=t)[Tier.HOST] for t in (True, False))
+    model, opt = _fresh(spec)
+    tm, topt = tiertrain.setup(model, opt, Budgets(device=64 << 20, host=few if bounded else every), plan=plan,
+                               grad_accum=accum, page_size=PAGE)
+    rt, seen = tm.runtime, []
+    rest, first = rt.groups[-1], rt.groups[0]
+    index = next(i for i, p in enumerate(rest.params) if p is _embedding(tm))
+    first.block.module.register_full_backward_pre_hook(
+        lambda m, g: seen.append(rest.grads.chunk is not None and rest.grads.has_grad[index]))
+    try:
+        assert rt.transient_grads is bounded
+        losses = _loop(tm, topt, tm.clip_grad_norm_, 3, accum, None)
+        stats = rt.mem.stats()["host"]
+        reserved = alive_grad_bytes([g.nbytes for g in rt.groups], [], plan.update_workers, 1, 0)
+    finally:
+        rt.close()
+        rt.mem.close()
+    assert stats["pages_peak_bytes"] <= (few if bounded else every)
+    return losses, seen, (stats["peak_by_kind"]["grad"], reserved)
+
+
+@pytest.mark.parametrize("spec", [WIDE, WIDE_HF], ids=["gpt", "transformers"])
+@pytest.mark.parametrize("update, bounded", [("sync", False), ("overlap", True)])
+def test_the_heads_gradient_of_a_tied_embedding_is_in_the_chunk_before_backward_ends(spec, update, bounded,
+                                                                                     monkeypatch):
+    """Autograd would hold the head's gradient outside every pool until the embedding's arrives, at the
+    end of backward. Here it is in the rest's grad chunk before the last block's backward, and the losses
+    are plain PyTorch's bit for bit (head + embedding, as autograd adds them). With bounded gradients the
+    host stays within its budget, and the rest's chunk, held through backward in a place of its own, does
+    not narrow the blocks' pipeline: with updates slowed, backward fills every place the budget reserved."""
+    slow = updater.adamw_block
+    monkeypatch.setattr(updater, "adamw_block", lambda *a: (time.sleep(0.05), slow(*a)))
+    losses, seen, (grad_peak, reserved) = _run(spec, update, bounded)
+    assert losses == train_plain(spec, 3, 1, None)
+    assert seen == [True] * 3
+    if bounded:
+        assert grad_peak == reserved
+
+
+def test_with_several_micro_batches_the_tied_gradients_are_summed_by_autograd_as_before():
+    """Over micro-batches the uses would be added in another order than autograd's (not bitwise): there
+    the head's gradient waits for the embedding's, as in plain PyTorch."""
+    losses, seen, _ = _run(WIDE, "sync", False, accum=2)
+    assert losses == train_plain(WIDE, 3, 2, None)
+    assert seen[0::2] == [False] * 3  # each step's first micro-batch (the second finds the first's in the chunk)
+
+
+def test_where_the_rests_chunk_is_a_blocks_size_bounded_gradients_keep_the_head_gradient_in_autograd(monkeypatch):
+    """The budget gives the rest's chunk no place of its own when it is as large as a block's (``d_ffn``
+    chosen so): held through backward it would take a block's place. So there the head's gradient waits
+    in autograd, and backward never holds more grad chunks than the budget reserved."""
+    spec = {**TINY4, "d_ffn": 91}
+    slow = updater.adamw_block
+    monkeypatch.setattr(updater, "adamw_block", lambda *a: (time.sleep(0.05), slow(*a)))
+    losses, seen, (grad_peak, reserved) = _run(spec, "overlap", True)
+    assert losses == train_plain(spec, 3, 1, None)
+    assert seen == [False] * 3 and grad_peak <= reserved

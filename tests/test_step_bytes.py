@@ -130,12 +130,26 @@ def test_the_disk_watch_counts_the_time_the_device_was_busy_between_two_readings
 
 
 def test_each_row_reports_the_process_resident_memory_beside_the_tier_peaks(tmp_path):
+    """The steps' RSS peak apart from setup's: setup holds the caller's model beside the pools (here
+    a 256 MiB buffer stands for it, touched and freed before the steps), a peak the steps never see."""
+    import torch
+
+    from tiertrain.engine.loop import Trainer
+
     out = tmp_path / "run"
-    train(tiny_config(out, steps=3, plan="max-offload", page_size="64KiB"))
+    trainer = Trainer(tiny_config(out, steps=3, plan="max-offload", page_size="64KiB", device_memory="64MiB",
+                                  host_memory="192MiB"))
+    held = torch.ones(256 << 18)  # 256 MiB, every page touched
+    del held
+    summary = trainer.run()
     rows = read_metrics(out)
     peaks = [r["rss_bytes"]["peak"] for r in rows]
     assert all(50 << 20 < r["rss_bytes"]["now"] <= r["rss_bytes"]["peak"] for r in rows)  # torch alone holds more
     assert peaks == sorted(peaks) and peaks[-1] <= _hwm_now()
+    setup = {r["rss_bytes"]["setup_peak"] for r in rows}
+    assert setup == {summary.setup_rss} and summary.setup_rss > peaks[-1] + (200 << 20)
+    assert peaks[-1] <= summary.rss_peak <= _hwm_now()
+    assert summary.budgets == 256 << 20
     assert "disk_bytes" not in rows[0] and set(rows[0]["peak_bytes"]) >= {"device", "host"}
 
 

@@ -57,6 +57,7 @@ from tiertrain.bench.overhead import matmul_peak
 from tiertrain.engine.auto_plan import ProfileStep
 from tiertrain.engine.budgets import meta_build_reason
 from tiertrain.engine.measure.diskstats import DiskCounters, disk_counters
+from tiertrain.engine.metrics import process_rss, restart_rss_peak
 from tiertrain.engine.objective import lm_loss
 from tiertrain.engine.optimizer import make_adamw
 from tiertrain.engine.precision import Precision
@@ -156,7 +157,7 @@ def _time_steps(step: Callable[[torch.Tensor], torch.Tensor], bench: PeerBench, 
         _probe(row, bench, drain)
     if device.type == "cuda":
         row.device_peak = torch.cuda.max_memory_allocated(device)
-    row.peak_rss = peak_rss()
+    row.peak_rss = process_rss()["peak"]
     return row
 
 
@@ -166,18 +167,6 @@ def _probe(row: Row, bench: PeerBench, drain: Callable[[], None]) -> DiskCounter
     drain()
     row.limits.append(measure_limit(Path(bench.budgets.disk_dir), bench.probe_bytes))
     return disk_counters(bench.budgets.disk_dir)
-
-
-def reset_peak_rss() -> None:
-    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-        f.write("5\n")  # resets VmHWM to the current RSS
-
-
-def peak_rss() -> int:
-    for line in open("/proc/self/status", encoding="ascii"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def _run_tiertrain(bench: PeerBench, device: torch.device) -> Row:
@@ -359,7 +348,7 @@ def _release(device: torch.device) -> None:
 def _tiertrain_under_cap(bench: PeerBench, device: torch.device) -> Row:
     """tiertrain under the same allocator cap as the peers: its budget is kept by its own
     accounting, and running out of device memory here would show that accounting wrong."""
-    reset_peak_rss()
+    restart_rss_peak()
     try:
         with _device_cap(device, bench.budgets.device):
             return _run_tiertrain(bench, device)
@@ -375,7 +364,7 @@ def _run_peer(name: str, bench: PeerBench, device: torch.device) -> Row:
     gives a row that says why (its traceback on stderr), so the others' figures still print."""
     runner = {"deepspeed": _run_deepspeed, "fsdp2": _run_fsdp2}[name]
     for recompute in (False, True):
-        reset_peak_rss()
+        restart_rss_peak()
         try:
             with _device_cap(device, bench.budgets.device), warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)  # the peers' own deprecations

@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 
 from tiertrain.engine.loop import RunSummary
+from tiertrain.units import format_bytes
 
 
 def print_summary(s: RunSummary, console: Console) -> None:
@@ -16,6 +17,10 @@ def print_summary(s: RunSummary, console: Console) -> None:
     console.print(f"  throughput      {s.tokens_per_s:,.0f} tokens/s, {s.tflops:.3f} TFLOPS (median step)")
     if s.disk_busy is not None:
         console.print(f"  disk busy       {s.disk_busy:.0%} of a step (median; near 100%: the disk is the limit)")
+    if s.rss_peak is not None:
+        beside = f"; budgets {format_bytes(s.budgets)} (device + host)" if s.budgets else ""
+        console.print(f"  memory          RSS peak {format_bytes(s.rss_peak)} in steps, {format_bytes(s.setup_rss)} "
+                      f"in setup{beside}")
     console.print(f"  metrics         {s.out / 'metrics.jsonl'}")
     if s.checkpoint:
         console.print(f"  checkpoint      {s.checkpoint}")

@@ -26,7 +26,7 @@ from tiertrain.engine.budgets import meta_build_reason
 from tiertrain.engine.config import TrainConfig
 from tiertrain.engine.disk_watch import DiskWatch
 from tiertrain.engine.metrics import (MetricsFile, NoMetrics, Reporter, StepTimer, device_peak_with_activations,
-                                      peak_bytes, process_rss)
+                                      peak_bytes, process_rss, restart_rss_peak)
 from tiertrain.parallel import rank_from_env, world_from_env
 from tiertrain.engine.objective import causal_lm_pair, is_encoder, lm_loss, masked_lm_pair
 from tiertrain.engine.optimizer import make_adamw
@@ -63,6 +63,9 @@ class RunSummary:
     losses: list[float] = field(default_factory=list)
     stopped_early: bool = False
     disk_busy: float | None = None   # median share of a step (after warm-up) its disk was busy
+    rss_peak: int | None = None      # the process's resident peak over the steps (and the last save)
+    setup_rss: int | None = None     # ... and before them, while setup held the caller's model too
+    budgets: int | None = None       # a tiered run's device + host budgets
 
 
 def prepare_out(out: Path) -> Path:
@@ -291,6 +294,7 @@ class Trainer:
     def run(self) -> RunSummary:
         cfg, losses, tokens_s, tflops, start_step = self.cfg, [], [], [], self.step
         checkpoint, began, stop = None, StepTimer(self.device), StopFlag()
+        self.setup_rss = restart_rss_peak()
         try:
             with stop:
                 checkpoint = self._loop(stop, losses, tokens_s, tflops)
@@ -305,7 +309,12 @@ class Trainer:
                           last_loss=losses[-1] if losses else float("nan"), tokens_per_s=med(tokens_s),
                           tflops=med(tflops), seconds=began.elapsed(), checkpoint=checkpoint,
                           out=self.out, losses=losses, stopped_early=self.step < cfg.steps,
-                          disk_busy=med(self.disk_busy) if self.disk_busy else None)
+                          disk_busy=med(self.disk_busy) if self.disk_busy else None,
+                          rss_peak=process_rss().get("peak") if self.setup_rss is not None else None,
+                          setup_rss=self.setup_rss, budgets=self._budget_total())
+
+    def _budget_total(self) -> int | None:
+        return self.budgets.budgets.device + self.budgets.budgets.host if self.tiered else None
 
     def close(self) -> None:
         """Give back what the Trainer holds (its tiers, the run directory's lock); ``run`` ends with it,
@@ -362,12 +371,18 @@ class Trainer:
         tokens = self.cfg.batch_size * self.cfg.seq_len * self.cfg.grad_accum
         row = {"step": self.step, "loss": loss, "lr": self.opt.param_groups[0]["lr"], "grad_norm": norm,
                "tokens_per_s": tokens / seconds, "tflops": tokens * self.flops_per_token / seconds / 1e12,
-               "step_s": seconds, "peak_bytes": peak_bytes(self.device), "rss_bytes": process_rss()}
+               "step_s": seconds, "peak_bytes": peak_bytes(self.device), "rss_bytes": self._rss()}
         if self.tiered:
             self._tier_figures(row)
         if self.loss_scaler is not None:
             row["loss_scale"] = self.loss_scaler.get_scale()
         return row
+
+    def _rss(self) -> dict[str, int]:
+        """RSS now and at its peak since the steps began, and setup's peak before them (``restart_rss_peak``)."""
+        rss = process_rss()
+        setup = getattr(self, "setup_rss", None)
+        return rss if setup is None else {**rss, "setup_peak": setup}
 
     def _tier_figures(self, row: dict[str, Any]) -> None:
         """A tiered step's figures: each tier's page peak (what its budget bounds), the bytes the disk

@@ -42,6 +42,19 @@ def process_rss(status: Path = Path("/proc/self/status")) -> dict[str, int]:
     return out
 
 
+def restart_rss_peak(clear_refs: Path = Path("/proc/self/clear_refs")) -> int | None:
+    """Start the process's RSS peak (``VmHWM``) again from what it holds now; the peak before. Setup
+    holds the caller's whole model beside the pools it fills, a peak no step sees again: the steps'
+    own peak is what budgets sized to the machine must cover, so each is reported apart. None where
+    the peak cannot be restarted (no /proc, or not Linux's)."""
+    before = process_rss().get("peak")
+    try:
+        clear_refs.write_text("5\n")  # Linux: VmHWM := VmRSS
+    except OSError:
+        return None
+    return before
+
+
 def device_peak_with_activations(pages_peak: int, pool_bytes: int, device: torch.device) -> int | None:
     """With CUDA: the device pool's page peak plus the most torch allocated beside the pool
     (activations, gradients before they leave): the figure the planner's device peak predicts there.

@@ -90,23 +90,47 @@ class Mover:
         self._copy.shutdown(wait=True)
 
     def move(self, chunk: Chunk, target: Tier, contiguous: bool = False) -> Handle:
-        with chunk.lock:
-            chunk.check_usable()
-            handle = Handle()
-            if chunk.tier is target:
-                handle._finish(None)
-                return handle
-            src, dst = chunk.pool, self.pools[target]
-            extents = dst.allocate(chunk.nbytes, contiguous and target is not Tier.DISK)  # a BudgetError
-            # here leaves everything as it was
-            self.accounting.add(target, chunk.kind, chunk.nbytes)
-            chunk.pending = handle
+        handle, src, dst, extents = self._begin(chunk, target, contiguous)
+        if dst is None:
+            return handle
         parts = self._parts(chunk, src, dst, extents)
         join = _Join(len(parts), lambda err: self._complete(chunk, handle, src, dst, extents, err))
         if not parts:  # an empty chunk: nothing to copy
             self._complete(chunk, handle, src, dst, extents, None)
         self._submit(parts, join)
         return handle
+
+    def move_from(self, chunk: Chunk, target: Tier, source: Chunk, contiguous: bool = False) -> Handle:
+        """``move``, with the bytes taken from ``source``, a memory chunk known to hold them (a device
+        slot filled from this chunk), not read where the chunk lies: copied now, on the calling thread,
+        so ``source`` may be written again as soon as this returns (done or failed)."""
+        handle, src, dst, extents = self._begin(chunk, target, contiguous)
+        if dst is None:
+            return handle
+        target_chunk = Chunk(chunk.name, chunk.kind, chunk.nbytes, dst, extents)
+        error = None
+        try:
+            self._on_copy_stream(target, self._compute_event(),
+                                 lambda: self._scatter(target_chunk, 0, source, 0, chunk.nbytes))
+        except BaseException as exc:  # noqa: BLE001 - reported through the handle, as a move's
+            error = exc
+        self._complete(chunk, handle, src, dst, extents, error)
+        return handle
+
+    def _begin(self, chunk: Chunk, target: Tier, contiguous: bool) -> tuple[Handle, Pool, Pool | None, list[Extent]]:
+        """A move's destination allocated and counted (a BudgetError here leaves everything as it was);
+        no destination (and a finished handle) where the chunk is there already."""
+        with chunk.lock:
+            chunk.check_usable()
+            handle = Handle()
+            if chunk.tier is target:
+                handle._finish(None)
+                return handle, chunk.pool, None, []
+            src, dst = chunk.pool, self.pools[target]
+            extents = dst.allocate(chunk.nbytes, contiguous and target is not Tier.DISK)
+            self.accounting.add(target, chunk.kind, chunk.nbytes)
+            chunk.pending = handle
+        return handle, src, dst, extents
 
     def copy(self, src: Chunk, dst: Chunk) -> Handle:
         """Copy ``src``'s bytes into ``dst`` (same size; ``dst`` in memory), asynchronously.

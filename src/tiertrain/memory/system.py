@@ -178,6 +178,12 @@ class MemorySystem:
         self.pool(tier)
         return self.mover.move(chunk, tier, contiguous)
 
+    def move_from(self, chunk: Chunk, tier: Tier, source: Chunk, contiguous: bool = False) -> Handle:
+        """``chunk`` to ``tier`` with its bytes copied from ``source`` (which holds them), not read from
+        where it lies; done when this returns (``Mover.move_from``)."""
+        self.pool(tier)
+        return self.mover.move_from(chunk, tier, source, contiguous)
+
     def release(self, chunk: Chunk) -> None:
         with chunk.lock:
             chunk.check_usable()

@@ -116,15 +116,22 @@ class UpdatePipeline:
             if self._reads_ahead(bp) and not fills_slot_from_disk(bp, self.plan):
                 self.read(i, t)
 
-    def read(self, i: int, t: float) -> None:
-        """A block's states read ahead from ``t``, if it is not already and a place is free then."""
+    def read(self, i: int, t: float, from_slot: bool = False) -> None:
+        """A block's states read ahead from ``t``, if it is not already and a place is free then.
+        ``from_slot``: its master is copied from the device slot just filled from it (``StateMoves.read_ahead``),
+        not read from disk (the copy is timed from ``t``, not from when the slot's fill lands)."""
         bp, b = self._block(i)
         if i in self.reads or not self._reads_ahead(bp):
             return
         if sum(1 for end in self.held.values() if end > t) >= self.read_ahead:
             return
-        seconds = self._read_s(bp, self._share(bp) * own(self.plan, bp, b.params))
+        n = self._share(bp) * own(self.plan, bp, b.params)
+        m = self.p.machine
+        seconds = self._read_s(bp, n) - (n * F32_BYTES / m.disk_read_bps if from_slot else 0.0)
         self.reads[i] = self.tl.run("disk_read", t, seconds, f"read {b.name}")[1]
+        if from_slot:
+            copied = self.tl.run("d2h", t, n * F32_BYTES / m.d2h_bps, f"master {b.name} from its slot")[1]
+            self.reads[i] = max(self.reads[i], copied)
         self.held[i] = math.inf  # until its update ends
 
     def room_for_grads(self) -> float:

@@ -207,11 +207,13 @@ class Runtime:
     # -- backward ----------------------------------------------------------------------
     def backward_begins(self, g: BlockGroup) -> None:
         """A block's backward is about to run: a streamed block comes back, and its states start in
-        (not in lockfree mode: there a block's loop may be moving them, and nothing waits for them)."""
+        (not in lockfree mode: there a block's loop may be moving them, and nothing waits for them).
+        Where its slot was just filled from its fp32 master on disk, the master is copied from the
+        slot, not read from disk a third time in the step (forward, backward, update)."""
         if g.plan.stream:
             g.fetch()
-        if self.final_micro() and self.mode.reads_ahead:
-            self.moves.read_ahead(g)
+        if self.final_micro() and self.mode.reads_ahead:  # a slot filled from the master on disk holds it now
+            self.moves.read_ahead(g, slot=g.slot.chunk if g.fills_slot_from_disk and g.shard is None else None)
 
     def grad_arrived(self, g: BlockGroup) -> None:
         self._backward_runs()

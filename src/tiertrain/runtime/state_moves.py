@@ -15,6 +15,7 @@ from concurrent.futures import Future
 
 from tiertrain.errors import BudgetError
 from tiertrain.memory import Handle, MemorySystem, Tier
+from tiertrain.memory.chunk import Chunk
 from tiertrain.plan.bytes import in_pieces
 from tiertrain.runtime.block_group import BlockGroup
 
@@ -28,12 +29,13 @@ class StateMoves:
         self._local = threading.local()            # per worker: its last write-back
         self._lock = threading.Lock()
 
-    def read_ahead(self, g: BlockGroup, block: bool = True) -> bool:
+    def read_ahead(self, g: BlockGroup, block: bool = True, slot: Chunk | None = None) -> bool:
         """Start reading a disk-homed block's states now, so the reads overlap the backward of this and
         later blocks instead of following it. Skipped when ``max_read_ahead`` blocks are already read
         in, and, with ``block=False``, while the block's last update or its write-back still runs (a
-        forward-time trigger must never make the forward wait). True once its reads are under way (or
-        there is nothing to read)."""
+        forward-time trigger must never make the forward wait). ``slot``: a device slot just filled
+        from the block's fp32 master on disk, so its master is copied from there instead of read from
+        disk again. True once its reads are under way (or there is nothing to read)."""
         if g.plan.home is not Tier.DISK or g.master is None or in_pieces(g.plan):
             return True  # nothing to read, or read a piece at a time by the update itself
         if not block and not self._settled(g):
@@ -49,7 +51,10 @@ class StateMoves:
         reads = []
         try:
             for c in g.on_disk:
-                reads.append(self.mem.move(c, Tier.HOST, contiguous=True))
+                if c is g.master and slot is not None:
+                    reads.append(self.mem.move_from(c, Tier.HOST, slot, contiguous=True))
+                else:
+                    reads.append(self.mem.move(c, Tier.HOST, contiguous=True))
         except BudgetError:  # no room now: the update reads what is still on disk itself
             pass
         with self._lock:

@@ -89,3 +89,42 @@ def test_where_the_rests_chunk_is_a_blocks_size_bounded_gradients_keep_the_head_
     losses, seen, (grad_peak, reserved) = _run(spec, "overlap", True)
     assert losses == train_plain(spec, 3, 1, None)
     assert seen == [False] * 3 and grad_peak <= reserved
+
+
+def test_a_tied_embedding_updated_in_pieces_has_its_head_gradient_in_the_device_chunk_before_backward_ends(
+        tmp_path, monkeypatch):
+    """Updated in pieces, the rest's gradients wait on the device (``plan.bytes.grad_tier``); bounded there,
+    its chunk also has a place of its own, so the head's gradient joins it at once, backward fills (updates
+    slowed) but never exceeds the gradients the budget reserved, and the losses are plain PyTorch's."""
+    import dataclasses
+
+    from tiertrain.plan import BlockPlan, Plan
+    from tiertrain.plan.bytes import bounded_grads, tier_bytes
+    from tiertrain.runtime.blocks import block_numel
+
+    spec = {**WIDE, "n_layer": 4}
+    disk = BlockPlan(home=Tier.DISK, stream=True, piece=2 * 4096)
+    plan = Plan((disk,) * 4, dataclasses.replace(disk, stream=False), window=2, prefetch=1, update="overlap",
+                update_workers=1)
+    numels = [block_numel(b) for b in find_blocks(_fresh(spec)[0])]
+    few = tier_bytes(numels, plan, 4096, grads="transient")[Tier.DEVICE]
+    slow = updater.adamw_block
+    monkeypatch.setattr(updater, "adamw_block", lambda *a: (time.sleep(0.05), slow(*a)))
+    model, opt = _fresh(spec)
+    tm, topt = tiertrain.setup(model, opt, Budgets(device=few, host=4 << 20, disk=64 << 20, disk_dir=str(tmp_path)),
+                               plan=plan, page_size=4096)
+    rt, seen = tm.runtime, []
+    rest = rt.groups[-1]
+    index = next(i for i, p in enumerate(rest.params) if p is _embedding(tm))
+    rt.groups[0].block.module.register_full_backward_pre_hook(
+        lambda m, g: seen.append(rest.grads.chunk is not None and rest.grads.has_grad[index]))
+    try:
+        assert rt.transient_grads and rt.tied_early
+        losses = _loop(tm, topt, None, 3, 1, None)
+        peak = rt.mem.stats()["device"]["peak_by_kind"]["grad"]
+    finally:
+        rt.close()
+        rt.mem.close()
+    assert losses == train_plain(spec, 3, 1, None)
+    reserved = alive_grad_bytes([g.nbytes for g in rt.groups], [], plan.update_workers, 1, 0)
+    assert seen == [True] * 3 and peak == reserved <= bounded_grads(numels, plan, 4096)[Tier.DEVICE]

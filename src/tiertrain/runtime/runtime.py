@@ -143,11 +143,10 @@ class Runtime:
         rest = self.groups[-1]
         if not (self.transient_grads and updated_away(rest.plan)):
             return True
-        if grad_tier(rest.plan) is not Tier.HOST:
-            return False
+        tier = grad_tier(rest.plan)
         own = rest.state_numel * F32.itemsize
         others = [g.state_numel * F32.itemsize for g in self.groups[:-1]
-                  if updated_away(g.plan) and grad_tier(g.plan) is Tier.HOST]
+                  if updated_away(g.plan) and grad_tier(g.plan) is tier]
         top = max(others + [own])
         return own not in others if own == top else all(o == top for o in others)
 
@@ -271,11 +270,11 @@ class Runtime:
             futures.wait(pending, return_when=futures.FIRST_COMPLETED)
 
     def _grads_alive(self, tier: Tier) -> int:
-        if tier is Tier.HOST:  # the rest's chunk, held through backward by a tied weight's uses, has its own place
-            rest = self.groups[-1]
-            held = self.tied_early and rest.grads.chunk is not None and grad_tier(rest.plan) is Tier.HOST
-            return self.mem.accounting.chunks(Tier.HOST, Kind.GRAD) - held
-        return sum(1 for g in self.groups if in_pieces(g.plan) and (
+        rest = self.groups[-1]  # its chunk, held through backward by a tied weight's uses, has a place of its own
+        own_place = self.tied_early and grad_tier(rest.plan) is tier
+        if tier is Tier.HOST:
+            return self.mem.accounting.chunks(Tier.HOST, Kind.GRAD) - (own_place and rest.grads.chunk is not None)
+        return sum(1 for g in self.groups if in_pieces(g.plan) and not (own_place and g is rest) and (
             g.grads.chunk is not None or g.local is not None or (g.pending is not None and not g.pending.done())))
 
     def final_micro(self) -> bool:

@@ -17,9 +17,10 @@ from tiertrain.runtime.blocks import find_blocks
 
 SECTOR = 4096  # the disk tier moves whole sectors: each chunk's bytes rounded up to one
 CHUNKS = 3     # a state transfer moves three chunks (master, both moments); a fetch one
+WIDER = {"n_layer": 2, "n_head": 2, "d_model": 128, "d_ffn": 512, "vocab_size": 256, "max_seq_len": 64}
 
 
-def _predicted_disk_bytes(plan: Plan, model_name: str) -> tuple[float, float, int]:
+def _predicted_disk_bytes(plan: Plan, model_name: str | dict) -> tuple[float, float, int]:
     """(read, written) per step by the simulator, for the model's real parameter counts (the times do
     not matter for bytes: a task's busy seconds times its rate), and how many chunk transfers it
     counts (each of whose chunks the runtime rounds up to a sector)."""
@@ -185,3 +186,39 @@ def test_setup_frees_the_original_weights_while_the_caller_keeps_its_optimizer(t
     finally:
         tm.runtime.close()
         tm.runtime.mem.close()
+
+
+def test_with_one_place_a_slot_filled_from_disk_gets_it_and_forward_reads_no_block_further_on(tmp_path):
+    """The second block's slot is filled from its master on disk and backward reaches it first; the first
+    block's master stays on the host. With one read-ahead place, forward must not read the first block's
+    moments (that place would be held through the second's backward, and its master read from disk
+    again): the step's bytes are the simulator's, which copies that master from the slot."""
+    import dataclasses
+
+    import tiertrain
+    from tiered_harness import _fresh, _loop
+    from tiertrain.memory import Budgets
+    from tiertrain.plan import builtin_plan
+
+    plan = builtin_plan("max-offload", 2, disk=True)
+    plan = dataclasses.replace(plan, read_ahead=1, blocks=(dataclasses.replace(plan.blocks[0], host_master=True),
+                                                           plan.blocks[1]))
+    model, opt = _fresh(WIDER)
+    tm, topt = tiertrain.setup(model, opt, Budgets(64 << 20, 64 << 20, 64 << 20, str(tmp_path)), plan=plan,
+                               page_size=64 << 10)
+    rt = tm.runtime
+    rt.plan, rt.moves.max_read_ahead = plan, 1  # setup widens read-ahead to what the budgets hold: one place here
+    rt.wire()
+    try:
+        assert rt.groups[1].fills_slot_from_disk and not rt.groups[0].fills_slot_from_disk
+        _loop(tm, topt, None, 1, 1, None)  # the first step's blocks are in their slots from setup
+        before = rt.mem.disk_traffic()
+        _loop(tm, topt, None, 1, 1, None)
+        rt.wait_updates()
+        got = {k: v - before[k] for k, v in rt.mem.disk_traffic().items()}
+    finally:
+        rt.close()
+        rt.mem.close()
+    read, _, transfers = _predicted_disk_bytes(plan, WIDER)
+    assert transfers * CHUNKS * SECTOR < 4 * rt.groups[1].layout.numel  # a master's read would show
+    assert 0 <= got["read"] - read < transfers * CHUNKS * SECTOR, (got, read, transfers)

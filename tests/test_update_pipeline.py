@@ -127,3 +127,24 @@ def test_a_block_updated_in_pieces_holds_its_worker_until_its_pieces_are_written
     sim = simulate(plan, prof)
     for disk, after in ((3, 2), (1, 0)):
         assert _task(sim, f"adam b{after}")[0] >= _task(sim, f"write b{disk}")[1] - 1e-12
+
+
+def test_a_block_whose_slot_is_filled_from_its_master_on_disk_keeps_its_place_and_takes_the_master_from_its_slot():
+    """A streamed fp32 block whose slot is filled from its master on disk, backward's first, before blocks
+    whose masters stay on the host: forward reads neither it (its master comes from its slot as backward
+    begins) nor a block further on (that would hold the one place it needs through backward); read ahead
+    at its backward's start, it reads only the moments from disk (8 bytes a parameter, not 12) and
+    copies the master from its slot."""
+    prof = synthetic(6)
+    plan = _disk_plan(6, read_ahead=1, workers=1, stream=True)
+    kept = dataclasses.replace(plan.blocks[0], host_master=True)
+    plan = dataclasses.replace(plan, blocks=(kept,) * 5 + plan.blocks[5:])
+    sim = simulate(plan, prof)
+    first = prof.blocks[-1]
+    read, backward = _task(sim, f"read {first.name}"), _task(sim, f"bwd {first.name}")
+    assert read[0] >= _task(sim, f"fwd {first.name}")[1]  # not during forward
+    assert read[0] <= backward[0]                          # but ahead of its backward
+    assert read[1] - read[0] == pytest.approx(first.params * 8 / prof.machine.disk_read_bps)
+    assert any(lab == f"master {first.name} from its slot" for _, _, _, lab in sim.timeline.tasks)
+    forward_end = _task(sim, f"fwd {prof.blocks[-1].name}")[1]
+    assert not [lab for _, s, _, lab in sim.timeline.tasks if lab.startswith("read ") and s < forward_end]

@@ -8,8 +8,9 @@
   (``runtime.pieces``) holds its worker until its last piece is written. A device-homed block on a
   GPU takes a worker only to start its update there.
 - A disk-homed block's states are read ahead of its update, at most ``read_ahead`` blocks at once:
-  during forward, the blocks backward reaches first (not those whose slot is filled from their master
-  on disk); then each block as its backward begins, if a place is free. A place frees when the update
+  during forward, of the first ``read_ahead`` blocks backward reaches, those whose slot is not filled
+  from their master on disk; then each block as its backward begins, if a place is free (a slot filled
+  from its master on disk gives it the master: only the moments come from disk). A place frees when the update
   of a block read ahead has finished (its worker's last write-back landed). A block not read ahead is
   read by its worker as its update starts.
   Lockfree reads nothing ahead (a block's loop may be moving its states).
@@ -110,10 +111,11 @@ class UpdatePipeline:
         return bp.home is Tier.DISK and not in_pieces(bp) and self.read_ahead > 0
 
     def forward_reads(self, t: float) -> None:
-        """As forward starts: the blocks backward reaches first, as many as the places allow."""
-        for i in range(len(self.p.blocks) - 1, -1, -1):
-            bp = self.plan.blocks[i]
-            if self._reads_ahead(bp) and not fills_slot_from_disk(bp, self.plan):
+        """As forward starts: of the first ``read_ahead`` blocks backward reaches, those whose slot is not
+        filled from their master on disk (``Runtime.wire``'s ``_backward_first``)."""
+        first = [i for i in range(len(self.p.blocks) - 1, -1, -1) if self._reads_ahead(self.plan.blocks[i])]
+        for i in first[: self.read_ahead]:
+            if not fills_slot_from_disk(self.plan.blocks[i], self.plan):
                 self.read(i, t)
 
     def read(self, i: int, t: float, from_slot: bool = False) -> None:

@@ -99,10 +99,12 @@ class Runtime:
                 stash = apply_switches(self, g)
                 if stash is not None:
                     self.stashes[g.index] = stash
-        # disk-homed blocks in the order backward reaches them (the rest has no hook), whose states
-        # may be read during forward: not those whose slot is filled from the master itself
-        self._backward_first = [g for g in self.groups[-2::-1]
-                                if g.plan.home is Tier.DISK and not g.fills_slot_from_disk]
+        # the first ``read_ahead`` disk-homed blocks backward reaches (the rest has no hook): their states
+        # may be read during forward, but not those whose slot is filled from the master itself (their
+        # master comes from the slot as their backward begins); a block further on read now would hold
+        # the place they need through the backward of every block before it
+        first = [g for g in self.groups[-2::-1] if g.plan.home is Tier.DISK and not in_pieces(g.plan)]
+        self._backward_first = [g for g in first[: self.plan.read_ahead] if not g.fills_slot_from_disk]
         self._unread = list(self._backward_first)  # of those, the ones this step has not read in yet
         self.tied_early = self._tied_grads_early()
         resident = [g for g in self.groups[:-1] if g.shard is not None and not g.plan.stream]

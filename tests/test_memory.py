@@ -93,6 +93,8 @@ def test_a_move_from_a_chunk_holding_the_same_bytes_reads_nothing_from_disk(mem)
     slot = mem.allocate("slot", 6 * PS, Tier.DEVICE)  # larger than the chunk, as a slot sized to the largest block
     slot.typed(torch.uint8)[: data.numel()].copy_(data)
     read, disk_live = mem.disk_traffic()["read"], mem.accounting.live(Tier.DISK)
+    with pytest.raises(ValueError, match="at least as large"):
+        mem.move_from(chunk, Tier.HOST, mem.allocate("small", 5 * PS, Tier.DEVICE))
     hog = mem.allocate("hog", 60 * PS, Tier.HOST)
     before = mem.stats()
     with pytest.raises(BudgetError, match="host tier"):

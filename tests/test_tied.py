@@ -128,3 +128,27 @@ def test_a_tied_embedding_updated_in_pieces_has_its_head_gradient_in_the_device_
     assert losses == train_plain(spec, 3, 1, None)
     reserved = alive_grad_bytes([g.nbytes for g in rt.groups], [], plan.update_workers, 1, 0)
     assert seen == [True] * 3 and peak == reserved <= bounded_grads(numels, plan, 4096)[Tier.DEVICE]
+
+
+@pytest.mark.parametrize("update", ["sync", "overlap"])
+def test_a_head_registered_before_the_embedding_leaves_the_embeddings_use_its_own_leaf_and_stays_exact(update):
+    """Where the head comes first in ``model.modules()``, the embedding's use is the one with its own
+    leaf, and its gradient arrives after every parameter the group counts (the final norm, the tied weight
+    through the head, the positions beside it): the group must not flush, nor its update start, before
+    it. The losses are plain PyTorch's bit for bit."""
+    from tiertrain.runtime.tied import extra_uses
+
+    model, opt = _fresh(WIDE)
+    mods = dict(model._modules)
+    model._modules.clear()
+    model._modules.update({"lm_head": mods.pop("lm_head"), **mods})
+    assert [u.module for u in extra_uses(model, [model.lm_head.weight])] == [model.tok_emb]
+    plan = builtin_plan("stream", WIDE["n_layer"], update=update)
+    tm, topt = tiertrain.setup(model, opt, Budgets(device=64 << 20, host=256 << 20), plan=plan, page_size=PAGE)
+    try:
+        assert tm.runtime.tied_early
+        losses = _loop(tm, topt, tm.clip_grad_norm_, 4, 1, None)
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()
+    assert losses == train_plain(WIDE, 4, 1, None)

@@ -18,7 +18,7 @@ def print_summary(s: RunSummary, console: Console) -> None:
     if s.disk_busy is not None:
         console.print(f"  disk busy       {s.disk_busy:.0%} of a step (median; near 100%: the disk is the limit)")
     if s.rss_peak is not None:
-        beside = f"; budgets {format_bytes(s.budgets)} (device + host)" if s.budgets else ""
+        beside = f"; budgets in host memory {format_bytes(s.budgets)}" if s.budgets else ""
         console.print(f"  memory          RSS peak {format_bytes(s.rss_peak)} in steps, {format_bytes(s.setup_rss)} "
                       f"in setup{beside}")
     console.print(f"  metrics         {s.out / 'metrics.jsonl'}")

@@ -65,7 +65,7 @@ class RunSummary:
     disk_busy: float | None = None   # median share of a step (after warm-up) its disk was busy
     rss_peak: int | None = None      # the process's resident peak over the steps (and the last save)
     setup_rss: int | None = None     # ... and before them, while setup held the caller's model too
-    budgets: int | None = None       # a tiered run's device + host budgets
+    budgets: int | None = None       # a tiered run's budgets in host memory (the device's too on a CPU)
 
 
 def prepare_out(out: Path) -> Path:
@@ -314,7 +314,11 @@ class Trainer:
                           setup_rss=self.setup_rss, budgets=self._budget_total())
 
     def _budget_total(self) -> int | None:
-        return self.budgets.budgets.device + self.budgets.budgets.host if self.tiered else None
+        """The budgets that are this process's resident memory: the host's, and the device's on a CPU."""
+        if not self.tiered:
+            return None
+        b = self.budgets.budgets
+        return b.host + (b.device if self.device.type == "cpu" else 0)
 
     def close(self) -> None:
         """Give back what the Trainer holds (its tiers, the run directory's lock); ``run`` ends with it,

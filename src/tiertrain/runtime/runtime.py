@@ -72,6 +72,7 @@ class Runtime:
             rest = self.groups[-1]
             for use in extra_uses(model, rest.params):
                 give_own_leaf(use, lambda i, leaf: self.tied_grad_arrived(rest, i, leaf), lambda: self.tied_early)
+                rest.reduces_at_end = True  # a leaf's gradient is not among those counted to flush it early
         self.wire()
         self.scaler = LossScaler() if options.train and plan.compute_dtype == "fp16" else None
         # the step needs the global norm (clipping) or the fp16 overflow check before any update
@@ -137,12 +138,16 @@ class Runtime:
         """Whether a tied weight's other uses (``runtime.tied``) put their gradients into the rest's
         grad chunk as they arrive: with one process and one micro-batch (several would add the uses in
         another order than autograd: not bitwise), not lockfree (its loop may take the chunk between
-        the uses), and where gradients are bounded only if the budget gives the rest's chunk a place
+        the uses), in fp32 with the chunk on the compute device's memory (else the sum would differ
+        from autograd's, or cross devices: not tried on a GPU yet), and where gradients are bounded
+        only if the budget gives the rest's chunk a place
         of its own (``plan.bytes.alive_grad_bytes``: a size no block's chunk has), so that holding it
         through backward leaves the blocks' count alone (``_grads_alive``)."""
         if self.comm.world_size > 1 or self.options.grad_accum > 1 or self.plan.update == "lockfree":
             return False
         rest = self.groups[-1]
+        if self.plan.compute_dtype != "fp32" or (self.mem.device.type != "cpu" and grad_tier(rest.plan) is Tier.HOST):
+            return False  # autograd sums the uses in the compute dtype, and on the device
         if not (self.transient_grads and updated_away(rest.plan)):
             return True
         tier = grad_tier(rest.plan)
@@ -258,7 +263,8 @@ class Runtime:
 
     def _room_for_grads(self, tier: Tier) -> None:
         """With transient gradients, keep at most ``update_workers + 1`` grad chunks alive in ``tier``
-        (what the budget check reserved): wait for an update in flight to free one. Host chunks are
+        (what the budget check reserved; beside them the rest's, where a tied weight fills it through
+        backward in a place of its own: ``_grads_alive``): wait for an update in flight to free one. Host chunks are
         counted from the memory layer, so chunks an update has taken but not yet freed count too; on
         the device (blocks updated in pieces) a block counts while its update runs, which frees them."""
         if not self.transient_grads:

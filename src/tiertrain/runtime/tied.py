@@ -7,7 +7,8 @@ for the whole backward. Here a module that registers the tied weight a second ti
 length of its forward, a fresh leaf over the same storage; that leaf's gradient goes into the
 block's grad chunk (inside the budgets) as soon as it exists. With two uses the chunk ends with
 head + embedding, as autograd would have summed them (fp32 addition commutes), so the losses stay
-bitwise plain PyTorch's.
+bitwise plain PyTorch's in fp32 (``Runtime._tied_grads_early`` says where it applies). The group
+then flushes when backward ends, never earlier: the leaf is not among the parameters it counts.
 """
 
 from __future__ import annotations

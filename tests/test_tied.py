@@ -148,6 +148,9 @@ def test_a_head_registered_before_the_embedding_leaves_the_embeddings_use_its_ow
     try:
         assert tm.runtime.tied_early
         losses = _loop(tm, topt, tm.clip_grad_norm_, 4, 1, None)
+        with pytest.raises(IndexError):  # a forward that raises
+            tm(torch.full((1, 4), WIDE["vocab_size"] + 1))
+        assert tm.tok_emb.weight is tm.lm_head.weight  # the parameter is back in place after every forward
     finally:
         tm.runtime.close()
         tm.runtime.mem.close()

@@ -189,6 +189,14 @@ def alive_grad_bytes(own: Sequence[int], whole: Sequence[int], workers: int, dp:
     return n_top * pages(top, page, bound) + (min(alive, len(rest)) * pages(max(rest), page, bound) if rest else 0)
 
 
+def has_own_place(own: int, others: Sequence[int]) -> bool:
+    """Whether, in one process, ``alive_grad_bytes`` lays out a chunk of ``own`` bytes in a place no chunk
+    of ``others`` (the other bounded chunks of its tier) can take: its size is the largest and no other
+    has it, or it is the only one smaller than the largest."""
+    top = max([*others, own])
+    return own not in others if own == top else all(o == top for o in others)
+
+
 def tier_bytes(numels: Sequence[int], plan: Plan, page: int, train: bool = True, grads: str = "all",
                bound: bool = True) -> dict[Tier, int]:
     """Bytes per tier for blocks of ``numels`` elements (the repeated blocks, then the rest).

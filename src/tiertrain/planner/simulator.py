@@ -188,8 +188,6 @@ class _Replay:
         return end
 
 
-
-
 def _grad_caps(plan: Plan, p: Profile, budgets: dict[Tier, int] | None) -> dict[str, int]:
     """Per tier, the most updated-away gradient bytes the runtime lets live, where it bounds them."""
     numels = [b.params for b in (*p.blocks, p.rest)]

@@ -20,7 +20,7 @@ from tiertrain.parallel.experts import expert_parallel, moe_layers
 from tiertrain.parallel.norm import sharded_norm
 from tiertrain.parallel import Collectives, collectives_for
 from tiertrain.plan import Plan, RunOptions
-from tiertrain.plan.bytes import grad_tier, in_pieces, updated_away
+from tiertrain.plan.bytes import grad_tier, has_own_place, in_pieces, updated_away
 from tiertrain.runtime.block_group import F32, BlockGroup
 from tiertrain.runtime.blocks import find_blocks
 from tiertrain.runtime.build import build_groups
@@ -140,9 +140,8 @@ class Runtime:
         another order than autograd: not bitwise), not lockfree (its loop may take the chunk between
         the uses), in fp32 with the chunk on the compute device's memory (else the sum would differ
         from autograd's, or cross devices: not tried on a GPU yet), and where gradients are bounded
-        only if the budget gives the rest's chunk a place
-        of its own (``plan.bytes.alive_grad_bytes``: a size no block's chunk has), so that holding it
-        through backward leaves the blocks' count alone (``_grads_alive``)."""
+        only if the budget gives the rest's chunk a place of its own (``plan.bytes.has_own_place``),
+        so that holding it through backward leaves the blocks' count alone (``_grads_alive``)."""
         if self.comm.world_size > 1 or self.options.grad_accum > 1 or self.plan.update == "lockfree":
             return False
         rest = self.groups[-1]
@@ -151,11 +150,8 @@ class Runtime:
         if not (self.transient_grads and updated_away(rest.plan)):
             return True
         tier = grad_tier(rest.plan)
-        own = rest.state_numel * F32.itemsize
-        others = [g.state_numel * F32.itemsize for g in self.groups[:-1]
-                  if updated_away(g.plan) and grad_tier(g.plan) is tier]
-        top = max(others + [own])
-        return own not in others if own == top else all(o == top for o in others)
+        return has_own_place(rest.state_numel * F32.itemsize, [
+            g.state_numel * F32.itemsize for g in self.groups[:-1] if updated_away(g.plan) and grad_tier(g.plan) is tier])
 
     def _keep_held_experts(self, blocks: list) -> set[int]:
         """Expert parallel: each MoE layer keeps the experts this rank holds and exchanges tokens for

@@ -50,11 +50,12 @@ class StateMoves:
             h.wait()  # the last update's write-back must land before we read the states again
         reads = []
         try:
-            from_slot = g.master if slot is not None else None
-            for c in g.on_disk:  # the disk's reads queued first, then the master copied from the slot
+            on_disk = g.on_disk
+            from_slot = g.master if slot is not None and any(c is g.master for c in on_disk) else None
+            for c in on_disk:  # the disk's reads queued first, then the master copied from the slot
                 if c is not from_slot:
                     reads.append(self.mem.move(c, Tier.HOST, contiguous=True))
-            if from_slot is not None and from_slot in g.on_disk:
+            if from_slot is not None:
                 reads.append(self.mem.move_from(from_slot, Tier.HOST, slot, contiguous=True))
         except BudgetError:  # no room now: the update reads what is still on disk itself
             pass

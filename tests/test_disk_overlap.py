@@ -30,9 +30,9 @@ def budgets(tmp_path, host: int = 64 << 20) -> Budgets:
     return Budgets(device=8 << 20, host=host, disk=64 << 20, disk_dir=str(tmp_path / "disk"))
 
 
-def _setup(tmp_path, plan: Plan, host: int = 64 << 20):
+def _setup(tmp_path, plan: Plan, host: int = 64 << 20, max_grad_norm: float | None = None):
     model, opt = _fresh(TINY4)
-    return tiertrain.setup(model, opt, budgets(tmp_path, host), plan=plan, page_size=PAGE)
+    return tiertrain.setup(model, opt, budgets(tmp_path, host), plan=plan, page_size=PAGE, max_grad_norm=max_grad_norm)
 
 
 def _close(tm) -> None:
@@ -40,9 +40,11 @@ def _close(tm) -> None:
     tm.runtime.mem.close()
 
 
-def _step(tm, topt, batch, losses: list[float]) -> None:
+def _step(tm, topt, batch, losses: list[float], clip: bool = False) -> None:
     loss = lm_loss(tm, batch[:, :-1], batch[:, 1:])
     loss.backward()
+    if clip:
+        tm.clip_grad_norm_(1.0)
     topt.step()
     topt.zero_grad()
     losses.append(loss.item())
@@ -99,31 +101,48 @@ def test_the_next_forward_runs_while_the_states_are_still_written_back(tmp_path,
     assert losses == want
 
 
-def _masters_in_host(tm) -> int:
-    return tm.runtime.mem.accounting.chunks(Tier.HOST, Kind.MASTER)
+def _in_host(tm, kind: Kind = Kind.MASTER) -> int:
+    return tm.runtime.mem.accounting.chunks(Tier.HOST, kind)
 
 
-@pytest.mark.parametrize("stream,param_copy,ahead", [(False, False, 2), (True, True, 2), (True, False, 0)])
-def test_forward_reads_in_the_states_backward_updates_first(tmp_path, stream, param_copy, ahead):
-    """After a sync step every state is home on disk; the next forward starts reading in those of
-    the blocks backward reaches first, up to ``read_ahead`` of them. Not where a block's slot is
-    filled from its fp32 master itself (max-offload's layout): that master must stay put for the
-    copy into the slot, so its states are read when its backward begins, as before."""
-    plan = disk_plan("sync", stream, param_copy, workers=1, read_ahead=2)  # the budget counts 4 of 5 blocks' states
+def _settle_writes(tm) -> None:
+    """Wait for the last step's updates and write-backs (the forward-time trigger never waits)."""
+    for g in tm.runtime.groups:
+        if g.pending is not None:
+            g.pending.result()
+    tm.runtime.moves.drain()
+
+
+@pytest.mark.parametrize("update", ["sync", "overlap", "overlap-clipped"])
+@pytest.mark.parametrize("stream,param_copy", [(False, False), (True, True), (True, False)])
+def test_forward_reads_in_the_states_backward_updates_first(tmp_path, update, stream, param_copy):
+    """Once every state is home on disk, the next forward starts reading in those of the blocks backward
+    reaches first: ``read_ahead`` of them, and where updates follow backward (overlap, not clipped), with
+    no update or write-back running, as many more as the update workers' places (two each) hold: updates
+    take blocks in that order, so the host never holds more than the budget counts. Where a block's slot
+    is filled from its fp32 master itself (max-offload's layout) that master stays put for the copy into
+    the slot, and only its moments are read; it comes from the slot as its backward begins."""
+    mode, clip = update.split("-")[0], update.endswith("clipped")
+    plan = disk_plan(mode, stream, param_copy, workers=1, read_ahead=1)
     blocks = find_blocks(_fresh(TINY4)[0])
     host = needs(blocks, plan, PAGE)[Tier.HOST]  # exactly this plan: no wider read-ahead fits
-    want = train_plain(TINY4, 4, 1, None)
-    tm, topt = _setup(tmp_path, plan, host)
+    want = train_plain(TINY4, 4, 1, 1.0 if clip else None)
+    tm, topt = _setup(tmp_path, plan, host, max_grad_norm=1.0 if clip else None)
     losses: list[float] = []
     data = batches(4)
+    ahead = 1 if mode == "sync" or clip else 3
+    fills_slot = stream and not param_copy
     try:
-        assert tm.runtime.plan.read_ahead == 2
-        _step(tm, topt, data[0], losses)
+        assert tm.runtime.plan.read_ahead == 1
+        _step(tm, topt, data[0], losses, clip)
         for batch in data[1:]:  # every step, not only the first after the warm-up
-            assert _masters_in_host(tm) == 0
+            _settle_writes(tm)
+            assert _in_host(tm) == _in_host(tm, Kind.EXP_AVG) == 0
             loss = lm_loss(tm, batch[:, :-1], batch[:, 1:])
-            assert _masters_in_host(tm) == ahead
+            assert (_in_host(tm), _in_host(tm, Kind.EXP_AVG)) == (0 if fills_slot else ahead, ahead)
             loss.backward()
+            if clip:
+                tm.clip_grad_norm_(1.0)
             topt.step()
             topt.zero_grad()
             losses.append(loss.item())

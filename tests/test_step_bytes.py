@@ -188,11 +188,12 @@ def test_setup_frees_the_original_weights_while_the_caller_keeps_its_optimizer(t
         tm.runtime.mem.close()
 
 
-def test_with_one_place_a_slot_filled_from_disk_gets_it_and_forward_reads_no_block_further_on(tmp_path):
+def test_with_one_place_a_slot_filled_from_disk_gives_its_master_and_the_bytes_are_the_simulators(tmp_path):
     """The second block's slot is filled from its master on disk and backward reaches it first; the first
-    block's master stays on the host. With one read-ahead place, forward must not read the first block's
-    moments (that place would be held through the second's backward, and its master read from disk
-    again): the step's bytes are the simulator's, which copies that master from the slot."""
+    block's master stays on the host. With one read-ahead place, forward reads only the second block's
+    moments (its master stays put for the slot's fills), and that master is copied from the slot as its
+    backward begins, not read from disk a third time: the step's bytes are the simulator's, which
+    counts the same."""
     import dataclasses
 
     import tiertrain

@@ -7,6 +7,7 @@ import pytest
 
 from tiertrain.memory import Tier
 from tiertrain.plan import BlockPlan, Plan
+from tiertrain.plan.parallel import ParallelLayout
 from tiertrain.planner.simulator import simulate
 from tiertrain.planner.timeline import Timeline
 from test_planner import synthetic
@@ -38,21 +39,27 @@ def test_a_task_fills_the_first_gap_it_fits_and_reads_and_writes_share_the_disk(
     assert tl.busy("disk_read") == 8.0 and tl.busy("disk_write") == 1.0
 
 
+@pytest.mark.parametrize("workers", [1, 2])
 @pytest.mark.parametrize("read_ahead", [1, 2, 3])
-def test_no_more_blocks_are_read_ahead_than_the_plan_allows(read_ahead):
-    """A block read ahead holds its place from its read's start at least until its update's AdamW ends."""
+def test_the_host_never_holds_more_blocks_states_than_the_budget_counts(read_ahead, workers):
+    """A disk-homed block's states are in the host from its read's start until its write-back lands:
+    never more blocks at once than ``plan.bytes.tier_bytes`` counts places for (read ahead, being
+    updated, being written back: ``read_ahead + 2 * update_workers``), though forward reads into the
+    workers' places too."""
     prof = _slow_disk(synthetic(8))
-    sim = simulate(_disk_plan(8, read_ahead=read_ahead), prof)
-    held = []
-    for b in prof.blocks:
-        read, adam = _task(sim, f"read {b.name}"), _task(sim, f"adam {b.name}")
-        held.append((read[0], adam[1]))
-    for start, _ in held:
-        assert sum(1 for s, e in held if s <= start < e) <= read_ahead
-    # on a disk fast enough, the first blocks backward reaches are read during forward
-    fast = simulate(_disk_plan(8, read_ahead=read_ahead), _slow_disk(synthetic(8), 1e11))
+    sim = simulate(_disk_plan(8, read_ahead=read_ahead, workers=workers), prof)
+    held = [(_task(sim, f"read {b.name}")[0], _task(sim, f"write {b.name}")[1]) for b in prof.blocks]
+    most = max(sum(1 for s, e in held if s <= start < e) for start, _ in held)
+    assert most == read_ahead + 2 * workers
+    # on a disk fast enough, the first blocks backward reaches are read during forward, into every place
+    fast = simulate(_disk_plan(8, read_ahead=read_ahead, workers=workers), _slow_disk(synthetic(8), 1e11))
     backward = _task(fast, f"bwd {prof.blocks[-1].name}")[0]
     early = sorted(b.name for b in prof.blocks if _task(fast, f"read {b.name}")[1] < backward)
+    assert early == sorted(b.name for b in prof.blocks[-(read_ahead + 2 * workers):])
+    # where updates wait for the end of backward (clipping), they go in forward order: only read_ahead
+    clipped = simulate(_disk_plan(8, read_ahead=read_ahead, workers=workers), _slow_disk(synthetic(8), 1e11),
+                       needs_all_grads=True)
+    early = sorted(b.name for b in prof.blocks if _task(clipped, f"read {b.name}")[1] < backward)
     assert early == sorted(b.name for b in prof.blocks[-read_ahead:])
 
 
@@ -129,22 +136,42 @@ def test_a_block_updated_in_pieces_holds_its_worker_until_its_pieces_are_written
         assert _task(sim, f"adam b{after}")[0] >= _task(sim, f"write b{disk}")[1] - 1e-12
 
 
-def test_a_block_whose_slot_is_filled_from_its_master_on_disk_keeps_its_place_and_takes_the_master_from_its_slot():
+@pytest.mark.parametrize("clipped", [False, True])
+def test_a_block_whose_slot_is_filled_from_its_master_on_disk_reads_its_moments_ahead_and_its_master_from_its_slot(
+        clipped):
     """A streamed fp32 block whose slot is filled from its master on disk, backward's first, before blocks
-    whose masters stay on the host: forward reads neither it (its master comes from its slot as backward
-    begins) nor a block further on (that would hold the one place it needs through backward); read ahead
-    at its backward's start, it reads only the moments from disk (8 bytes a parameter, not 12) and
-    copies the master from its slot."""
+    whose masters stay on the host: forward reads only its moments (8 bytes a parameter, not 12; the master
+    stays on disk, the slot is filled from it), and its master is copied from its slot as its backward
+    begins. Forward reads no block beyond the places it may fill: the one read-ahead place, and where
+    updates follow backward (not clipped) the worker's two as well."""
     prof = synthetic(6)
     plan = _disk_plan(6, read_ahead=1, workers=1, stream=True)
     kept = dataclasses.replace(plan.blocks[0], host_master=True)
     plan = dataclasses.replace(plan, blocks=(kept,) * 5 + plan.blocks[5:])
-    sim = simulate(plan, prof)
+    sim = simulate(plan, prof, needs_all_grads=clipped)
     first = prof.blocks[-1]
     read, backward = _task(sim, f"read {first.name}"), _task(sim, f"bwd {first.name}")
-    assert read[0] >= _task(sim, f"fwd {first.name}")[1]  # not during forward
-    assert read[0] <= backward[0]                          # but ahead of its backward
+    forward_end = _task(sim, f"fwd {first.name}")[1]
+    assert read[1] <= forward_end                           # during forward
     assert read[1] - read[0] == pytest.approx(first.params * 8 / prof.machine.disk_read_bps)
-    assert any(lab == f"master {first.name} from its slot" for _, _, _, lab in sim.timeline.tasks)
-    forward_end = _task(sim, f"fwd {prof.blocks[-1].name}")[1]
-    assert not [lab for _, s, _, lab in sim.timeline.tasks if lab.startswith("read ") and s < forward_end]
+    copy = _task(sim, f"master {first.name} from its slot")
+    assert forward_end <= copy[0] <= backward[0]           # as its backward begins
+    early = {lab for _, s, _, lab in sim.timeline.tasks if lab.startswith("read ") and s < forward_end}
+    assert early == {f"read {b.name}" for b in prof.blocks[-(1 if clipped else 3):]}
+
+
+def test_a_sharded_block_read_during_forward_without_its_master_reads_that_master_for_its_update():
+    """Over two ranks a slot filled from the master on disk is gathered from every rank's share, so no
+    master comes from a slot: a block whose moments forward read must read its master share from disk
+    for its update (``StateMoves.bring_in``). Every byte of a step's reads is counted: each block's own
+    share filled into its slot in forward, again in backward (but the last, still there), and its
+    states (12 bytes a parameter)."""
+    prof = synthetic(6)
+    plan = _disk_plan(6, read_ahead=1, workers=1, stream=True, shard=True)
+    plan = dataclasses.replace(plan, parallel=ParallelLayout(dp=2))
+    sim = simulate(plan, prof)
+    share = prof.blocks[0].params // 2
+    fills = (6 + 5) * share * prof.compute_bytes
+    read = sim.timeline.busy("disk_read") * prof.machine.disk_read_bps
+    assert read == pytest.approx(fills + 6 * share * 12)
+    assert [lab for _, _, _, lab in sim.timeline.tasks if lab.endswith("'s master")]  # read for its update

@@ -79,8 +79,8 @@ def simulate(plan: Plan, p: Profile, needs_all_grads: bool = False, budgets: dic
         live[tier] += delta
         curve.append((t, tier, live[tier]))
 
-    pipe = UpdatePipeline.of(plan, p, tl, change, bounded=bool(caps))
     during = plan.update != "sync" and not needs_all_grads  # each block updated as its gradients are in
+    pipe = UpdatePipeline.of(plan, p, tl, change, bounded=bool(caps), follows_backward=during)
     replay = _Replay(plan, p, tl, pipe, change, acts=int(p.acts_on_device))
     needed, last_done = replay.forward()
     device_end = replay.backward(last_done, during)

@@ -8,9 +8,12 @@
   (``runtime.pieces``) holds its worker until its last piece is written. A device-homed block on a
   GPU takes a worker only to start its update there.
 - A disk-homed block's states are read ahead of its update, at most ``read_ahead`` blocks at once:
-  during forward, of the first ``read_ahead`` blocks backward reaches, those whose slot is not filled
-  from their master on disk; then each block as its backward begins, if a place is free (a slot filled
-  from its master on disk gives it the master: only the moments come from disk). A place frees when the update
+  during forward, the first ``read_ahead`` blocks backward reaches (a block whose slot is filled from
+  its master on disk leaves that master there: it is copied from the slot as its backward begins), and
+  where updates follow backward (``follows_backward``) the next ``2 * update_workers`` too, into the
+  workers' places (the runtime waits for the last step's write-backs first; one step is replayed here);
+  then each block as its backward begins, if a place is free (a slot filled from its master on disk gives
+  it the master: only the moments come from disk). A place frees when the update
   of a block read ahead has finished (its worker's last write-back landed). A block not read ahead is
   read by its worker as its update starts.
   Lockfree reads nothing ahead (a block's loop may be moving its states).
@@ -82,16 +85,19 @@ class UpdatePipeline:
     workers: list[_Worker]
     read_ahead: int
     bounded: bool                                  # backward waits for room for gradients
+    follows_backward: bool                         # updates start as backward frees each block's gradients
     reads: dict[int, float] = field(default_factory=dict)      # block -> when its read-ahead lands
     held: dict[int, float] = field(default_factory=dict)       # block read ahead -> when its place frees
+    master_left: set[int] = field(default_factory=set)         # blocks read ahead whose master is still on disk
     settled: dict[int, float] = field(default_factory=dict)    # block -> when its params are final
     away_done: list[float] = field(default_factory=list)       # updates that free bounded chunks, in order
 
     @classmethod
-    def of(cls, plan: Plan, p: Profile, tl: Timeline, change: Change, bounded: bool) -> "UpdatePipeline":
+    def of(cls, plan: Plan, p: Profile, tl: Timeline, change: Change, bounded: bool,
+           follows_backward: bool) -> "UpdatePipeline":
         workers = 1 if plan.update == "sync" else plan.update_workers
         read_ahead = 0 if plan.update == "lockfree" else plan.read_ahead
-        return cls(plan, p, tl, change, [_Worker() for _ in range(workers)], read_ahead, bounded)
+        return cls(plan, p, tl, change, [_Worker() for _ in range(workers)], read_ahead, bounded, follows_backward)
 
     def _block(self, i: int) -> tuple[BlockPlan, BlockProfile]:
         """Block ``i``'s plan and profile; ``len(p.blocks)``: the rest's."""
@@ -111,30 +117,37 @@ class UpdatePipeline:
         return bp.home is Tier.DISK and not in_pieces(bp) and self.read_ahead > 0
 
     def forward_reads(self, t: float) -> None:
-        """As forward starts: of the first ``read_ahead`` blocks backward reaches, those whose slot is not
-        filled from their master on disk (``Runtime.wire``'s ``_backward_first``)."""
+        """As forward starts: the first ``read_ahead`` blocks backward reaches, and, where updates follow
+        backward, the next ``2 * update_workers`` (``Runtime._read_during_forward``)."""
         first = [i for i in range(len(self.p.blocks) - 1, -1, -1) if self._reads_ahead(self.plan.blocks[i])]
-        for i in first[: self.read_ahead]:
-            if not fills_slot_from_disk(self.plan.blocks[i], self.plan):
-                self.read(i, t)
+        places = self.read_ahead + (2 * len(self.workers) if self.follows_backward and self.read_ahead else 0)
+        for i in first[:places]:
+            self.read(i, t, leave_master=fills_slot_from_disk(self.plan.blocks[i], self.plan), places=places)
 
-    def read(self, i: int, t: float, from_slot: bool = False) -> None:
-        """A block's states read ahead from ``t``, if it is not already and a place is free then.
+    def read(self, i: int, t: float, from_slot: bool = False, leave_master: bool = False,
+             places: int | None = None) -> None:
+        """A block's states read ahead from ``t``, if it is not already and a place is free then (of
+        ``places``, default ``read_ahead``); its master left on disk where ``leave_master``.
         ``from_slot``: its master is copied from the device slot just filled from it (``StateMoves.read_ahead``),
         not read from disk (the copy is timed from ``t``, not from when the slot's fill lands)."""
         bp, b = self._block(i)
-        if i in self.reads or not self._reads_ahead(bp):
-            return
-        if sum(1 for end in self.held.values() if end > t) >= self.read_ahead:
+        if not self._reads_ahead(bp):
             return
         n = self._share(bp) * own(self.plan, bp, b.params)
         m = self.p.machine
-        seconds = self._read_s(bp, n) - (n * F32_BYTES / m.disk_read_bps if from_slot else 0.0)
-        self.reads[i] = self.tl.run("disk_read", t, seconds, f"read {b.name}")[1]
-        if from_slot:
+        if i not in self.reads:
+            if sum(1 for end in self.held.values() if end > t) >= (self.read_ahead if places is None else places):
+                return
+            left = leave_master or from_slot
+            seconds = self._read_s(bp, n) - (n * F32_BYTES / m.disk_read_bps if left else 0.0)
+            self.reads[i] = self.tl.run("disk_read", t, seconds, f"read {b.name}")[1]
+            self.held[i] = math.inf  # until its update ends
+            if left:
+                self.master_left.add(i)
+        if from_slot and i in self.master_left:
+            self.master_left.discard(i)
             copied = self.tl.run("d2h", t, n * F32_BYTES / m.d2h_bps, f"master {b.name} from its slot")[1]
             self.reads[i] = max(self.reads[i], copied)
-        self.held[i] = math.inf  # until its update ends
 
     def room_for_grads(self) -> float:
         """When backward may flush the next bounded block's gradients: at most ``update_workers``
@@ -184,6 +197,8 @@ class UpdatePipeline:
             seconds = self._read_s(bp, numel)
             if i in self.reads:
                 ready = max(start, self.reads[i])
+                if i in self.master_left:  # not copied from a slot: read now
+                    ready = self.tl.run("disk_read", ready, numel * F32_BYTES / m.disk_read_bps, f"read {name}'s master")[1]
             elif in_pieces(bp):
                 first = min(seconds, disk_states(bp) * bp.piece / m.disk_read_bps)
                 begun, read_end = tl.run("disk_read", start, seconds, f"read {name}")

@@ -101,12 +101,14 @@ class Runtime:
                 if stash is not None:
                     self.stashes[g.index] = stash
         # the first ``read_ahead`` disk-homed blocks backward reaches (the rest has no hook): their states
-        # may be read during forward, but not those whose slot is filled from the master itself (their
-        # master comes from the slot as their backward begins); a block further on read now would hold
-        # the place they need through the backward of every block before it
+        # may be read during forward (a slot filled from the master keeps it on disk: it comes from the
+        # slot as that block's backward begins); only the first ones, so that none holds a place through
+        # the backward of blocks reached before it. Where updates follow backward, the update workers'
+        # places (``plan.bytes.tier_bytes``) idle through forward: they take the next blocks in that order
         first = [g for g in self.groups[-2::-1] if g.plan.home is Tier.DISK and not in_pieces(g.plan)]
-        self._backward_first = [g for g in first[: self.plan.read_ahead] if not g.fills_slot_from_disk]
-        self._unread = list(self._backward_first)  # of those, the ones this step has not read in yet
+        ahead, workers = self.plan.read_ahead, 2 * self.plan.update_workers
+        self._backward_first, self._while_idle = first[:ahead], first[ahead: ahead + workers]
+        self.restart_reads()
         self.tied_early = self._tied_grads_early()
         resident = [g for g in self.groups[:-1] if g.shard is not None and not g.plan.stream]
         self._resident_after = {a.index: b for a, b in zip(resident, resident[1:])}  # ZeRO-2 blocks, forward order
@@ -198,13 +200,29 @@ class Runtime:
             following.gather_ahead()                         # gathered under this one (not in a recompute:
             #                                                  overlap's updates publish then, rank by rank)
         if self.final_micro() and self.mode.reads_ahead:
-            started = set()
-            for first in self._unread:
-                if self.moves.reading_full():
-                    break
-                if self.moves.read_ahead(first, block=False):
-                    started.add(first.index)
-            self._unread = [u for u in self._unread if u.index not in started]
+            self._read_during_forward()
+
+    def _read_during_forward(self) -> None:
+        """The states of the blocks backward reaches first start in from disk as soon as their last
+        write-back has landed, so the disk keeps working through the forward, where it would otherwise
+        wait for backward's first trigger. Once those are in and no update or write-back runs, the next
+        ones in backward order too, into the update workers' places: updates take blocks in that order,
+        so every block read in is updated before any other needs a place (overlap mode only: sync and
+        clipped steps update in forward order, after backward)."""
+        self._unread = [g for g in self._unread if self.moves.reading_full() or not self.moves.read_ahead(g, block=False)]
+        if (self._unread or not self._idle_unread or self._in_backward  # (a recompute's forward: updates may have run)
+                or not self._updates_follow_backward() or not self._updates_idle()):
+            return
+        places = self.plan.read_ahead + 2 * self.plan.update_workers
+        while self._idle_unread and self.moves.read_ahead(self._idle_unread[0], block=False, places=places):
+            self._idle_unread.pop(0)
+
+    def _updates_follow_backward(self) -> bool:
+        return self.plan.update == "overlap" and not self.waits_for_norm
+
+    def _updates_idle(self) -> bool:
+        """No update runs or waits, and every write-back has landed."""
+        return all(g.pending is None or g.pending.done() for g in self.groups) and self.moves.written()
 
     # -- backward ----------------------------------------------------------------------
     def backward_begins(self, g: BlockGroup) -> None:
@@ -376,7 +394,7 @@ class Runtime:
 
     def restart_reads(self) -> None:
         """A new step: the blocks backward reaches first may be read in during its forward again."""
-        self._unread = list(self._backward_first)
+        self._unread, self._idle_unread = list(self._backward_first), list(self._while_idle)
 
     def end_step(self) -> None:
         self.clip_coef, self.updates_started, self.skip_step, self.micro = None, False, False, 0

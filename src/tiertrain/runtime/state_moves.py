@@ -29,44 +29,66 @@ class StateMoves:
         self._local = threading.local()            # per worker: its last write-back
         self._lock = threading.Lock()
 
-    def read_ahead(self, g: BlockGroup, block: bool = True, slot: Chunk | None = None) -> bool:
+    def read_ahead(self, g: BlockGroup, block: bool = True, slot: Chunk | None = None, places: int | None = None) -> bool:
         """Start reading a disk-homed block's states now, so the reads overlap the backward of this and
-        later blocks instead of following it. Skipped when ``max_read_ahead`` blocks are already read
-        in, and, with ``block=False``, while the block's last update or its write-back still runs (a
-        forward-time trigger must never make the forward wait). ``slot``: a device slot just filled
-        from the block's fp32 master on disk, so its master is copied from there instead of read from
-        disk again. True once its reads are under way (or there is nothing to read)."""
+        later blocks instead of following it. Skipped when ``places`` (default ``max_read_ahead``)
+        blocks are already read in, and, with ``block=False``, while the block's last update or its
+        write-back still runs (a forward-time trigger must never make the forward wait); such a trigger
+        leaves the master of a block whose slot is filled from it on disk (the slot is filled from it in
+        forward and backward). ``slot``: a device slot just filled from the block's fp32 master on disk,
+        so its master is copied from there instead of read from disk again (also for a block whose other
+        states were read in during forward). True once its reads are under way (or there is nothing to read)."""
         if g.plan.home is not Tier.DISK or g.master is None or in_pieces(g.plan):
             return True  # nothing to read, or read a piece at a time by the update itself
         if not block and not self._settled(g):
             return False
         with self._lock:
-            if g.index in self._reads:
-                return True
-            if len(self._reads) >= self.max_read_ahead:
-                return False
-            self._reads[g.index] = []
+            reads = self._reads.get(g.index)
+            begun = reads is not None
+            if not begun:
+                if len(self._reads) >= (self.max_read_ahead if places is None else places):
+                    return False
+                reads = self._reads[g.index] = []
+        if not begun:
+            self._read_states(g, reads, leave_master=not block and g.fills_slot_from_disk or slot is not None)
+        self._master_from(g, slot, reads)
+        return True
+
+    def _read_states(self, g: BlockGroup, reads: list[Handle], leave_master: bool) -> None:
+        """A block's states on disk started into the host (its master too unless ``leave_master``), once
+        its last write-back has landed."""
         for h in self._home.pop(g.index, []):
             h.wait()  # the last update's write-back must land before we read the states again
-        reads = []
         try:
-            on_disk = g.on_disk
-            from_slot = g.master if slot is not None and any(c is g.master for c in on_disk) else None
-            for c in on_disk:  # the disk's reads queued first, then the master copied from the slot
-                if c is not from_slot:
-                    reads.append(self.mem.move(c, Tier.HOST, contiguous=True))
-            if from_slot is not None:
-                reads.append(self.mem.move_from(from_slot, Tier.HOST, slot, contiguous=True))
+            for c in g.on_disk:
+                if not (leave_master and c is g.master):
+                    handle = self.mem.move(c, Tier.HOST, contiguous=True)
+                    with self._lock:
+                        reads.append(handle)
         except BudgetError:  # no room now: the update reads what is still on disk itself
             pass
+
+    def _master_from(self, g: BlockGroup, slot: Chunk | None, reads: list[Handle]) -> None:
+        """The master of a block being read in copied from ``slot`` (just filled from it), where it is
+        still on disk; else its update reads it (``bring_in``)."""
+        master = g.master
+        if slot is None or master.tier is not Tier.DISK or not any(c is master for c in g.on_disk):
+            return
+        try:
+            handle = self.mem.move_from(master, Tier.HOST, slot, contiguous=True)
+        except BudgetError:
+            return
         with self._lock:
-            self._reads[g.index] = reads
-        return True
+            reads.append(handle)
 
     def reading_full(self) -> bool:
         """Whether ``max_read_ahead`` blocks are already read in (a further read_ahead does nothing)."""
         with self._lock:
             return len(self._reads) >= self.max_read_ahead
+
+    def written(self) -> bool:
+        """Whether every write-back has landed."""
+        return all(h.done() for moves in list(self._home.values()) for h in moves)
 
     def _settled(self, g: BlockGroup) -> bool:
         pending = g.pending
@@ -78,7 +100,7 @@ class StateMoves:
         writes at once: a block counts as being updated from its first read on, beside the one write-back
         per worker the host holds)."""
         with self._lock:
-            reads = self._reads.get(g.index, [])
+            reads = list(self._reads.get(g.index, []))
         if not reads:
             for h in self._home.pop(g.index, []):
                 h.wait()

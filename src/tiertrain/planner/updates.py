@@ -41,6 +41,7 @@ from typing import Callable
 from tiertrain.plan import BlockPlan, Plan
 from tiertrain.plan.bytes import (F32_BYTES, disk_passes_per_step, disk_states, grad_tier, in_pieces, master_home,
                                   pages, separate_param_home, sharded, updated_away)
+from tiertrain.plan.reads import forward_reads
 from tiertrain.plan.tiers import Tier
 from tiertrain.planner.costs import GRAD_BYTES, publishes_over_link
 from tiertrain.planner.network import Network
@@ -117,12 +118,14 @@ class UpdatePipeline:
         return bp.home is Tier.DISK and not in_pieces(bp) and self.read_ahead > 0
 
     def forward_reads(self, t: float) -> None:
-        """As forward starts: the first ``read_ahead`` blocks backward reaches, and, where updates follow
-        backward, the next ``2 * update_workers`` (``Runtime._read_during_forward``)."""
-        first = [i for i in range(len(self.p.blocks) - 1, -1, -1) if self._reads_ahead(self.plan.blocks[i])]
-        places = self.read_ahead + (2 * len(self.workers) if self.follows_backward and self.read_ahead else 0)
-        for i in first[:places]:
-            self.read(i, t, leave_master=fills_slot_from_disk(self.plan.blocks[i], self.plan), places=places)
+        """As forward starts: the blocks ``plan.reads.forward_reads`` names (those read once updates are
+        idle only where updates follow backward; the runtime waits for the last step's write-backs)."""
+        if not self.read_ahead:
+            return
+        reads = forward_reads(self.plan)
+        order = reads.first + (reads.while_idle if self.follows_backward else ())
+        for i in order:
+            self.read(i, t, leave_master=fills_slot_from_disk(self.plan.blocks[i], self.plan), places=len(order))
 
     def read(self, i: int, t: float, from_slot: bool = False, leave_master: bool = False,
              places: int | None = None) -> None:

@@ -21,6 +21,7 @@ from tiertrain.parallel.norm import sharded_norm
 from tiertrain.parallel import Collectives, collectives_for
 from tiertrain.plan import Plan, RunOptions
 from tiertrain.plan.bytes import grad_tier, has_own_place, in_pieces, updated_away
+from tiertrain.plan.reads import forward_reads
 from tiertrain.runtime.block_group import F32, BlockGroup
 from tiertrain.runtime.blocks import find_blocks
 from tiertrain.runtime.build import build_groups
@@ -100,14 +101,11 @@ class Runtime:
                 stash = apply_switches(self, g)
                 if stash is not None:
                     self.stashes[g.index] = stash
-        # the first ``read_ahead`` disk-homed blocks backward reaches (the rest has no hook): their states
-        # may be read during forward (a slot filled from the master keeps it on disk: it comes from the
-        # slot as that block's backward begins); only the first ones, so that none holds a place through
-        # the backward of blocks reached before it. Where updates follow backward, the update workers'
-        # places (``plan.bytes.tier_bytes``) idle through forward: they take the next blocks in that order
-        first = [g for g in self.groups[-2::-1] if g.plan.home is Tier.DISK and not in_pieces(g.plan)]
-        ahead, workers = self.plan.read_ahead, 2 * self.plan.update_workers
-        self._backward_first, self._while_idle = first[:ahead], first[ahead: ahead + workers]
+        # the blocks whose states forward reads (a slot filled from the master keeps it on disk: it comes
+        # from the slot as that block's backward begins)
+        reads = forward_reads(self.plan)
+        self._backward_first = [self.groups[i] for i in reads.first]
+        self._while_idle = [self.groups[i] for i in reads.while_idle]
         self.restart_reads()
         self.tied_early = self._tied_grads_early()
         resident = [g for g in self.groups[:-1] if g.shard is not None and not g.plan.stream]
@@ -205,10 +203,8 @@ class Runtime:
     def _read_during_forward(self) -> None:
         """The states of the blocks backward reaches first start in from disk as soon as their last
         write-back has landed, so the disk keeps working through the forward, where it would otherwise
-        wait for backward's first trigger. Once those are in and no update or write-back runs, the next
-        ones in backward order too, into the update workers' places: updates take blocks in that order,
-        so every block read in is updated before any other needs a place (overlap mode only: sync and
-        clipped steps update in forward order, after backward)."""
+        wait for backward's first trigger; once those are in and no update or write-back runs, the next
+        ones into the update workers' places, where updates follow backward (``plan.reads``)."""
         self._unread = [g for g in self._unread if self.moves.reading_full() or not self.moves.read_ahead(g, block=False)]
         if (self._unread or not self._idle_unread or self._in_backward  # (a recompute's forward: updates may have run)
                 or not self._updates_follow_backward() or not self._updates_idle()):

@@ -174,19 +174,31 @@ def bounded_grads(numels: Sequence[int], plan: Plan, page: int, bound: bool = Tr
     return out
 
 
+def grad_floors(own: Sequence[int], whole: Sequence[int], dp: int) -> tuple[int, int, int]:
+    """The layout of one tier's bounded grad chunks (``own``: this rank's bytes of each, ``whole``: each
+    block's before reduction): (the size a chunk takes, a whole block's sum, the size kept at the pool's
+    far end). Chunks of mixed sizes (a wide embedding's beside the blocks') fragment a pool until a
+    contiguous one no longer fits a budget that holds its bytes: so in one process the largest size
+    goes to the far end of the pool and every other chunk is as large as the largest of the others;
+    over several ranks every chunk is as large as the largest, beside the largest whole block being
+    reduced. The runtime lays them out so (``Runtime.wire``), ``alive_grad_bytes`` counts them so."""
+    top = max(own)
+    if dp > 1:
+        return top, max(whole), 0
+    return max((n for n in own if n < top), default=0), 0, top
+
+
 def alive_grad_bytes(own: Sequence[int], whole: Sequence[int], workers: int, dp: int, page: int,
                      bound: bool = True) -> int:
-    """What ``workers + 1`` bounded grad chunks take, laid out so that they never fragment the pool
-    (``Runtime._grad_floors``): in one process, the largest size at the pool's far end with a slot
-    each for as many blocks of it as may be alive, the others all as large as the largest of them;
-    over several ranks every chunk as large as the largest, and the whole-block sum being reduced."""
+    """What ``workers + 1`` bounded grad chunks take at most, laid out as ``grad_floors`` says: in one
+    process a slot at the far end for each chunk of the largest size that may be alive, the others each
+    as large as the largest of them; over several ranks that many of the largest, and the whole sum."""
     alive = workers + 1
+    mine, summed, top = grad_floors(own, whole, dp)
     if dp > 1:
-        return alive * pages(max(own), page, bound) + pages(max(whole), page, bound)
-    top = max(own)
-    rest = [n for n in own if n < top]
-    n_top = min(alive, len(own) - len(rest))
-    return n_top * pages(top, page, bound) + (min(alive, len(rest)) * pages(max(rest), page, bound) if rest else 0)
+        return alive * pages(mine, page, bound) + pages(summed, page, bound)
+    rest = sum(1 for n in own if n < top)
+    return min(alive, len(own) - rest) * pages(top, page, bound) + min(alive, rest) * pages(mine, page, bound)
 
 
 def has_own_place(own: int, others: Sequence[int]) -> bool:

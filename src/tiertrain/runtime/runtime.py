@@ -20,7 +20,7 @@ from tiertrain.parallel.experts import expert_parallel, moe_layers
 from tiertrain.parallel.norm import sharded_norm
 from tiertrain.parallel import Collectives, collectives_for
 from tiertrain.plan import Plan, RunOptions
-from tiertrain.plan.bytes import grad_tier, has_own_place, in_pieces, updated_away
+from tiertrain.plan.bytes import grad_floors, grad_tier, has_own_place, in_pieces, updated_away
 from tiertrain.plan.reads import forward_reads
 from tiertrain.runtime.block_group import F32, BlockGroup
 from tiertrain.runtime.blocks import find_blocks
@@ -112,27 +112,16 @@ class Runtime:
         self._resident_after = {a.index: b for a, b in zip(resident, resident[1:])}  # ZeRO-2 blocks, forward order
 
     def _grad_floors(self) -> dict[Tier, tuple[int, int, int]]:
-        """With gradients bounded (``transient_grads``), per tier: (this rank's part, a whole block's
-        sum, the size kept at the pool's far end). Chunks of mixed sizes (a wide embedding's beside the
-        blocks') fragment a pool until a contiguous one no longer fits a budget that holds its bytes:
-        so in one process the largest size goes to the far end of the pool and every other chunk is
-        as large as the largest of the others; over several ranks every chunk is as large as the
-        largest of its kind. ``plan.bytes.alive_grad_bytes`` counts them so."""
+        """With gradients bounded (``transient_grads``), per tier: ``plan.bytes.grad_floors`` of the
+        chunks updates take away there."""
         if not self.transient_grads:
             return {}
         away: dict[Tier, list[BlockGroup]] = {}
         for g in self.groups:
             if updated_away(g.plan):
                 away.setdefault(grad_tier(g.plan), []).append(g)
-        floors = {}
-        for tier, gs in away.items():
-            own = [g.state_numel * F32.itemsize for g in gs]
-            if self.comm.world_size > 1:
-                floors[tier] = (max(own), max(g.nbytes for g in gs), 0)
-            else:
-                others = [n for n in own if n < max(own)]
-                floors[tier] = (max(others, default=0), 0, max(own))
-        return floors
+        return {tier: grad_floors([g.state_numel * F32.itemsize for g in gs], [g.nbytes for g in gs],
+                                  self.comm.world_size) for tier, gs in away.items()}
 
     def _tied_grads_early(self) -> bool:
         """Whether a tied weight's other uses (``runtime.tied``) put their gradients into the rest's

@@ -175,3 +175,25 @@ def test_a_sharded_block_read_during_forward_without_its_master_reads_that_maste
     read = sim.timeline.busy("disk_read") * prof.machine.disk_read_bps
     assert read == pytest.approx(fills + 6 * share * 12)
     assert [lab for _, _, _, lab in sim.timeline.tasks if lab.endswith("'s master")]  # read for its update
+
+
+def test_a_block_read_ahead_as_its_backward_begins_is_read_once_its_slot_is_filled():
+    """The runtime reads a block's states ahead as its backward begins, after its fetch waited for the
+    slot's fill (``Runtime.backward_begins``): so neither its moments' read nor its master's copy from
+    the slot starts before that fill has landed (the fill goes first on the disk)."""
+    prof = synthetic(8)
+    plan = _disk_plan(8, read_ahead=1, workers=1, stream=True)
+    sim = simulate(plan, prof)
+    forward_end = _task(sim, f"fwd {prof.blocks[-1].name}")[1]
+    copies = reads = 0
+    for b in prof.blocks:
+        copy = [s for _, s, _, lab in sim.timeline.tasks if lab == f"master {b.name} from its slot"]
+        fill = [e for _, _, e, lab in sim.timeline.tasks if lab == f"fetch {b.name} (bwd)"]
+        if copy and fill:
+            assert copy[0] >= fill[0] - 1e-12
+            copies += 1
+            read = _task(sim, f"read {b.name}")
+            if read[0] > forward_end:  # read as its backward began (not during forward)
+                assert read[0] >= fill[0] - 1e-12
+                reads += 1
+    assert copies and reads

@@ -153,7 +153,6 @@ class _Replay:
         for j, i in enumerate(range(n - 1, -1, -1)):
             b, bp = p.blocks[i], plan.blocks[i]
             ready = last_done = max(last_done, landed[-2] if len(landed) > 1 else 0.0)
-            pipe.read(i, last_done, from_slot=fills_slot_from_disk(bp, plan) and not sharded(bp, plan))
             saved = b.hidden_bytes if bp.recompute else b.act_bytes
             params_in = b.params * p.compute_bytes if bp.stream and i not in resident_after_forward else 0
             if params_in or bp.offload_hidden:
@@ -166,6 +165,8 @@ class _Replay:
                     change(arrived, "host", -saved)
                     change(arrived, "device", saved * self.acts)
                 ready = max(ready, arrived)
+            # its states read ahead as its backward begins, once its slot's fill has landed (``backward_begins``)
+            pipe.read(i, ready, from_slot=fills_slot_from_disk(bp, plan) and not sharded(bp, plan))
             work = b.backward_s + (b.recompute_seconds if bp.recompute else 0.0)
             s, e = tl.run("compute", ready, work, f"bwd {b.name}")
             bstarts.append(s)

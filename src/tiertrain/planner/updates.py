@@ -132,7 +132,7 @@ class UpdatePipeline:
         """A block's states read ahead from ``t``, if it is not already and a place is free then (of
         ``places``, default ``read_ahead``); its master left on disk where ``leave_master``.
         ``from_slot``: its master is copied from the device slot just filled from it (``StateMoves.read_ahead``),
-        not read from disk (the copy is timed from ``t``, not from when the slot's fill lands)."""
+        not read from disk (``t``: once the fill has landed)."""
         bp, b = self._block(i)
         if not self._reads_ahead(bp):
             return

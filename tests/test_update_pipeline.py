@@ -8,6 +8,7 @@ import pytest
 from tiertrain.memory import Tier
 from tiertrain.plan import BlockPlan, Plan
 from tiertrain.plan.parallel import ParallelLayout
+from tiertrain.plan.reads import ForwardReads, forward_reads
 from tiertrain.planner.simulator import simulate
 from tiertrain.planner.timeline import Timeline
 from test_planner import synthetic
@@ -197,3 +198,19 @@ def test_a_block_read_ahead_as_its_backward_begins_is_read_once_its_slot_is_fill
                 assert read[0] >= fill[0] - 1e-12
                 reads += 1
     assert copies and reads
+
+
+def test_forward_reads_the_first_disk_blocks_backward_reaches_and_none_without_read_ahead():
+    """``plan.reads``: the first ``read_ahead`` disk-homed blocks in backward order, then the next
+    ``2 * update_workers``; a block updated in pieces or homed elsewhere is passed over; ``read_ahead=0``
+    reads nothing ahead at all (not even into the workers' places)."""
+    plan = _disk_plan(6, read_ahead=1, workers=1)
+    assert forward_reads(plan) == ForwardReads((5,), (4, 3))
+    pieced, host = BlockPlan(home=Tier.DISK, piece=1 << 20), BlockPlan(home=Tier.HOST)
+    mixed = dataclasses.replace(plan, blocks=plan.blocks[:3] + (host, pieced) + plan.blocks[5:])
+    assert forward_reads(mixed) == ForwardReads((5,), (2, 1))
+    assert forward_reads(dataclasses.replace(plan, read_ahead=2, update_workers=2)) == ForwardReads((5, 4), (3, 2, 1, 0))
+    assert forward_reads(dataclasses.replace(plan, read_ahead=0)) == ForwardReads((), ())
+    sim = simulate(dataclasses.replace(plan, read_ahead=0), synthetic(6))
+    forward_end = _task(sim, f"fwd {synthetic(6).blocks[-1].name}")[1]
+    assert not [lab for _, s, _, lab in sim.timeline.tasks if lab.startswith("read ") and s < forward_end]

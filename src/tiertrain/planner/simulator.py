@@ -155,18 +155,18 @@ class _Replay:
             ready = last_done = max(last_done, landed[-2] if len(landed) > 1 else 0.0)
             saved = b.hidden_bytes if bp.recompute else b.act_bytes
             params_in = b.params * p.compute_bytes if bp.stream and i not in resident_after_forward else 0
+            filled = last_done   # its slot's fill landed (``backward_begins`` reads its states ahead then)
             if params_in or bp.offload_hidden:
                 trigger = bstarts[j - plan.prefetch] if plan.prefetch and j >= plan.prefetch else last_done
                 arrived = max(trigger, bends[j - slots] if j >= slots else 0.0)
                 if params_in:
-                    arrived = _fetch(tl, plan, bp, p, arrived, params_in, f"fetch {b.name} (bwd)")[1]
+                    arrived = filled = max(last_done, _fetch(tl, plan, bp, p, arrived, params_in, f"fetch {b.name} (bwd)")[1])
                 if bp.offload_hidden:
                     arrived = tl.run("h2d", arrived, saved / m.h2d_bps, f"unstash {b.name}")[1]
                     change(arrived, "host", -saved)
                     change(arrived, "device", saved * self.acts)
                 ready = max(ready, arrived)
-            # its states read ahead as its backward begins, once its slot's fill has landed (``backward_begins``)
-            pipe.read(i, ready, from_slot=fills_slot_from_disk(bp, plan) and not sharded(bp, plan))
+            pipe.read(i, filled, from_slot=fills_slot_from_disk(bp, plan) and not sharded(bp, plan))
             work = b.backward_s + (b.recompute_seconds if bp.recompute else 0.0)
             s, e = tl.run("compute", ready, work, f"bwd {b.name}")
             bstarts.append(s)

@@ -7,13 +7,15 @@
   the states the host holds); its reads overlap that last write-back. A block updated in pieces
   (``runtime.pieces``) holds its worker until its last piece is written. A device-homed block on a
   GPU takes a worker only to start its update there.
-- A disk-homed block's states are read ahead of its update, at most ``read_ahead`` blocks at once:
-  during forward, the first ``read_ahead`` blocks backward reaches (a block whose slot is filled from
-  its master on disk leaves that master there: it is copied from the slot as its backward begins), and
-  where updates follow backward (``follows_backward``) the next ``2 * update_workers`` too, into the
-  workers' places (the runtime waits for the last step's write-backs first; one step is replayed here);
-  then each block as its backward begins, if a place is free (a slot filled from its master on disk gives
-  it the master: only the moments come from disk). A place frees when the update
+- A disk-homed block's states are read ahead of its update (``plan.reads``): during forward, the first
+  ``read_ahead`` blocks backward reaches (a block whose slot is filled from its master on disk leaves
+  that master there: it is copied from the slot as its backward begins, or, sharded, read by its
+  update), and where updates follow backward (``follows_backward``) the next ``2 * update_workers``
+  too, into the workers' places (optimistic: the runtime waits for the last step's write-backs and
+  updates first, which this one replayed step does not have, and for a backward that showed every
+  such block flushing as it came); then each block as its backward begins, once its slot is filled, if
+  fewer than ``read_ahead`` are read in (a slot filled from its master on disk gives it the master: only
+  the moments come from disk). A place frees when the update
   of a block read ahead has finished (its worker's last write-back landed). A block not read ahead is
   read by its worker as its update starts.
   Lockfree reads nothing ahead (a block's loop may be moving its states).
@@ -64,6 +66,12 @@ def own(plan: Plan, bp: BlockPlan, numel: int) -> int:
 def fills_slot_from_disk(bp: BlockPlan, plan: Plan) -> bool:
     """A streamed block whose slot is filled from its fp32 master on disk (no other copy of its params)."""
     return bp.stream and master_home(bp) is Tier.DISK and not separate_param_home(bp, plan)
+
+
+def master_feeds_slot(bp: BlockPlan, plan: Plan) -> bool:
+    """A block whose slot (or, sharded, its part of it) is filled from its fp32 master on disk, so a
+    read during forward leaves that master there (``BlockGroup.fills_slot_from_disk``)."""
+    return (bp.stream or sharded(bp, plan)) and master_home(bp) is Tier.DISK and not separate_param_home(bp, plan)
 
 
 def disk_bytes(bp: BlockPlan) -> int:
@@ -125,7 +133,7 @@ class UpdatePipeline:
         reads = forward_reads(self.plan)
         order = reads.first + (reads.while_idle if self.follows_backward else ())
         for i in order:
-            self.read(i, t, leave_master=fills_slot_from_disk(self.plan.blocks[i], self.plan), places=len(order))
+            self.read(i, t, leave_master=master_feeds_slot(self.plan.blocks[i], self.plan), places=len(order))
 
     def read(self, i: int, t: float, from_slot: bool = False, leave_master: bool = False,
              places: int | None = None) -> None:

@@ -69,6 +69,8 @@ class Runtime:
                 install_block_hooks(self, g)
         self.transient_grads = transient_grads
         self.tied_early = False  # a tied weight's other uses send their gradients on at once (``wire``)
+        self._late_flushes: set[int] | None = None  # blocks a backward did not flush as they came (None: none ran yet)
+        self._flushed_early: set[int] = set()       # blocks this backward flushed as their gradients came in
         if options.train:
             rest = self.groups[-1]
             for use in extra_uses(model, rest.params):
@@ -194,16 +196,28 @@ class Runtime:
         write-back has landed, so the disk keeps working through the forward, where it would otherwise
         wait for backward's first trigger; once those are in and no update or write-back runs, the next
         ones into the update workers' places, where updates follow backward (``plan.reads``)."""
+        if self._in_backward:  # a recompute's forward: these blocks' updates may have run already
+            return
         self._unread = [g for g in self._unread if self.moves.reading_full() or not self.moves.read_ahead(g, block=False)]
-        if (self._unread or not self._idle_unread or self._in_backward  # (a recompute's forward: updates may have run)
-                or not self._updates_follow_backward() or not self._updates_idle()):
+        if self._unread or not self._idle_unread or not self._updates_follow_backward() or not self._updates_idle():
             return
         places = self.plan.read_ahead + 2 * self.plan.update_workers
         while self._idle_unread and self.moves.read_ahead(self._idle_unread[0], block=False, places=places):
             self._idle_unread.pop(0)
 
     def _updates_follow_backward(self) -> bool:
-        return self.plan.update == "overlap" and not self.waits_for_norm
+        """Whether every block forward may read is updated in backward order, as its backward ends: in
+        overlap mode without a global norm to wait for, once a backward has shown each of them flushing
+        as its gradients came in. One that flushes only when backward ends (a parameter that got no
+        gradient; reduced at the end) is updated after blocks that were not read in, while holding its
+        place: the host would hold more than the budget counts. Never with experts, whose gradients
+        depend on the tokens."""
+        if self.plan.update != "overlap" or self.waits_for_norm or self._late_flushes is None:
+            return False
+        reads = {g.index for g in (*self._backward_first, *self._while_idle)}
+        return not reads & self._late_flushes and not any(
+            g.experts is not None or (g.block.module is not None and moe_layers(g.block.module))
+            for g in self.groups if g.index in reads)
 
     def _updates_idle(self) -> bool:
         """No update runs or waits, and every write-back has landed."""
@@ -224,6 +238,7 @@ class Runtime:
         self._backward_runs()
         g.grad_count += 1
         if g.grad_count == len(g.params) and not g.reduces_at_end:
+            self._flushed_early.add(g.index)
             self._flush(g)
 
     def tied_grad_arrived(self, g: BlockGroup, index: int, leaf: torch.Tensor) -> None:
@@ -296,6 +311,8 @@ class Runtime:
         return pop() if pop is not None else 0
 
     def _backward_done(self) -> None:
+        late = {g.index for g in self.groups} - self._flushed_early  # flushed here, or not at all
+        self._late_flushes, self._flushed_early = late | (self._late_flushes or set()), set()
         for g in self.groups:  # in one order on every rank: those reduced at the end reduce here, always
             if g.grad_count or g.reduces_at_end:
                 self._flush(g)
@@ -390,6 +407,7 @@ class Runtime:
 
     def zero_grad(self) -> None:
         self._reducing.clear()  # left by a backward that raised: let them land and drop them
+        self._flushed_early.clear()
         for g in self.groups:
             g.abandon_reduce()
         for g in self.groups:

@@ -23,7 +23,7 @@ from tiertrain.runtime.block_group import BlockGroup
 class StateMoves:
     def __init__(self, mem: MemorySystem, read_ahead: int) -> None:
         self.mem = mem
-        self.max_read_ahead = read_ahead        # blocks whose disk states may be read in before their update
+        self.max_read_ahead = read_ahead        # blocks read in before their update (read_ahead's default)
         self._home: dict[int, list[Handle]] = {}   # block index -> write-backs in flight
         self._reads: dict[int, list[Handle]] = {}  # block index -> reads in flight
         self._local = threading.local()            # per worker: its last write-back
@@ -82,7 +82,8 @@ class StateMoves:
             reads.append(handle)
 
     def reading_full(self) -> bool:
-        """Whether ``max_read_ahead`` blocks are already read in (a further read_ahead does nothing)."""
+        """Whether ``max_read_ahead`` blocks are already read in (a further read_ahead within that many
+        places starts no new block)."""
         with self._lock:
             return len(self._reads) >= self.max_read_ahead
 

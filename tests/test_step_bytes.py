@@ -188,12 +188,13 @@ def test_setup_frees_the_original_weights_while_the_caller_keeps_its_optimizer(t
         tm.runtime.mem.close()
 
 
-def test_with_one_place_a_slot_filled_from_disk_gives_its_master_and_the_bytes_are_the_simulators(tmp_path):
+@pytest.mark.parametrize("update", ["sync", "overlap"])
+def test_with_one_place_a_slot_filled_from_disk_gives_its_master_and_the_bytes_are_the_simulators(tmp_path, update):
     """The second block's slot is filled from its master on disk and backward reaches it first; the first
     block's master stays on the host. With one read-ahead place, forward reads only the second block's
     moments (its master stays put for the slot's fills), and that master is copied from the slot as its
     backward begins, not read from disk a third time: the step's bytes are the simulator's, which
-    counts the same."""
+    counts the same (in overlap forward also reads the first block's moments, into a worker's place)."""
     import dataclasses
 
     import tiertrain
@@ -202,8 +203,8 @@ def test_with_one_place_a_slot_filled_from_disk_gives_its_master_and_the_bytes_a
     from tiertrain.plan import builtin_plan
 
     plan = builtin_plan("max-offload", 2, disk=True)
-    plan = dataclasses.replace(plan, read_ahead=1, blocks=(dataclasses.replace(plan.blocks[0], host_master=True),
-                                                           plan.blocks[1]))
+    plan = dataclasses.replace(plan, read_ahead=1, update=update,
+                               blocks=(dataclasses.replace(plan.blocks[0], host_master=True), plan.blocks[1]))
     model, opt = _fresh(WIDER)
     tm, topt = tiertrain.setup(model, opt, Budgets(64 << 20, 64 << 20, 64 << 20, str(tmp_path)), plan=plan,
                                page_size=64 << 10)
@@ -213,6 +214,7 @@ def test_with_one_place_a_slot_filled_from_disk_gives_its_master_and_the_bytes_a
     try:
         assert rt.groups[1].fills_slot_from_disk and not rt.groups[0].fills_slot_from_disk
         _loop(tm, topt, None, 1, 1, None)  # the first step's blocks are in their slots from setup
+        rt.wait_updates()
         before = rt.mem.disk_traffic()
         _loop(tm, topt, None, 1, 1, None)
         rt.wait_updates()

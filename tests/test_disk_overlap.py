@@ -214,6 +214,28 @@ def test_blocks_that_flush_only_as_backward_ends_are_not_read_into_the_workers_p
     assert losses == want
 
 
+def test_blocks_with_experts_are_not_read_into_the_workers_places(tmp_path):
+    """An expert that gets no token in a step leaves its block's gradients to flush at backward's end, and
+    which experts get tokens depends on the data: so forward never reads a block with experts into the
+    update workers' places, even when every expert got tokens so far."""
+    moe = {**TINY4, "n_experts": 4, "top_k": 2}
+    plan = disk_plan("overlap", stream=False, workers=1, read_ahead=1)
+    blocks = find_blocks(_fresh(moe)[0])
+    tm, topt = _setup(tmp_path, plan, needs(blocks, plan, PAGE)[Tier.HOST], spec=moe)
+    rt = tm.runtime
+    losses: list[float] = []
+    try:
+        data = batches(3)
+        _step(tm, topt, data[0], losses)
+        _step(tm, topt, data[1], losses)
+        rt._late_flushes = set()  # as after steps in which every expert got tokens
+        _settle_writes(tm)
+        lm_loss(tm, data[2][:, :-1], data[2][:, 1:])
+        assert len(rt.moves._reads) == 1
+    finally:
+        _close(tm)
+
+
 def test_spare_host_memory_reads_more_blocks_ahead_within_the_budget(tmp_path):
     """``setup`` widens read-ahead to what the host budget holds, up to every disk-homed block, and
     no further than the budget: at the base plan's exact need it stays as asked."""

@@ -929,8 +929,17 @@ def test_a_wrong_cached_probe_is_measured_again_once_the_first_steps_disprove_it
     said = io.StringIO()
     cfg = tiny_config(tmp_path / "run", plan="auto", device_memory="160KiB", host_memory="256MiB", page_size="4KiB",
                       steps=WARMUP_STEPS + CHECK_AFTER + 1)
+    from tiertrain.engine import auto_plan
+    from tiertrain.runtime.runtime import Runtime
+
+    calls: list[str] = []
+    real_wait, real_probe = Runtime.wait_updates, auto_plan.probe
+    monkeypatch.setattr(Runtime, "wait_updates", lambda self: calls.append("settle") or real_wait(self))
+    monkeypatch.setattr(auto_plan, "probe", lambda *a, **k: calls.append("probe") or real_probe(*a, **k))
     trainer = Trainer(cfg, Reporter(cfg.steps, 1000, stream=said))
     trainer.run()
+    last = len(calls) - 1 - calls[::-1].index("probe")  # the probe after the misprediction (not setup's)
+    assert last > 0 and calls[last - 1] == "settle"  # the run's own updates and write-backs landed first
     assert trainer.auto.corrected and cache.load("profiles", trainer.auto.profile.key) is None  # measured next run
     rows = read_metrics(tmp_path / "run")
     checked = WARMUP_STEPS + CHECK_AFTER - 1  # the row of the step the prediction is checked at
@@ -943,6 +952,34 @@ def test_a_wrong_cached_probe_is_measured_again_once_the_first_steps_disprove_it
     assert f"auto plan after {CHECK_AFTER} steps" in text and "probed again" in text and "AdamW" in text
     kept = cache.load("machine", probing.probe_key(None))
     assert kept is not None and kept["adam_params_per_s"] != wrong.adam_params_per_s
+
+
+def test_a_misprediction_probes_the_machine_again_only_once_the_runs_own_disk_traffic_has_settled(monkeypatch, tmp_path):
+    """The probe after a misprediction is kept for later runs: measured beside the run's own write-backs
+    it saw the disk at a fraction of its rate. ``recheck`` settles the run (its ``settle``: the runtime's
+    ``wait_updates``) before it probes, and only where it probes."""
+    from tiertrain.engine import auto_plan
+    from tiertrain.plan import builtin_plan
+    from tiertrain.planner.simulator import simulate
+
+    monkeypatch.setenv("TIERTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    order: list[str] = []
+    prof = synthetic(4)
+
+    class Probed:
+        def rates(self):
+            return prof.machine
+
+    monkeypatch.setattr(auto_plan, "probe", lambda *a, **k: order.append("probe") or Probed())
+    plan = builtin_plan("stream", 4)
+    sim = simulate(plan, prof)
+    auto = auto_plan.AutoPlan(plan, sim, "dp", prof, profile_cached=False)
+    close = [sim.step_s] * auto_plan.CHECK_AFTER
+    kept, _ = auto_plan.recheck(auto, close, {}, plan, settle=lambda: order.append("settle"))
+    assert order == [] and not kept.corrected  # within the margin: nothing probed, nothing waited for
+    far = [sim.step_s * 10] * auto_plan.CHECK_AFTER
+    fixed, line = auto_plan.recheck(auto, far, {}, plan, settle=lambda: order.append("settle"))
+    assert order == ["settle", "probe"] and fixed.corrected and "probed again" in line
 
 
 def test_a_transformers_block_with_eager_attention_scales_its_s_by_s_scores_exactly():

@@ -211,10 +211,14 @@ def _estimate(model: nn.Module, found: list, shape: tuple | None, precision: str
         return dataclasses.replace(profile, source=f"{profile.source}: one block {failed}")
 
 
-def recheck(auto: AutoPlan, measured_s: list[float], measured_peaks: dict[str, int], plan: Plan) -> tuple[AutoPlan, str]:
+def recheck(auto: AutoPlan, measured_s: list[float], measured_peaks: dict[str, int], plan: Plan,
+            settle: Callable[[], None] = lambda: None) -> tuple[AutoPlan, str]:
     """The prediction against the steps that ran; where it is off by more than ``MISPREDICT``, the
     cached machine probe and profile are dropped (the next run measures both again), the machine is
-    probed again now and the running ``plan`` simulated on it: the corrected prediction is returned."""
+    probed again now and the running ``plan`` simulated on it: the corrected prediction is returned.
+    ``settle`` first waits for the run's own updates and write-backs: a probe beside them measured the
+    disk at a fraction of its rate (0.26 GB/s written against 1.7, on the 354M disk plan), and that
+    probe is kept for every later run on this machine."""
     med = statistics.median(measured_s)
     sim = auto.prediction
     off = sim.step_s / med - 1
@@ -226,6 +230,7 @@ def recheck(auto: AutoPlan, measured_s: list[float], measured_peaks: dict[str, i
         return auto, line
     cache.forget("profiles", auto.profile.key)
     forget_probe(auto.disk_dir)
+    settle()
     fresh = probe(auto.disk_dir, use_cache=False)
     profile = dataclasses.replace(auto.profile, machine=fresh.rates())
     again = simulate(plan, profile, auto.needs_all_grads)

@@ -410,7 +410,8 @@ class Trainer:
 
             measured = self.step_seconds[WARMUP_STEPS:] + [row["step_s"]]
             if len(measured) == CHECK_AFTER:  # held against the first steps; remeasured where far off
-                self.auto, line = recheck(self.auto, measured, row["peak_bytes"], self.model.runtime.plan)
+                self.auto, line = recheck(self.auto, measured, row["peak_bytes"], self.model.runtime.plan,
+                                          self.model.runtime.wait_updates)
                 if self.disk_watch is not None:  # a recheck may probe the disk: that is no step's busy time
                     self.disk_watch.skip_device()
                 self.reporter.message(line)

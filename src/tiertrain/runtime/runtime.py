@@ -108,8 +108,10 @@ class Runtime:
         reads = forward_reads(self.plan)
         self._backward_first = [self.groups[i] for i in reads.first]
         self._while_idle = [self.groups[i] for i in reads.while_idle]
-        self._with_experts = {g.index for g in self.groups  # whose gradients depend on the tokens
-                              if g.experts is not None or (g.block.module is not None and moe_layers(g.block.module))}
+        read = [*self._backward_first, *self._while_idle]
+        self._read_ids = {g.index for g in read}
+        self._reads_experts = any(g.experts is not None or (g.block.module is not None and moe_layers(g.block.module))
+                                  for g in read)  # whose gradients depend on the tokens
         self.restart_reads()
         self.tied_early = self._tied_grads_early()
         resident = [g for g in self.groups[:-1] if g.shard is not None and not g.plan.stream]
@@ -216,8 +218,7 @@ class Runtime:
         depend on the tokens."""
         if self.plan.update != "overlap" or self.waits_for_norm or self._late_flushes is None:
             return False
-        reads = {g.index for g in (*self._backward_first, *self._while_idle)}
-        return not reads & (self._late_flushes | self._with_experts)
+        return not self._reads_experts and not self._read_ids & self._late_flushes
 
     def _updates_idle(self) -> bool:
         """No update runs or waits, and every write-back has landed."""

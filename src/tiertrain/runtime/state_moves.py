@@ -50,7 +50,7 @@ class StateMoves:
                     return False
                 reads = self._reads[g.index] = []
         if not begun:
-            self._read_states(g, reads, leave_master=not block and g.fills_slot_from_disk or slot is not None)
+            self._read_states(g, reads, leave_master=(not block and g.fills_slot_from_disk) or slot is not None)
         self._master_from(g, slot, reads)
         return True
 

@@ -181,6 +181,28 @@ def test_a_probe_taken_while_the_machine_is_busy_is_not_cached(tmp_path, monkeyp
     del load
 
 
+def test_the_probe_keeps_the_median_of_several_disk_measurements_not_one_taken_in_a_dip(tmp_path, monkeypatch):
+    from tiertrain.engine.measure import cache, page_size
+    from tiertrain.engine.measure import machine as probing
+    from tiertrain.engine.measure.disk import DiskRates
+
+    monkeypatch.setenv("TIERTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(page_size, "measured_page_size", lambda *a, **k: 1 << 20)
+    writes = iter([0.26e9, 1.7e9, 1.6e9, 3.3e9, 1.8e9])  # the first in a dip (a run's own write-backs beside it)
+    seen = []
+
+    def measure(directory, page, total, in_flight, verify=False):
+        seen.append((page, total, in_flight, verify))
+        return DiskRates(read_bps=2e9, write_bps=next(writes), cpu_s_per_byte=1e-10)
+
+    monkeypatch.setattr(probing, "measure_disk", measure)
+    found = probing.probe(str(tmp_path), use_cache=False)
+    assert len(seen) == probing.DISK_ROUNDS and all(s == (MiB, 64 * MiB, 8, True) for s in seen)
+    assert found.disk_write_bps == 1.7e9 and found.disk_read_bps == 2e9
+    if not found.load.busy:
+        assert cache.load("machine", probing.probe_key(str(tmp_path)))["disk_write_bps"] == 1.7e9
+
+
 def test_the_load_meter_sees_another_process_taking_the_cores():
     from tiertrain.engine.measure.load import LoadMeter
 

@@ -3,6 +3,7 @@ bytes the disk tier reads and writes (``metrics.jsonl``'s ``disk_bytes``), and t
 resident memory beside the tiers' page peaks (``rss_bytes``)."""
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -91,9 +92,19 @@ def test_each_disk_step_says_how_much_of_it_the_disk_was_busy_and_the_summary_gi
     rows = read_metrics(out)
     assert all(0 <= r["disk_busy"] <= 1 for r in rows[1:]), rows  # a tiny step may end within one tick: 0
     assert summary.disk_busy == pytest.approx(statistics.median(r["disk_busy"] for r in rows[2:]))  # after warm-up
+    for r in rows:  # the step split into the phases the loop marks: together they are the whole row
+        phases = r["disk_phases"]
+        assert set(phases) == {"forward", "backward", "step", "between"} or r is rows[0], phases
+        assert {k: sum(p[k] for p in phases.values()) for k in ("read", "written")} == r["disk_bytes"], r
+        assert all(0 <= p["busy"] <= 1 for p in phases.values()), phases
+        assert sum(p["s"] for p in phases.values()) >= r["step_s"], r  # the step's time, and the row's writing
+    assert sum(r["disk_phases"]["step"]["written"] for r in rows) > 0  # sync updates run (and write) in step()
+    assert summary.disk_busy_phases == pytest.approx(
+        {p: statistics.median(r["disk_phases"][p]["busy"] for r in rows[2:]) for p in ("forward", "backward", "step")})
     text = io.StringIO()
     print_summary(summary, Console(file=text, width=200))
     assert f"disk busy       {summary.disk_busy:.0%} of a step" in text.getvalue()
+    assert f"forward {summary.disk_busy_phases['forward']:.0%}, backward " in text.getvalue()
     plain = train(tiny_config(tmp_path / "host", steps=2, plan="max-offload", page_size="64KiB"))
     assert plain.disk_busy is None and "disk_busy" not in read_metrics(tmp_path / "host")[-1]
 
@@ -115,6 +126,9 @@ def test_the_disk_watch_counts_the_time_the_device_was_busy_between_two_readings
 
     mem = Tier()
     watch = DiskWatch(mem, str(tmp_path))
+    watch.mark("forward")
+    time.sleep(0.05)
+    watch.mark("backward")  # the writes below are backward's, the idle time before them forward's
     mem.traffic = {"read": 5, "written": 7}
     with open(tmp_path / "f", "wb") as f:
         f.write(os.urandom(64 << 20))
@@ -122,6 +136,9 @@ def test_the_disk_watch_counts_the_time_the_device_was_busy_between_two_readings
         os.fsync(f.fileno())
     row = watch.since_last()
     assert row["disk_bytes"] == {"read": 5, "written": 7} and 0 < row["disk_busy"] <= 1, row
+    phases = row["disk_phases"]
+    assert (phases["backward"]["read"], phases["backward"]["written"]) == (5, 7) and phases["backward"]["busy"] > 0
+    assert (phases["forward"]["read"], phases["forward"]["written"]) == (0, 0) and phases["forward"]["s"] >= 0.05
     assert watch.since_last()["disk_bytes"] == {"read": 0, "written": 0}
     mem.traffic = {"read": 9, "written": 11}
     watch.skip_device()  # a machine probe meanwhile: the tier's bytes still count, the device's time not

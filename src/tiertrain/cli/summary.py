@@ -17,6 +17,9 @@ def print_summary(s: RunSummary, console: Console) -> None:
     console.print(f"  throughput      {s.tokens_per_s:,.0f} tokens/s, {s.tflops:.3f} TFLOPS (median step)")
     if s.disk_busy is not None:
         console.print(f"  disk busy       {s.disk_busy:.0%} of a step (median; near 100%: the disk is the limit)")
+        if s.disk_busy_phases:
+            console.print("                  " + ", ".join(f"{p} {busy:.0%}" for p, busy in s.disk_busy_phases.items())
+                          + " (idle in a phase: room to read ahead there)")
     if s.rss_peak is not None:
         beside = f"; budgets in host memory {format_bytes(s.budgets)}" if s.budgets else ""
         console.print(f"  memory          RSS peak {format_bytes(s.rss_peak)} in steps, {format_bytes(s.setup_rss)} "

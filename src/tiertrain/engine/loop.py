@@ -24,7 +24,7 @@ from tiertrain.engine.checkpoint import (TrainerState, checkpoint_root, find_che
                                          save_checkpoint)
 from tiertrain.engine.budgets import meta_build_reason
 from tiertrain.engine.config import TrainConfig
-from tiertrain.engine.disk_watch import DiskWatch
+from tiertrain.engine.disk_watch import PHASES, DiskWatch
 from tiertrain.engine.metrics import (MetricsFile, NoMetrics, Reporter, StepTimer, device_peak_with_activations,
                                       peak_bytes, process_rss, restart_rss_peak)
 from tiertrain.parallel import rank_from_env, world_from_env
@@ -63,6 +63,7 @@ class RunSummary:
     losses: list[float] = field(default_factory=list)
     stopped_early: bool = False
     disk_busy: float | None = None   # median share of a step (after warm-up) its disk was busy
+    disk_busy_phases: dict[str, float] = field(default_factory=dict)  # ... of each phase (``PHASES``)
     rss_peak: int | None = None      # the process's resident peak over the steps (and the last save)
     setup_rss: int | None = None     # ... and before them, while setup held the caller's model too
     budgets: int | None = None       # a tiered run's budgets in host memory (the device's too on a CPU)
@@ -157,6 +158,7 @@ class Trainer:
         mem = self.model.runtime.mem if self.tiered else None  # setup's and a resume's disk traffic are not a step's
         self.disk_watch = DiskWatch(mem, self.budgets.budgets.disk_dir) if mem and Tier.DISK in mem.pools else None
         self.disk_busy: list[float] = []
+        self.phase_busy: dict[str, list[float]] = {}  # per phase of the step, as disk_busy
         self.metrics = (MetricsFile(self.out / METRICS_FILE, self.step if cfg.resume else None) if self.rank == 0
                         else NoMetrics())
         if self.metrics.dropped:
@@ -239,13 +241,17 @@ class Trainer:
         for group in self.opt.param_groups:
             group["lr"] = lr
         total = torch.zeros((), device=self.device)
+        phase = self.disk_watch.mark if self.disk_watch is not None else (lambda name: None)
         for _ in range(cfg.grad_accum):
+            phase("forward")
             x, y = self.batch()
             with self.precision.autocast():
                 loss = lm_loss(self.model, x, y) / cfg.grad_accum
             self._stop_if_not_finite("loss", loss.detach())  # before backward: overlap updates start in it
+            phase("backward")
             self.scaler.scale(loss).backward()
             total += loss.detach()
+        phase("step")
         self.scaler.unscale_(self.opt)
         norm = float("nan")
         if cfg.grad_clip > 0:
@@ -310,6 +316,7 @@ class Trainer:
                           tflops=med(tflops), seconds=began.elapsed(), checkpoint=checkpoint,
                           out=self.out, losses=losses, stopped_early=self.step < cfg.steps,
                           disk_busy=med(self.disk_busy) if self.disk_busy else None,
+                          disk_busy_phases={name: med(v) for name, v in self.phase_busy.items()},
                           rss_peak=process_rss().get("peak") if self.setup_rss is not None else None,
                           setup_rss=self.setup_rss, budgets=self._budget_total())
 
@@ -398,6 +405,9 @@ class Trainer:
             row.update(self.disk_watch.since_last())
             if "disk_busy" in row and len(self.step_seconds) >= WARMUP_STEPS:  # this process's warm-up, resumed too
                 self.disk_busy.append(row["disk_busy"])
+                for name, p in row["disk_phases"].items():
+                    if name in PHASES:
+                        self.phase_busy.setdefault(name, []).append(p["busy"])
         total = device_peak_with_activations(stats["device"]["pages_peak_bytes"], mem.pool(Tier.DEVICE).capacity,
                                              self.device)
         if total is not None:

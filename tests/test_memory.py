@@ -337,6 +337,35 @@ def test_with_a_write_share_write_backs_go_beside_waiting_reads_never_more_than_
     assert set(ran[:2]) == {"r1", "w1"} and ran[2:] == ["r2", "r3", "r4", "w2"]
 
 
+def test_the_disk_depth_is_measured_with_python_running_beside_the_requests(tmp_path, monkeypatch):
+    """A step's main thread runs Python while the disk tier's workers wait for the interpreter's lock
+    between requests: the depth a run needs is measured so, not on an idle interpreter."""
+    import threading
+
+    from tiertrain.engine.measure import disk_depth
+    from tiertrain.engine.measure.disk import DiskRates
+
+    def beside() -> bool:
+        return any(t.name == "tiertrain-depth-python" and t.is_alive() for t in threading.enumerate())
+
+    seen = []
+
+    def measure(directory, page, total, depth, verify=False):
+        seen.append(beside())
+        rate = 1e9 * min(depth, 8)  # a plateau from 8 in flight
+        return DiskRates(rate, rate, 0.0)
+
+    def together(directory, page, total, depth):
+        seen.append(beside())
+        return 1e9, 1e9
+
+    monkeypatch.setattr(disk_depth, "measure_disk", measure)
+    monkeypatch.setattr(disk_depth, "together_rate", together)
+    found = disk_depth.measure_depth(tmp_path, 1 << 20)
+    assert len(seen) == 2 * len(disk_depth.DEPTHS) + 2 and all(seen), seen
+    assert (found.depth, found.write_share) == (8, 0) and not beside()
+
+
 def test_the_disk_depth_is_the_plateaus_smallest_and_writes_share_only_where_together_is_faster(tmp_path,
                                                                                                  monkeypatch):
     from tiertrain.engine.measure import disk_depth

@@ -1,7 +1,7 @@
 """How many requests the disk tier keeps in flight, and whether reads and writes go in together:
 measured per disk and page size, as the page size is (``page_size``), and cached.
 
-Depth: the disk tier's page requests written then read back with 2 to 32 in flight; the smallest depth
+Depth: the disk tier's page requests written then read back with 2, 4 and 8 in flight; the smallest depth
 whose rate is within 90% of the best (more threads past the plateau only cost the cores). Together:
 at that depth, half the requests reads and half writes at once, against the same bytes read and
 written one after the other. Some disks serve both at once faster than either alone (an SSD's
@@ -36,7 +36,11 @@ from tiertrain.engine.measure.disk import measure_disk, probe_file
 from tiertrain.errors import ConfigError, DiskError
 from tiertrain.memory.pool import host_buffer
 
-DEPTHS = (2, 4, 8, 16, 32)  # never one: a read on the step's critical path would wait behind a write-back
+# Never one: a read on the step's critical path would wait behind a write-back. Never past 8: beside a
+# thread that only runs Python the curve rose on to 16 (2 MiB pages: 1.00 GB/s at 8, 1.37 at 16), but a
+# step's Python lets go of the lock in every op, and the 354M disk plan ran slower at 16 (5.46, 5.48 s a
+# step in the peers bench) than at 8 (4.82, 4.97 s), each worker a thread on the same two cores.
+DEPTHS = (2, 4, 8)
 PLATEAU = 0.90  # beside Python the curve is noisy: a 5% band picked 8, 16 and 32 in three measurements of one disk
 TOGETHER_GAIN = 1.10
 MAX_REQUESTS = 2048  # per pass: at 4 KiB pages 8 MiB, at 1 MiB the whole 256 MiB
@@ -145,7 +149,7 @@ def measure_depth(directory: Path, page: int, total: int = 256 * MiB, rounds: in
 
 def measured_depth(disk_dir: str, page: int, total: int = 256 * MiB) -> DiskDepth:
     """The cached depth for this disk and page size, measuring it if needed (10-20 s here, once)."""
-    key = f"v2/{socket.gethostname()}/disk:{os.stat(disk_dir).st_dev}/{page}"  # v2: with Python beside
+    key = f"v3/{socket.gethostname()}/disk:{os.stat(disk_dir).st_dev}/{page}"  # v3: beside Python, at most 8
     known = cache.load("disk_depth", key)
     if isinstance(known, dict):
         try:

@@ -352,7 +352,7 @@ def test_the_disk_depth_is_measured_with_python_running_beside_the_requests(tmp_
 
     def measure(directory, page, total, depth, verify=False):
         seen.append(beside())
-        rate = 1e9 * min(depth, 8)  # a plateau from 8 in flight
+        rate = 1e9 * depth  # rising past any depth: the tier still keeps at most 8 in flight
         return DiskRates(rate, rate, 0.0)
 
     def together(directory, page, total, depth):
@@ -364,6 +364,14 @@ def test_the_disk_depth_is_measured_with_python_running_beside_the_requests(tmp_
     found = disk_depth.measure_depth(tmp_path, 1 << 20)
     assert len(seen) == 2 * len(disk_depth.DEPTHS) + 2 and all(seen), seen
     assert (found.depth, found.write_share) == (8, 0) and not beside()
+
+    def failing(*a, **k):
+        raise DiskError("the disk went away")
+
+    monkeypatch.setattr(disk_depth, "measure_disk", failing)
+    with pytest.raises(DiskError):
+        disk_depth.measure_depth(tmp_path, 1 << 20)
+    assert not beside()  # the thread beside stops whatever the measurement did
 
 
 def test_the_disk_depth_is_the_plateaus_smallest_and_writes_share_only_where_together_is_faster(tmp_path,

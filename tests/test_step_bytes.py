@@ -94,10 +94,11 @@ def test_each_disk_step_says_how_much_of_it_the_disk_was_busy_and_the_summary_gi
     assert summary.disk_busy == pytest.approx(statistics.median(r["disk_busy"] for r in rows[2:]))  # after warm-up
     for r in rows:  # the step split into the phases the loop marks: together they are the whole row
         phases = r["disk_phases"]
-        assert set(phases) == {"forward", "backward", "step", "between"} or r is rows[0], phases
+        assert set(phases) == {"forward", "backward", "step", "between"}, phases
         assert {k: sum(p[k] for p in phases.values()) for k in ("read", "written")} == r["disk_bytes"], r
-        assert all(0 <= p["busy"] <= 1 for p in phases.values()), phases
+        assert all("busy" in p for p in phases.values()), phases  # on a block device: each phase has its share
         assert sum(p["s"] for p in phases.values()) >= r["step_s"], r  # the step's time, and the row's writing
+        assert sum(phases[p]["s"] for p in ("forward", "backward", "step")) <= r["step_s"], r  # the row's is not
     assert sum(r["disk_phases"]["step"]["written"] for r in rows) > 0  # sync updates run (and write) in step()
     assert summary.disk_busy_phases == pytest.approx(
         {p: statistics.median(r["disk_phases"][p]["busy"] for r in rows[2:]) for p in ("forward", "backward", "step")})

@@ -9,7 +9,9 @@ Each step is also split into the phases the loop marks (forward, backward, the o
 the same figures per phase: a disk busy all through backward but idle half of forward says the next
 gain is in reading during forward, which one figure per step hides. (Found by hand first, with a
 trace of every request; the kernel's counters give the same answer at a few reads of a small file per
-step.)
+step.) Each row's ``disk_phases`` has those three and ``between`` (the rest of the row's time: writing
+the row, logging); seconds are the host's (on a GPU, where the host queued the work), and ``busy`` is
+left out where the directory is on no block device.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from dataclasses import dataclass
 from tiertrain.engine.measure.diskstats import DiskCounters, disk_counters
 from tiertrain.memory import MemorySystem
 
-PHASES = ("forward", "backward", "step")  # what the training loop marks, in a step's order
-BETWEEN = "between"  # the time from one step's figures to the next step's first mark (logging, metrics)
+FORWARD, BACKWARD, STEP = PHASES = ("forward", "backward", "step")  # what the loop marks, in a step's order
+BETWEEN = "between"  # from the step's end to the next step's first mark (the row, logging, metrics)
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,8 @@ class DiskWatch:
         self.reset()
 
     def reset(self) -> None:
-        """From now on: what setup, a resume or a checkpoint moved is not a step's."""
+        """From now on: what setup, a resume or a checkpoint moved is not a step's (between steps: the
+        step's phases start again at ``between``)."""
         self._start = self._mark = self._now()
         self._phase = BETWEEN
         self._phases: dict[str, dict[str, float]] = {}
@@ -48,7 +51,6 @@ class DiskWatch:
         now = self._now()
         self._start = _Reading(self._start.traffic, now.device, now.t)
         self._mark = _Reading(self._mark.traffic, now.device, now.t)
-        self._phases.clear()
 
     def _now(self) -> _Reading:
         return _Reading(self.mem.disk_traffic(), disk_counters(self.directory) if self.directory else None,

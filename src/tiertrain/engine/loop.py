@@ -24,7 +24,7 @@ from tiertrain.engine.checkpoint import (TrainerState, checkpoint_root, find_che
                                          save_checkpoint)
 from tiertrain.engine.budgets import meta_build_reason
 from tiertrain.engine.config import TrainConfig
-from tiertrain.engine.disk_watch import PHASES, DiskWatch
+from tiertrain.engine.disk_watch import BACKWARD, BETWEEN, FORWARD, PHASES, STEP, DiskWatch
 from tiertrain.engine.metrics import (MetricsFile, NoMetrics, Reporter, StepTimer, device_peak_with_activations,
                                       peak_bytes, process_rss, restart_rss_peak)
 from tiertrain.parallel import rank_from_env, world_from_env
@@ -243,15 +243,15 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         phase = self.disk_watch.mark if self.disk_watch is not None else (lambda name: None)
         for _ in range(cfg.grad_accum):
-            phase("forward")
+            phase(FORWARD)
             x, y = self.batch()
             with self.precision.autocast():
                 loss = lm_loss(self.model, x, y) / cfg.grad_accum
             self._stop_if_not_finite("loss", loss.detach())  # before backward: overlap updates start in it
-            phase("backward")
+            phase(BACKWARD)
             self.scaler.scale(loss).backward()
             total += loss.detach()
-        phase("step")
+        phase(STEP)
         self.scaler.unscale_(self.opt)
         norm = float("nan")
         if cfg.grad_clip > 0:
@@ -262,6 +262,7 @@ class Trainer:
         self.scaler.update()
         self.opt.zero_grad(set_to_none=True)
         self.step += 1
+        phase(BETWEEN)  # the row's figures (a device sync, /proc reads) are no phase's
         return float(total), norm
 
     def _any_rank(self, flag: bool) -> bool:

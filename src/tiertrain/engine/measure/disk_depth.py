@@ -12,9 +12,10 @@ reads go first, as before.
 Both are measured with a thread running Python beside the requests, as a step's main thread runs the
 model's modules and hooks: each finished request's worker then waits for the interpreter's lock
 before it issues the next, and only more requests in flight keep the disk busy meanwhile. Measured
-idle, this disk's curve was flat from 2 in flight (2.3 GB/s at 4 MiB pages) and runs took 2; with
-Python beside them 2 in flight moved 0.53 GB/s read and 0.73 written, 8 moved 1.0-1.2, and the 354M
-disk plan's step took 5.05-6.52 s at 2 workers against 4.23-4.62 s at 6 (three rounds each).
+idle at 4 MiB pages, this disk's curve was flat from 2 in flight and runs took 2; with Python beside,
+2 in flight moved 0.53 GB/s read and 0.73 written, 8 moved 1.0-1.2. The 354M disk plan's step (six
+runs at 2 workers, eight at 6, two at 8, alternated): 4.55-6.52 s at 2, 4.23-4.97 s at 6, 4.48 and 4.53 s
+at 8 (the README, where it says how many requests are in flight).
 """
 
 from __future__ import annotations
@@ -158,7 +159,7 @@ def measured_depth(disk_dir: str, page: int, total: int = 256 * MiB) -> DiskDept
                              float(known["apart_bps"]))
         except (KeyError, TypeError, ValueError):
             pass  # a damaged entry: measured again
-    print(f"measuring how many requests the disk under {disk_dir} wants in flight at {page >> 10} KiB pages "
+    print(f"tiertrain: measuring how many requests the disk under {disk_dir} wants in flight at {page >> 10} KiB pages "
           "(once per disk and page size; cached)...", file=sys.stderr, flush=True)
     found = measure_depth(Path(disk_dir), page, total)
     print(f"  {found.describe()}", file=sys.stderr, flush=True)

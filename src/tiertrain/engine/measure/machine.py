@@ -48,7 +48,7 @@ def _rate(fn: Callable[[], object], amount: float, repeat: int = 3) -> float:
 
 def probe_key(disk_dir: str | None) -> str:
     """Which cached probe a run may reuse: same host, device kind and disk directory."""
-    return f"v4:{socket.gethostname()}:{'cuda' if torch.cuda.is_available() else 'cpu'}:{disk_dir or '-'}"
+    return f"v5:{socket.gethostname()}:{'cuda' if torch.cuda.is_available() else 'cpu'}:{disk_dir or '-'}"
 
 
 def probe(disk_dir: str | None = None, use_cache: bool = True) -> Machine:
@@ -106,10 +106,10 @@ DISK_ROUNDS = 5
 
 def _disk_rates(directory: Path) -> tuple[float, float, float]:
     """(read, write bytes/s, CPU s per byte) as the disk tier moves pages (1 MiB, 8 in flight,
-    checksummed): each the median of ``DISK_ROUNDS`` short measurements. A shared disk's rate moves 2x
-    within minutes here, and one 64 MiB measurement taken in a dip was kept in the cache and planned
-    for by every later run; the median of several is what a run's steps will mostly see (the best
-    would promise a rate the disk seldom gives)."""
+    checksummed): each the median of ``DISK_ROUNDS`` short measurements (a second or two in all). One
+    64 MiB measurement is over in tens of ms, so one blip of a shared disk decided the rate cached and
+    planned for by every later run; the median of five smooths such blips (not a dip of minutes: a
+    recheck finds that from the steps), and the best would promise a rate the disk seldom gives."""
     rounds = [measure_disk(directory, MiB, 64 * MiB, 8, verify=True) for _ in range(DISK_ROUNDS)]
     return (statistics.median(r.read_bps for r in rounds), statistics.median(r.write_bps for r in rounds),
             statistics.median(r.cpu_s_per_byte for r in rounds))

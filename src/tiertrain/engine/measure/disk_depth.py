@@ -44,7 +44,9 @@ from tiertrain.memory.pool import host_buffer
 DEPTHS = (2, 4, 8)
 PLATEAU = 0.90  # beside Python the curve is noisy: a 5% band picked 8, 16 and 32 in three measurements of one disk
 TOGETHER_GAIN = 1.10
-MAX_REQUESTS = 2048  # per pass: at 4 KiB pages 8 MiB, at 1 MiB the whole 256 MiB
+# per pass: beside Python each request waits for the interpreter's lock, so a pass's time goes with its
+# requests: 2048 of 64 KiB took 95 s over the whole measurement, 256 took 13 s (at 1 MiB, 18 s either way)
+MAX_REQUESTS = 256
 MiB = 1 << 20
 log = logging.getLogger("tiertrain")
 

@@ -151,7 +151,7 @@ def measure_depth(directory: Path, page: int, total: int = 256 * MiB, rounds: in
 
 
 def measured_depth(disk_dir: str, page: int, total: int = 256 * MiB) -> DiskDepth:
-    """The cached depth for this disk and page size, measuring it if needed (10-20 s here, once)."""
+    """The cached depth for this disk and page size, measuring it if needed (12-20 s here, once)."""
     key = f"v3/{socket.gethostname()}/disk:{os.stat(disk_dir).st_dev}/{page}"  # v3: beside Python, at most 8
     known = cache.load("disk_depth", key)
     if isinstance(known, dict):

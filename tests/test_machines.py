@@ -211,6 +211,25 @@ def test_the_probe_keeps_the_median_of_several_disk_measurements_not_one_taken_i
     assert cache.load("machine", probing.probe_key(str(tmp_path)))["disk_write_bps"] == 1.7e9
 
 
+def test_the_probe_times_each_precisions_product_at_the_size_where_one_takes_long_enough(monkeypatch):
+    """A CPU without fp16 kernels took 57 s for one 2048-square fp16 product: the size grows only
+    while a product is quick, so where every product is slow enough (a bound of 0 s) all stay at 256."""
+    import torch
+
+    from tiertrain.engine.measure import machine
+
+    timed = []
+    monkeypatch.setattr(machine, "_rate", lambda fn, amount, repeat=3: timed.append(amount) or 1.0)
+    monkeypatch.setattr(machine, "MATMUL_CALL_S", 0.0)
+    machine._matmuls(torch.device("cpu"), lambda: None)
+    assert timed == [2 * 256**3] * 3
+    timed.clear()
+    monkeypatch.setattr(machine, "MATMUL_CALL_S", float("inf"))  # every product quick: up to the top size
+    monkeypatch.setattr(machine, "PRECISIONS", ("fp32",) * 3)
+    machine._matmuls(torch.device("cpu"), lambda: None)
+    assert timed == [2 * 2048**3] * 3
+
+
 def test_the_load_meter_sees_another_process_taking_the_cores():
     from tiertrain.engine.measure.load import LoadMeter
 

@@ -154,12 +154,26 @@ def _adam() -> float:
                                lr=1e-4, weight_decay=0.0, eps=1e-8, maximize=False), n)
 
 
+MATMUL_CALL_S = 0.05  # a product this long is past the kernel's start-up: large enough to time
+
+
 def _matmuls(dev: torch.device, sync: Callable[[], None]) -> PerDtype:
-    """Achieved FLOP/s of a square matrix product per precision (2048 on CPU, 4096 on a GPU)."""
-    n = 4096 if dev.type == "cuda" else 2048
+    """Achieved FLOP/s of a square matrix product per precision (up to 2048 on CPU, 4096 on a GPU).
+    Each size grows from 256 only while one product takes under ``MATMUL_CALL_S``: a CPU without fp16
+    kernels multiplied 2048-square fp16 matrices at 0.3 GFLOP/s, 57 s a product, and the probe took
+    four minutes timing a precision no CPU run computes in."""
+    top = 4096 if dev.type == "cuda" else 2048
     rates = []
     for name in PRECISIONS:
-        a = torch.randn(n, n, device=dev).to(torch_dtype(name))
+        n = 256
+        while True:
+            a = torch.randn(n, n, device=dev).to(torch_dtype(name))
+            t = time.perf_counter()
+            a @ a
+            sync()
+            if n >= top or time.perf_counter() - t >= MATMUL_CALL_S:
+                break
+            n *= 2
         rates.append(_rate(lambda a=a: (a @ a, sync()), 2 * n**3))
     return PerDtype(*rates)
 

@@ -4,6 +4,7 @@ DistributedDataParallel with the same per-rank batches and the same fused AdamW.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import traceback
 from pathlib import Path
@@ -187,3 +188,70 @@ def gather_events(rank: int, plan) -> list[tuple[str, int]]:
     finally:
         tm.runtime.close()
         tm.runtime.mem.close()
+
+
+def agreed_auto_setup(rank: int, disk: Path) -> dict:
+    """``plan="auto"`` with the page size and disk depth measured, each measurement stubbed so that
+    rank 0's is quick and known and any other rank's fails the job: every rank must take rank 0's
+    page size, depth and profile, and lay out the same plan."""
+    import tiertrain
+    from tiertrain.engine import auto_plan
+    from tiertrain.engine.auto_plan import ProfileStep
+    from tiertrain.engine.measure import disk_depth, page_size
+    from tiertrain.engine.objective import lm_loss
+    from tiertrain.memory import Budgets
+
+    def only_rank0(value):
+        def measure(*args, **kwargs):
+            if rank != 0:
+                raise AssertionError(f"rank {rank} measured what rank 0 measures for all")
+            return value(*args, **kwargs) if callable(value) else value
+        return measure
+
+    saved = page_size.measured_page_size, disk_depth.measured_depth, auto_plan._measured
+    page_size.measured_page_size = only_rank0(128 << 10)
+    disk_depth.measured_depth = only_rank0(disk_depth.DiskDepth(3, 1, {2: 1.0, 4: 1.0, 8: 1.0}, 1.0, 1.0))
+    auto_plan._measured = only_rank0(saved[2])
+    model, opt = _fresh()
+    step = ProfileStep(model, lm_loss, 256, 2, 16, contextlib.nullcontext, torch.device("cpu"))
+    try:
+        tm, topt = tiertrain.setup(model, opt, Budgets(64 << 20, 64 << 20, 64 << 20, str(disk / f"rank{rank}")),
+                                   plan="auto", update="sync", profile_step=step)
+        try:
+            losses = _loop(tm, topt, rank, 1, None, None)
+            io = tm.runtime.mem.mover._io
+            return {"plan": tm.runtime.plan.to_json(), "profile": tm.auto_plan.profile.to_json(),
+                    "page": tm.runtime.mem.page_size, "io": (len(io._threads), io._write_share), "losses": losses}
+        finally:
+            tm.runtime.close()
+            tm.runtime.mem.close()
+    finally:
+        page_size.measured_page_size, disk_depth.measured_depth, auto_plan._measured = saved
+
+
+def agreed_budgets(rank: int) -> tuple[int, int]:
+    """The budgets taken from the machine where rank 0 sees 8 GiB available and rank 1 4 GiB."""
+    from tiertrain.engine import budgets
+
+    saved = budgets.host_available
+    budgets.host_available = lambda: (8 << 30) if rank == 0 else (4 << 30)
+    try:
+        got = budgets.machine_budgets(torch.device("cpu")).budgets
+        return got.device, got.host
+    finally:
+        budgets.host_available = saved
+
+
+def failure_on_rank0(rank: int) -> str:
+    """What each rank raises when rank 0's measurement fails."""
+    from tiertrain.errors import ConfigError
+    from tiertrain.parallel.agree import from_rank0
+
+    def fails() -> int:
+        raise ConfigError("the disk under /nowhere cannot be read")
+
+    try:
+        from_rank0("the page size", fails, str, int)
+    except ConfigError as exc:
+        return str(exc)
+    return "nothing raised"

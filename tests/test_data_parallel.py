@@ -8,7 +8,8 @@ import functools
 
 import pytest
 
-from dp_harness import TINY4, ddp_losses, gather_events, reduction_events, run_ranks, sent_per_step, tiered_losses
+from dp_harness import (TINY4, agreed_auto_setup, agreed_budgets, ddp_losses, failure_on_rank0, gather_events,
+                        reduction_events, run_ranks, sent_per_step, tiered_losses)
 from tiertrain.parallel import ring_bytes
 from tiertrain.memory import Tier
 from tiertrain.plan import BlockPlan, Plan, builtin_plan, data_parallel
@@ -45,6 +46,8 @@ def dp2(tmp_path_factory):
         clip=None, disk=tmp / "lockfree"))]
     jobs += [(("events", plan), functools.partial(reduction_events, plan=PLANS[plan])) for plan in ("resident", "stream")]
     jobs += [(("gathers",), functools.partial(gather_events, plan=PLANS["resident"]))]
+    jobs += [(("agreed auto",), functools.partial(agreed_auto_setup, disk=tmp / "agreed")), (("budgets",), agreed_budgets),
+             (("rank 0 fails",), failure_on_rank0)]
     return run_ranks(2, tmp, jobs)
 
 
@@ -127,6 +130,29 @@ def test_with_clipping_the_sharded_global_norm_matches_ddp_within_rounding(dp2):
             got, _ = dp2[((plan, "overlap", 1, 0.5), rank)]
             want = dp2[(("ddp", 1, 0.5), rank)]
             assert got == pytest.approx(want, rel=1e-5) and got[0] == want[0]
+
+
+def test_every_rank_takes_rank_0s_page_size_depth_and_profile_and_plans_alike(dp2):
+    """Any rank but 0 that measured failed its job (``agreed_auto_setup``): rank 0 measured once, and
+    the others laid out its plan with its page size and disk depth, and trained."""
+    r0, r1 = dp2[(("agreed auto",), 0)], dp2[(("agreed auto",), 1)]
+    assert r1["plan"] == r0["plan"] and r1["profile"] == r0["profile"]
+    assert r0["page"] == r1["page"] <= 128 << 10  # measured 128 KiB; small chunks may take less
+    assert r0["io"] == r1["io"] == (3, 1)
+    assert len(r0["losses"]) == len(r1["losses"]) == 4 and r0["losses"][0] != r1["losses"][0]  # their own batches
+
+
+def test_ranks_of_one_host_divide_what_they_take_of_it_and_all_take_the_least(dp2):
+    """Rank 0 sees 8 GiB available and rank 1 4 GiB: alone, rank 1 would take a quarter (1 GiB) as its
+    CPU device tier and 90% of the rest as host; two ranks of one host halve that, and both take it."""
+    want = (1 << 30) // 2, int(0.9 * (3 << 30)) // 2
+    assert dp2[(("budgets",), 0)] == dp2[(("budgets",), 1)] == want
+
+
+def test_a_measurement_that_fails_on_rank_0_fails_on_every_rank(dp2):
+    assert dp2[(("rank 0 fails",), 0)] == "the disk under /nowhere cannot be read"
+    assert dp2[(("rank 0 fails",), 1)] == ("rank 0 failed while finding the page size for every rank: "
+                                           "ConfigError: the disk under /nowhere cannot be read")
 
 
 LAYOUTS = {"ddp-like": data_parallel(PLANS["resident"], 2, shard=False),

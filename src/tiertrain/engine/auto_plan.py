@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import statistics
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from tiertrain.errors import ConfigError
 from tiertrain.memory import Budgets
 from tiertrain.memory.system import compute_device
 from tiertrain.models.config import ModelConfig
+from tiertrain.parallel.agree import from_rank0
 from tiertrain.plan import DEFAULT_MAX_STALENESS, Plan
 from tiertrain.planner.auto import choose, run_profile
 from tiertrain.planner.machine import Machine
@@ -88,7 +90,27 @@ def auto_plan(model: nn.Module, step: Callable[[], None], budgets: Budgets, page
               max_staleness: int = DEFAULT_MAX_STALENESS, bounds: MeasureBounds | None = None) -> AutoPlan:
     """``step`` runs one plain forward+backward at the run's batch shape. A step that says its
     shape (a ``shape`` attribute, as ``ProfileStep`` has) gets a cached profile; any other is
-    measured every time, since a profile of another batch shape would mislead the solvers."""
+    measured every time, since a profile of another batch shape would mislead the solvers. Over
+    several ranks rank 0 measures and every rank solves from its profile (``parallel.agree``): the
+    solvers are deterministic, so all choose one plan."""
+    profile, cached = from_rank0(
+        "the model's profile", lambda: _measured(model, step, budgets, page, precision, blocks, use_cache, bounds),
+        _profile_text, _profile_from)
+    return solved(profile, cached, profile.machine, page, budgets, update, max_staleness, needs_all_grads)
+
+
+def _profile_text(measured: tuple[Profile, bool]) -> str:
+    return json.dumps({"profile": measured[0].to_json(), "cached": measured[1]})
+
+
+def _profile_from(text: str) -> tuple[Profile, bool]:
+    entry = json.loads(text)
+    return Profile.from_json(entry["profile"], "rank 0's profile"), bool(entry["cached"])
+
+
+def _measured(model: nn.Module, step: Callable[[], None], budgets: Budgets, page: int, precision: str,
+              blocks: str | None, use_cache: bool, bounds: MeasureBounds | None) -> tuple[Profile, bool]:
+    """The model's profile at this machine's rates (measured, estimated or cached), and whether it was cached."""
     found = find_blocks(model, blocks)
     disk = budgets.disk_dir if budgets.disk else None
     here = probe(disk)
@@ -116,13 +138,13 @@ def auto_plan(model: nn.Module, step: Callable[[], None], budgets: Budgets, page
             profile, cached = cached_profile(key, measure, use_cache and bool(shape))
         except (torch.OutOfMemoryError, MemoryError):  # an estimate is not cached: a later run may fit and measure
             profile, cached = estimate("the plain model does not fit the device"), False
-    return solved(profile, cached, here, page, budgets, update, max_staleness, needs_all_grads)
+    return dataclasses.replace(profile, machine=here.rates()), cached
 
 
-def solved(profile: Profile, cached: bool, here: Machine, page: int, budgets: Budgets, update: str,
+def solved(profile: Profile, cached: bool, rates: MachineProfile, page: int, budgets: Budgets, update: str,
            max_staleness: int, needs_all_grads: bool) -> AutoPlan:
-    """The solvers' best plan for a profile, simulated at ``here``'s rates for the run's settings."""
-    profile = run_profile(dataclasses.replace(profile, machine=here.rates(), page=page), update, max_staleness,
+    """The solvers' best plan for a profile, simulated at ``rates`` for the run's settings."""
+    profile = run_profile(dataclasses.replace(profile, machine=rates, page=page), update, max_staleness,
                           needs_all_grads)
     chosen, _ = choose(Problem.sized(profile, budgets.device, budgets.host, budgets.disk), update=update,
                        needs_all_grads=needs_all_grads, max_staleness=max_staleness)

@@ -6,6 +6,10 @@ its own budget, and takes at most 4 GiB, a quarter of what is available. Host: a
 RAM, and 90% of what the process may still take now (``MemAvailable``, under its memory cgroup's
 limit), beside the device tier on a CPU-only machine: the rest is for activations, the model
 object and the libraries. No disk unless one is given: a disk directory is the user's choice.
+
+Over several ranks, what is taken is agreed (``parallel.agree``): the ranks of one host divide its
+memory (each of them sees all of it free at start, and taking that each would ask for it several
+times over), and every rank takes the least any rank can, so that all of them plan alike.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 
 from tiertrain.memory import Budgets
 from tiertrain.memory.capacity import cgroup_room, host_available
+from tiertrain.parallel.agree import every_rank
 from tiertrain.units import format_bytes
 
 DEVICE_SHARE = 0.9
@@ -53,7 +58,21 @@ def machine_budgets(device: torch.device, given_device: int | None = None, given
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         room = host_available() - (dev if device.type == "cpu" else 0)
         host = max(0, min(ram // 2, int(HOST_SHARE * room)))
+    if taken:
+        dev, host = _agreed(dev, host, "device" in taken and device.type == "cpu", "host" in taken)
     return TakenBudgets(Budgets(dev, host, disk, disk_dir), tuple(taken))
+
+
+def _agreed(dev: int, host: int, divide_dev: bool, divide_host: bool) -> tuple[int, int]:
+    """The budgets every rank takes: what each took of its host's memory divided among that host's
+    ranks (a GPU's is its rank's own; a given budget is already each rank's), the least over the
+    ranks. One process: its own."""
+    every = every_rank("the budgets taken from the machine", (dev, host))
+    if len(every) == 1:
+        return dev, host
+    shares = [(d // (n if divide_dev else 1), h // (n if divide_host else 1))
+              for name, (d, h) in every for n in [sum(other == name for other, _ in every)]]
+    return min(d for d, _ in shares), min(h for _, h in shares)
 
 
 def meta_build_reason(weights: int, budgets: Budgets, device: torch.device) -> str | None:

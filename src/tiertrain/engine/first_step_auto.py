@@ -158,7 +158,7 @@ class FirstStepAuto:
             profile, cached = analytic_profile(self.config, tokens[0], tokens[1], self.precision, machine=here), False
         update = opts.update or "sync"
         staleness = DEFAULT_MAX_STALENESS if opts.max_staleness is None else opts.max_staleness
-        return solved(profile, cached, here, self.page, self.budgets, update, staleness,
+        return solved(profile, cached, here.rates(), self.page, self.budgets, update, staleness,
                       opts.needs_all_grads(self.precision))
 
     def _holder(self) -> nn.Module:

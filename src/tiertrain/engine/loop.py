@@ -420,7 +420,8 @@ class Trainer:
             from tiertrain.engine.auto_plan import CHECK_AFTER, recheck
 
             measured = self.step_seconds[WARMUP_STEPS:] + [row["step_s"]]
-            if len(measured) == CHECK_AFTER:  # held against the first steps; remeasured where far off
+            # held against the first steps; remeasured where far off, by rank 0 alone, which measured it
+            if len(measured) == CHECK_AFTER and self.rank == 0:
                 self.auto, line = recheck(self.auto, measured, row["peak_bytes"], self.model.runtime.plan,
                                           self.model.runtime.wait_updates)
                 if self.disk_watch is not None:  # a recheck may probe the disk: that is no step's busy time

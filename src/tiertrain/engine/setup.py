@@ -104,6 +104,8 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, memo
     groups, group_of = _groups_from(optimizer, model) if opts.train else ([], {})
     found = find_blocks(model, opts.blocks)
     moe_layers_for(model, opts.ep or 1)  # a dense model is refused before anything is laid out
+    if isinstance(plan, str) and plan == "auto" and profile_step is None:
+        _check_first_step_auto(opts)  # before anything is measured
     page = page_size_for(opts.page_size, memory.disk_dir if memory.disk else None, device)
     if opts.page_size is None:  # a measured size: no larger than small models' chunks allow
         page = page_for_states([block_numel(b) for b in found], page)
@@ -112,7 +114,7 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, memo
         auto = _auto(model, profile_step, memory, page, opts)
         plan = auto.plan
     elif isinstance(plan, str) and plan == "auto":  # the first step is the profile
-        first = _first_step(model, found, memory, page, opts, device)
+        first = first_step_auto(model, found, memory, page, opts, device)
         plan = first_plan(len(found) - 1, memory.disk > 0, opts.update)
     chosen = _laid_out(_chosen(plan, found, memory, opts), opts)
     _check_lockfree_shards(chosen)
@@ -148,9 +150,8 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, memo
     return tiered, topt
 
 
-def _first_step(model: nn.Module, found: list, memory: Budgets, page: int, opts: RunOptions,
-                device: torch.device) -> FirstStepAuto:
-    """``plan="auto"`` with no profile function, where a run can re-plan after its first step."""
+def _check_first_step_auto(opts: RunOptions) -> None:
+    """``plan="auto"`` with no profile function plans from the run's first step: a training run's, in one process."""
     if not opts.train:
         raise ConfigError("plan 'auto' takes a forward-only run's plan from a profile: pass profile_step=fn (one "
                           "forward at the batch shape), or a plan: 'stream' or 'max-offload'")
@@ -158,7 +159,6 @@ def _first_step(model: nn.Module, found: list, memory: Budgets, page: int, opts:
         raise ConfigError("plan 'auto' over several ranks needs a profile function, so that every rank plans alike: "
                           "pass profile_step=fn (one forward+backward at the batch shape), or a plan ('max-offload', "
                           "or a file from `tiertrain plan`)")
-    return first_step_auto(model, found, memory, page, opts, device)
 
 
 def _check_fits(found: list, plan: Plan, memory: Budgets, page: int, train: bool, transient: bool,

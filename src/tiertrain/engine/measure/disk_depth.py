@@ -20,6 +20,7 @@ at 8 (the README, where it says how many requests are in flight).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -36,6 +37,7 @@ from tiertrain.engine.measure import cache
 from tiertrain.engine.measure.disk import measure_disk, probe_file
 from tiertrain.errors import ConfigError, DiskError
 from tiertrain.memory.pool import host_buffer
+from tiertrain.parallel.agree import from_rank0
 
 # Never one: a read on the step's critical path would wait behind a write-back. Never past 8: beside a
 # thread that only runs Python the curve rose on to 16 (2 MiB pages: 1.00 GB/s at 8, 1.37 at 16), but a
@@ -177,7 +179,9 @@ DEFAULT_IO = (8, 0)  # BENCHMARKS.md: deeper queues than ~8 were no faster on th
 def disk_io_for(measured_page: bool, disk_dir: str | None, page: int) -> tuple[int, int]:
     """(requests in flight, write share) for a run: measured for its disk where its page size was
     measured too (a run that names its page size, as the tests do, measures neither), else the
-    defaults."""
+    defaults. Over several ranks, rank 0's: measured once, not by every rank of a host at once on
+    one disk (each would find it slower than it is); the ranks of other hosts take it as they take
+    its page size."""
     given = os.environ.get("TIERTRAIN_IO_WORKERS")  # an override, for comparing depths on one disk
     if given:
         if not given.isdigit() or int(given) < 1:
@@ -185,6 +189,11 @@ def disk_io_for(measured_page: bool, disk_dir: str | None, page: int) -> tuple[i
         return int(given), 0
     if not measured_page or not disk_dir:
         return DEFAULT_IO
+    depth, share = from_rank0("the disk's depth", lambda: _depth_or_default(disk_dir, page), json.dumps, json.loads)
+    return int(depth), int(share)
+
+
+def _depth_or_default(disk_dir: str, page: int) -> tuple[int, int]:
     try:
         found = measured_depth(disk_dir, page)
     except DiskError as exc:  # the tier's own checks report a failing disk; the run need not stop here

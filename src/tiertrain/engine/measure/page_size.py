@@ -24,6 +24,7 @@ from tiertrain.engine.measure import cache
 from tiertrain.engine.measure.disk import measure_disk
 from tiertrain.errors import ConfigError
 from tiertrain.memory.pool import check_page_size, host_buffer
+from tiertrain.parallel.agree import from_rank0
 
 KiB, MiB = 1024, 1024 * 1024
 CANDIDATES = [64 * KiB, 128 * KiB, 256 * KiB, 512 * KiB, 1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB, 16 * MiB]
@@ -98,5 +99,9 @@ def measured_page_size(disk_dir: str | None, device: torch.device) -> int:
 
 
 def page_size_for(size: int | None, disk_dir: str | None, device: torch.device) -> int:
-    """The page size a run uses: the one asked for (checked), else the one measured for its slowest link."""
-    return check_page_size(size) if size else measured_page_size(disk_dir, device)
+    """The page size a run uses: the one asked for (checked), else the one measured for its slowest
+    link; over several ranks, rank 0's (``parallel.agree``: every rank lays its chunks out alike, and
+    ranks that measured one disk together would each have measured it disturbed)."""
+    if size:
+        return check_page_size(size)
+    return from_rank0("the page size", lambda: measured_page_size(disk_dir, device), str, int)

@@ -390,9 +390,14 @@ def test_the_disk_depth_is_the_plateaus_smallest_and_writes_share_only_where_tog
     monkeypatch.setattr(disk_depth, "measure_depth", lambda *a, **k: pytest.fail("measured twice"))
     assert disk_depth.measured_depth(str(tmp_path), 64 << 10) == first  # cached per disk and page size
     assert disk_depth.disk_io_for(False, str(tmp_path), 64 << 10) == disk_depth.DEFAULT_IO  # a given page size
-    assert disk_depth.disk_io_for(True, str(tmp_path), 64 << 10) == (first.depth, first.write_share)
+    io = disk_depth.disk_io_for(True, str(tmp_path), 64 << 10)
+    assert (io.depth, io.write_share) == (first.depth, first.write_share)
+    for share, gain in ((2, 1.2), (0, 1.0)):  # the simulator's gain only where writes go beside reads
+        found = disk_depth.DiskDepth(4, share, {2: 1e9, 4: 2e9, 8: 2e9}, together_bps=2.4e9, apart_bps=2.0e9)
+        monkeypatch.setattr(disk_depth, "measured_depth", lambda *a, found=found: found)
+        assert disk_depth.disk_io_for(True, str(tmp_path), 64 << 10) == disk_depth.DiskIO(4, share, pytest.approx(gain))
     monkeypatch.setenv("TIERTRAIN_IO_WORKERS", "3")
-    assert disk_depth.disk_io_for(True, str(tmp_path), 64 << 10) == (3, 0)
+    assert disk_depth.disk_io_for(True, str(tmp_path), 64 << 10) == disk_depth.DiskIO(3)
     monkeypatch.delenv("TIERTRAIN_IO_WORKERS")
     monkeypatch.setattr(disk_depth, "measured_depth", lambda *a: (_ for _ in ()).throw(DiskError("disk gone")))
     assert disk_depth.disk_io_for(True, str(tmp_path), 64 << 10) == disk_depth.DEFAULT_IO  # a failing probe

@@ -503,6 +503,50 @@ def test_the_simulator_charges_a_lockfree_disk_pass_to_the_steps_it_serves():
     assert quarter - b.forward_s == pytest.approx((full - b.forward_s) / 4)  # the disk-bound update, amortised
 
 
+def test_auto_simulates_the_disk_as_the_runs_disk_tier_uses_it(tmp_path):
+    """The run's disk tier measured reads and writes at once 1.5x faster than in turns and lets them
+    go so (a write share, ``DiskIO``): the plan is simulated with a lane each; without, in turns."""
+    import torch
+
+    from tiertrain.engine.auto_plan import auto_plan
+    from tiertrain.engine.objective import lm_loss
+    from tiertrain.memory import Budgets
+
+    model = _tiny_gpt(2)
+    x = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+    budgets = Budgets(device=64 * MiB, host=256 * MiB, disk=256 * MiB, disk_dir=str(tmp_path))
+    step = lambda: lm_loss(model, x[:, :-1], x[:, 1:]).backward()  # noqa: E731
+    for gain in (1.5, 1.0):
+        got = auto_plan(model, step, budgets, 64 << 10, "fp32", "overlap", False, use_cache=False, disk_gain=gain)
+        assert got.profile.machine.disk_together_gain == gain
+        assert (got.profile.machine.disk_lanes() is None) == (gain == 1.0)
+
+
+def test_setup_plans_auto_with_the_disk_io_its_memory_system_runs(tmp_path, monkeypatch):
+    import torch
+
+    import tiertrain
+    from tiertrain.engine import setup as setup_module
+    from tiertrain.engine.auto_plan import ProfileStep
+    from tiertrain.engine.measure.disk_depth import DiskIO
+    from tiertrain.engine.objective import lm_loss
+    from tiertrain.memory import Budgets
+
+    monkeypatch.setattr(setup_module, "disk_io_for", lambda *a: DiskIO(3, 1, 1.25))
+    model = _tiny_gpt(2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = ProfileStep(model, lm_loss, 256, 2, 16, __import__("contextlib").nullcontext, torch.device("cpu"))
+    tm, _ = tiertrain.setup(model, opt, Budgets(64 * MiB, 256 * MiB, 256 * MiB, str(tmp_path)), plan="auto",
+                            update="overlap", profile_step=step, page_size=64 << 10)
+    try:
+        io = tm.runtime.mem.mover._io
+        assert (len(io._threads), io._write_share) == (3, 1)
+        assert tm.auto_plan.profile.machine.disk_together_gain == 1.25
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()
+
+
 def test_auto_plans_a_lockfree_run_for_the_staleness_it_will_run_with(tmp_path):
     """``--plan auto --update lockfree --max-staleness 4``: the planner counts the gradient chunks and
     the disk passes of that staleness, and the plan it returns carries it."""
@@ -958,6 +1002,8 @@ def test_a_misprediction_probes_the_machine_again_only_once_the_runs_own_disk_tr
     """The probe after a misprediction is kept for later runs: measured beside the run's own write-backs
     it saw the disk at a fraction of its rate. ``recheck`` settles the run (its ``settle``: the runtime's
     ``wait_updates``) before it probes, and only where it probes."""
+    import dataclasses
+
     from tiertrain.engine import auto_plan
     from tiertrain.plan import builtin_plan
     from tiertrain.planner.simulator import simulate
@@ -972,14 +1018,16 @@ def test_a_misprediction_probes_the_machine_again_only_once_the_runs_own_disk_tr
 
     monkeypatch.setattr(auto_plan, "probe", lambda *a, **k: order.append("probe") or Probed())
     plan = builtin_plan("stream", 4)
-    sim = simulate(plan, prof)
-    auto = auto_plan.AutoPlan(plan, sim, "dp", prof, profile_cached=False)
+    ran = dataclasses.replace(prof, machine=dataclasses.replace(prof.machine, disk_together_gain=1.3))  # the run's disk tier
+    sim = simulate(plan, ran)
+    auto = auto_plan.AutoPlan(plan, sim, "dp", ran, profile_cached=False)
     close = [sim.step_s] * auto_plan.CHECK_AFTER
     kept, _ = auto_plan.recheck(auto, close, {}, plan, settle=lambda: order.append("settle"))
     assert order == [] and not kept.corrected  # within the margin: nothing probed, nothing waited for
     far = [sim.step_s * 10] * auto_plan.CHECK_AFTER
     fixed, line = auto_plan.recheck(auto, far, {}, plan, settle=lambda: order.append("settle"))
     assert order == ["settle", "probe"] and fixed.corrected and "probed again" in line
+    assert fixed.profile.machine.disk_together_gain == 1.3  # the probe's rates, as the run's disk tier uses them
 
 
 def test_a_transformers_block_with_eager_attention_scales_its_s_by_s_scores_exactly():

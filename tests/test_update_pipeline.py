@@ -40,6 +40,35 @@ def test_a_task_fills_the_first_gap_it_fits_and_reads_and_writes_share_the_disk(
     assert tl.busy("disk_read") == 8.0 and tl.busy("disk_write") == 1.0
 
 
+def test_a_disk_that_reads_and_writes_at_once_gets_a_lane_each_at_its_rates_beside_the_other():
+    """Equal rates: in turns, B bytes each way take 2B/r. At a gain of 2 both lanes go at full rate
+    (B/r); at 1.5 each goes at 3/4 of it; at 1 (no gain) they take turns on one lane."""
+    prof, plan = _slow_disk(synthetic(8)), _disk_plan(8)
+
+    def at(gain: float):
+        return simulate(plan, dataclasses.replace(prof, machine=dataclasses.replace(prof.machine,
+                                                                                   disk_together_gain=gain)))
+
+    turns, side, half = at(1.0), at(2.0), at(1.5)
+    assert dataclasses.replace(prof.machine, disk_together_gain=4.0).disk_lanes().disk_read_bps == 1e8  # at most alone
+    # reads twice as fast as writes: in turns B/2r + B/r; 1.5x that at once is B/r, both lanes at full rate
+    uneven = dataclasses.replace(prof.machine, disk_read_bps=2e8, disk_together_gain=1.5).disk_lanes()
+    assert (uneven.disk_read_bps, uneven.disk_write_bps) == pytest.approx((2e8, 1e8))
+
+    def overlap(sim) -> float:
+        spans = {r: [(s, e) for res, s, e, _ in sim.timeline.tasks if res == r] for r in ("disk_read", "disk_write")}
+        return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in spans["disk_read"] for s2, e2 in spans["disk_write"])
+
+    assert overlap(turns) == 0 and overlap(side) > 0 and overlap(half) > 0
+    for r in ("disk_read", "disk_write"):  # the same bytes in each
+        assert side.timeline.busy(r) == pytest.approx(turns.timeline.busy(r))
+        assert half.timeline.busy(r) == pytest.approx(turns.timeline.busy(r) * 4 / 3)
+    disk = turns.timeline.busy("disk_read") + turns.timeline.busy("disk_write")
+    assert turns.step_s >= disk and side.step_s < turns.step_s
+    lanes = side.timeline.busy("disk_read"), side.timeline.busy("disk_write")
+    assert max(lanes) <= side.step_s < sum(lanes)  # the disk no longer adds its reads and writes up
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 @pytest.mark.parametrize("read_ahead", [1, 2, 3])
 def test_the_host_never_holds_more_blocks_states_than_the_budget_counts(read_ahead, workers):

@@ -87,16 +87,20 @@ def profile_source(p: Profile) -> str:
 
 def auto_plan(model: nn.Module, step: Callable[[], None], budgets: Budgets, page: int, precision: str,
               update: str, needs_all_grads: bool, blocks: str | None = None, use_cache: bool = True,
-              max_staleness: int = DEFAULT_MAX_STALENESS, bounds: MeasureBounds | None = None) -> AutoPlan:
+              max_staleness: int = DEFAULT_MAX_STALENESS, bounds: MeasureBounds | None = None,
+              disk_gain: float = 1.0) -> AutoPlan:
     """``step`` runs one plain forward+backward at the run's batch shape. A step that says its
     shape (a ``shape`` attribute, as ``ProfileStep`` has) gets a cached profile; any other is
     measured every time, since a profile of another batch shape would mislead the solvers. Over
     several ranks rank 0 measures and every rank solves from its profile (``parallel.agree``): the
-    solvers are deterministic, so all choose one plan."""
+    solvers are deterministic, so all choose one plan. ``disk_gain``: how much faster the run's disk
+    tier moves reads and writes at once than in turns (``engine.measure.disk_depth.DiskIO``; 1: they
+    take turns, and are simulated so)."""
     profile, cached = from_rank0(
         "the model's profile", lambda: _measured(model, step, budgets, page, precision, blocks, use_cache, bounds),
         _profile_text, _profile_from)
-    return solved(profile, cached, profile.machine, page, budgets, update, max_staleness, needs_all_grads)
+    rates = dataclasses.replace(profile.machine, disk_together_gain=disk_gain)
+    return solved(profile, cached, rates, page, budgets, update, max_staleness, needs_all_grads)
 
 
 def _profile_text(measured: tuple[Profile, bool]) -> str:
@@ -254,7 +258,8 @@ def recheck(auto: AutoPlan, measured_s: list[float], measured_peaks: dict[str, i
     forget_probe(auto.disk_dir)
     settle()
     fresh = probe(auto.disk_dir, use_cache=False)
-    profile = dataclasses.replace(auto.profile, machine=fresh.rates())
+    rates = dataclasses.replace(fresh.rates(), disk_together_gain=auto.profile.machine.disk_together_gain)
+    profile = dataclasses.replace(auto.profile, machine=rates)
     again = simulate(plan, profile, auto.needs_all_grads)
     fixed = dataclasses.replace(auto, prediction=again, profile=profile, corrected=True)
     return fixed, (f"{line}; more than {MISPREDICT:.0%} off, so this machine was probed again "

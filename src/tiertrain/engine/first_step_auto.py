@@ -82,6 +82,7 @@ class FirstStepAuto:
     page: int
     options: RunOptions
     precision: str
+    disk_gain: float                    # the disk tier's reads and writes at once against in turns (DiskIO)
     args: tuple | None = None           # the first block's arguments in the first training forward (meta)
     kwargs: dict = field(default_factory=dict)
     tokens: tuple[int, int] | None = None
@@ -158,7 +159,8 @@ class FirstStepAuto:
             profile, cached = analytic_profile(self.config, tokens[0], tokens[1], self.precision, machine=here), False
         update = opts.update or "sync"
         staleness = DEFAULT_MAX_STALENESS if opts.max_staleness is None else opts.max_staleness
-        return solved(profile, cached, here.rates(), self.page, self.budgets, update, staleness,
+        rates = dataclasses.replace(here.rates(), disk_together_gain=self.disk_gain)
+        return solved(profile, cached, rates, self.page, self.budgets, update, staleness,
                       opts.needs_all_grads(self.precision))
 
     def _holder(self) -> nn.Module:
@@ -169,13 +171,13 @@ class FirstStepAuto:
 
 
 def first_step_auto(model: nn.Module, found: list[Block], budgets: Budgets, page: int, opts: RunOptions,
-                    device: torch.device) -> FirstStepAuto:
+                    device: torch.device, disk_gain: float) -> FirstStepAuto:
     """Keep what planning after the first step needs, before setup lets the model's parameters go."""
     from tiertrain.engine.measure.model import profile_key
 
     key = profile_key(model, (), "", device).rstrip("/")  # the model's part; the shape is known after a step
     return FirstStepAuto(shape_only(found), getattr(model, "config", None), key, budgets, page, opts,
-                         opts.compute_dtype or "fp32")
+                         opts.compute_dtype or "fp32", disk_gain)
 
 
 def first_plan(n_blocks: int, disk: bool, update: str | None) -> Plan:

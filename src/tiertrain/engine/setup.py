@@ -109,12 +109,13 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, memo
     page = page_size_for(opts.page_size, memory.disk_dir if memory.disk else None, device)
     if opts.page_size is None:  # a measured size: no larger than small models' chunks allow
         page = page_for_states([block_numel(b) for b in found], page)
+    io = disk_io_for(opts.page_size is None, memory.disk_dir if memory.disk else None, page)
     auto, first = None, None
     if isinstance(plan, str) and plan == "auto" and profile_step is not None:
-        auto = _auto(model, profile_step, memory, page, opts)
+        auto = _auto(model, profile_step, memory, page, opts, io.together_gain)
         plan = auto.plan
     elif isinstance(plan, str) and plan == "auto":  # the first step is the profile
-        first = first_step_auto(model, found, memory, page, opts, device)
+        first = first_step_auto(model, found, memory, page, opts, device, io.together_gain)
         plan = first_plan(len(found) - 1, memory.disk > 0, opts.update)
     chosen = _laid_out(_chosen(plan, found, memory, opts), opts)
     _check_lockfree_shards(chosen)
@@ -127,8 +128,7 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, memo
         chosen = widen_read_ahead(numels, chosen, page, budgets, transient)
     # Bounding the gradients alive makes backward wait for the optimizer: only when the host needs it
     bound = opts.train and bounds_grads(numels, chosen, page, budgets, transient)
-    depth, write_share = disk_io_for(opts.page_size is None, memory.disk_dir if memory.disk else None, page)
-    mem = MemorySystem(memory, page_size=page, check_machine=False, io_workers=depth, write_share=write_share)
+    mem = MemorySystem(memory, page_size=page, check_machine=False, io_workers=io.depth, write_share=io.write_share)
     runtime = Runtime(model, groups, group_of, mem, chosen, opts, transient_grads=bound)
     if first is not None:
         first.watch(found[0].module)
@@ -251,9 +251,11 @@ def _buffers_to(model: nn.Module, device: torch.device) -> None:
                 module._buffers[name] = buf.to(device)
 
 
-def _auto(model: nn.Module, step: Callable[[], None], memory: Budgets, page: int, opts: RunOptions) -> AutoPlan:
+def _auto(model: nn.Module, step: Callable[[], None], memory: Budgets, page: int, opts: RunOptions,
+          disk_gain: float) -> AutoPlan:
     """Profile outside the run's random stream, so an auto run trains as the same plan from a file would.
-    The run's update mode and clipping are refused before profiling, not after it."""
+    The run's update mode and clipping are refused before profiling, not after it. ``disk_gain``:
+    how much faster the run's disk tier moves reads and writes at once than in turns (``DiskIO``)."""
     from tiertrain.engine.auto_plan import auto_plan
 
     precision, update = opts.compute_dtype or "fp32", opts.update or "sync"
@@ -261,4 +263,5 @@ def _auto(model: nn.Module, step: Callable[[], None], memory: Budgets, page: int
     cuda = next(model.parameters()).is_cuda
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
         return auto_plan(model, step, memory, page, precision, update, opts.needs_all_grads(precision), opts.blocks,
-                         max_staleness=DEFAULT_MAX_STALENESS if opts.max_staleness is None else opts.max_staleness)
+                         max_staleness=DEFAULT_MAX_STALENESS if opts.max_staleness is None else opts.max_staleness,
+                         disk_gain=disk_gain)

@@ -48,6 +48,23 @@ class MachineProfile:
     adam_params_per_s: float = field(metadata=_RATE)  # CPU AdamW throughput on the update workers
     device_is_host: bool = False  # CPU-only: "device" memory is host RAM, copies are memcpy
     disk_cpu_s_per_byte: float = field(default=0.0, metadata=_TIME)  # CPU time the disk tier spends per byte
+    # how much faster the disk reads and writes at once (half the requests each way) than in turns, as
+    # the run's disk tier measured it (``engine.measure.disk_depth``) where it lets them (a write share);
+    # 1: reads and writes take turns on the disk
+    disk_together_gain: float = field(default=1.0, metadata=at_least(1))
+
+    def disk_lanes(self) -> "MachineProfile | None":
+        """Where reads and writes go at once: this profile with each direction's rate as the disk
+        gives it beside the other, for a read lane and a write lane of their own; else None (one
+        lane, in turns). With B bytes each way, in turns take B/r + B/w and at once that over the
+        gain; on two lanes scaled by k they take B / (k min(r, w)): so k = gain / (min(r, w) (1/r +
+        1/w)), at most 1 (beside each other neither goes faster than alone). A direction alone is
+        then taken at its shared rate: pessimistic where reads run with no writes beside them."""
+        if self.disk_together_gain <= 1:
+            return None
+        r, w = self.disk_read_bps, self.disk_write_bps
+        k = min(1.0, self.disk_together_gain / (min(r, w) * (1 / r + 1 / w)))
+        return dataclasses.replace(self, disk_read_bps=k * r, disk_write_bps=k * w)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 Each task (a copy, a compute, an update) starts when its inputs are ready, its trigger
 has fired and its resource is free (``planner.timeline``), and holds that resource for
 bytes/bandwidth or the profiled seconds. Resources: compute, h2d, d2h, disk_read and
-disk_write (one disk: they take turns), cpu (the AdamW workers), net (a rank's collectives,
+disk_write (one disk: they take turns, unless the disk tier lets them go at once and the
+disk is faster so: ``MachineProfile.disk_lanes``), cpu (the AdamW workers), net (a rank's collectives,
 with the profile's ``network``: the plan's ranks). Updates run in the runtime's pipeline
 (``planner.updates``: its workers, the blocks it reads ahead, backward's wait for room for
 gradients). Memory per tier is tracked over the same time. The result names the step time,
@@ -23,6 +24,7 @@ all-gather of its new params; each rank updates its own share of the states.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -64,7 +66,10 @@ def simulate(plan: Plan, p: Profile, needs_all_grads: bool = False, budgets: dic
     updates wait for the end of backward. ``budgets``: where the runtime will bound the gradients
     (``plan.bytes.bounds_grads``), those the updates take away count at most what it lets live, and
     backward waits for an update to free one (``UpdatePipeline.room_for_grads``)."""
-    m, tl = p.machine, Timeline()
+    lanes = p.machine.disk_lanes()
+    if lanes is not None:  # reads and writes at once, each at its rate beside the other
+        p = dataclasses.replace(p, machine=lanes)
+    m, tl = p.machine, Timeline(shared_disk=lanes is None)
     mem = _fixed_memory(plan, p)
     curve: list[tuple[float, str, int]] = [(0.0, t, v) for t, v in mem.items()]
     live = dict(mem)
@@ -221,12 +226,12 @@ def _step_time(plan: Plan, tl: Timeline, device_end: float, needs_all_grads: boo
                chain: float) -> float:
     """Sync: the step ends with its last update. Otherwise updates hide behind the next step's
     compute as far as the busiest resource allows and the next forward's wait for them (``chain``,
-    ``UpdatePipeline.chain``) lets; reads and writes share one disk. On a
+    ``UpdatePipeline.chain``) lets; reads and writes share one disk (or take a lane each). On a
     CPU-only machine compute, copies (memcpy) and AdamW run on the same cores, and so does the
     disk tier's share (syscalls, checksums: the probe's CPU seconds per byte), so that work adds
     up instead of overlapping."""
     last = max(e for _, _, e, _ in tl.tasks)
-    disk = tl.busy("disk_read") + tl.busy("disk_write")
+    disk = tl.busy("disk_read") + tl.busy("disk_write") if tl.shared_disk else 0.0  # else: each lane's own
     shared = 0.0
     if m.device_is_host:
         moved = tl.busy("disk_read") * m.disk_read_bps + tl.busy("disk_write") * m.disk_write_bps

@@ -6,7 +6,8 @@ the next block's fetch, though that fetch was submitted earlier): filling gaps l
 later but ready earlier run in the idle time before the tasks placed already, where appending after
 the lane's last task would queue an early read behind a later one. It is not a queue: a task that
 does not fit a gap goes after the tasks around it, even one that became ready after it.
-A disk's reads and writes take turns on one lane, as the step's disk bound adds them up (``simulator``).
+A disk's reads and writes take turns on one lane, as the step's disk bound adds them up (``simulator``),
+unless the disk tier lets them go at once (``shared_disk`` False: a lane each, ``MachineProfile.disk_lanes``).
 """
 
 from __future__ import annotations
@@ -15,18 +16,21 @@ import bisect
 from dataclasses import dataclass, field
 
 RESOURCES = ("compute", "h2d", "d2h", "disk_read", "disk_write", "cpu", "net")
-LANES = {r: "disk" if r.startswith("disk") else r for r in RESOURCES}  # reads and writes share one disk
 
 
 @dataclass
 class Timeline:
+    shared_disk: bool = True  # reads and writes on one lane
     tasks: list[tuple[str, float, float, str]] = field(default_factory=list)   # resource, start, end, label
-    _starts: dict[str, list[float]] = field(default_factory=lambda: {lane: [] for lane in LANES.values()})
-    _ends: dict[str, list[float]] = field(default_factory=lambda: {lane: [] for lane in LANES.values()})
+    _starts: dict[str, list[float]] = field(default_factory=dict)
+    _ends: dict[str, list[float]] = field(default_factory=dict)
 
     def run(self, resource: str, ready: float, seconds: float, label: str) -> tuple[float, float]:
         """Hold ``resource`` for ``seconds`` in the first gap from ``ready`` on: (start, end)."""
-        starts, ends = self._starts[LANES[resource]], self._ends[LANES[resource]]
+        if resource not in RESOURCES:
+            raise KeyError(resource)
+        lane = "disk" if self.shared_disk and resource.startswith("disk") else resource
+        starts, ends = self._starts.setdefault(lane, []), self._ends.setdefault(lane, [])
         start = ready
         k = bisect.bisect_right(ends, start)       # the first busy span that ends after ``ready``
         while k < len(starts) and starts[k] < start + seconds:

@@ -30,6 +30,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -173,30 +174,39 @@ def measured_depth(disk_dir: str, page: int, total: int = 256 * MiB) -> DiskDept
     return found
 
 
-DEFAULT_IO = (8, 0)  # BENCHMARKS.md: deeper queues than ~8 were no faster on these disks; reads first
+@dataclass(frozen=True)
+class DiskIO:
+    """How a run's disk tier uses its disk (``MemorySystem``'s I/O workers), and what the planner's
+    simulator takes from it (``MachineProfile.disk_together_gain``)."""
+    depth: int                  # requests in flight
+    write_share: int = 0        # of those, how many may write while reads wait (0: reads first)
+    together_gain: float = 1.0  # reads and writes at once against in turns, where they go at once; else 1
 
 
-def disk_io_for(measured_page: bool, disk_dir: str | None, page: int) -> tuple[int, int]:
-    """(requests in flight, write share) for a run: measured for its disk where its page size was
-    measured too (a run that names its page size, as the tests do, measures neither), else the
-    defaults. Over several ranks, rank 0's: measured once, not by every rank of a host at once on
-    one disk (each would find it slower than it is); the ranks of other hosts take it as they take
-    its page size."""
+DEFAULT_IO = DiskIO(8)  # BENCHMARKS.md: deeper queues than ~8 were no faster on these disks; reads first
+
+
+def disk_io_for(measured_page: bool, disk_dir: str | None, page: int) -> DiskIO:
+    """A run's disk I/O: measured for its disk where its page size was measured too (a run that names
+    its page size, as the tests do, measures neither), else the defaults. Over several ranks, rank
+    0's: measured once, not by every rank of a host at once on one disk (each would find it slower
+    than it is); the ranks of other hosts take it as they take its page size."""
     given = os.environ.get("TIERTRAIN_IO_WORKERS")  # an override, for comparing depths on one disk
     if given:
         if not given.isdigit() or int(given) < 1:
             raise ConfigError(f"TIERTRAIN_IO_WORKERS={given!r} must be a whole number of workers, 1 or more")
-        return int(given), 0
+        return DiskIO(int(given))
     if not measured_page or not disk_dir:
         return DEFAULT_IO
-    depth, share = from_rank0("the disk's depth", lambda: _depth_or_default(disk_dir, page), json.dumps, json.loads)
-    return int(depth), int(share)
+    return from_rank0("the disk's depth", lambda: _io_or_default(disk_dir, page),
+                      lambda io: json.dumps(dataclasses.asdict(io)), lambda text: DiskIO(**json.loads(text)))
 
 
-def _depth_or_default(disk_dir: str, page: int) -> tuple[int, int]:
+def _io_or_default(disk_dir: str, page: int) -> DiskIO:
     try:
         found = measured_depth(disk_dir, page)
     except DiskError as exc:  # the tier's own checks report a failing disk; the run need not stop here
-        log.warning("measuring the disk's depth failed (%s); using %d workers, reads first", exc, DEFAULT_IO[0])
+        log.warning("measuring the disk's depth failed (%s); using %d workers, reads first", exc, DEFAULT_IO.depth)
         return DEFAULT_IO
-    return found.depth, found.write_share
+    gain = found.together_bps / found.apart_bps if found.write_share else 1.0
+    return DiskIO(found.depth, found.write_share, max(1.0, gain))

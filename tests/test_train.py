@@ -143,3 +143,12 @@ def test_a_model_that_fits_the_host_budget_but_not_beside_the_budgets_is_built_o
     budgets = (8 << 20) + (64 << 20)  # device + host: on a CPU both are host memory
     assert "beside the budgets" in said(budgets + (100 << 10), tmp_path / "capped")
     assert "meta device" not in said(None, tmp_path / "roomy")  # no cgroup limit
+
+
+def test_a_step_line_names_the_disk_tiers_pages_apart_from_the_memory_peak():
+    """A disk plan's pages (12 GiB for the 1.31B) are no memory: the line's peak is its memory tiers'."""
+    from tiertrain.engine.metrics import step_memory
+
+    row = {"peak_bytes": {"device": 1 << 20, "host": 3 << 20, "disk": 12 << 30}, "rss_bytes": {"now": 5 << 20}}
+    assert step_memory(row) == "peak 3.00 MiB  disk 12.00 GiB  RSS 5.00 MiB"
+    assert step_memory({"peak_bytes": {"host": 2 << 20}}) == "peak 2.00 MiB"

@@ -158,14 +158,22 @@ class Reporter:
         if self._progress is not None:
             self._progress.update(self._task, completed=row["step"], status=status)
         elif not self.quiet and (row["step"] % self.log_every == 0 or row["step"] in (1, self.total_steps)):
-            peak = max(row["peak_bytes"].values())
-            rss = row.get("rss_bytes", {}).get("now")
-            print(f"step {row['step']:>6}/{self.total_steps}  {status}  peak {format_bytes(peak)}"
-                  + (f"  RSS {format_bytes(rss)}" if rss is not None else ""), file=self.stream, flush=True)
+            print(f"step {row['step']:>6}/{self.total_steps}  {status}  {step_memory(row)}", file=self.stream,
+                  flush=True)
 
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()
+
+
+def step_memory(row: dict[str, Any]) -> str:
+    """A step line's memory: the peak of its memory tiers (a disk tier's pages are no memory: they
+    follow, named), and the process's resident memory."""
+    peaks = row["peak_bytes"]
+    memory = max((v for k, v in peaks.items() if k != "disk"), default=0)
+    rss = row.get("rss_bytes", {}).get("now")
+    return (f"peak {format_bytes(memory)}" + (f"  disk {format_bytes(peaks['disk'])}" if "disk" in peaks else "")
+            + (f"  RSS {format_bytes(rss)}" if rss is not None else ""))
 
 
 class StepTimer:

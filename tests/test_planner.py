@@ -547,6 +547,25 @@ def test_setup_plans_auto_with_the_disk_io_its_memory_system_runs(tmp_path, monk
         tm.runtime.mem.close()
 
 
+def test_a_plan_that_does_not_fit_is_refused_before_the_disk_is_measured(tmp_path, monkeypatch):
+    """Only ``auto`` needs the disk's depth before it plans; a given plan is checked first (measuring
+    takes 10-20 s on a disk not measured before)."""
+    import pytest
+    import torch
+
+    import tiertrain
+    from tiertrain.engine import setup as setup_module
+    from tiertrain.memory import Budgets
+    from tiertrain.runtime.budget_check import PlanDoesNotFit
+
+    monkeypatch.setattr(setup_module, "page_size_for", lambda *a: 64 << 10)
+    monkeypatch.setattr(setup_module, "disk_io_for", lambda *a: pytest.fail("measured the disk for a refused plan"))
+    model = _tiny_gpt(2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(PlanDoesNotFit):
+        tiertrain.setup(model, opt, Budgets(64 << 10, 64 << 10, 1 << 30, str(tmp_path)), plan="max-offload")
+
+
 def test_auto_plans_a_lockfree_run_for_the_staleness_it_will_run_with(tmp_path):
     """``--plan auto --update lockfree --max-staleness 4``: the planner counts the gradient chunks and
     the disk passes of that staleness, and the plan it returns carries it."""

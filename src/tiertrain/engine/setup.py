@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from tiertrain.engine.budgets import machine_budgets
 from tiertrain.engine.first_step_auto import FIRST_PLAN, FirstStepAuto, first_plan, first_step_auto
-from tiertrain.engine.measure.disk_depth import disk_io_for
+from tiertrain.engine.measure.disk_depth import DiskIO, disk_io_for
 from tiertrain.engine.measure.page_size import page_size_for
 from tiertrain.engine.tiered_module import TieredModule, tiered_in_place
 from tiertrain.engine.tiered_optimizer import TieredOptimizer
@@ -109,7 +109,8 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, memo
     page = page_size_for(opts.page_size, memory.disk_dir if memory.disk else None, device)
     if opts.page_size is None:  # a measured size: no larger than small models' chunks allow
         page = page_for_states([block_numel(b) for b in found], page)
-    io = disk_io_for(opts.page_size is None, memory.disk_dir if memory.disk else None, page)
+    # auto simulates the disk as the run will use it; any other plan is checked before it is measured
+    io = _disk_io(opts, memory, page) if isinstance(plan, str) and plan == "auto" else None
     auto, first = None, None
     if isinstance(plan, str) and plan == "auto" and profile_step is not None:
         auto = _auto(model, profile_step, memory, page, opts, io.together_gain)
@@ -128,6 +129,7 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, memo
         chosen = widen_read_ahead(numels, chosen, page, budgets, transient)
     # Bounding the gradients alive makes backward wait for the optimizer: only when the host needs it
     bound = opts.train and bounds_grads(numels, chosen, page, budgets, transient)
+    io = io or _disk_io(opts, memory, page)
     mem = MemorySystem(memory, page_size=page, check_machine=False, io_workers=io.depth, write_share=io.write_share)
     runtime = Runtime(model, groups, group_of, mem, chosen, opts, transient_grads=bound)
     if first is not None:
@@ -148,6 +150,10 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, memo
         for group in optimizer.param_groups:
             group["params"] = [replaced.get(id(p), p) for p in group["params"]]
     return tiered, topt
+
+
+def _disk_io(opts: RunOptions, memory: Budgets, page: int) -> DiskIO:
+    return disk_io_for(opts.page_size is None, memory.disk_dir if memory.disk else None, page)
 
 
 def _check_first_step_auto(opts: RunOptions) -> None:

@@ -20,6 +20,7 @@ at 8 (the README, where it says how many requests are in flight).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -30,7 +31,6 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 

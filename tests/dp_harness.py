@@ -229,15 +229,16 @@ def agreed_auto_setup(rank: int, disk: Path) -> dict:
         page_size.measured_page_size, disk_depth.measured_depth, auto_plan._measured = saved
 
 
-def agreed_budgets(rank: int) -> tuple[int, int]:
-    """The budgets taken from the machine where rank 0 sees 8 GiB available and rank 1 4 GiB."""
+def agreed_budgets(rank: int) -> list[tuple[int, int]]:
+    """The budgets taken from the machine where rank 0 sees 8 GiB available and rank 1 4 GiB: all
+    taken, then with a host budget of 1 GiB given."""
     from tiertrain.engine import budgets
 
     saved = budgets.host_available
     budgets.host_available = lambda: (8 << 30) if rank == 0 else (4 << 30)
     try:
-        got = budgets.machine_budgets(torch.device("cpu")).budgets
-        return got.device, got.host
+        got = [budgets.machine_budgets(torch.device("cpu"), given_host=host).budgets for host in (None, 1 << 30)]
+        return [(b.device, b.host) for b in got]
     finally:
         budgets.host_available = saved
 

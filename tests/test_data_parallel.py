@@ -146,7 +146,8 @@ def test_ranks_of_one_host_divide_what_they_take_of_it_and_all_take_the_least(dp
     """Rank 0 sees 8 GiB available and rank 1 4 GiB: alone, rank 1 would take a quarter (1 GiB) as its
     CPU device tier and 90% of the rest as host; two ranks of one host halve that, and both take it."""
     want = (1 << 30) // 2, int(0.9 * (3 << 30)) // 2
-    assert dp2[(("budgets",), 0)] == dp2[(("budgets",), 1)] == want
+    given = (1 << 30) // 2, 1 << 30  # a given budget is each rank's own: not divided
+    assert dp2[(("budgets",), 0)] == dp2[(("budgets",), 1)] == [want, given]
 
 
 def test_a_measurement_that_fails_on_rank_0_fails_on_every_rank(dp2):

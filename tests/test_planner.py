@@ -519,7 +519,7 @@ def test_auto_simulates_the_disk_as_the_runs_disk_tier_uses_it(tmp_path):
     for gain in (1.5, 1.0):
         got = auto_plan(model, step, budgets, 64 << 10, "fp32", "overlap", False, use_cache=False, disk_gain=gain)
         assert got.profile.machine.disk_together_gain == gain
-        assert (got.profile.machine.disk_lanes() is None) == (gain == 1.0)
+        assert got.prediction.timeline.shared_disk == (gain == 1.0)  # the step replayed on two lanes too
 
 
 def test_setup_plans_auto_with_the_disk_io_its_memory_system_runs(tmp_path, monkeypatch):

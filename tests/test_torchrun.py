@@ -55,6 +55,21 @@ def test_nproc_trains_data_parallel_writes_sharded_checkpoints_and_resumes_at_ot
     assert _losses(again) == _losses(tmp_path / "at1")[1:]
 
 
+def test_nproc_with_plan_auto_measures_on_rank_0_alone_and_every_rank_plans_alike(tmp_path, monkeypatch):
+    """With nothing cached, rank 0 measures the page size, the disk's depth and the profile, and
+    rechecks the prediction after the first steps; rank 1 takes them and trains the same plan (a
+    plan it chose apart could issue other collectives and hang)."""
+    monkeypatch.setenv("TIERTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "auto"
+    r = _train(*TINY, "--plan", "auto", "--update", "overlap", "--steps", "6", "--disk", f"{tmp_path / 'disk'}:256MiB",
+               "--out", str(out), "--nproc", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr.count("measuring how many requests the disk") == 1, r.stderr[-3000:]
+    assert (r.stdout + r.stderr).count("auto plan after 3 steps") == 1  # rank 0's line (its reporter's)
+    assert "rank 1 waiting for" in r.stderr  # what rank 1 waited for, said
+    assert len(_losses(out)) == 6
+
+
 def test_a_bad_value_under_nproc_is_one_message_before_anything_starts(tmp_path):
     r = _train(*TINY, "--plan", "stream", "--lr", "inf", "--out", str(tmp_path / "r"), "--nproc", "2")
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]

@@ -67,6 +67,12 @@ def test_a_disk_that_reads_and_writes_at_once_gets_a_lane_each_at_its_rates_besi
     assert turns.step_s >= disk and side.step_s < turns.step_s
     lanes = side.timeline.busy("disk_read"), side.timeline.busy("disk_write")
     assert max(lanes) <= side.step_s < sum(lanes)  # the disk no longer adds its reads and writes up
+    # a sync step reads, then writes: on two lanes each would run at its shared rate with the other
+    # idle, so a small gain must not make it slower than taking turns at the rates alone
+    sync = dataclasses.replace(plan, update="sync")
+    for gain in (1.1, 1.2, 1.5):
+        slow = dataclasses.replace(prof, machine=dataclasses.replace(prof.machine, disk_together_gain=gain))
+        assert simulate(sync, slow).step_s <= simulate(sync, prof).step_s
 
 
 @pytest.mark.parametrize("workers", [1, 2])

@@ -15,6 +15,7 @@ times over), and every rank takes the least any rank can, so that all of them pl
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -58,8 +59,7 @@ def machine_budgets(device: torch.device, given_device: int | None = None, given
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         room = host_available() - (dev if device.type == "cpu" else 0)
         host = max(0, min(ram // 2, int(HOST_SHARE * room)))
-    if taken:
-        dev, host = _agreed(dev, host, "device" in taken and device.type == "cpu", "host" in taken)
+    dev, host = _agreed(dev, host, "device" in taken and device.type == "cpu", "host" in taken)
     return TakenBudgets(Budgets(dev, host, disk, disk_dir), tuple(taken))
 
 
@@ -67,11 +67,12 @@ def _agreed(dev: int, host: int, divide_dev: bool, divide_host: bool) -> tuple[i
     """The budgets every rank takes: what each took of its host's memory divided among that host's
     ranks (a GPU's is its rank's own; a given budget is already each rank's), the least over the
     ranks. One process: its own."""
-    every = every_rank("the budgets taken from the machine", (dev, host))
+    every = every_rank("the budgets", (dev, host, divide_dev, divide_host))
     if len(every) == 1:
         return dev, host
-    shares = [(d // (n if divide_dev else 1), h // (n if divide_host else 1))
-              for name, (d, h) in every for n in [sum(other == name for other, _ in every)]]
+    ranks_on = Counter(name for name, _ in every)
+    shares = [(d // (ranks_on[name] if split_d else 1), h // (ranks_on[name] if split_h else 1))
+              for name, (d, h, split_d, split_h) in every]
     return min(d for d, _ in shares), min(h for _, h in shares)
 
 

@@ -417,17 +417,29 @@ class Trainer:
         if self.model.runtime.plan.update == "lockfree":
             row["staleness"] = self.model.runtime.pop_staleness()
         if self.auto is not None and self.step > WARMUP_STEPS:  # beside the measured step_s and tier peaks
-            from tiertrain.engine.auto_plan import CHECK_AFTER, recheck
+            from tiertrain.engine.auto_plan import CHECK_AFTER
 
             measured = self.step_seconds[WARMUP_STEPS:] + [row["step_s"]]
-            # held against the first steps; remeasured where far off, by rank 0 alone, which measured it
-            if len(measured) == CHECK_AFTER and self.rank == 0:
-                self.auto, line = recheck(self.auto, measured, row["peak_bytes"], self.model.runtime.plan,
-                                          self.model.runtime.wait_updates)
+            if len(measured) == CHECK_AFTER:  # held against the first steps; remeasured where far off
+                self.auto, line = self._recheck(measured, row["peak_bytes"])
                 if self.disk_watch is not None:  # a recheck may probe the disk: that is no step's busy time
                     self.disk_watch.skip_device()
-                self.reporter.message(line)
+                if line:
+                    self.reporter.message(line)
             row["predicted"] = self.auto.predicted_row()
+
+    def _recheck(self, measured: list[float], peaks: dict[str, int]) -> tuple[AutoPlan, str]:
+        """Rank 0 rechecks (it measured the profile; over several ranks the others would probe one disk
+        beside it) while the others wait for it, under the measuring timeout rather than the
+        collectives': a probe may take longer than a collective is allowed to."""
+        from tiertrain.engine.auto_plan import recheck
+        from tiertrain.parallel.agree import from_rank0
+
+        auto = self.auto
+        assert auto is not None
+        return from_rank0("the prediction's recheck",
+                          lambda: recheck(auto, measured, peaks, self.model.runtime.plan, self.model.runtime.wait_updates),
+                          lambda _: "", lambda _: (auto, ""))
 
 
 def train(cfg: TrainConfig, reporter: Reporter | None = None) -> RunSummary:

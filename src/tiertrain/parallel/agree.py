@@ -10,51 +10,70 @@ take its figures, or (budgets) every rank says what it has and each takes what a
 Exchanged as JSON through the process group's key-value store, which every backend has (gloo and
 NCCL alike, no tensors on any device) and which carries text, so nothing is unpickled. Why by hand:
 ``torch.distributed``'s object collectives pickle, and need a device the backend accepts.
+
+Keys: ``what`` and how many times this process group has agreed on it before. Every rank calls in
+for the same things in the same order whatever its own settings (a rank decides nothing locally
+first), so the keys match.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import socket
+import sys
+import time
+from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from tiertrain.errors import ConfigError
 from tiertrain.parallel.group import ensure_process_group, world_from_env
 
 T = TypeVar("T")
-# Measuring may take minutes (a profile, the disk's depth): the other ranks wait this long for it.
-# A rank 0 that dies takes the store with it, which ends the wait at once.
-WAIT = timedelta(seconds=int(os.environ.get("TIERTRAIN_MEASURE_TIMEOUT", "1800")))
-_calls = itertools.count()  # every rank makes the same calls in the same order, so the n-th call's key is shared
+DEFAULT_WAIT_S = 1800  # measuring may take minutes (a profile, the disk's depth): the others wait this long
+SAY_AFTER_S = 2.0      # a rank still waiting after this long says what for (an exchange is over sooner)
+_counts: dict[int, tuple[Any, Counter]] = {}  # id(store) -> (the store, kept so its id stays its own; calls per what)
 
 
-def _store():  # noqa: ANN202 - torch's Store, imported lazily with torch.distributed
+def _group() -> tuple[Any, int, int] | None:
+    """(store, rank, world size) of the run's process group, or None where this process runs alone
+    (or has no group and no torchrun environment to start one: ``tiertrain plan`` in a shell that
+    exported WORLD_SIZE measures for itself)."""
     import torch.distributed as dist
 
+    if world_from_env() == 1 or not (dist.is_initialized() or "MASTER_ADDR" in os.environ):
+        return None
     ensure_process_group()
     return dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
 
 
+def _key(store: Any, what: str) -> str:
+    _, calls = _counts.setdefault(id(store), (store, Counter()))
+    calls[what] += 1
+    return f"tiertrain/agreed/{what}/{calls[what]}"
+
+
 def from_rank0(what: str, make: Callable[[], T], encode: Callable[[T], str], decode: Callable[[str], T]) -> T:
     """``make()`` on rank 0 only; every other rank waits and takes rank 0's result (``what`` names it
-    in messages). One process: ``make()``. A failure on rank 0 is raised on every rank."""
-    if world_from_env() == 1:
+    in messages). One process: ``make()``. A failure on rank 0 (making or encoding) is raised on
+    every rank."""
+    group = _group()
+    if group is None:
         return make()
-    store, rank, _ = _store()
-    key = f"tiertrain/agreed/{next(_calls)}/{what}"
+    store, rank, _ = group
+    key = _key(store, what)
     if rank == 0:
         try:
             value = make()
+            text = encode(value)
         except Exception as exc:
             store.set(key, json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
             raise
-        store.set(key, json.dumps({"value": encode(value)}))
+        store.set(key, json.dumps({"value": text}))
         return value
-    entry = json.loads(_wait(store, key, what))
+    entry = json.loads(_wait(store, key, what, rank))
     if "error" in entry:
         raise ConfigError(f"rank 0 failed while finding {what} for every rank: {entry['error']}")
     return decode(entry["value"])
@@ -64,21 +83,40 @@ def every_rank(what: str, mine: tuple[int, ...]) -> list[tuple[str, tuple[int, .
     """Every rank's ``mine``, in rank order, each with the name of the host it runs on (the ranks of
     one host share its memory and disks). One process: its own."""
     host = socket.gethostname()
-    if world_from_env() == 1:
+    group = _group()
+    if group is None:
         return [(host, mine)]
-    store, rank, world = _store()
-    key = f"tiertrain/agreed/{next(_calls)}/{what}"
+    store, rank, world = group
+    key = _key(store, what)
     store.set(f"{key}/{rank}", json.dumps({"host": host, "figures": list(mine)}))
-    every = [json.loads(_wait(store, f"{key}/{r}", what)) for r in range(world)]
+    every = [json.loads(_wait(store, f"{key}/{r}", what, rank)) for r in range(world)]
     if any(len(e["figures"]) != len(mine) for e in every):
         raise ConfigError(f"the ranks disagree on what {what} holds: run one version of tiertrain on every rank")
     return [(e["host"], tuple(int(f) for f in e["figures"])) for e in every]
 
 
-def _wait(store, key: str, what: str) -> str:  # noqa: ANN001 - torch's Store
+def _wait(store: Any, key: str, what: str, rank: int) -> str:
+    """The value at ``key`` once a rank has set it, saying what this rank waits for where it is not
+    there within ``SAY_AFTER_S``. The store is rank 0's (it ends with it) or torchrun's agent's (which ends every rank
+    when one fails), so only a rank that is alive and slow, or stuck, keeps the others here."""
+    limit = _wait_limit()
+    quiet_until = time.monotonic() + SAY_AFTER_S
     try:
-        store.wait([key], WAIT)
-    except RuntimeError as exc:  # a timeout, or the store gone with rank 0
-        raise ConfigError(f"waited in vain for {what} from the other ranks ({exc}); if a rank measures for long, "
-                          f"raise TIERTRAIN_MEASURE_TIMEOUT (now {int(WAIT.total_seconds())} s)") from None
-    return store.get(key).decode()
+        while not store.check([key]):
+            if time.monotonic() > quiet_until:
+                print(f"tiertrain: rank {rank} waiting for {what} from the other ranks (up to {limit} s)...",
+                      file=sys.stderr, flush=True)
+                store.wait([key], timedelta(seconds=limit))
+                break
+            time.sleep(0.02)
+        return store.get(key).decode()
+    except RuntimeError as exc:  # the timeout, or the store gone
+        raise ConfigError(f"rank {rank} waited in vain for {what} from the other ranks ({exc}); if a rank "
+                          f"measures for long, raise TIERTRAIN_MEASURE_TIMEOUT (now {limit} s)") from None
+
+
+def _wait_limit() -> int:
+    given = os.environ.get("TIERTRAIN_MEASURE_TIMEOUT", str(DEFAULT_WAIT_S))
+    if not given.isdigit() or int(given) < 1:
+        raise ConfigError(f"TIERTRAIN_MEASURE_TIMEOUT={given!r} must be a whole number of seconds, 1 or more")
+    return int(given)

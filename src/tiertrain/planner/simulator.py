@@ -65,11 +65,24 @@ def simulate(plan: Plan, p: Profile, needs_all_grads: bool = False, budgets: dic
     """Replay one step of ``plan`` on ``p``. ``needs_all_grads``: clipping or fp16 makes overlapped
     updates wait for the end of backward. ``budgets``: where the runtime will bound the gradients
     (``plan.bytes.bounds_grads``), those the updates take away count at most what it lets live, and
-    backward waits for an update to free one (``UpdatePipeline.room_for_grads``)."""
+    backward waits for an update to free one (``UpdatePipeline.room_for_grads``).
+
+    Where the disk goes faster reading and writing at once (``MachineProfile.disk_lanes``), the step
+    is replayed both ways and the faster taken: on two lanes each direction runs at its shared rate
+    even where the other is idle (a sync step's reads, then its writes), and taking turns at the
+    rates alone is what such a step gets."""
+    turns = _replay_step(plan, p, needs_all_grads, budgets, Timeline())
     lanes = p.machine.disk_lanes()
-    if lanes is not None:  # reads and writes at once, each at its rate beside the other
-        p = dataclasses.replace(p, machine=lanes)
-    m, tl = p.machine, Timeline(shared_disk=lanes is None)
+    if lanes is None:
+        return turns
+    side = _replay_step(plan, dataclasses.replace(p, machine=lanes), needs_all_grads, budgets,
+                        Timeline(shared_disk=False))
+    return side if side.step_s <= turns.step_s else turns
+
+
+def _replay_step(plan: Plan, p: Profile, needs_all_grads: bool, budgets: dict[Tier, int] | None,
+                 tl: Timeline) -> Simulation:
+    m = p.machine
     mem = _fixed_memory(plan, p)
     curve: list[tuple[float, str, int]] = [(0.0, t, v) for t, v in mem.items()]
     live = dict(mem)

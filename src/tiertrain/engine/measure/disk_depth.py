@@ -189,8 +189,13 @@ DEFAULT_IO = DiskIO(8)  # BENCHMARKS.md: deeper queues than ~8 were no faster on
 def disk_io_for(measured_page: bool, disk_dir: str | None, page: int) -> DiskIO:
     """A run's disk I/O: measured for its disk where its page size was measured too (a run that names
     its page size, as the tests do, measures neither), else the defaults. Over several ranks, rank
-    0's: measured once, not by every rank of a host at once on one disk (each would find it slower
-    than it is); the ranks of other hosts take it as they take its page size."""
+    0's, decided there: measured once, not by every rank of a host at once on one disk (each would
+    find it slower than it is); the ranks of other hosts take it as they take its page size."""
+    return from_rank0("the disk's depth", lambda: _local_io(measured_page, disk_dir, page),
+                      lambda io: json.dumps(dataclasses.asdict(io)), lambda text: DiskIO(**json.loads(text)))
+
+
+def _local_io(measured_page: bool, disk_dir: str | None, page: int) -> DiskIO:
     given = os.environ.get("TIERTRAIN_IO_WORKERS")  # an override, for comparing depths on one disk
     if given:
         if not given.isdigit() or int(given) < 1:
@@ -198,8 +203,7 @@ def disk_io_for(measured_page: bool, disk_dir: str | None, page: int) -> DiskIO:
         return DiskIO(int(given))
     if not measured_page or not disk_dir:
         return DEFAULT_IO
-    return from_rank0("the disk's depth", lambda: _io_or_default(disk_dir, page),
-                      lambda io: json.dumps(dataclasses.asdict(io)), lambda text: DiskIO(**json.loads(text)))
+    return _io_or_default(disk_dir, page)
 
 
 def _io_or_default(disk_dir: str, page: int) -> DiskIO:

@@ -168,6 +168,8 @@ def _matmuls(dev: torch.device, sync: Callable[[], None]) -> PerDtype:
         n = 256
         while True:
             a = torch.randn(n, n, device=dev).to(torch_dtype(name))
+            a @ a  # untimed: a GPU's first product loads its kernels (and cuBLAS), which takes longer than one
+            sync()
             t = time.perf_counter()
             a @ a
             sync()

@@ -100,8 +100,7 @@ def measured_page_size(disk_dir: str | None, device: torch.device) -> int:
 
 def page_size_for(size: int | None, disk_dir: str | None, device: torch.device) -> int:
     """The page size a run uses: the one asked for (checked), else the one measured for its slowest
-    link; over several ranks, rank 0's (``parallel.agree``: every rank lays its chunks out alike, and
-    ranks that measured one disk together would each have measured it disturbed)."""
-    if size:
-        return check_page_size(size)
-    return from_rank0("the page size", lambda: measured_page_size(disk_dir, device), str, int)
+    link; over several ranks, rank 0's, given or measured (``parallel.agree``: every rank lays its chunks
+    out alike, and ranks that measured one disk together would each have measured it disturbed)."""
+    return from_rank0("the page size", lambda: check_page_size(size) if size else measured_page_size(disk_dir, device),
+                      str, int)

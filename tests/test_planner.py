@@ -2,6 +2,7 @@ import random
 
 import pytest
 
+from tiertrain.planner.machine import Load
 from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
 from tiertrain.planner.solvers import Problem, dynamic_programming, exhaustive, greedy, random_search, stronghold
 
@@ -237,6 +238,21 @@ def test_profiles_are_cached_per_key_and_a_damaged_cache_is_measured_again(tmp_p
     from tiertrain.engine.measure import model as profiling
 
     monkeypatch.setenv("TIERTRAIN_CACHE_DIR", str(tmp_path))
+    others = {"cores": 0.0}  # what else ran while each profile was measured
+
+    class Meter:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.load = Load(others_cores=others["cores"], cores=2)
+
+    monkeypatch.setattr(profiling, "LoadMeter", Meter)
+    others["cores"] = 1.2  # a busy machine: measured, used, not kept
+    busy, cached = profiling.cached_profile("k1", lambda: Profile(synthetic(2).blocks, synthetic(2).rest,
+                                                                 synthetic(2).machine, key="k1"))
+    assert not cached and busy.key == "k1" and cache.load("profiles", "k1") is None
+    others["cores"] = 0.05
     calls = []
 
     def measure():
@@ -620,6 +636,7 @@ def test_plan_auto_on_a_model_built_on_the_meta_device_measures_one_block_for_al
 
     never.shape = (2, 32)
     monkeypatch.setenv("TIERTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(Load, "busy", property(lambda self: False))  # a busy machine's profile is not kept
     cfg = ModelConfig(n_layer=2, n_head=4, d_model=64, d_ffn=256, vocab_size=256, max_seq_len=64, name="t")
     for run in range(2):
         model = build(cfg, device="meta")

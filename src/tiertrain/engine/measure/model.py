@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import socket
 import statistics
 import time
@@ -23,9 +24,13 @@ import torch.nn as nn
 
 from tiertrain import typed
 from tiertrain.engine.measure import cache
+from tiertrain.engine.measure.load import LoadMeter
 from tiertrain.errors import ConfigError
 from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
 from tiertrain.runtime.blocks import Block, block_numel
+
+log = logging.getLogger("tiertrain")
+
 
 def profile_key(model: nn.Module, shape: tuple[int, ...], precision: str, device: torch.device) -> str:
     """Which cached profile a run may reuse: same host, device kind, model structure, batch shape, dtype."""
@@ -192,14 +197,21 @@ def _timed(step: Callable[[], None], sync: Callable[[], None]) -> float:
 
 
 def cached_profile(key: str, measure: Callable[[], Profile], use_cache: bool = True) -> tuple[Profile, bool]:
-    """(profile, whether it came from the cache). A damaged entry is measured again."""
+    """(profile, whether it came from the cache). A damaged entry is measured again. A profile
+    measured while other processes took a quarter of the cores or more is used once and not kept,
+    as a busy machine probe is not (``load``: a busy probe read this VM's rates 3x low): every later
+    run of the model at that shape would plan from it."""
     found = cache.load("profiles", key) if use_cache else None
     if found is not None:
         try:
             return typed.load(Profile, found, "cached profile"), True
         except ConfigError:
             pass
-    profile = measure()
-    if not profile.source.startswith("FLOP estimate"):  # an estimate costs nothing to make again
+    with LoadMeter() as meter:
+        profile = measure()
+    if meter.load is not None and meter.load.busy:
+        log.warning("the machine was busy while the model was profiled (others used %.1f of %d cores): the "
+                    "profile is used once and not cached", meter.load.others_cores, meter.load.cores)
+    elif not profile.source.startswith("FLOP estimate"):  # an estimate costs nothing to make again
         cache.store("profiles", key, dataclasses.asdict(profile))
     return profile, False

@@ -23,7 +23,6 @@ import os
 import socket
 import sys
 import time
-from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -34,7 +33,6 @@ from tiertrain.parallel.group import ensure_process_group, world_from_env
 T = TypeVar("T")
 DEFAULT_WAIT_S = 1800  # measuring may take minutes (a profile, the disk's depth): the others wait this long
 SAY_AFTER_S = 2.0      # a rank still waiting after this long says what for (an exchange is over sooner)
-_counts: dict[int, tuple[Any, Counter]] = {}  # id(store) -> (the store, kept so its id stays its own; calls per what)
 
 
 def _group() -> tuple[Any, int, int] | None:
@@ -49,10 +47,10 @@ def _group() -> tuple[Any, int, int] | None:
     return dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
 
 
-def _key(store: Any, what: str) -> str:
-    _, calls = _counts.setdefault(id(store), (store, Counter()))
-    calls[what] += 1
-    return f"tiertrain/agreed/{what}/{calls[what]}"
+def _key(store: Any, rank: int, what: str) -> str:
+    """The n-th exchange about ``what`` in this process group: counted in the group's own store, per
+    rank (a new group starts at 1; nothing is kept in this process, which may outlive the group)."""
+    return f"tiertrain/agreed/{what}/{store.add(f'tiertrain/agreed/{what}/count/{rank}', 1)}"
 
 
 def from_rank0(what: str, make: Callable[[], T], encode: Callable[[T], str], decode: Callable[[str], T]) -> T:
@@ -63,7 +61,7 @@ def from_rank0(what: str, make: Callable[[], T], encode: Callable[[T], str], dec
     if group is None:
         return make()
     store, rank, _ = group
-    key = _key(store, what)
+    key = _key(store, rank, what)
     if rank == 0:
         try:
             value = make()
@@ -87,7 +85,7 @@ def every_rank(what: str, mine: tuple[int, ...]) -> list[tuple[str, tuple[int, .
     if group is None:
         return [(host, mine)]
     store, rank, world = group
-    key = _key(store, what)
+    key = _key(store, rank, what)
     store.set(f"{key}/{rank}", json.dumps({"host": host, "figures": list(mine)}))
     every = [json.loads(_wait(store, f"{key}/{r}", what, rank)) for r in range(world)]
     if any(len(e["figures"]) != len(mine) for e in every):

@@ -115,6 +115,7 @@ def train(config_file: str | None, quiet: bool, nproc: int, **flags: Any) -> Non
     from tiertrain.engine.config import make_config, read_config_file
     from tiertrain.engine.loop import Trainer
     from tiertrain.engine.metrics import Reporter
+    from tiertrain.parallel.group import end_process_group
 
     file_values = read_config_file(config_file) if config_file else {}
     if flags.get("resume"):
@@ -136,6 +137,7 @@ def train(config_file: str | None, quiet: bool, nproc: int, **flags: Any) -> Non
     summary = trainer.run()
     if trainer.rank == 0:
         print_summary(summary, console)
+    end_process_group()  # only after a run that ended well: after a lost rank a group's teardown may hang
 
 
 def _check_layout(cfg: Any, nproc: int) -> None:

@@ -19,6 +19,20 @@ os.environ.setdefault("TIERTRAIN_CACHE_DIR", tempfile.mkdtemp(prefix="tiertrain-
 REPO = Path(__file__).resolve().parents[1]
 
 
+def load_meter(others: dict):
+    """A ``LoadMeter`` stand-in: each measurement ran while others took ``others["cores"]`` of 2 cores."""
+    from tiertrain.planner.machine import Load
+
+    class Meter:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.load = Load(others_cores=others["cores"], cores=2)
+
+    return Meter
+
+
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run the real ``tiertrain`` command in a subprocess, as a user would."""
     return subprocess.run([sys.executable, "-m", "tiertrain.cli.main", *args], capture_output=True, text=True,

@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from conftest import load_meter
+
 from tiertrain.errors import ConfigError
 from tiertrain.planner.machine import Link, Load, Machine, PerDtype, TierSizes
 
@@ -163,15 +165,7 @@ def test_a_probe_taken_while_the_machine_is_busy_is_not_cached(tmp_path, monkeyp
 
     monkeypatch.setenv("TIERTRAIN_CACHE_DIR", str(tmp_path))
     others = {"cores": 1.5}
-
-    class Meter:
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.load = Load(others_cores=others["cores"], cores=2)
-
-    monkeypatch.setattr(probing, "LoadMeter", Meter)
+    monkeypatch.setattr(probing, "LoadMeter", load_meter(others))
     busy = probing.probe(None, use_cache=False)
     assert busy.load.busy and cache.load("machine", probing.probe_key(None)) is None
     others["cores"] = 0.05

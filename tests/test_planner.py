@@ -235,19 +235,12 @@ def test_the_profiler_measures_each_block_and_leaves_the_model_as_it_was():
 
 def test_profiles_are_cached_per_key_and_a_damaged_cache_is_measured_again(tmp_path, monkeypatch):
     from tiertrain.engine.measure import cache
+    from conftest import load_meter
     from tiertrain.engine.measure import model as profiling
 
     monkeypatch.setenv("TIERTRAIN_CACHE_DIR", str(tmp_path))
     others = {"cores": 0.0}  # what else ran while each profile was measured
-
-    class Meter:
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.load = Load(others_cores=others["cores"], cores=2)
-
-    monkeypatch.setattr(profiling, "LoadMeter", Meter)
+    monkeypatch.setattr(profiling, "LoadMeter", load_meter(others))
     others["cores"] = 1.2  # a busy machine: measured, used, not kept
     busy, cached = profiling.cached_profile("k1", lambda: Profile(synthetic(2).blocks, synthetic(2).rest,
                                                                  synthetic(2).machine, key="k1"))

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
+from tiertrain import typed
 from tiertrain.engine.measure import cache
 from tiertrain.engine.measure.analytic import analytic_profile
 from tiertrain.engine.measure.bounds import MeasureBounds, RunCost
@@ -104,12 +105,12 @@ def auto_plan(model: nn.Module, step: Callable[[], None], budgets: Budgets, page
 
 
 def _profile_text(measured: tuple[Profile, bool]) -> str:
-    return json.dumps({"profile": measured[0].to_json(), "cached": measured[1]})
+    return json.dumps({"profile": dataclasses.asdict(measured[0]), "cached": measured[1]})
 
 
 def _profile_from(text: str) -> tuple[Profile, bool]:
     entry = json.loads(text)
-    return Profile.from_json(entry["profile"], "rank 0's profile"), bool(entry["cached"])
+    return typed.load(Profile, entry["profile"], "rank 0's profile"), bool(entry["cached"])
 
 
 def _measured(model: nn.Module, step: Callable[[], None], budgets: Budgets, page: int, precision: str,

@@ -86,8 +86,8 @@ def test_budget_refusal_names_tier_bytes_and_budget_and_changes_nothing(mem):
 
 def test_a_move_from_a_chunk_holding_the_same_bytes_reads_nothing_from_disk(mem):
     """``move_from``: a disk chunk brought to the host from a memory chunk known to hold its bytes (a
-    device slot filled from it), done when it returns; the disk reads nothing and gives its pages back,
-    and a budget refusal changes nothing, as ``move``'s."""
+    device slot filled from it), asynchronously; the disk reads nothing and gives its pages back, and a
+    budget refusal changes nothing, as ``move``'s."""
     data = random_bytes(5 * PS + 7)
     chunk = mem.from_tensor("master", data, Tier.DISK)
     slot = mem.allocate("slot", 6 * PS, Tier.DEVICE)  # larger than the chunk, as a slot sized to the largest block
@@ -101,8 +101,8 @@ def test_a_move_from_a_chunk_holding_the_same_bytes_reads_nothing_from_disk(mem)
         mem.move_from(chunk, Tier.HOST, slot)
     assert chunk.tier is Tier.DISK and mem.stats() == before
     mem.release(hog)
-    handle = mem.move_from(chunk, Tier.HOST, slot, contiguous=True)
-    assert handle.done() and chunk.tier is Tier.HOST and torch.equal(mem.to_tensor(chunk), data)
+    mem.move_from(chunk, Tier.HOST, slot, contiguous=True).wait()
+    assert chunk.tier is Tier.HOST and torch.equal(mem.to_tensor(chunk), data)
     assert mem.disk_traffic()["read"] == read and mem.accounting.live(Tier.DISK) == disk_live - data.numel()
     mem.move(chunk, Tier.DISK).wait()  # home again, written with checksums of its bytes, read back verified
     assert torch.equal(mem.to_tensor(chunk), data)

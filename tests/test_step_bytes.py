@@ -243,3 +243,30 @@ def test_with_one_place_a_slot_filled_from_disk_gives_its_master_and_the_bytes_a
     read, _, transfers = _predicted_disk_bytes(plan, WIDER)
     assert transfers * CHUNKS * SECTOR < 4 * rt.groups[1].layout.numel  # a master's read would show
     assert 0 <= got["read"] - read < transfers * CHUNKS * SECTOR, (got, read, transfers)
+
+
+@pytest.mark.parametrize("update", ["sync", "overlap"])
+def test_a_slot_whose_master_is_still_being_copied_out_is_not_refilled_and_training_stays_exact(
+        tmp_path, monkeypatch, update):
+    """A master copied from its slot (``StateMoves.read_ahead``) is copied on a copy worker while backward
+    goes on; the device cache refills that slot (here with the block two ahead, prefetched) only once the
+    copy is done. Every copy out of a slot is held back 50 ms before it starts, so a refill that did not
+    wait would hand the update another block's parameters as its master: the losses stay plain PyTorch's."""
+    from tiered_harness import TINY4, train_plain, train_tiered
+    from tiertrain.memory import Budgets
+    from tiertrain.memory.movement import Mover
+    from tiertrain.plan import builtin_plan
+
+    scatter, held = Mover._scatter, []
+
+    def late_out_of_a_slot(dst, dst_start, src, src_start, n):
+        if src.name.startswith("slot.") and dst.tier is not src.tier:
+            held.append(src.name)
+            time.sleep(0.05)
+        scatter(dst, dst_start, src, src_start, n)
+
+    monkeypatch.setattr(Mover, "_scatter", staticmethod(late_out_of_a_slot))
+    plan = builtin_plan("max-offload", 4, disk=True, update=update)
+    got, _ = train_tiered(TINY4, 3, 1, None, plan, Budgets(64 << 20, 64 << 20, 64 << 20, str(tmp_path)))
+    assert len(held) >= 4, held  # masters did come from slots
+    assert got == train_plain(TINY4, 3, 1, None)

@@ -44,6 +44,10 @@ class Handle:
         if self._error is not None:
             raise self._error
 
+    def wait_done(self) -> None:
+        """Return when the move has finished, well or not (its error stays for ``wait``)."""
+        self._done.wait()
+
     def _finish(self, error: BaseException | None) -> None:
         self._error = error
         self._done.set()
@@ -102,22 +106,19 @@ class Mover:
 
     def move_from(self, chunk: Chunk, target: Tier, source: Chunk, contiguous: bool = False) -> Handle:
         """``move``, with the bytes taken from ``source``, a memory chunk known to hold them (a device
-        slot filled from this chunk), not read where the chunk lies: copied now, on the calling thread,
-        so ``source`` may be written again as soon as this returns (done or failed). No compute-stream
-        event is waited for: the caller knows ``source`` complete (a slot whose fill it waited for, which
-        compute only reads)."""
+        slot filled from this chunk), not read where the chunk lies: copied on a copy worker, so the
+        caller (backward, on the main thread) goes on at once; ``source`` must not be written again
+        until the handle is done (``Slot.read_by``). No compute-stream event is waited for: the caller
+        knows ``source`` complete (a slot whose fill it waited for, which compute only reads)."""
         if source.nbytes < chunk.nbytes:
             raise ValueError(f"move_from needs a source at least as large, got {source!r} for {chunk!r}")
         handle, src, dst, extents = self._begin(chunk, target, contiguous)
         if dst is None:
             return handle
         target_chunk = Chunk(chunk.name, chunk.kind, chunk.nbytes, dst, extents)
-        error = None
-        try:
-            self._on_copy_stream(target, None, lambda: self._scatter(target_chunk, 0, source, 0, chunk.nbytes))
-        except BaseException as exc:  # noqa: BLE001 - reported through the handle, as a move's
-            error = exc
-        self._complete(chunk, handle, src, dst, extents, error)
+        join = _Join(1, lambda err: self._complete(chunk, handle, src, dst, extents, err))
+        self._submit([(self._copy.submit, lambda: self._on_copy_stream(
+            target, None, lambda: self._scatter(target_chunk, 0, source, 0, chunk.nbytes)))], join)
         return handle
 
     def _begin(self, chunk: Chunk, target: Tier, contiguous: bool) -> tuple[Handle, Pool, Pool | None, list[Extent]]:

@@ -180,7 +180,8 @@ class MemorySystem:
 
     def move_from(self, chunk: Chunk, tier: Tier, source: Chunk, contiguous: bool = False) -> Handle:
         """``chunk`` to ``tier`` with its bytes copied from ``source`` (which holds them), not read from
-        where it lies; done when this returns (``Mover.move_from``)."""
+        where it lies, asynchronously: the caller writes ``source`` again only once the handle is done
+        (``Mover.move_from``)."""
         self.pool(tier)
         return self.mover.move_from(chunk, tier, source, contiguous)
 

@@ -108,6 +108,7 @@ class DeviceCache:
         if st.slot is not slot:
             rebind(st, slot)
         slot.holder = st.index
+        slot.wait_readers()  # a master still being copied out of it (``StateMoves.read_ahead``)
         # a sharded block's params are gathered from every rank's shard (issued here, in the thread that
         # runs the step, so every rank issues its collectives in one order); others are copied from home
         handle = st.gather_into(slot.chunk, async_op=True) if st.shard is not None else self.mover.copy(

@@ -233,7 +233,7 @@ class Runtime:
         if g.plan.stream:
             g.fetch()
         if self.final_micro() and self.mode.reads_ahead:  # a slot filled from the master on disk holds it now
-            self.moves.read_ahead(g, slot=g.slot.chunk if g.fills_slot_from_disk and g.shard is None else None)
+            self.moves.read_ahead(g, slot=g.slot if g.fills_slot_from_disk and g.shard is None else None)
 
     def grad_arrived(self, g: BlockGroup) -> None:
         self._backward_runs()

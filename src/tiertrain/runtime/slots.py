@@ -8,13 +8,14 @@ the slot holds the block when its backward runs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from tiertrain.memory import ChunkLayout
 from tiertrain.memory.chunk import Chunk
+from tiertrain.memory.movement import Handle
 
 if TYPE_CHECKING:
     from tiertrain.runtime.block_group import BlockGroup
@@ -24,6 +25,19 @@ if TYPE_CHECKING:
 class Slot:
     chunk: Chunk
     holder: int | None = None  # index of the block whose params are in it
+    readers: list[Handle] = field(default_factory=list)  # copies out of it in flight
+
+    def read_by(self, handle: Handle) -> None:
+        """A copy out of the slot is in flight (a master taken from it: ``StateMoves.read_ahead``):
+        the slot is not written again until it is done."""
+        self.readers = [h for h in self.readers if not h.done()] + [handle]
+
+    def wait_readers(self) -> None:
+        """Before the slot is written: every copy out of it has finished (one that failed reports its
+        error to the update waiting for it, not here)."""
+        for h in self.readers:
+            h.wait_done()
+        self.readers = []
 
 
 def slot_base(slot: Slot) -> tuple[torch.UntypedStorage, int]:

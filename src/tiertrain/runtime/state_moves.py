@@ -15,9 +15,9 @@ from concurrent.futures import Future
 
 from tiertrain.errors import BudgetError
 from tiertrain.memory import Handle, MemorySystem, Tier
-from tiertrain.memory.chunk import Chunk
 from tiertrain.plan.bytes import in_pieces
 from tiertrain.runtime.block_group import BlockGroup
+from tiertrain.runtime.slots import Slot
 
 
 class StateMoves:
@@ -29,7 +29,7 @@ class StateMoves:
         self._local = threading.local()            # per worker: its last write-back
         self._lock = threading.Lock()
 
-    def read_ahead(self, g: BlockGroup, block: bool = True, slot: Chunk | None = None, places: int | None = None) -> bool:
+    def read_ahead(self, g: BlockGroup, block: bool = True, slot: Slot | None = None, places: int | None = None) -> bool:
         """Start reading a disk-homed block's states now, so the reads overlap the backward of this and
         later blocks instead of following it. Skipped when ``places`` (default ``max_read_ahead``)
         blocks are already read in, and, with ``block=False``, while the block's last update or its
@@ -37,7 +37,8 @@ class StateMoves:
         leaves the master of a block whose slot is filled from it on disk (the slot is filled from it in
         forward and backward). ``slot``: a device slot just filled from the block's fp32 master on disk,
         so its master is copied from there instead of read from disk again (also for a block whose other
-        states were read in during forward). True once its reads are under way (or there is nothing to read)."""
+        states were read in during forward), on a copy worker while backward goes on; the slot is not
+        refilled before that copy is done. True once its reads are under way (or there is nothing to read)."""
         if g.plan.home is not Tier.DISK or g.master is None or in_pieces(g.plan):
             return True  # nothing to read, or read a piece at a time by the update itself
         if not block and not self._settled(g):
@@ -68,16 +69,17 @@ class StateMoves:
         except BudgetError:  # no room now: the update reads what is still on disk itself
             pass
 
-    def _master_from(self, g: BlockGroup, slot: Chunk | None, reads: list[Handle]) -> None:
+    def _master_from(self, g: BlockGroup, slot: Slot | None, reads: list[Handle]) -> None:
         """The master of a block being read in copied from ``slot`` (just filled from it), where it is
         still on disk; else its update reads it (``bring_in``)."""
         master = g.master
         if slot is None or master.tier is not Tier.DISK or not any(c is master for c in g.on_disk):
             return
         try:
-            handle = self.mem.move_from(master, Tier.HOST, slot, contiguous=True)
+            handle = self.mem.move_from(master, Tier.HOST, slot.chunk, contiguous=True)
         except BudgetError:
             return
+        slot.read_by(handle)
         with self._lock:
             reads.append(handle)
 

@@ -126,16 +126,33 @@ def test_two_machines_differing_only_in_disk_bandwidth_move_the_bottleneck_as_th
     assert slow_sim.step_s >= disk_s - 1e-9 and slow_sim.step_s > 10 * sims["fast"].step_s
 
 
+def _stub_depth(monkeypatch, gain: float) -> list:
+    """The disk's depth measurement (12-20 s on a fresh cache) stubbed: a disk that moves reads and
+    writes at once ``gain`` times as fast as in turns; returns the (directory, page) it was asked for."""
+    from tiertrain.engine.measure import disk_depth
+
+    asked = []
+
+    def measured(disk_dir, page, total=0):
+        asked.append((disk_dir, page))
+        return disk_depth.DiskDepth(4, 2, {4: 2e9}, gain * 2e9, 2e9)
+
+    monkeypatch.setattr(disk_depth, "measured_depth", measured)
+    return asked
+
+
 def test_planning_for_the_probed_description_gives_the_same_plan_as_planning_here(tmp_path, monkeypatch, capsys):
     """`tiertrain probe --out m.json` then `plan --machine m.json`: the same plan, prediction and page
     size as `plan` on this machine with no --machine (the probe is kept: the test holds the load quiet)."""
     monkeypatch.setenv("TIERTRAIN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(Load, "busy", property(lambda self: False))
     disk = tmp_path / "disk"
+    _stub_depth(monkeypatch, 1.5)
     assert _cli("probe", "--disk", str(disk), "--out", str(tmp_path / "m.json")) == 0
-    capsys.readouterr()
+    assert "x1.50 their speed in turns" in " ".join(capsys.readouterr().out.replace("│", " ").split())
     probed = Machine.read(tmp_path / "m.json")
     assert probed.matmul_flops.fp32 > 0 and probed.load is not None and probed.page_size > 0
+    assert probed.disk_together_gain == 1.5
     # a device budget below the model's fp32 params (4 blocks of 3.2 MB), so blocks stream
     common = ["plan", "--model", "gpt-small", "--batch", "2", "--seq", "64", "--device-memory", "8MiB",
               "--host-memory", "64MiB", "--disk", f"{disk}:4GiB"]
@@ -157,6 +174,17 @@ def test_planning_for_the_probed_description_gives_the_same_plan_as_planning_her
                  disk=f"{disk}:4GiB", solvers=())
     a, b = run_plan(_request(**flags), quiet), run_plan(_request(**flags, machine=str(tmp_path / "m.json")), quiet)
     assert a.plan == b.plan and a.sim.step_s == b.sim.step_s and a.sim.peaks == b.sim.peaks
+    # the described gain is what the simulator takes: on a disk slow enough to bound the step, the same
+    # description whose disk takes reads and writes in turns plans a slower step
+    steps = {}
+    for gain in (1.5, 1.0):
+        slow = json.loads((tmp_path / "m.json").read_text()) | {"disk_read_bps": 2e7, "disk_write_bps": 2e7,
+                                                                  "disk_together_gain": gain}
+        (tmp_path / f"slow{gain}.json").write_text(json.dumps(slow))
+        chosen = run_plan(_request(**(flags | {"host_memory": "44MiB", "update": "overlap", "grad_clip": 0.0}), machine=str(tmp_path / f"slow{gain}.json")), quiet)
+        assert chosen.sim.bottleneck.startswith("disk")
+        steps[gain] = chosen.sim.step_s
+    assert steps[1.5] < steps[1.0] / 1.2, steps
 
 
 def test_a_probe_taken_while_the_machine_is_busy_is_not_cached(tmp_path, monkeypatch):
@@ -199,9 +227,12 @@ def test_the_probe_keeps_the_median_of_several_disk_measurements_not_one_taken_i
     monkeypatch.setattr(probing, "measure_disk", measure)
     monkeypatch.setattr(probing, "LoadMeter", Quiet)
     monkeypatch.setattr(probing, "_copies", lambda *a: (1e10, 1e10))
+    depths = _stub_depth(monkeypatch, 1.5)
     found = probing.probe(str(tmp_path), use_cache=False)
     assert len(seen) == probing.DISK_ROUNDS and all(s == (MiB, 64 * MiB, 8, True) for s in seen)
     assert found.disk_write_bps == 1.7e9 and found.disk_read_bps == 2e9
+    # reads and writes at once, measured at the page size the probe found, reach the simulator's rates
+    assert depths == [(str(tmp_path), MiB)] and found.rates().disk_together_gain == 1.5
     assert cache.load("machine", probing.probe_key(str(tmp_path)))["disk_write_bps"] == 1.7e9
 
 

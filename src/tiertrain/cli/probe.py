@@ -20,7 +20,8 @@ def _rates(m: Machine) -> list[tuple[str, str]]:
     flops = lambda r: ", ".join(f"{d} {getattr(r, d) / 1e12:.2f}" for d in ("fp32", "bf16", "fp16"))  # noqa: E731
     rows = [("device", f"{m.device}, {format_bytes(m.device_memory)}"), ("host", format_bytes(m.host_memory)),
             ("disk", f"{format_bytes(m.disk_bytes)}, read {m.disk_read_bps / 1e9:.2f} GB/s, "
-                     f"write {m.disk_write_bps / 1e9:.2f} GB/s"),
+                     f"write {m.disk_write_bps / 1e9:.2f} GB/s, both at once x{m.disk_together_gain:.2f} "
+                     "their speed in turns"),
             ("matmul TFLOP/s achieved", flops(m.matmul_flops))]
     if any((m.peak_flops.fp32, m.peak_flops.bf16, m.peak_flops.fp16)):
         rows.append(("peak TFLOP/s (dense)", flops(m.peak_flops)))

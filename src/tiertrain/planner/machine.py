@@ -77,6 +77,9 @@ class Machine:
     disk_bytes: int = field(default=0, metadata=_SIZE)  # local disk for the disk tier
     disk_cpu_s_per_byte: float = field(default=0.0, metadata=_SIZE)  # CPU time the disk tier spends per byte
     page_size: int = field(default=0, metadata=_SIZE)  # the page size runs use here (0: measure it)
+    # reads and writes at once against in turns on the disk tier, at that page size (a probe measures it,
+    # ``engine.measure.disk_depth``; 1: they take turns, as a datasheet machine is planned)
+    disk_together_gain: float = field(default=1.0, metadata=at_least(1))
     network: tuple[Link, ...] = ()                # per link; plan --nproc takes the first for every collective
     source: str = ""                              # where the figures come from
     load: Load | None = None                      # a probe's: what else ran while it measured
@@ -89,7 +92,8 @@ class Machine:
         """What the simulator and the solvers read."""
         return MachineProfile(self.h2d_bps, self.d2h_bps, self.disk_read_bps, self.disk_write_bps,
                               self.adam_params_per_s, device_is_host=self.device_is_host,
-                              disk_cpu_s_per_byte=self.disk_cpu_s_per_byte)
+                              disk_cpu_s_per_byte=self.disk_cpu_s_per_byte,
+                              disk_together_gain=self.disk_together_gain)
 
     def budgets(self) -> "TierSizes":
         """The budgets a run on this machine gets where none are given: on a GPU 90% of its memory

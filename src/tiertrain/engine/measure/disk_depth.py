@@ -206,6 +206,12 @@ def _local_io(measured_page: bool, disk_dir: str | None, page: int) -> DiskIO:
     return _io_or_default(disk_dir, page)
 
 
+def together_gain(disk_dir: str, page: int) -> float:
+    """How much faster this disk moves reads and writes at once than in turns at ``page``, as a run's
+    disk tier would use it (measured once per disk and page size, cached); 1 where it takes turns."""
+    return _io_or_default(disk_dir, page).together_gain
+
+
 def _io_or_default(disk_dir: str, page: int) -> DiskIO:
     try:
         found = measured_depth(disk_dir, page)

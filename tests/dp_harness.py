@@ -256,3 +256,29 @@ def failure_on_rank0(rank: int) -> str:
     except ConfigError as exc:
         return str(exc)
     return "nothing raised"
+
+
+def recheck_on_rank0(rank: int) -> dict:
+    """``Trainer._recheck`` over two ranks, with ``auto_plan.recheck`` stubbed to take a second: who
+    ran it, when it ended, and when each rank's ``_recheck`` returned and with what."""
+    import time
+    from types import SimpleNamespace
+
+    from tiertrain.engine import auto_plan
+    from tiertrain.engine.loop import Trainer
+
+    ran, saved = [], auto_plan.recheck
+
+    def slow_recheck(auto, measured, peaks, plan, wait):
+        time.sleep(1.0)
+        ran.append(time.time())
+        return "corrected", "recheck: 40% off, corrected"
+
+    auto_plan.recheck = slow_recheck
+    try:
+        trainer = SimpleNamespace(auto="as planned", model=SimpleNamespace(runtime=SimpleNamespace(
+            plan=None, wait_updates=lambda: None)))
+        got = Trainer._recheck(trainer, [1.0, 1.1], {"device": 1})
+    finally:
+        auto_plan.recheck = saved
+    return {"ran": ran, "returned": time.time(), "got": list(got)}

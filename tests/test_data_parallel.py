@@ -9,7 +9,7 @@ import functools
 import pytest
 
 from dp_harness import (TINY4, agreed_auto_setup, agreed_budgets, ddp_losses, failure_on_rank0, gather_events,
-                        reduction_events, run_ranks, sent_per_step, tiered_losses)
+                        recheck_on_rank0, reduction_events, run_ranks, sent_per_step, tiered_losses)
 from tiertrain.parallel import ring_bytes
 from tiertrain.memory import Tier
 from tiertrain.plan import BlockPlan, Plan, builtin_plan, data_parallel
@@ -47,7 +47,7 @@ def dp2(tmp_path_factory):
     jobs += [(("events", plan), functools.partial(reduction_events, plan=PLANS[plan])) for plan in ("resident", "stream")]
     jobs += [(("gathers",), functools.partial(gather_events, plan=PLANS["resident"]))]
     jobs += [(("agreed auto",), functools.partial(agreed_auto_setup, disk=tmp / "agreed")), (("budgets",), agreed_budgets),
-             (("rank 0 fails",), failure_on_rank0)]
+             (("rank 0 fails",), failure_on_rank0), (("recheck",), recheck_on_rank0)]
     return run_ranks(2, tmp, jobs)
 
 
@@ -154,6 +154,16 @@ def test_a_measurement_that_fails_on_rank_0_fails_on_every_rank(dp2):
     assert dp2[(("rank 0 fails",), 0)] == "the disk under /nowhere cannot be read"
     assert dp2[(("rank 0 fails",), 1)] == ("rank 0 failed while finding the page size for every rank: "
                                            "ConfigError: the disk under /nowhere cannot be read")
+
+
+def test_the_recheck_runs_on_rank_0_alone_and_every_other_rank_waits_for_it(dp2):
+    """Auto's recheck after the first steps probes the machine: rank 0 alone runs it (the others would
+    probe one disk beside it), and the others wait until it is done (``Trainer._recheck``: no rank
+    steps on while rank 0 probes its disk), keeping their prediction and printing nothing."""
+    first, other = dp2[(("recheck",), 0)], dp2[(("recheck",), 1)]
+    assert len(first["ran"]) == 1 and other["ran"] == []
+    assert first["got"] == ["corrected", "recheck: 40% off, corrected"] and other["got"] == ["as planned", ""]
+    assert other["returned"] >= first["ran"][0]
 
 
 LAYOUTS = {"ddp-like": data_parallel(PLANS["resident"], 2, shard=False),

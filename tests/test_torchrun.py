@@ -160,7 +160,7 @@ def test_nproc_with_ep_trains_expert_parallel_and_its_checkpoint_resumes_at_ep2_
 
 def test_a_run_ends_its_process_group_before_the_interpreter_does(tmp_path):
     """Left to the interpreter's teardown, gloo's threads now and then aborted a rank after its run had
-    finished (1 in 12-20 expert-parallel resumes); ``train`` ends the group itself."""
+    finished (1 in 12-20 expert-parallel resumes); ``train`` ends the group itself once its run is over."""
     import torch.distributed as dist
 
     from tiertrain.parallel.group import end_process_group
@@ -169,4 +169,11 @@ def test_a_run_ends_its_process_group_before_the_interpreter_does(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     assert dist.is_initialized()
     end_process_group()
+    assert not dist.is_initialized()
+    # and a run that ended well ends it: one rank's group, as torchrun --nproc-per-node 1 would give
+    from tiertrain.cli.main import main
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store2'}", rank=0, world_size=1)
+    assert main(["train", "--model", "tiny", "--steps", "1", "--batch-size", "2", "--seq-len", "16",
+                 "--out", str(tmp_path / "run"), "--quiet"]) == 0
     assert not dist.is_initialized()

@@ -202,7 +202,7 @@ def _model_profile(req: PlanRequest, here: Machine, disk_dir: str | None) -> Pro
 
 def run_plan(req: PlanRequest, console: Console) -> Candidate:
     """Plan ``req``'s model (or profile) for ``req.machine`` (default: this one); print it; return the choice."""
-    from tiertrain.engine.measure.machine import probe
+    from tiertrain.engine.measure.machine import probe, with_disk_gain
     from tiertrain.plan import check_update_mode
     from tiertrain.planner.auto import choose_layout, run_profile
     from tiertrain.planner.datasheets import find_machine
@@ -213,7 +213,7 @@ def run_plan(req: PlanRequest, console: Console) -> Candidate:
     if target is not None:
         target.matmul(req.precision)  # a machine without this precision is refused before anything is measured
     sizes, disk_dir = sizes_for(req, target)
-    here = probe(disk_dir)
+    here = with_disk_gain(probe(disk_dir), disk_dir)  # as `tiertrain probe` describes this machine
     target = target or here
     profile = plan_profile(req, here, target, disk_dir)
     profile = dataclasses.replace(profile, page=_page(req, profile, target, disk_dir))
@@ -265,7 +265,7 @@ def _page(req: PlanRequest, profile: Profile, target: Machine, disk_dir: str | N
 def run_max_model(req: PlanRequest, console: Console) -> "Largest":
     """``--max-model``: the largest GPT-3-shaped model for ``req.machine`` (default: this one, probed)."""
     from tiertrain.engine.largest_model import RunShape, largest_model
-    from tiertrain.engine.measure.machine import probe
+    from tiertrain.engine.measure.machine import probe, with_disk_gain
     from tiertrain.plan import check_update_mode
     from tiertrain.planner.datasheets import find_machine
     from tiertrain.units import parse_size
@@ -276,7 +276,7 @@ def run_max_model(req: PlanRequest, console: Console) -> "Largest":
     if req.nproc > 1:
         raise ConfigError("--max-model answers for one process; drop --nproc (or plan a model with --model ... "
                           "--nproc N)")
-    target = find_machine(req.machine) if req.machine else probe(_disk_dir(req))
+    target = find_machine(req.machine) if req.machine else with_disk_gain(probe(_disk_dir(req)), _disk_dir(req))
     sizes, _ = sizes_for(req, target)
     page = parse_size(req.page_size) if req.page_size else target.page_size or 4 << 20
     run = RunShape(req.batch, req.seq or 2048, req.precision, req.update, req.needs_all_grads, req.max_staleness,

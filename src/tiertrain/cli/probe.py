@@ -10,10 +10,11 @@ from tiertrain.units import format_bytes, format_count
 
 
 def take_probe(disk_dir: str | None) -> Machine:
-    """A fresh measurement (a cached one may be stale: this is how to renew it); kept when quiet."""
-    from tiertrain.engine.measure.machine import probe
+    """A fresh measurement (a cached one may be stale: this is how to renew it); kept when quiet. With
+    the disk's gain for reads and writes at once, which ``tiertrain plan`` plans with."""
+    from tiertrain.engine.measure.machine import probe, with_disk_gain
 
-    return probe(disk_dir, use_cache=False)
+    return with_disk_gain(probe(disk_dir, use_cache=False), disk_dir)
 
 
 def _rates(m: Machine) -> list[tuple[str, str]]:

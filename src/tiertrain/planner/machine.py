@@ -77,8 +77,8 @@ class Machine:
     disk_bytes: int = field(default=0, metadata=_SIZE)  # local disk for the disk tier
     disk_cpu_s_per_byte: float = field(default=0.0, metadata=_SIZE)  # CPU time the disk tier spends per byte
     page_size: int = field(default=0, metadata=_SIZE)  # the page size runs use here (0: measure it)
-    # reads and writes at once against in turns on the disk tier, at that page size (a probe measures it,
-    # ``engine.measure.disk_depth``; 1: they take turns, as a datasheet machine is planned)
+    # reads and writes at once against in turns on the disk tier, at that page size (`tiertrain probe`
+    # measures it: ``engine.measure.machine.with_disk_gain``; 1: they take turns, as datasheets are planned)
     disk_together_gain: float = field(default=1.0, metadata=at_least(1))
     network: tuple[Link, ...] = ()                # per link; plan --nproc takes the first for every collective
     source: str = ""                              # where the figures come from

@@ -48,7 +48,7 @@ def _rate(fn: Callable[[], object], amount: float, repeat: int = 3) -> float:
 
 def probe_key(disk_dir: str | None) -> str:
     """Which cached probe a run may reuse: same host, device kind and disk directory."""
-    return f"v6:{socket.gethostname()}:{'cuda' if torch.cuda.is_available() else 'cpu'}:{disk_dir or '-'}"
+    return f"v5:{socket.gethostname()}:{'cuda' if torch.cuda.is_available() else 'cpu'}:{disk_dir or '-'}"
 
 
 def probe(disk_dir: str | None = None, use_cache: bool = True) -> Machine:
@@ -71,6 +71,18 @@ def probe(disk_dir: str | None = None, use_cache: bool = True) -> Machine:
     return machine
 
 
+def with_disk_gain(machine: Machine, disk_dir: str | None) -> Machine:
+    """``machine`` with how much faster its disk moves reads and writes at once than in turns, at its
+    page size (``engine.measure.disk_depth``: 12-20 s once per disk and page size, then cached), as
+    ``tiertrain probe`` describes it and ``tiertrain plan`` plans with it. Not part of ``probe``: an
+    auto plan measures the gain at its run's own page size, once."""
+    if not disk_dir or not machine.page_size:
+        return machine
+    from tiertrain.engine.measure.disk_depth import together_gain
+
+    return dataclasses.replace(machine, disk_together_gain=together_gain(disk_dir, machine.page_size))
+
+
 def forget(disk_dir: str | None) -> None:
     """Drop this machine's cached probe, so the next run measures it again."""
     cache.forget("machine", probe_key(disk_dir))
@@ -88,18 +100,16 @@ def _measure(disk_dir: str | None) -> Machine:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     h2d, d2h = _copies(dev, sync)
     read, write, disk_cpu = _disk_rates(Path(disk_dir)) if disk_dir else (1e9, 1e9, 0.0)
-    from tiertrain.engine.measure.disk_depth import together_gain
     from tiertrain.engine.measure.page_size import measured_page_size
 
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    page = measured_page_size(disk_dir, dev)
     return Machine(name=_name(dev), device=dev.type,
                    device_memory=torch.cuda.get_device_properties(dev).total_memory if cuda else ram,
                    host_memory=ram, peak_flops=PerDtype(0.0, 0.0, 0.0), matmul_flops=_matmuls(dev, sync),
                    memory_bps=_memory_bps(dev, sync), h2d_bps=h2d, d2h_bps=d2h, disk_read_bps=read,
                    disk_write_bps=write, adam_params_per_s=_adam(), disk_cpu_s_per_byte=disk_cpu,
                    disk_bytes=shutil.disk_usage(disk_dir).free if disk_dir else 0,
-                   page_size=page, disk_together_gain=together_gain(disk_dir, page) if disk_dir else 1.0,
+                   page_size=measured_page_size(disk_dir, dev),
                    source=f"measured by tiertrain probe on {time.strftime('%Y-%m-%d %H:%M')}")
 
 

@@ -182,21 +182,33 @@ def _hwm_now() -> int:
     raise AssertionError("no VmHWM")
 
 
-def test_setup_frees_the_original_weights_while_the_caller_keeps_its_optimizer(tmp_path):
+def test_setup_frees_the_original_weights_while_the_caller_keeps_its_optimizer(tmp_path, monkeypatch):
     """A caller keeps the optimizer it made (a loop, a scheduler built on it): its param groups held
     every original weight, a model's worth of memory beyond the budgets. They now name the
-    slot-backed parameters, and the originals are gone."""
+    slot-backed parameters, and the originals are gone: each block's as soon as that block is built,
+    so setup never holds the whole initial model beside the pools it has filled."""
     import gc
     import weakref
 
     import tiertrain
     from tiered_harness import TINY4, _fresh
     from tiertrain.memory import Budgets
+    from tiertrain.runtime import build
 
     model, opt = _fresh(TINY4)
     originals = [weakref.ref(p) for p in model.parameters()]
+    first_block = [weakref.ref(p) for p in model.blocks[0].parameters()]
+    alive_at_build, real_build = [], build._build
+
+    def counting_build(*args, **kwargs):
+        alive_at_build.append(sum(r() is not None for r in first_block))
+        return real_build(*args, **kwargs)
+
+    monkeypatch.setattr(build, "_build", counting_build)
     tm, topt = tiertrain.setup(model, opt, Budgets(device=8 << 20, host=64 << 20), plan="stream", page_size=64 << 10)
     try:
+        # blocks are built in model order: the first block's weights are gone before the second is built
+        assert alive_at_build[:2] == [len(first_block), 0], alive_at_build
         gc.collect()
         assert all(r() is None for r in originals)
         live = {id(p) for p in tm.parameters()}

@@ -33,13 +33,12 @@ class ShardedStates(UserError):
 
 
 class TieredOptimizer(torch.optim.Optimizer):
-    def __init__(self, runtime: "Runtime", source: torch.optim.Optimizer, replaced: dict[int, torch.nn.Parameter],
-                 after_step: Callable[[], bool] | None = None):
-        """``source``: the user's AdamW, whose groups (and their hyperparameters) this takes over;
-        ``replaced``: the slot-backed parameter that now stands for each of its parameters;
+    def __init__(self, runtime: "Runtime", source: torch.optim.Optimizer, after_step: Callable[[], bool] | None = None):
+        """``source``: the user's AdamW, whose groups (and their hyperparameters) this takes over, holding
+        the slot-backed parameters by now (setup swapped them in as each block was built);
         ``after_step``: run after each step until it returns True (``plan="auto"`` re-plans there)."""
-        groups = [{**{k: v for k, v in g.items() if k != "params"},
-                   "params": [replaced.get(id(p), p) for p in g["params"]]} for g in source.param_groups]
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(g["params"])}
+                  for g in source.param_groups]
         super().__init__(groups, dict(source.defaults))
         self._rt, self._after_step = runtime, after_step
         runtime.param_groups = self.param_groups  # live: what a scheduler writes, the next update reads

@@ -8,7 +8,7 @@ copy is the master rounded to the compute dtype, as the optimizer will publish i
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -24,6 +24,8 @@ from tiertrain.precisions import torch_dtype
 from tiertrain.runtime.block_group import F32, BlockGroup
 from tiertrain.runtime.blocks import Block, HeldExperts, block_layout, split_experts
 from tiertrain.runtime.slots import Slot, alias
+
+LetGo = Callable[[nn.Parameter, nn.Parameter], None]  # (the model's original, the parameter now in its place)
 
 
 def layouts_for(blocks: list[Block], plan: Plan) -> list[ChunkLayout]:
@@ -44,12 +46,14 @@ def ring_slots(mem: MemorySystem, layouts: list[ChunkLayout], plan: Plan) -> lis
 
 def build_groups(mem: MemorySystem, comm: Collectives, model: nn.Module, blocks: list[Block], plan: Plan,
                  options: RunOptions, group_of_param: dict[int, int], replaced: dict[int, nn.Parameter],
-                 experts: ExpertParallel | None = None) -> list[BlockGroup]:
-    """One group per block, each with its chunks written and its parameters installed in the model.
-    ``replaced`` receives the slot-backed parameter that stands for each of the model's (by id: valid
-    while the caller holds the originals, as setup holds the user's optimizer). With data parallel,
-    rank 0's initial weights are every rank's (as DDP broadcasts them). With expert parallel
-    (``experts``) a block's held experts form a group of their own, right after the block's."""
+                 experts: ExpertParallel | None = None, let_go: LetGo | None = None) -> list[BlockGroup]:
+    """One group per block, each with its chunks written and its parameters installed in the model
+    (and in ``blocks``, in place). ``replaced`` receives the slot-backed parameter that stands for each
+    of the model's, by the original's id: an original may be freed once ``let_go(original, new)`` has
+    been called for it (setup swaps it in the user's optimizer there, so the originals go block by
+    block, not all at the end), so ``replaced`` is only for what runs before the build returns. With
+    data parallel, rank 0's initial weights are every rank's (as DDP broadcasts them). With expert
+    parallel (``experts``) a block's held experts form a group of their own, right after the block's."""
     held: dict[int, HeldExperts] = {}
     if experts is not None:
         blocks, held = split_experts(blocks, lambda m: experts.owned(m.n_experts))
@@ -67,23 +71,26 @@ def build_groups(mem: MemorySystem, comm: Collectives, model: nn.Module, blocks:
             slot = Slot(mem.allocate(f"{block.name}.slot", nbytes, Tier.DEVICE, Kind.PARAM, contiguous=True))
         build = _build_sharded if sharded(bplan, plan) else _build
         group = build(mem, comm, len(groups), block, bplan, slot, plan, options, compute, layout)
-        groups.append(_installed(group, block, model, group_of_param, replaced))
+        groups.append(_installed(group, block, model, group_of_param, replaced, let_go))
         if i in held:
             group.experts = _build_experts(mem, comm, experts, len(groups), held[i], bplan, plan, options, compute)
-            groups.append(_installed(group.experts, held[i].block, model, group_of_param, replaced))
+            groups.append(_installed(group.experts, held[i].block, model, group_of_param, replaced, let_go))
     return groups
 
 
 def _installed(group: BlockGroup, block: Block, model: nn.Module, group_of_param: dict[int, int],
-               replaced: dict[int, nn.Parameter]) -> BlockGroup:
-    """The group's parameters in the model in place of ``block``'s, and the originals let go of."""
+               replaced: dict[int, nn.Parameter], let_go: LetGo | None) -> BlockGroup:
+    """The group's parameters in the model and in ``block`` in place of the originals, which are let go
+    of: their values are in the chunks now, and a run larger than memory must not keep its whole
+    initial model alive beside its budgets (nor, in setup, beside the pools it fills)."""
     group.block = block
     group.group_of = [group_of_param.get(id(p), 0) for _, p in block.params]
     install_params(model, group)
-    replaced.update({id(old): new for (_, old), new in zip(block.params, group.params)})
-    # the model's own parameters are let go of: their values are in the chunks now, and a run
-    # larger than memory must not keep its whole initial model alive beside its budgets
-    group.block = Block(block.name, block.module, [(n, new) for (n, _), new in zip(block.params, group.params)])
+    pairs = [(old, new) for (_, old), new in zip(block.params, group.params)]
+    replaced.update({id(old): new for old, new in pairs})
+    block.params[:] = [(n, new) for (n, _), new in zip(block.params, group.params)]
+    for old, new in pairs if let_go is not None else ():
+        let_go(old, new)
     return group
 
 

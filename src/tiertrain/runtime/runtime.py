@@ -24,7 +24,7 @@ from tiertrain.plan.bytes import grad_floors, grad_tier, has_own_place, in_piece
 from tiertrain.plan.reads import forward_reads
 from tiertrain.runtime.block_group import F32, BlockGroup
 from tiertrain.runtime.blocks import find_blocks
-from tiertrain.runtime.build import build_groups
+from tiertrain.runtime.build import LetGo, build_groups
 from tiertrain.runtime.cache import DeviceCache
 from tiertrain.runtime.hooks import apply_switches, install_block_hooks, install_grad_hooks
 from tiertrain.runtime.loss_scale import LossScaler
@@ -39,10 +39,11 @@ REDUCTIONS_IN_FLIGHT = 1  # a block's reduction runs under the next block's back
 class Runtime:
     def __init__(self, model: nn.Module, param_groups: list[dict[str, Any]], group_of_param: dict[int, int],
                  mem: MemorySystem, plan: Plan, options: RunOptions, transient_grads: bool = False,
-                 comm: Collectives | None = None) -> None:
+                 comm: Collectives | None = None, let_go: LetGo | None = None) -> None:
         """``param_groups``: the optimizer's (live dicts: schedulers write ``lr`` into them).
         ``transient_grads``: the host cannot hold every block's gradients, so backward waits for an
-        update to free a gradient chunk (overlap without clipping or accumulation only; setup decides)."""
+        update to free a gradient chunk (overlap without clipping or accumulation only; setup decides).
+        ``let_go(original, new)``: each of the model's parameters as its block is built (``build_groups``)."""
         self.model, self.mem, self.plan, self.options = model, mem, plan, options
         self.param_groups = param_groups
         self.comm = comm or collectives_for(plan.parallel.world_size)
@@ -50,7 +51,7 @@ class Runtime:
         self.experts = expert_parallel(self.comm, plan.parallel.dp, plan.parallel.ep, model)
         self.replaced: dict[int, nn.Parameter] = {}  # the user's parameter (id) -> the one now in its place
         self.groups: list[BlockGroup] = build_groups(mem, self.comm, model, blocks, plan, options, group_of_param,
-                                                     self.replaced, self.experts)
+                                                     self.replaced, self.experts, let_go)
         self.dropped = self._keep_held_experts(blocks)
         if self.comm.world_size > 1:
             for g in self.groups:  # an expert may get tokens on one rank and none on another, so whether the

@@ -47,7 +47,7 @@ class TensorSpec:
 @dataclass(frozen=True)
 class TensorStream:
     """Tensors named up front, produced in that order only when written (``tensors`` may read them
-    from disk block by block, so at most a block's worth is in memory)."""
+    from disk a parameter at a time, so at most one parameter's worth is in memory)."""
 
     specs: list[TensorSpec]
     tensors: Callable[[], Iterator[torch.Tensor]]

@@ -73,6 +73,10 @@ class PriorityPool:
             finally:
                 with self._cv:
                     self._writing -= kind == WRITE
+            # let go of the request before waiting for the next (as ThreadPoolExecutor's workers do): its
+            # closure holds the buffer it filled, which an idle worker would keep alive (8 workers, 8
+            # parameter-sized buffers of a checkpoint's reads)
+            del fn, future
 
     def shutdown(self, wait: bool = True) -> None:
         """Run what is queued, then stop the workers."""

@@ -108,6 +108,32 @@ def test_a_move_from_a_chunk_holding_the_same_bytes_reads_nothing_from_disk(mem)
     assert torch.equal(mem.to_tensor(chunk), data)
 
 
+def test_a_copy_from_a_chunk_still_moving_waits_for_the_move_and_reads_it_where_it_lands(mem, monkeypatch):
+    """A master copied out of its slot is still on its way to the host while a refill of another slot
+    may copy from it: that copy must not read the disk pages the landing move gives back (each disk
+    read is slowed here, so a copy that did not wait would find them freed), but wait for the move
+    and copy the bytes where they landed."""
+    import time
+
+    from tiertrain.memory.disk import DiskPool
+    from tiertrain.memory.movement import Mover
+
+    data = random_bytes(5 * PS + 7)
+    chunk = mem.from_tensor("master", data, Tier.DISK)
+    slot = mem.allocate("slot", 6 * PS, Tier.DEVICE)
+    slot.typed(torch.uint8)[: data.numel()].copy_(data)
+    read_page, scatter = DiskPool.read_page, Mover._scatter
+    monkeypatch.setattr(DiskPool, "read_page", lambda self, page, out: (time.sleep(0.3), read_page(self, page, out)))
+    monkeypatch.setattr(Mover, "_scatter", staticmethod(  # the copy out of the slot lands 0.1 s from now
+        lambda dst, ds, src, ss, n: (time.sleep(0.1 if src is slot else 0), scatter(dst, ds, src, ss, n))))
+    moving = mem.move_from(chunk, Tier.HOST, slot, contiguous=True)
+    assert not moving.done()
+    refill = mem.allocate("refill", 6 * PS, Tier.DEVICE)
+    mem.mover.copy(chunk, refill).wait()
+    assert moving.done() and chunk.tier is Tier.HOST
+    assert torch.equal(refill.typed(torch.uint8)[: data.numel()], data)
+
+
 def test_accounting_tracks_live_and_peak_per_tier_and_kind(mem):
     a = mem.allocate("m", 3 * PS, Tier.HOST, Kind.MASTER)
     b = mem.allocate("g", PS, Tier.HOST, Kind.GRAD)

@@ -174,6 +174,9 @@ def test_a_run_ends_its_process_group_before_the_interpreter_does(tmp_path):
     from tiertrain.cli.main import main
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store2'}", rank=0, world_size=1)
-    assert main(["train", "--model", "tiny", "--steps", "1", "--batch-size", "2", "--seq-len", "16",
-                 "--out", str(tmp_path / "run"), "--quiet"]) == 0
-    assert not dist.is_initialized()
+    try:
+        assert main(["train", "--model", "tiny", "--steps", "1", "--batch-size", "2", "--seq-len", "16",
+                     "--out", str(tmp_path / "run"), "--quiet"]) == 0
+        assert not dist.is_initialized()
+    finally:
+        end_process_group()  # a failed run must not leave the group to later tests in this process

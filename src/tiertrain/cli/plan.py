@@ -213,7 +213,8 @@ def run_plan(req: PlanRequest, console: Console) -> Candidate:
     if target is not None:
         target.matmul(req.precision)  # a machine without this precision is refused before anything is measured
     sizes, disk_dir = sizes_for(req, target)
-    here = with_disk_gain(probe(disk_dir), disk_dir)  # as `tiertrain probe` describes this machine
+    here = with_disk_gain(probe(disk_dir), disk_dir)  # as `tiertrain probe` describes this machine (the gain
+    #                                                    at its page size, which a --page-size run may not use)
     target = target or here
     profile = plan_profile(req, here, target, disk_dir)
     profile = dataclasses.replace(profile, page=_page(req, profile, target, disk_dir))

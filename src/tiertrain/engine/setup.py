@@ -157,7 +157,8 @@ def _swapper(optimizer: torch.optim.Optimizer) -> LetGo:
     built: the optimizer held every original to the end of setup, so a model built in memory peaked
     at its whole fp32 weights beside the pools already filled (354M, 2.5 GiB of budgets: 3.27 GiB of
     RSS in setup). Positions are found by id while every original is alive, each looked up once,
-    while its parameter still is."""
+    while its parameter still is. A build that fails part way leaves the optimizer partly swapped, as
+    it leaves the model partly installed: set both up again."""
     where: dict[int, list[tuple[list, int]]] = {}
     for group in optimizer.param_groups:
         for k, p in enumerate(group["params"]):

@@ -61,6 +61,14 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)
 
 
+def _landed(chunk: Chunk) -> None:
+    """Before reading a chunk where it lies: a move still under way (a master copied out of its slot
+    to the host) gives its old place back when it lands, so wait for it and read it where it is then."""
+    pending = chunk.pending
+    if pending is not None:
+        pending.wait_done()
+
+
 class _Join:
     """Calls ``finish(first_error)`` once all ``n`` parts have completed."""
 
@@ -117,8 +125,11 @@ class Mover:
             return handle
         target_chunk = Chunk(chunk.name, chunk.kind, chunk.nbytes, dst, extents)
         join = _Join(1, lambda err: self._complete(chunk, handle, src, dst, extents, err))
-        self._submit([(self._copy.submit, lambda: self._on_copy_stream(
-            target, None, lambda: self._scatter(target_chunk, 0, source, 0, chunk.nbytes)))], join)
+        try:
+            self._submit([(self._copy.submit, lambda: self._on_copy_stream(
+                target, None, lambda: self._scatter(target_chunk, 0, source, 0, chunk.nbytes)))], join)
+        except BaseException as exc:  # not queued (workers shut down): a handle nobody finishes would hang
+            self._complete(chunk, handle, src, dst, extents, exc)
         return handle
 
     def _begin(self, chunk: Chunk, target: Tier, contiguous: bool) -> tuple[Handle, Pool, Pool | None, list[Extent]]:
@@ -143,6 +154,7 @@ class Mover:
         pages and ``src`` stays where it is. A disk source is read page by page and verified."""
         if src.nbytes > dst.nbytes or dst.tier is Tier.DISK:
             raise ValueError(f"copy needs a memory destination at least as large, got {src!r} and {dst!r}")
+        _landed(src)
         handle = Handle()
         if isinstance(src.pool, DiskPool):
             parts = [(self._read_disk, self._reader(dst, src.pool, e, i * src.pool.page_size))
@@ -160,6 +172,7 @@ class Mover:
     def read_pages(self, chunk: Chunk, first: int, count: int, out: torch.Tensor) -> Handle:
         """Pages ``[first, first + count)`` of a disk chunk into ``out`` (uint8, page-aligned, ``count``
         pages long), verified; the chunk stays on disk. A piecewise update reads its states so."""
+        _landed(chunk)
         disk = self._disk_of(chunk)
         ps = disk.page_size
         return self._page_io(chunk, first, count, self._read_disk, lambda i, e: lambda: disk.read_page(

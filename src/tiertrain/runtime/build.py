@@ -51,7 +51,9 @@ def build_groups(mem: MemorySystem, comm: Collectives, model: nn.Module, blocks:
     (and in ``blocks``, in place). ``replaced`` receives the slot-backed parameter that stands for each
     of the model's, by the original's id: an original may be freed once ``let_go(original, new)`` has
     been called for it (setup swaps it in the user's optimizer there, so the originals go block by
-    block, not all at the end), so ``replaced`` is only for what runs before the build returns. With
+    block, not all at the end), so ``replaced`` serves only while the runtime is made: its ids stay
+    unique there because what it is compared with (the other ranks' experts, held by the unsplit
+    blocks) outlives the build; a mixture-of-experts block's originals go only when the build ends. With
     data parallel, rank 0's initial weights are every rank's (as DDP broadcasts them). With expert
     parallel (``experts``) a block's held experts form a group of their own, right after the block's."""
     held: dict[int, HeldExperts] = {}

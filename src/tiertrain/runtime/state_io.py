@@ -65,28 +65,22 @@ def _stepped(st: BlockGroup) -> list[int]:
 
 
 def weight_stream(rt: Runtime) -> TensorStream:
-    """The fp32 masters, one block's chunk in memory at a time (read from disk where they live)."""
+    """The fp32 masters, one parameter in memory at a time (read from disk where they live)."""
     rt.wait_updates()
     specs = [TensorSpec(n, F32, tuple(p.shape)) for st in rt.groups for n, p in st.block.params]
 
     def tensors() -> Iterator[torch.Tensor]:
         for st in rt.groups:
             release_free_heap()  # the last block's buffer, freed, would stay in the heap (memory.heap)
-            yield from _params_of(rt, st, st.master)
+            yield from (_param_of(rt, st, st.master, i) for i in range(len(st.layout.slots)))
     return TensorStream(specs, tensors)
 
 
-def _params_of(rt: Runtime, st: BlockGroup, chunk: Chunk, which: list[int] | None = None) -> Iterator[torch.Tensor]:
-    """The parameters' values in a state chunk (``which``: those, else all), each a tensor of its own,
-    read or copied a parameter at a time, never the whole chunk: a checkpoint holds one parameter's
-    state beside the budgets, not a block's (the 354M's embeddings and head are 210 MB a state; both
-    moments of them read whole raised its RSS by 230 MB while it saved)."""
-    which = list(range(len(st.layout.slots))) if which is None else which
-    for i in which:
-        yield _param_of(rt, st, chunk, i)
-
-
 def _param_of(rt: Runtime, st: BlockGroup, chunk: Chunk, i: int) -> torch.Tensor:
+    """Parameter ``i``'s values in a state chunk, a tensor of its own, read or copied alone, never the
+    whole chunk: a checkpoint holds one parameter's state beside the budgets, not a block's (the 354M's
+    embeddings and head are 210 MB a state; both moments of them read whole raised its RSS by 230 MB
+    while it saved)."""
     s = st.layout.slots[i]
     if chunk.tier is Tier.DISK:
         return rt.mem.read_range(chunk, s.offset * F32.itemsize, s.numel * F32.itemsize).view(F32).view(s.shape)
@@ -94,7 +88,7 @@ def _param_of(rt: Runtime, st: BlockGroup, chunk: Chunk, i: int) -> torch.Tensor
 
 
 def optimizer_stream(rt: Runtime) -> TensorStream:
-    """AdamW state keyed ``<param>::step|exp_avg|exp_avg_sq``, one block's moments in memory at a time."""
+    """AdamW state keyed ``<param>::step|exp_avg|exp_avg_sq``, one parameter's moment in memory at a time."""
     rt.wait_updates()
     specs = [TensorSpec(f"{st.block.params[i][0]}::{k}", F32, () if k == "step" else tuple(st.params[i].shape))
              for st in rt.groups for i in _stepped(st) for k in ("step", *MOMENTS)]

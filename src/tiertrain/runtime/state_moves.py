@@ -75,6 +75,8 @@ class StateMoves:
         master = g.master
         if slot is None or master.tier is not Tier.DISK or not any(c is master for c in g.on_disk):
             return
+        if master.pending is not None:  # already on its way (a block whose backward began twice: shared)
+            return
         try:
             handle = self.mem.move_from(master, Tier.HOST, slot.chunk, contiguous=True)
         except BudgetError:
@@ -140,11 +142,16 @@ class StateMoves:
                 h.wait()
 
     def drain(self) -> None:
-        """Wait for every write-back to disk (before checkpoints or closing)."""
+        """Wait for every write-back to disk, and every read in flight (before checkpoints or closing: a
+        read not followed by its update, as after a skipped fp16 step, may still be moving a chunk)."""
         for moves in self._home.values():
             for h in moves:
                 h.wait()
         self._home.clear()
+        with self._lock:
+            reads = [h for moves in self._reads.values() for h in moves]
+        for h in reads:
+            h.wait_done()  # a failed read left its chunk where it was; its update reports the error
 
 
 def wait(pending: Future | None) -> None:

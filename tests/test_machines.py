@@ -187,6 +187,10 @@ def test_planning_for_the_probed_description_gives_the_same_plan_as_planning_her
         assert chosen.sim.bottleneck.startswith("disk")
         steps[gain] = chosen.sim.step_s
     assert steps[1.5] < steps[1.0] / 1.2, steps
+    # a run that names its page size keeps reads first (it measures no depth): planned on one lane
+    named = [run_plan(_request(**tight, machine=str(tmp_path / f"slow{gain}.json"), page_size="64KiB"), quiet).sim.step_s
+             for gain in (1.5, 1.0)]
+    assert named[0] == named[1], named
 
 
 def test_a_probe_taken_while_the_machine_is_busy_is_not_cached(tmp_path, monkeypatch):

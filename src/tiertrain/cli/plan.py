@@ -213,8 +213,12 @@ def run_plan(req: PlanRequest, console: Console) -> Candidate:
     if target is not None:
         target.matmul(req.precision)  # a machine without this precision is refused before anything is measured
     sizes, disk_dir = sizes_for(req, target)
-    here = with_disk_gain(probe(disk_dir), disk_dir)  # as `tiertrain probe` describes this machine (the gain
-    #                                                    at its page size, which a --page-size run may not use)
+    # the disk's gain for reads and writes at once as `tiertrain probe` describes it (at its page size);
+    # none where the run names its page size: it measures no depth and keeps reads first (``disk_io_for``)
+    here = dataclasses.replace(probe(disk_dir), disk_together_gain=1.0) if req.page_size else with_disk_gain(
+        probe(disk_dir), disk_dir)
+    if target is not None and req.page_size:
+        target = dataclasses.replace(target, disk_together_gain=1.0)
     target = target or here
     profile = plan_profile(req, here, target, disk_dir)
     profile = dataclasses.replace(profile, page=_page(req, profile, target, disk_dir))

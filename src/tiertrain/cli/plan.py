@@ -215,8 +215,8 @@ def run_plan(req: PlanRequest, console: Console) -> Candidate:
     sizes, disk_dir = sizes_for(req, target)
     # the disk's gain for reads and writes at once as `tiertrain probe` describes it (at its page size);
     # none where the run names its page size: it measures no depth and keeps reads first (``disk_io_for``)
-    here = dataclasses.replace(probe(disk_dir), disk_together_gain=1.0) if req.page_size else with_disk_gain(
-        probe(disk_dir), disk_dir)
+    here = probe(disk_dir)
+    here = dataclasses.replace(here, disk_together_gain=1.0) if req.page_size else with_disk_gain(here, disk_dir)
     if target is not None and req.page_size:
         target = dataclasses.replace(target, disk_together_gain=1.0)
     target = target or here
@@ -281,7 +281,8 @@ def run_max_model(req: PlanRequest, console: Console) -> "Largest":
     if req.nproc > 1:
         raise ConfigError("--max-model answers for one process; drop --nproc (or plan a model with --model ... "
                           "--nproc N)")
-    target = find_machine(req.machine) if req.machine else with_disk_gain(probe(_disk_dir(req)), _disk_dir(req))
+    disk_dir = _disk_dir(req)
+    target = find_machine(req.machine) if req.machine else with_disk_gain(probe(disk_dir), disk_dir)
     sizes, _ = sizes_for(req, target)
     page = parse_size(req.page_size) if req.page_size else target.page_size or 4 << 20
     run = RunShape(req.batch, req.seq or 2048, req.precision, req.update, req.needs_all_grads, req.max_staleness,

@@ -246,6 +246,35 @@ def test_fp16_overflow_skips_the_step_and_backs_off_as_gradscaler_does(tmp_path,
         tm.runtime.mem.close()
 
 
+def test_draining_waits_for_reads_no_update_followed(tmp_path, monkeypatch):
+    """A block's states read in ahead whose update never came (a skipped fp16 step) are still moving
+    when a checkpoint or the end drains the moves: the drain returns only once none of them moves
+    (each disk page read is held back here, so the reads are surely still in flight when it begins)."""
+    import time
+
+    import tiertrain
+    from tiered_harness import _fresh
+    from tiertrain.memory.disk import DiskPool
+    from tiertrain.plan import builtin_plan
+
+    model, opt = _fresh(TINY4)
+    tm, _ = tiertrain.setup(model, opt, budgets(tmp_path), plan=builtin_plan("max-offload", 4, disk=True),
+                            page_size=64 * 1024)
+    rt = tm.runtime
+    try:
+        read_page = DiskPool.read_page
+        monkeypatch.setattr(DiskPool, "read_page", lambda self, page, out: (time.sleep(0.05), read_page(self, page, out)))
+        g = rt.groups[1]
+        assert rt.moves.read_ahead(g)
+        assert any(c.pending is not None and not c.pending.done() for c in g.states)
+        rt.moves.drain()
+        assert all(c.pending is None or c.pending.done() for c in g.states)
+        assert all(c.tier is Tier.HOST for c in g.on_disk)
+    finally:
+        rt.close()
+        rt.mem.close()
+
+
 @pytest.mark.parametrize("recompute", [False, True])
 def test_offload_hidden_moves_saved_activations_to_the_host_and_brings_them_back(tmp_path, recompute):
     """With recompute, exactly each block's input (the hidden state, 4 x 16 x 32 fp32) waits on the

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import read_metrics, tiny_config
 from tiertrain.engine.loop import train
@@ -257,17 +258,10 @@ def test_with_one_place_a_slot_filled_from_disk_gives_its_master_and_the_bytes_a
     assert 0 <= got["read"] - read < transfers * CHUNKS * SECTOR, (got, read, transfers)
 
 
-@pytest.mark.parametrize("update", ["sync", "overlap"])
-def test_a_slot_whose_master_is_still_being_copied_out_is_not_refilled_and_training_stays_exact(
-        tmp_path, monkeypatch, update):
-    """A master copied from its slot (``StateMoves.read_ahead``) is copied on a copy worker while backward
-    goes on; the device cache refills that slot (here with the block two ahead, prefetched) only once the
-    copy is done. Every copy out of a slot is held back 50 ms before it starts, so a refill that did not
-    wait would hand the update another block's parameters as its master: the losses stay plain PyTorch's."""
-    from tiered_harness import TINY4, train_plain, train_tiered
-    from tiertrain.memory import Budgets
+def _hold_copies_out_of_slots(monkeypatch) -> list[str]:
+    """Every copy out of a device slot into another tier held back 50 ms before it starts; the names of
+    the slots so copied, in order."""
     from tiertrain.memory.movement import Mover
-    from tiertrain.plan import builtin_plan
 
     scatter, held = Mover._scatter, []
 
@@ -278,7 +272,50 @@ def test_a_slot_whose_master_is_still_being_copied_out_is_not_refilled_and_train
         scatter(dst, dst_start, src, src_start, n)
 
     monkeypatch.setattr(Mover, "_scatter", staticmethod(late_out_of_a_slot))
+    return held
+
+
+@pytest.mark.parametrize("update", ["sync", "overlap"])
+def test_a_slot_whose_master_is_still_being_copied_out_is_not_refilled_and_training_stays_exact(
+        tmp_path, monkeypatch, update):
+    """A master copied from its slot (``StateMoves.read_ahead``) is copied on a copy worker while backward
+    goes on; the device cache refills that slot (here with the block two ahead, prefetched) only once the
+    copy is done. Every copy out of a slot is held back 50 ms before it starts, so a refill that did not
+    wait would hand the update another block's parameters as its master: the losses stay plain PyTorch's."""
+    from tiered_harness import TINY4, train_plain, train_tiered
+    from tiertrain.memory import Budgets
+    from tiertrain.plan import builtin_plan
+
+    held = _hold_copies_out_of_slots(monkeypatch)
     plan = builtin_plan("max-offload", 4, disk=True, update=update)
     got, _ = train_tiered(TINY4, 3, 1, None, plan, Budgets(64 << 20, 64 << 20, 64 << 20, str(tmp_path)))
     assert len(held) >= 4, held  # masters did come from slots
+    assert got == train_plain(TINY4, 3, 1, None)
+
+
+@pytest.mark.parametrize("update", ["sync", "overlap"])
+def test_a_block_applied_twice_copies_its_master_out_of_its_slot_once_and_training_stays_exact(
+        tmp_path, monkeypatch, update):
+    """A block the forward applies twice (weights shared between two places) begins its backward twice;
+    the second begins while the first's copy of its master out of the slot is still held back, and must
+    not move that master again (``StateMoves._master_from``: it is already on its way)."""
+    import torch.nn.functional as F
+
+    from tiered_harness import TINY4, train_plain, train_tiered
+    from tiertrain.memory import Budgets
+    from tiertrain.models.gpt import GPT
+    from tiertrain.plan import builtin_plan
+
+    def second_block_twice(self, idx, targets=None):
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1])))
+        for i, block in enumerate(self.blocks):
+            x = block(block(x)) if i == 1 else block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return logits if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    monkeypatch.setattr(GPT, "forward", second_block_twice)
+    held = _hold_copies_out_of_slots(monkeypatch)
+    plan = builtin_plan("max-offload", 4, disk=True, update=update)
+    got, _ = train_tiered(TINY4, 3, 1, None, plan, Budgets(64 << 20, 64 << 20, 64 << 20, str(tmp_path)))
+    assert held.count("slot.1") >= 3, held  # the shared block's master did come from its slot
     assert got == train_plain(TINY4, 3, 1, None)

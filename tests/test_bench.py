@@ -71,6 +71,7 @@ def test_bench_convergence_prints_sync_and_lockfree_loss_over_time(tmp_path, mon
 
 def test_bench_peers_runs_tiertrain_and_each_peer_on_the_same_model_and_batches():
     import importlib.util
+    import statistics
 
     from tiertrain.bench.peers import PeerBench, bench_peers
     from tiertrain.memory import Budgets
@@ -85,6 +86,7 @@ def test_bench_peers_runs_tiertrain_and_each_peer_on_the_same_model_and_batches(
     ran = [r for r in rows if r.ran]
     for r in ran:
         assert len(r.step_s) == 2 and len(r.losses) == 3 and min(r.step_s) > 0
+        assert len(r.cores_busy) == 2 and min(r.cores_busy) > 0, r.cores_busy  # each in its own process
         # one initial model and one batch: every system's first loss is the same figure
         assert abs(r.losses[0] - by["tiertrain"].losses[0]) < 1e-5, (r.name, r.losses, by["tiertrain"].losses)
     assert by["tiertrain"].ran and by["fsdp2"].ran
@@ -93,6 +95,8 @@ def test_bench_peers_runs_tiertrain_and_each_peer_on_the_same_model_and_batches(
     else:
         assert by["deepspeed"].ran, by["deepspeed"].note
     assert sum("tokens/s, MFU" in ln for ln in lines) == len(ran) and "the MFU ceiling" in "\n".join(lines)
+    for r in ran:  # each system's line says how many cores it kept busy
+        assert any(ln.startswith(r.name) and f"CPU {statistics.median(r.cores_busy):.1f} of " in ln for ln in lines)
     for bad, says in ((("--peers", "colossal"), "choose from deepspeed, fsdp2"),
                       (("--seq-len", "4096"), "exceeds the model's maximum")):
         r = run_cli("bench", "peers", *bad)

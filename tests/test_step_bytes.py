@@ -319,3 +319,81 @@ def test_a_block_applied_twice_copies_its_master_out_of_its_slot_once_and_traini
     got, _ = train_tiered(TINY4, 3, 1, None, plan, Budgets(64 << 20, 64 << 20, 64 << 20, str(tmp_path)))
     assert held.count("slot.1") >= 3, held  # the shared block's master did come from its slot
     assert got == train_plain(TINY4, 3, 1, None)
+
+
+def test_the_cpu_watch_splits_the_process_cpu_seconds_by_phase_and_gives_the_kernels_share():
+    """Cores busy = CPU seconds over wall seconds, for the whole row and each phase marked; the kernel's
+    share of the row's CPU seconds. Readings given by hand: (user, kernel, wall)."""
+    from tiertrain.engine.cpu_watch import CpuTimes, CpuWatch
+
+    readings = iter([CpuTimes(0.0, 0.0, 0.0),   # reset
+                     CpuTimes(0.1, 0.0, 0.1),   # forward begins: 0.1 s "between" at one core
+                     CpuTimes(0.5, 0.1, 0.4),   # backward begins: forward 0.5 CPU s in 0.3 s
+                     CpuTimes(0.6, 0.3, 1.4),   # step begins: backward 0.3 CPU s in 1.0 s
+                     CpuTimes(0.9, 0.3, 1.6),   # the row: step 0.3 CPU s in 0.2 s
+                     CpuTimes(0.9, 0.3, 2.6),   # next row's reset point, then a second row all "between"
+                     CpuTimes(1.0, 0.4, 3.6)])
+    watch = CpuWatch(lambda: next(readings))
+    for phase in ("forward", "backward", "step"):
+        watch.mark(phase)
+    got = watch.since_last()["cpu"]
+    assert got["cores"] == pytest.approx(1.2 / 1.6)
+    assert got["kernel"] == pytest.approx(0.3 / 1.2)
+    assert got["phases"] == pytest.approx({"between": 1.0, "forward": 0.5 / 0.3, "backward": 0.3, "step": 1.5})
+    watch.reset()  # a checkpoint: its second of wall time and no CPU is no step's
+    second = watch.since_last()["cpu"]
+    assert (second["cores"], second["kernel"]) == pytest.approx((0.2, 0.5))
+    assert second["phases"] == pytest.approx({"between": 0.2})
+
+
+def test_the_cpu_watch_counts_every_thread_of_the_process_and_not_a_waiting_one():
+    """A phase whose main thread waits while another thread of the process computes (an update worker
+    beside backward) is busy; one where every thread waits is not. The bounds are wide: they tell a
+    reading of the process from one of the calling thread, or of the wall clock."""
+    import threading
+
+    from tiertrain.engine.cpu_watch import CpuWatch
+
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            sum(range(1000))
+
+    watch = CpuWatch()
+    watch.mark("forward")
+    worker = threading.Thread(target=spin)
+    worker.start()
+    time.sleep(0.3)
+    stop.set()
+    worker.join()
+    watch.mark("backward")
+    time.sleep(0.3)
+    phases = watch.since_last()["cpu"]["phases"]
+    assert phases["forward"] > 0.4 and phases["backward"] < 0.4, phases
+
+
+def test_each_row_says_how_many_cores_the_step_kept_busy_and_the_summary_gives_the_median(tmp_path):
+    """``cpu``: the cores busy per step and per phase, beside the disk's figures; the summary prints
+    the medians after warm-up against the cores this process may use."""
+    import io
+    import statistics
+
+    from rich.console import Console
+
+    from tiertrain.cli.summary import print_summary
+
+    out = tmp_path / "run"
+    summary = train(tiny_config(out, steps=4, plan="max-offload", page_size="64KiB"))
+    rows = read_metrics(out)
+    for r in rows:
+        assert set(r["cpu"]["phases"]) == {"forward", "backward", "step", "between"}, r["cpu"]
+        assert 0 < r["cpu"]["cores"] <= summary.cores + 0.5 and 0 <= r["cpu"]["kernel"] <= 1, r["cpu"]
+    assert summary.cores == len(os.sched_getaffinity(0))
+    assert summary.cpu_cores == pytest.approx(statistics.median(r["cpu"]["cores"] for r in rows[2:]))  # after warm-up
+    assert summary.cpu_phases == pytest.approx(
+        {p: statistics.median(r["cpu"]["phases"][p] for r in rows[2:]) for p in ("forward", "backward", "step")})
+    text = io.StringIO()
+    print_summary(summary, Console(file=text, width=200))
+    assert f"CPU busy        {summary.cpu_cores:.1f} of {summary.cores} cores" in text.getvalue()
+    assert f"forward {summary.cpu_phases['forward']:.1f}, backward " in text.getvalue()

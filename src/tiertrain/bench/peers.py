@@ -37,7 +37,6 @@ import shutil
 import socket
 import statistics
 import tempfile
-import time
 import traceback
 import warnings
 from concurrent.futures import ProcessPoolExecutor
@@ -56,6 +55,7 @@ from tiertrain.bench.disk_bound import DiskLimit, measure_limit
 from tiertrain.bench.overhead import matmul_peak
 from tiertrain.engine.auto_plan import ProfileStep
 from tiertrain.engine.budgets import meta_build_reason
+from tiertrain.engine.cpu_watch import process_times, usable_cores
 from tiertrain.engine.measure.diskstats import DiskCounters, disk_counters
 from tiertrain.engine.metrics import process_rss, restart_rss_peak
 from tiertrain.engine.objective import lm_loss
@@ -105,6 +105,7 @@ class Row:
 
     name: str
     step_s: list[float] = field(default_factory=list)
+    cores_busy: list[float] = field(default_factory=list)  # per timed step: the process's CPU s / wall s
     losses: list[float] = field(default_factory=list)
     device_peak: int | None = None
     note: str = ""
@@ -135,13 +136,15 @@ def _time_steps(step: Callable[[torch.Tensor], torch.Tensor], bench: PeerBench, 
         if i == bench.warmup and disk:
             before = _probe(row, bench, drain)
         synchronize(device)
-        t = time.perf_counter()
+        began = process_times()
         loss = step(x)
         if each and i >= bench.warmup:
             drain()
         synchronize(device)
         if i >= bench.warmup:
-            row.step_s.append(time.perf_counter() - t)
+            ended = process_times()
+            row.step_s.append(ended.t - began.t)
+            row.cores_busy.append((ended.cpu - began.cpu) / row.step_s[-1])
         if each and i >= bench.warmup and before is not None:
             row.step_disk.append(disk_counters(disk) - before)
             before = _probe(row, bench, drain)
@@ -443,7 +446,8 @@ def bench_peers(bench: PeerBench, peers: tuple[str, ...], out: Callable[[str], N
         s = statistics.median(row.step_s)
         mem = f", device peak {format_bytes(row.device_peak)}" if row.device_peak is not None else ""
         out(f"{row.name:24s}: step {s:.3f} s, {bench.batch * bench.seq / s:,.0f} tokens/s, MFU {flops / s / peak:.3f}"
-            f"{mem}; loss {row.losses[0]:.4f} -> {row.losses[-1]:.4f}")
+            f"{mem}, CPU {statistics.median(row.cores_busy):.1f} of {usable_cores()} cores busy; loss "
+            f"{row.losses[0]:.4f} -> {row.losses[-1]:.4f}")
         if bench.budgets.disk_dir:
             _disk_lines(row, s, out)
         if row.note:

@@ -15,6 +15,11 @@ def print_summary(s: RunSummary, console: Console) -> None:
     console.print(f"[bold]{state}[/]: {ran} steps{span} in {s.seconds:.1f} s")
     console.print(f"  loss            {s.first_loss:.4f} -> {s.last_loss:.4f}" if s.losses else "  loss            (no steps run)")
     console.print(f"  throughput      {s.tokens_per_s:,.0f} tokens/s, {s.tflops:.3f} TFLOPS (median step)")
+    if s.cpu_cores is not None:
+        console.print(f"  CPU busy        {s.cpu_cores:.1f} of {s.cores} cores (median of a step, {s.cpu_kernel:.0%} of it in "
+                      f"the kernel; near {s.cores}: the cores are the limit, well below: the step waits)")
+        if s.cpu_phases:
+            console.print("                  " + ", ".join(f"{p} {busy:.1f}" for p, busy in s.cpu_phases.items()))
     if s.disk_busy is not None:
         console.print(f"  disk busy       {s.disk_busy:.0%} of a step (median; near 100%: the disk is the limit)")
         if s.disk_busy_phases:

@@ -24,6 +24,7 @@ from tiertrain.engine.checkpoint import (TrainerState, checkpoint_root, find_che
                                          save_checkpoint)
 from tiertrain.engine.budgets import meta_build_reason
 from tiertrain.engine.config import TrainConfig
+from tiertrain.engine.cpu_watch import CpuWatch, usable_cores
 from tiertrain.engine.disk_watch import BACKWARD, BETWEEN, FORWARD, PHASES, STEP, DiskWatch
 from tiertrain.engine.metrics import (MetricsFile, NoMetrics, Reporter, StepTimer, device_peak_with_activations,
                                       peak_bytes, process_rss, restart_rss_peak)
@@ -64,6 +65,10 @@ class RunSummary:
     stopped_early: bool = False
     disk_busy: float | None = None   # median share of a step (after warm-up) its disk was busy
     disk_busy_phases: dict[str, float] = field(default_factory=dict)  # ... of each phase (``PHASES``)
+    cpu_cores: float | None = None   # median cores busy in a step (after warm-up): CPU seconds / wall seconds
+    cpu_phases: dict[str, float] = field(default_factory=dict)  # ... in each phase (``PHASES``)
+    cpu_kernel: float = 0.0          # median share of a step's CPU seconds spent in the kernel
+    cores: int = 1                   # the cores this process may use
     rss_peak: int | None = None      # the process's resident peak over the steps (and the last save)
     setup_rss: int | None = None     # ... and before them, while setup held the caller's model too
     budgets: int | None = None       # a tiered run's budgets in host memory (the device's too on a CPU)
@@ -159,6 +164,9 @@ class Trainer:
         self.disk_watch = DiskWatch(mem, self.budgets.budgets.disk_dir) if mem and Tier.DISK in mem.pools else None
         self.disk_busy: list[float] = []
         self.phase_busy: dict[str, list[float]] = {}  # per phase of the step, as disk_busy
+        self.cpu_watch = CpuWatch()
+        self.cpu_busy: list[tuple[float, float]] = []  # (cores, kernel share) of each step after warm-up
+        self.cpu_phase_busy: dict[str, list[float]] = {}  # per phase of the step, as cpu_busy
         self.metrics = (MetricsFile(self.out / METRICS_FILE, self.step if cfg.resume else None) if self.rank == 0
                         else NoMetrics())
         if self.metrics.dropped:
@@ -241,7 +249,12 @@ class Trainer:
         for group in self.opt.param_groups:
             group["lr"] = lr
         total = torch.zeros((), device=self.device)
-        phase = self.disk_watch.mark if self.disk_watch is not None else (lambda name: None)
+        watches = [w for w in (self.cpu_watch, self.disk_watch) if w is not None]
+
+        def phase(name: str) -> None:
+            for watch in watches:
+                watch.mark(name)
+
         for _ in range(cfg.grad_accum):
             phase(FORWARD)
             x, y = self.batch()
@@ -296,6 +309,7 @@ class Trainer:
         saved = save_checkpoint(self.out, self.state, state, self.cfg.keep_checkpoints)
         if self.disk_watch is not None:  # what the checkpoint read from the disk tier is not the next step's traffic
             self.disk_watch.reset()
+        self.cpu_watch.reset()
         return saved
 
     def run(self) -> RunSummary:
@@ -318,6 +332,9 @@ class Trainer:
                           out=self.out, losses=losses, stopped_early=self.step < cfg.steps,
                           disk_busy=med(self.disk_busy) if self.disk_busy else None,
                           disk_busy_phases={name: med(v) for name, v in self.phase_busy.items()},
+                          cpu_cores=med([c for c, _ in self.cpu_busy]) if self.cpu_busy else None,
+                          cpu_kernel=med([k for _, k in self.cpu_busy]),
+                          cpu_phases={name: med(v) for name, v in self.cpu_phase_busy.items()}, cores=usable_cores(),
                           rss_peak=process_rss().get("peak") if self.setup_rss is not None else None,
                           setup_rss=self.setup_rss, budgets=self._budget_total())
 
@@ -384,6 +401,12 @@ class Trainer:
         row = {"step": self.step, "loss": loss, "lr": self.opt.param_groups[0]["lr"], "grad_norm": norm,
                "tokens_per_s": tokens / seconds, "tflops": tokens * self.flops_per_token / seconds / 1e12,
                "step_s": seconds, "peak_bytes": peak_bytes(self.device), "rss_bytes": self._rss()}
+        row.update(self.cpu_watch.since_last())
+        if len(self.step_seconds) >= WARMUP_STEPS:  # this process's warm-up, resumed too
+            self.cpu_busy.append((row["cpu"]["cores"], row["cpu"]["kernel"]))
+            for name, busy in row["cpu"]["phases"].items():
+                if name in PHASES:
+                    self.cpu_phase_busy.setdefault(name, []).append(busy)
         if self.tiered:
             self._tier_figures(row)
         if self.loss_scaler is not None:
@@ -424,6 +447,7 @@ class Trainer:
                 self.auto, line = self._recheck(measured, row["peak_bytes"])
                 if self.disk_watch is not None:  # a recheck may probe the disk: that is no step's busy time
                     self.disk_watch.skip_device()
+                self.cpu_watch.reset()  # nor its CPU
                 if line:
                     self.reporter.message(line)
             row["predicted"] = self.auto.predicted_row()

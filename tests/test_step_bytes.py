@@ -395,5 +395,7 @@ def test_each_row_says_how_many_cores_the_step_kept_busy_and_the_summary_gives_t
         {p: statistics.median(r["cpu"]["phases"][p] for r in rows[2:]) for p in ("forward", "backward", "step")})
     text = io.StringIO()
     print_summary(summary, Console(file=text, width=200))
-    assert f"CPU busy        {summary.cpu_cores:.1f} of {summary.cores} cores" in text.getvalue()
+    assert summary.cpu_kernel == pytest.approx(statistics.median(r["cpu"]["kernel"] for r in rows[2:]))
+    assert f"CPU busy        {summary.cpu_cores:.1f} of {summary.cores} cores (median of a step, " \
+           f"{summary.cpu_kernel:.0%} of it in the kernel" in text.getvalue()
     assert f"forward {summary.cpu_phases['forward']:.1f}, backward " in text.getvalue()

@@ -26,8 +26,8 @@ from tiertrain.engine.budgets import meta_build_reason
 from tiertrain.engine.config import TrainConfig
 from tiertrain.engine.cpu_watch import CpuWatch, usable_cores
 from tiertrain.engine.disk_watch import BACKWARD, BETWEEN, FORWARD, PHASES, STEP, DiskWatch
-from tiertrain.engine.metrics import (MetricsFile, NoMetrics, Reporter, StepTimer, device_peak_with_activations,
-                                      peak_bytes, process_rss, restart_rss_peak)
+from tiertrain.engine.metrics import (MetricsFile, NoMetrics, Reporter, StepMedians, StepTimer,
+                                      device_peak_with_activations, peak_bytes, process_rss, restart_rss_peak)
 from tiertrain.parallel import rank_from_env, world_from_env
 from tiertrain.engine.objective import causal_lm_pair, is_encoder, lm_loss, masked_lm_pair
 from tiertrain.engine.optimizer import make_adamw
@@ -162,11 +162,8 @@ class Trainer:
             write_atomic(self.out / PLAN_FILE, self.model.runtime.plan.to_json().encode())
         mem = self.model.runtime.mem if self.tiered else None  # setup's and a resume's disk traffic are not a step's
         self.disk_watch = DiskWatch(mem, self.budgets.budgets.disk_dir) if mem and Tier.DISK in mem.pools else None
-        self.disk_busy: list[float] = []
-        self.phase_busy: dict[str, list[float]] = {}  # per phase of the step, as disk_busy
         self.cpu_watch = CpuWatch()
-        self.cpu_busy: list[tuple[float, float]] = []  # (cores, kernel share) of each step after warm-up
-        self.cpu_phase_busy: dict[str, list[float]] = {}  # per phase of the step, as cpu_busy
+        self.disk_busy, self.cpu_busy = StepMedians(), StepMedians()  # "whole" step, "kernel", per phase
         self.metrics = (MetricsFile(self.out / METRICS_FILE, self.step if cfg.resume else None) if self.rank == 0
                         else NoMetrics())
         if self.metrics.dropped:
@@ -330,11 +327,9 @@ class Trainer:
                           last_loss=losses[-1] if losses else float("nan"), tokens_per_s=med(tokens_s),
                           tflops=med(tflops), seconds=began.elapsed(), checkpoint=checkpoint,
                           out=self.out, losses=losses, stopped_early=self.step < cfg.steps,
-                          disk_busy=med(self.disk_busy) if self.disk_busy else None,
-                          disk_busy_phases={name: med(v) for name, v in self.phase_busy.items()},
-                          cpu_cores=med([c for c, _ in self.cpu_busy]) if self.cpu_busy else None,
-                          cpu_kernel=med([k for _, k in self.cpu_busy]),
-                          cpu_phases={name: med(v) for name, v in self.cpu_phase_busy.items()}, cores=usable_cores(),
+                          disk_busy=self.disk_busy.median("whole"), disk_busy_phases=self.disk_busy.medians(PHASES),
+                          cpu_cores=self.cpu_busy.median("whole"), cpu_kernel=self.cpu_busy.median("kernel") or 0.0,
+                          cpu_phases=self.cpu_busy.medians(PHASES), cores=usable_cores(),
                           rss_peak=process_rss().get("peak") if self.setup_rss is not None else None,
                           setup_rss=self.setup_rss, budgets=self._budget_total())
 
@@ -403,10 +398,8 @@ class Trainer:
                "step_s": seconds, "peak_bytes": peak_bytes(self.device), "rss_bytes": self._rss()}
         row.update(self.cpu_watch.since_last())
         if len(self.step_seconds) >= WARMUP_STEPS:  # this process's warm-up, resumed too
-            self.cpu_busy.append((row["cpu"]["cores"], row["cpu"]["kernel"]))
-            for name, busy in row["cpu"]["phases"].items():
-                if name in PHASES:
-                    self.cpu_phase_busy.setdefault(name, []).append(busy)
+            cpu = row["cpu"]
+            self.cpu_busy.add({"whole": cpu["cores"], "kernel": cpu["kernel"], **cpu["phases"]})
         if self.tiered:
             self._tier_figures(row)
         if self.loss_scaler is not None:
@@ -428,10 +421,7 @@ class Trainer:
         if self.disk_watch is not None:
             row.update(self.disk_watch.since_last())
             if "disk_busy" in row and len(self.step_seconds) >= WARMUP_STEPS:  # this process's warm-up, resumed too
-                self.disk_busy.append(row["disk_busy"])
-                for name, p in row["disk_phases"].items():
-                    if name in PHASES:
-                        self.phase_busy.setdefault(name, []).append(p["busy"])
+                self.disk_busy.add({"whole": row["disk_busy"], **{n: p["busy"] for n, p in row["disk_phases"].items()}})
         total = device_peak_with_activations(stats["device"]["pages_peak_bytes"], mem.pool(Tier.DEVICE).capacity,
                                              self.device)
         if total is not None:

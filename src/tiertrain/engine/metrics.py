@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import resource
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -14,6 +15,25 @@ import torch
 
 from tiertrain.engine.atomic import write_atomic
 from tiertrain.units import format_bytes
+
+
+@dataclass
+class StepMedians:
+    """Figures of the steps after warm-up, by name, for the run's summary: its medians (one slow
+    step, a checkpoint's or a probe's neighbour, does not move them)."""
+
+    values: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, figures: dict[str, float]) -> None:
+        for name, value in figures.items():
+            self.values.setdefault(name, []).append(value)
+
+    def median(self, name: str) -> float | None:
+        got = self.values.get(name)
+        return statistics.median(got) if got else None
+
+    def medians(self, names: tuple[str, ...]) -> dict[str, float]:
+        return {n: statistics.median(self.values[n]) for n in names if self.values.get(n)}
 
 
 def peak_bytes(device: torch.device) -> dict[str, int]:

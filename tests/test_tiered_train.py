@@ -57,6 +57,10 @@ def test_tiered_resume_reproduces_the_uninterrupted_tiered_run(tmp_path, plain_r
 def test_plan_options_are_checked(tmp_path):
     with pytest.raises(ConfigError, match="memory budgets apply to a plan"):
         tiny_config(tmp_path, device_memory="1GiB")
+    for ignored, says in (({"update": "overlap"}, "--update apply"), ({"max_staleness": 2}, "--max-staleness apply"),
+                          ({"update": "lockfree", "page_size": "4MiB"}, "--update and --page-size apply")):
+        with pytest.raises(ConfigError, match=f"{says} to a tiered run; add --plan"):  # not silently plain PyTorch
+            tiny_config(tmp_path, **ignored)
     with pytest.raises(ConfigError, match="fp16 overflow"):
         Trainer(tiny_config(tmp_path, plan="stream", precision="fp16", update="lockfree", grad_clip=0))
     with pytest.raises(ConfigError, match="gives no size"):

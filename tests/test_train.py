@@ -99,6 +99,20 @@ def test_a_transformers_model_trains_unchanged_and_reloads_with_from_pretrained(
     assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
 
 
+def test_the_default_sequence_length_is_shortened_to_what_the_model_takes(tmp_path):
+    """No --seq-len: 128 tokens, or the model's maximum where shorter (tiny takes 64), kept for a
+    resume; one given that the model cannot take is refused, as before."""
+    trainer = Trainer(TrainConfig(model="tiny", steps=1, batch_size=2, out=str(tmp_path / "run")))
+    assert trainer.cfg.seq_len == CONFIGS["tiny"].max_seq_len == 64
+    trainer.run()
+    assert json.loads((tmp_path / "run" / "checkpoints" / "step-00000001" / "trainer.json").read_text()
+                      )["run_config"]["seq_len"] == 64
+    with Trainer(TrainConfig(model="gpt-small", steps=1, out=str(tmp_path / "small"))) as small:
+        assert small.cfg.seq_len == 128
+    with pytest.raises(ConfigError, match="--seq-len 65 exceeds the model's maximum 64"):
+        Trainer(TrainConfig(model="tiny", seq_len=65, out=str(tmp_path / "long")))
+
+
 def test_config_file_and_flags_merge_with_flags_winning(tmp_path):
     from tiertrain.engine.config import make_config
 
@@ -106,6 +120,9 @@ def test_config_file_and_flags_merge_with_flags_winning(tmp_path):
     assert (cfg.steps, cfg.batch_size, cfg.betas, cfg.lr) == (7, 3, (0.8, 0.9), TrainConfig().lr)
     with pytest.raises(ConfigError, match="did you mean 'steps'"):
         make_config({"step": 5}, {})
+    for theirs, ours in (("learning_rate", "lr"), ("gradient_accumulation_steps", "grad_accum"), ("block_size", "seq_len")):
+        with pytest.raises(ConfigError, match=f"unknown option '{theirs}' \\(did you mean '{ours}'\\?\\)"):
+            make_config({theirs: 1}, {})
 
 
 def test_with_cuda_the_measured_device_peak_adds_what_torch_allocated_beside_the_pool(monkeypatch):

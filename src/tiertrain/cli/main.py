@@ -73,7 +73,7 @@ def cli() -> None:
 @click.option("--tokenizer", help="Local transformers tokenizer directory for text data (default: bytes).")
 @click.option("--steps", type=int, help="Optimizer steps to train to (default 200).")
 @click.option("--batch-size", type=int, help="Sequences per micro-batch (default 16).")
-@click.option("--seq-len", type=int, help="Tokens per sequence (default 128).")
+@click.option("--seq-len", type=int, help="Tokens per sequence (default 128, or the model's maximum where shorter).")
 @click.option("--grad-accum", type=int, help="Micro-batches per optimizer step (default 1).")
 @click.option("--lr", type=float, help="Peak learning rate, after warm-up (default 2e-3).")
 @click.option("--precision", type=click.Choice(PRECISIONS), help="Compute precision (default: bf16 on GPU, fp32 on CPU).")

@@ -18,6 +18,14 @@ from tiertrain.plan import UPDATE_MODES
 from tiertrain.typed import above, at_least, between, one_of
 
 DEVICES = ("auto", "cpu", "cuda")
+SEQ_LEN = 128  # tokens per sequence unless the run or the model says otherwise
+# what other trainers (transformers' TrainingArguments, nanoGPT, DeepSpeed) call our options: a config
+# carried over from one of them gets our name back, where spelling alone would not find it
+OTHER_NAMES = {"learning_rate": "lr", "max_steps": "steps", "max_iters": "steps", "per_device_train_batch_size":
+               "batch_size", "train_micro_batch_size_per_gpu": "batch_size", "micro_batch_size": "batch_size",
+               "block_size": "seq_len", "max_seq_length": "seq_len", "seq_length": "seq_len",
+               "gradient_accumulation_steps": "grad_accum", "max_grad_norm": "grad_clip", "gradient_clipping":
+               "grad_clip", "output_dir": "out", "warmup_iters": "warmup_steps", "min_learning_rate": "min_lr"}
 
 
 @dataclass
@@ -32,7 +40,7 @@ class TrainConfig:
     tokenizer: str | None = None      # local Hugging Face tokenizer directory for text data
     steps: int = field(default=200, metadata=at_least(1))
     batch_size: int = field(default=16, metadata=at_least(1))
-    seq_len: int = field(default=128, metadata=at_least(1))
+    seq_len: int | None = field(default=None, metadata=at_least(1))  # default: SEQ_LEN, or the model's maximum
     grad_accum: int = field(default=1, metadata=at_least(1))
     lr: float = field(default=2e-3, metadata=above(0))
     min_lr: float | None = field(default=None, metadata=at_least(0))  # cosine floor; default lr / 10
@@ -67,6 +75,11 @@ class TrainConfig:
         """What one field alone cannot say."""
         if self.plan is None and any((self.device_memory, self.host_memory, self.disk)):
             raise ConfigError("memory budgets apply to a plan; add --plan resident|stream|max-offload|auto|FILE")
+        tiered_only = {"--update": self.update, "--max-staleness": self.max_staleness, "--page-size": self.page_size}
+        given = [flag for flag, value in tiered_only.items() if value is not None]
+        if self.plan is None and given:  # plain PyTorch has no updates of its own to schedule, nor pages
+            raise ConfigError(f"{' and '.join(given)} apply to a tiered run; add --plan "
+                              "resident|stream|max-offload|auto|FILE, or leave them out for plain PyTorch")
         if self.ep > 1 and self.plan is None:
             raise ConfigError("--ep divides a mixture of experts' experts over the ranks of a tiered run; add --plan "
                               "resident|stream|max-offload|auto|FILE")
@@ -122,7 +135,7 @@ def make_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Train
         for key, value in source.items():
             name = key.replace("-", "_")
             if name not in known:
-                close = difflib.get_close_matches(name, known, n=1)
+                close = [OTHER_NAMES[name]] if name in OTHER_NAMES else difflib.get_close_matches(name, known, n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise ConfigError(f"unknown option {key!r}{hint}; valid options: {', '.join(known)}")
             if value is not None:

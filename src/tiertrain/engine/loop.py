@@ -7,6 +7,7 @@ step, record. Everything else (config, checkpoints, metrics) lives in its own mo
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from tiertrain.engine.auto_plan import AutoPlan, ProfileStep
 from tiertrain.engine.checkpoint import (TrainerState, checkpoint_root, find_checkpoint, load_checkpoint,
                                          save_checkpoint)
 from tiertrain.engine.budgets import meta_build_reason
-from tiertrain.engine.config import TrainConfig
+from tiertrain.engine.config import SEQ_LEN, TrainConfig
 from tiertrain.engine.cpu_watch import CpuWatch, usable_cores
 from tiertrain.engine.disk_watch import BACKWARD, BETWEEN, FORWARD, PHASES, STEP, DiskWatch
 from tiertrain.engine.metrics import (MetricsFile, NoMetrics, Reporter, StepMedians, StepTimer,
@@ -140,6 +141,8 @@ class Trainer:
                                                                                           quiet=True)
         self.model = self._build(model_cfg)
         vocab, max_len = model_vocab_and_len(self.model)
+        if cfg.seq_len is None:  # the default, shortened for a model that takes fewer tokens
+            self.cfg = cfg = dataclasses.replace(cfg, seq_len=min(SEQ_LEN, max_len))
         if cfg.seq_len > max_len:
             raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's maximum {max_len}; use a shorter --seq-len")
         self.vocab = vocab

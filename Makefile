@@ -5,7 +5,7 @@ setup:
 	bash scripts/setup.sh
 
 train: setup
-	.venv/bin/tiertrain train
+	.venv/bin/tiertrain train --overwrite
 
 test:
 	bash scripts/setup.sh test,plot

@@ -59,9 +59,10 @@ def test_unwritable_output_directory(tmp_path):
 
 
 def test_checkpoint_from_a_different_model(tmp_path):
-    out = tmp_path / "run"
+    out = tmp_path / "run" / ("a-directory-name-long-enough-to-pass-the-80-columns-of-a-log" * 2)
     ok = run_cli("train", *TINY, "--steps", "2", "--out", str(out))
     assert ok.returncode == 0, ok.stderr
+    assert f"resume with     tiertrain train --resume {out} --steps N\n" in ok.stdout  # one line in a log, to copy
     before = (out / "metrics.jsonl").read_text()
     bad = run_cli("train", "--model", "tiny-moe", "--batch-size", "4", "--seq-len", "32", "--steps", "4",
                   "--resume", str(out))

@@ -56,6 +56,12 @@ class Finite(click.FloatRange):
         return number
 
 
+def _console() -> Console:
+    """Lines are never broken at the console's width: in a log (not a terminal, where rich takes 80
+    columns) a broken checkpoint path or resume command could not be copied back."""
+    return Console(soft_wrap=True)
+
+
 @click.group(context_settings=CONTEXT)
 @click.version_option(package_name="tiertrain")
 def cli() -> None:
@@ -129,7 +135,7 @@ def train(config_file: str | None, quiet: bool, nproc: int, **flags: Any) -> Non
     if nproc > 1 and "LOCAL_RANK" not in os.environ:
         _check_layout(cfg, nproc)
         raise SystemExit(_torchrun(nproc))
-    console = Console()
+    console = _console()
     reporter = Reporter(cfg.steps, cfg.log_every, quiet=quiet)
     trainer = Trainer(cfg, reporter)
     if trainer.rank == 0:  # one header for the run, not one per rank
@@ -252,7 +258,7 @@ def info(model: str | None, batch_size: int, seq_len: int | None, precision: str
     if as_json:
         click.echo(info_json(data))
     else:
-        print_info(data, Console())
+        print_info(data, _console())
 
 
 @cli.group(context_settings=CONTEXT)
@@ -566,7 +572,7 @@ def plan_cmd(out: str, png: str | None, **flags: Any) -> None:
     from tiertrain.cli.plan import PlanRequest, run_max_model, run_plan, write_png
 
     req = PlanRequest(**{**flags, "solvers": tuple(flags["solvers"])})
-    console = Console()
+    console = _console()
     if req.max_model:
         chosen = run_max_model(req, console).chosen
     else:
@@ -590,10 +596,10 @@ def probe_cmd(disk_dir: str | None, out: str | None, list_machines: bool) -> Non
     from tiertrain.cli.probe import print_builtins, print_machine, take_probe
 
     if list_machines:
-        print_builtins(Console())
+        print_builtins(_console())
         return
     machine = take_probe(disk_dir)
-    print_machine(machine, Console())
+    print_machine(machine, _console())
     if out:
         _write_output(Path(out), machine.to_json().encode())
         click.echo(f"description written to {out}")

@@ -62,6 +62,30 @@ def test_resume_with_nothing_left_to_do_says_so(tmp_path):
         Trainer(tiny_config(tmp_path, steps=3, resume=str(tmp_path)))
 
 
+def test_a_resume_that_moves_the_lr_schedule_says_so_and_how_to_keep_it(tmp_path):
+    """The schedule is a function of --steps (and the lr options): resuming a 4-step run to train on to
+    8 stretches its cosine, so step 5's lr is not the one the run's own schedule had; the run says
+    both figures and the flags that would keep it. The same --steps resumes without a word."""
+    import io
+
+    from tiertrain.engine.metrics import Reporter
+
+    def resumed(**kw) -> str:
+        text = io.StringIO()
+        cfg = tiny_config(tmp_path, resume=str(tmp_path / "checkpoints" / "step-00000004"), **kw)
+        with Trainer(cfg, Reporter(cfg.steps, 1, stream=text)):
+            return text.getvalue()
+
+    train(tiny_config(tmp_path, steps=8, save_every=4, keep_checkpoints=5))  # warm-up 0 steps at 8 (8 // 10)
+    assert "schedule" not in resumed(steps=8)
+    cfg = tiny_config(tmp_path, steps=16)
+    was, now = lr_at(4, cfg.lr, cfg.final_lr, 0, 8), lr_at(4, cfg.lr, cfg.final_lr, cfg.warmup, 16)
+    said = resumed(steps=16)
+    assert (f"the learning-rate schedule moved (--steps 8 -> 16): step 5 runs at lr {now:.3g} where the run's own "
+            f"schedule had {was:.3g}; resume with --steps 8 to keep it") in said, said
+    assert "--lr 0.003 -> 0.001" in resumed(steps=8, lr=1e-3)
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_trains_and_fp16_resumes_its_loss_scale(tmp_path, precision):
     kw = dict(steps=6, precision=precision, save_every=3, keep_checkpoints=5, lr=1e-2)

@@ -34,7 +34,7 @@ from tiertrain.engine.objective import causal_lm_pair, is_encoder, lm_loss, mask
 from tiertrain.engine.optimizer import make_adamw
 from tiertrain.engine.precision import Precision, choose_device, choose_precision
 from tiertrain.engine.run_dir import METRICS_FILE, PLAN_FILE, RunDir
-from tiertrain.engine.schedule import lr_at
+from tiertrain.engine.schedule import lr_at, schedule_moved
 from tiertrain.engine.stop import StopFlag
 from tiertrain.engine.tiered import default_budgets, setup_tiered
 from tiertrain.engine.train_state import PlainState, TieredState, TrainState
@@ -235,6 +235,9 @@ class Trainer:
         if state.scaler and self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(state.scaler)
         self.reporter.message(f"resumed from {ckpt} at step {self.step}")
+        moved = schedule_moved(state.run_config, self.cfg, self.step)
+        if moved:
+            self.reporter.message(moved)
 
     def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         k = self.sampler.position + self.sampler.rank  # the batch's number in the run's sequence

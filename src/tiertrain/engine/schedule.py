@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any
+
+from tiertrain.engine.config import TrainConfig
+
+SCHEDULE_OPTIONS = ("steps", "lr", "min_lr", "warmup_steps")  # what the lr at a step depends on
 
 
 def lr_at(step: int, peak: float, floor: float, warmup: int, total: int) -> float:
@@ -12,3 +18,20 @@ def lr_at(step: int, peak: float, floor: float, warmup: int, total: int) -> floa
         return peak
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+def schedule_moved(saved: dict[str, Any], cfg: TrainConfig, step: int) -> str | None:
+    """What resuming with other schedule options than the run began with (most often a larger
+    --steps, to train on) does to the learning rate: the schedule is a function of them, so the
+    next step's lr jumps; said once as the run resumes. None where the lr stays where it was."""
+    before = {k: saved[k] for k in SCHEDULE_OPTIONS if k in saved}
+    old = dataclasses.replace(cfg, **before)
+    was = lr_at(step, old.lr, old.final_lr, old.warmup, old.steps)
+    now = lr_at(step, cfg.lr, cfg.final_lr, cfg.warmup, cfg.steps)
+    if math.isclose(was, now, rel_tol=1e-9):
+        return None
+    changed = [k for k in before if before[k] != getattr(cfg, k)]
+    flags = ", ".join(f"--{k.replace('_', '-')} {before[k]} -> {getattr(cfg, k)}" for k in changed)
+    keep = " ".join(f"--{k.replace('_', '-')} {before[k]}" for k in changed if before[k] is not None)
+    return (f"the learning-rate schedule moved ({flags}): step {step + 1} runs at lr {now:.3g} where the run's own "
+            f"schedule had {was:.3g}" + (f"; resume with {keep} to keep it" if keep else ""))

@@ -225,6 +225,20 @@ def test_a_disk_directory_that_cannot_be_written_is_one_error(capsys, tmp_path, 
         assert "cannot be written" in msg and str(read_only_dir) in msg
 
 
+def test_a_disk_directory_under_a_missing_one_is_refused_and_nothing_is_created(capsys, tmp_path):
+    """A typo or a disk not mounted (/nvme/tt with no /nvme) must not put the disk tier on another
+    filesystem: the named directory is created only where its parent exists."""
+    missing = tmp_path / "not-mounted" / "tt"
+    for pages in (["--page-size", "64KiB"], []):  # the tier's own directory, and the page-size probe
+        msg = user_error(capsys, ["train", *TINY, "--plan", "max-offload", "--disk", f"{missing}:8MiB", *pages,
+                                  "--out", str(tmp_path / "r")])
+        assert f"disk directory {missing} does not exist, nor does {missing.parent}: is the disk mounted?" in msg
+        assert not missing.parent.exists()
+    assert main(["train", *TINY, "--steps", "1", "--plan", "max-offload", "--disk", f"{tmp_path / 'new'}:8MiB",
+                 "--page-size", "64KiB", "--out", str(tmp_path / "ok")]) == 0
+    assert (tmp_path / "new").is_dir()
+
+
 def test_plan_out_on_a_read_only_filesystem_is_one_error(capsys, read_only_dir):
     msg = user_error(capsys, ["plan", "--model", "tiny", "--device-memory", "1GiB", "--host-memory", "1GiB",
                               "--out", str(read_only_dir / "plan.json"), "--solver", "greedy"])

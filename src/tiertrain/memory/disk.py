@@ -99,13 +99,22 @@ def remove_stale(root: Path) -> list[Path]:
     return removed
 
 
+def make_disk_dir(root: Path) -> None:
+    """The directory the user named for the disk tier, created if need be, but only in a directory that
+    exists: a typo, or a disk not mounted, must not build a tree on another filesystem (the root's)."""
+    if not root.parent.is_dir():
+        raise ConfigError(f"disk directory {root} does not exist, nor does {root.parent}: is the disk mounted? "
+                          f"Create it first (mkdir -p {root}) or name an existing directory with --disk")
+    root.mkdir(exist_ok=True)
+
+
 class DiskDir:
     """This run's private directory (0700) under the directory the user named."""
 
     def __init__(self, root: str | Path) -> None:
         root = Path(root)
         try:
-            root.mkdir(parents=True, exist_ok=True)
+            make_disk_dir(root)
             self.stale_removed = remove_stale(root)
             self.path = Path(tempfile.mkdtemp(prefix=RUN_PREFIX, dir=root))  # mkdtemp: mode 0700
         except OSError as exc:

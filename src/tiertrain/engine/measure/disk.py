@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tiertrain.errors import ConfigError, DiskError
-from tiertrain.memory.disk import checksum
+from tiertrain.memory.disk import checksum, make_disk_dir
 from tiertrain.units import format_bytes
 from tiertrain.memory.pool import host_buffer
 
@@ -40,7 +40,7 @@ def probe_file(directory: Path, nbytes: int) -> Iterator[int]:
     """A private temporary file under ``directory``, opened for O_DIRECT (buffered where the filesystem
     refuses it) and removed afterwards; an OSError while measuring becomes one DiskError saying why."""
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        make_disk_dir(directory)
         fd, path = tempfile.mkstemp(dir=directory, prefix=".tiertrain-probe-")
     except OSError as exc:
         raise ConfigError(f"disk directory {directory} cannot be written ({exc.strerror}); "

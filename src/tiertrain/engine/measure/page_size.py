@@ -23,6 +23,7 @@ import torch
 from tiertrain.engine.measure import cache
 from tiertrain.engine.measure.disk import measure_disk
 from tiertrain.errors import ConfigError
+from tiertrain.memory.disk import make_disk_dir
 from tiertrain.memory.pool import check_page_size, host_buffer
 from tiertrain.parallel.agree import from_rank0
 
@@ -80,7 +81,7 @@ def measured_page_size(disk_dir: str | None, device: torch.device) -> int:
     """The cached page size for this machine's slowest link in use, measuring it if needed."""
     if disk_dir:
         try:
-            Path(disk_dir).mkdir(parents=True, exist_ok=True)
+            make_disk_dir(Path(disk_dir))
         except OSError as exc:
             raise ConfigError(f"disk directory {disk_dir} cannot be created ({exc.strerror}); name another with --disk") from None
         link = f"disk:{os.stat(disk_dir).st_dev}"

@@ -43,6 +43,7 @@ from tiertrain.runtime.blocks import find_blocks
 from tiertrain.units import format_bytes
 
 log = logging.getLogger("tiertrain")
+RECHECK_SCRATCH = 64 << 20  # what a running plan's probe may allocate at once: within the stated overhead
 MISPREDICT = 0.25   # a prediction further than this from the measured step sends its measurements back
 CHECK_AFTER = 3     # measured steps (after warm-up) the prediction is checked against
 
@@ -244,8 +245,11 @@ def recheck(auto: AutoPlan, measured_s: list[float], measured_peaks: dict[str, i
     cached machine probe and profile are dropped (the next run measures both again), the machine is
     probed again now and the running ``plan`` simulated on it: the corrected prediction is returned.
     ``settle`` first waits for the run's own updates and write-backs: a probe beside them measured the
-    disk at a fraction of its rate (0.26 GB/s written against 1.7, on the 354M disk plan), and that
-    probe is kept for every later run on this machine."""
+    disk at a fraction of its rate (0.26 GB/s written against 1.7, on the 354M disk plan). The probe
+    allocates at most ``RECHECK_SCRATCH`` (a whole one raised a 57M run's RSS from 650 MiB to 1.27 GiB
+    beside its 288 MiB of budgets: under a cap sized to them it could be killed) and is not kept: the
+    next run probes in full. Its AdamW may then read up to a quarter fast where 64 MiB sit half in a
+    large cache: the corrected prediction says what the run will do; the running plan stays."""
     med = statistics.median(measured_s)
     sim = auto.prediction
     off = sim.step_s / med - 1
@@ -258,7 +262,7 @@ def recheck(auto: AutoPlan, measured_s: list[float], measured_peaks: dict[str, i
     cache.forget("profiles", auto.profile.key)
     forget_probe(auto.disk_dir)
     settle()
-    fresh = probe(auto.disk_dir, use_cache=False)
+    fresh = probe(auto.disk_dir, use_cache=False, scratch=RECHECK_SCRATCH)
     rates = dataclasses.replace(fresh.rates(), disk_together_gain=auto.profile.machine.disk_together_gain)
     profile = dataclasses.replace(auto.profile, machine=rates)
     again = simulate(plan, profile, auto.needs_all_grads)

@@ -51,8 +51,13 @@ def probe_key(disk_dir: str | None) -> str:
     return f"v5:{socket.gethostname()}:{'cuda' if torch.cuda.is_available() else 'cpu'}:{disk_dir or '-'}"
 
 
-def probe(disk_dir: str | None = None, use_cache: bool = True) -> Machine:
-    """This machine's description, from the cache or measured (and kept if the machine was quiet)."""
+PROBE_SCRATCH = 512 * MiB  # the most a probe allocates at once (its AdamW's states): beyond any cache
+
+
+def probe(disk_dir: str | None = None, use_cache: bool = True, scratch: int = PROBE_SCRATCH) -> Machine:
+    """This machine's description, from the cache or measured (and kept if the machine was quiet).
+    ``scratch``: the most its measurements allocate at once; a probe with less (inside a run that
+    holds its budgets, which the user sized to the machine) is used once and not kept, as a busy one."""
     key = probe_key(disk_dir)
     known = cache.load("machine", key) if use_cache else None
     if known is not None:
@@ -61,12 +66,12 @@ def probe(disk_dir: str | None = None, use_cache: bool = True) -> Machine:
         except ConfigError:
             pass  # damaged, or from another version: measure again
     with LoadMeter() as meter:
-        machine = _measure(disk_dir)
+        machine = _measure(disk_dir, scratch)
     machine = dataclasses.replace(machine, load=meter.load)
     if meter.load.busy:
         log.warning("the machine was busy while it was probed (others used %.1f of %d cores): its figures are "
                     "used once and not cached", meter.load.others_cores, meter.load.cores)
-    else:
+    elif scratch >= PROBE_SCRATCH:
         cache.store("machine", key, dataclasses.asdict(machine))
     return machine
 
@@ -94,11 +99,11 @@ def probe_machine(disk_dir: str | None = None, use_cache: bool = True) -> tuple[
     return machine.rates(), machine.matmul_flops.fp32
 
 
-def _measure(disk_dir: str | None) -> Machine:
+def _measure(disk_dir: str | None, scratch: int) -> Machine:
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    h2d, d2h = _copies(dev, sync)
+    h2d, d2h = _copies(dev, sync, min(64 * MiB, scratch // 2))
     read, write, disk_cpu = _disk_rates(Path(disk_dir)) if disk_dir else (1e9, 1e9, 0.0)
     from tiertrain.engine.measure.page_size import measured_page_size
 
@@ -106,8 +111,9 @@ def _measure(disk_dir: str | None) -> Machine:
     return Machine(name=_name(dev), device=dev.type,
                    device_memory=torch.cuda.get_device_properties(dev).total_memory if cuda else ram,
                    host_memory=ram, peak_flops=PerDtype(0.0, 0.0, 0.0), matmul_flops=_matmuls(dev, sync),
-                   memory_bps=_memory_bps(dev, sync), h2d_bps=h2d, d2h_bps=d2h, disk_read_bps=read,
-                   disk_write_bps=write, adam_params_per_s=_adam(), disk_cpu_s_per_byte=disk_cpu,
+                   memory_bps=_memory_bps(dev, sync, min(32 * MiB, scratch // 12)), h2d_bps=h2d, d2h_bps=d2h,
+                   disk_read_bps=read, disk_write_bps=write, adam_params_per_s=_adam(scratch // 16),
+                   disk_cpu_s_per_byte=disk_cpu,
                    disk_bytes=shutil.disk_usage(disk_dir).free if disk_dir else 0,
                    page_size=measured_page_size(disk_dir, dev),
                    source=f"measured by tiertrain probe on {time.strftime('%Y-%m-%d %H:%M')}")
@@ -144,21 +150,21 @@ def cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def _copies(dev: torch.device, sync: Callable[[], None]) -> tuple[float, float]:
+def _copies(dev: torch.device, sync: Callable[[], None], nbytes: int) -> tuple[float, float]:
     cuda = dev.type == "cuda"
-    src = torch.empty(64 * MiB, dtype=torch.uint8, pin_memory=cuda)
-    dst = torch.empty(64 * MiB, dtype=torch.uint8, device=dev)
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     h2d = _rate(lambda: (dst.copy_(src, non_blocking=True), sync()), src.numel())
     d2h = _rate(lambda: (src.copy_(dst, non_blocking=True), sync()), src.numel())
     return h2d, d2h
 
 
-def _adam() -> float:
-    """Fused AdamW over 32 M parameters: 512 MiB of states and gradients, beyond any cache, as a
-    block's are (4 M, the earlier probe's, fit in this machine's L3 and read 3.3 G params/s, 1.7 here)."""
+def _adam(n: int) -> float:
+    """Fused AdamW over ``n`` parameters (32 M in a probe: 512 MiB of states and gradients, beyond any
+    cache, as a block's are; 4 M, the earlier probe's, fit in this machine's L3 and read 3.3 G params/s,
+    1.7 here; 16 M read as 32 M on a 32 MiB L3, 8 M 8% faster)."""
     from torch.optim.adamw import adamw
 
-    n = 32 * MiB
     p, g, m1, m2 = (torch.randn(n) for _ in range(4))
     m2 = m2.abs()
     step = [torch.zeros(())]
@@ -192,8 +198,8 @@ def _matmuls(dev: torch.device, sync: Callable[[], None]) -> PerDtype:
     return PerDtype(*rates)
 
 
-def _memory_bps(dev: torch.device, sync: Callable[[], None]) -> float:
-    """Bytes read and written per second by an element-wise op (an add of 128 MiB tensors), as the
-    norms, activations and residuals of a block move theirs (384 MiB: beyond the caches)."""
-    a, b, c = (torch.ones(32 * MiB, device=dev) for _ in range(3))
+def _memory_bps(dev: torch.device, sync: Callable[[], None], n: int) -> float:
+    """Bytes read and written per second by an element-wise op (an add of ``n``-element tensors: 128 MiB
+    in a probe), as the norms, activations and residuals of a block move theirs (384 MiB: beyond the caches)."""
+    a, b, c = (torch.ones(n, device=dev) for _ in range(3))
     return _rate(lambda: (torch.add(a, b, out=c), sync()), 3 * a.numel() * 4)

@@ -88,6 +88,17 @@ def test_the_lock_is_held_for_the_run_and_released_after_it(tmp_path):
     train(tiny_config(out, steps=3, resume=str(out)))  # released at the end of the run
 
 
+def test_resuming_a_run_that_still_trains_says_it_is_running_not_that_it_has_no_checkpoint(tmp_path, capsys):
+    out = tmp_path / "run"
+    with Trainer(tiny_config(out, steps=2)):  # holds the directory, and has saved nothing yet
+        assert main(["train", "--resume", str(out), "--steps", "3", "--quiet"]) == 2
+        assert one_error_line(capsys) == (f"error: run directory {out} is in use by another tiertrain run (pid "
+                                          f"{os.getpid()}); wait for it to stop (Ctrl-C or SIGTERM saves a "
+                                          "checkpoint), then --resume it")
+    assert main(["train", "--resume", str(out), "--steps", "3", "--quiet"]) == 2
+    assert "no checkpoint" in one_error_line(capsys)  # stopped without one: now that is the news
+
+
 def test_three_concurrent_runs_on_one_directory_one_runs_the_others_are_refused_at_once(tmp_path):
     out = tmp_path / "run"
     args = [sys.executable, "-m", "tiertrain.cli.main", "train", *TINY, "--steps", "800", "--save-every", "200",

@@ -121,12 +121,14 @@ def train(config_file: str | None, quiet: bool, nproc: int, **flags: Any) -> Non
     from tiertrain.engine.config import make_config, read_config_file
     from tiertrain.engine.loop import Trainer
     from tiertrain.engine.metrics import Reporter
+    from tiertrain.engine.run_dir import RunDir
     from tiertrain.parallel.group import end_process_group
 
     file_values = read_config_file(config_file) if config_file else {}
     if flags.get("resume"):
         if not flags.get("out") and "out" not in file_values:
             flags["out"] = _run_dir_of(flags["resume"])
+        RunDir(Path(_run_dir_of(flags["resume"]))).refuse_if_busy()
         saved = saved_run_options(Path(flags["resume"]))
         if saved.get("plan") and not (flags.get("disk") or file_values.get("disk")):
             _refuse_resume_without_disk(Path(flags["resume"]))

@@ -56,6 +56,23 @@ class RunDir:
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
 
+    def refuse_if_busy(self) -> None:
+        """Before resuming it: a run still training here has maybe no checkpoint yet, and "no
+        checkpoint found" would hide that it is running. Nothing is created or kept."""
+        try:
+            fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            return  # no lock file: no run ever held it (what is missing is said by the resume itself)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise RunDirBusy(f"run directory {self.path} is in use by another tiertrain run (pid "
+                                 f"{_read_pid(fd)}); wait for it to stop (Ctrl-C or SIGTERM saves a checkpoint), "
+                                 f"then --resume it") from None
+        finally:
+            os.close(fd)  # closing it drops a lock just taken
+
     def release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)  # closing the last descriptor drops the flock

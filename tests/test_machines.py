@@ -321,6 +321,13 @@ def test_max_model_from_the_command_line_prints_the_answer_beside_the_capacity_b
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "largest GPT-3-shaped model that fits" in out and "capacity bound" in out and "predicted step" in out
+    # a V100 has no bf16 (the machine refuses it): it is planned in fp16, as the README's table does
+    assert _cli("plan", "--max-model", "--machine", "v100-32gb", "--precision", "bf16", "--out",
+                str(tmp_path / "v100.json")) == 2
+    assert "plan with another --precision" in capsys.readouterr().err
+    assert _cli("plan", "--max-model", "--machine", "v100-32gb", "--precision", "fp16", "--out",
+                str(tmp_path / "v100.json")) == 0
+    assert "largest GPT-3-shaped model that fits: 40 blocks x width 4864" in capsys.readouterr().out
 
 
 def test_bench_description_predicts_three_plans_from_the_description_beside_their_runs(tmp_path, capsys, monkeypatch):

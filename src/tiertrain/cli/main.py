@@ -536,7 +536,7 @@ def bench_description_cmd(d_model: int, layers: int, batch_size: int, seq_len: i
 @click.option("--model", help="Model name or config file (one block measured here within the measurement bounds).")
 @click.option("--batch", "batch", type=POSITIVE, default=1, show_default=True, help="Sequences per micro-batch.")
 @click.option("--seq", "seq", type=POSITIVE, default=None, help="Tokens per sequence (default: the model's maximum).")
-@click.option("--precision", type=click.Choice(BENCH_PRECISIONS), default="fp32", show_default=True)
+@click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True)
 @click.option("--device-memory", help='Device budget, e.g. "8GiB" (default with --machine: 90% of its device memory).')
 @click.option("--host-memory", help='Host budget, e.g. "64GiB" (default with --machine: 90% of its RAM).')
 @click.option("--disk", help='Disk tier "DIR:SIZE" (its speed is measured in DIR; with --machine the size is its disk).')

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU half of the checks, in one call on a lent GPU machine (issue 4's "Measure" list):
 #   run (device tool): command "bash scripts/gpu_check.sh [STAGE ...]", carry [".whl"], timeout_s 600
-# after `bash scripts/gpu_wheels.sh` here. Stages: cuda_tests overhead large offload planner peers
-# (default: all). Together they pass one call's 10 minutes: split them over two calls, e.g.
-# "cuda_tests overhead large", then "offload planner peers".
+# after `bash scripts/gpu_wheels.sh` here. Stages: cuda_tests peers_disk overhead large offload planner
+# peers (default: all). Together they pass one call's 10 minutes: split them over two calls, e.g.
+# "cuda_tests peers_disk", then "overhead large offload".
 # Each stage's log goes to $OUT (fetched back); a stage that fails is reported and the next one
 # still runs. Sizes suit an 80 GiB H100/H200.
 set -uo pipefail
@@ -13,7 +13,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=src
 tt() { python3 -m tiertrain.cli.main "$@"; }
 status=0
-wanted=" ${*:-cuda_tests overhead large offload planner peers} "
+wanted=" ${*:-cuda_tests peers_disk overhead large offload planner peers} "
 stage() {  # stage NAME SECONDS COMMAND...: run it with a limit, log it, remember a failure
     local name=$1 limit=$2; shift 2
     [[ $wanted == *" $name "* ]] || return 0
@@ -37,18 +37,36 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     export PYTHONPATH=$site:src
 fi
 python3 -c "import deepspeed; print('deepspeed', deepspeed.__version__)" 2>/dev/null | tail -n 1 | tee -a "$OUT/summary.log"
+# libaio for DeepSpeed's aio op (ZeRO-Infinity on NVMe), carried as Debian packages in .whl/deb
+# (gpu_wheels.sh) where the image has none: unpacked aside, found by the compiler and the loader there
+if ! ldconfig -p | grep -q libaio.so && compgen -G ".whl/deb/*.deb" >/dev/null; then
+    for f in .whl/deb/*.deb; do dpkg -x "$f" /tmp/aio; done
+    aio=/tmp/aio/usr/lib/x86_64-linux-gnu
+    export CPATH=/tmp/aio/usr/include LIBRARY_PATH=$aio LD_LIBRARY_PATH=$aio${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    export CFLAGS="-I/tmp/aio/usr/include" LDFLAGS="-L$aio"
+fi
+# the disk tier's and the peers' files: beside the working tree (its disk), not in /tmp (maybe in RAM)
+DISK=${GPU_DISK_DIR:-$PWD/.gpu-disk}
+mkdir -p "$DISK"
+lscpu | grep -E '^(Model name|CPU\(s\))' | tee -a "$OUT/summary.log"
+df -hT "$DISK" /tmp | tee -a "$OUT/summary.log"
 # 1. correctness on CUDA: plans against plain PyTorch, pools, train with a plan (incl. auto)
-stage cuda_tests 120 python3 -m pytest -q -x tests/test_cuda.py
-# 2. a model that fits: overhead against plain PyTorch (target <= 3%), tokens/s, MFU
+stage cuda_tests 150 python3 -m pytest -q -ra --durations=5 tests/test_cuda.py
+# 2. issue 21's comparison on this machine: a 354M GPT-2-medium-shaped model, states on disk at 512 MiB
+#    device and 2 GiB host, beside DeepSpeed ZeRO-Infinity (NVMe) held to 2 GiB of device memory
+stage peers_disk 330 tt bench peers --model scripts/gpt2-medium.json --batch-size 1 --seq-len 128 \
+    --device-memory 512MiB --peer-device-memory 2GiB --host-memory 2GiB --disk $DISK:40GiB \
+    --peers deepspeed --update overlap --steps 5
+# 3. a model that fits: overhead against plain PyTorch (target <= 3%), tokens/s, MFU
 stage overhead 100 tt bench overhead --d-model 2048 --layers 12 --seq-len 1024 --batch-size 8 --precision bf16 \
     --rounds 5 --steps 3
-# 3. states >= 4x the device budget (1.5B params, 24 GiB of states, a 6 GiB device budget): tokens/s, TFLOPS
+# 4. states >= 4x the device budget (1.5B params, 24 GiB of states, a 6 GiB device budget): tokens/s, TFLOPS
 stage large 140 tt train --model scripts/gpu-1.5b.json --plan auto --device-memory 6GiB --host-memory 96GiB \
     --precision bf16 --batch-size 4 --seq-len 1024 --steps 8 --log-every 1 --out /tmp/large-run
-# 4. states on disk (NVMe here), the planner's fidelity on this machine
-stage offload 100 tt bench offload --disk /tmp/bench-offload --d-model 1024 --layers 8 --batch-size 4 --seq-len 512
-stage planner 100 tt bench planner --part fidelity --disk-dir /tmp/bench-planner --d-model 1024 --layers 8 --seq-len 512
-# 5. the same 1.5B model and 6 GiB device budget: tiertrain beside DeepSpeed ZeRO-3 offload and FSDP2 CPU offload
+# 5. states on disk (NVMe here), the planner's fidelity on this machine
+stage offload 100 tt bench offload --disk $DISK/bench-offload --d-model 1024 --layers 8 --batch-size 4 --seq-len 512
+stage planner 100 tt bench planner --part fidelity --disk-dir $DISK/bench-planner --d-model 1024 --layers 8 --seq-len 512
+# 6. the same 1.5B model and 6 GiB device budget: tiertrain beside DeepSpeed ZeRO-3 offload and FSDP2 CPU offload
 stage peers 290 tt bench peers --model scripts/gpu-1.5b.json --precision bf16 --batch-size 4 --seq-len 1024 \
     --device-memory 6GiB --host-memory 96GiB --steps 3 --warmup 1
 exit $status

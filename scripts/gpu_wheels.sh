@@ -22,6 +22,11 @@ download crc32c==2.9.post0
 download einops==0.8.2 hjson==3.1.0 msgpack==1.2.4 ninja==1.13.2 psutil==7.2.2 py-cpuinfo==9.0.0 \
     pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 \
     typing-extensions==4.16.0 tqdm==4.70.1 packaging==26.2
+# libaio for DeepSpeed's aio op (its NVMe offload): Debian's packages, unpacked aside there by gpu_check.sh
+if command -v apt-get >/dev/null && ! compgen -G ".whl/deb/libaio-dev_*.deb" >/dev/null; then
+    mkdir -p .whl/deb
+    (cd .whl/deb && apt-get download -q libaio1 libaio-dev 2>&1 | grep -v "unsandboxed as root" || true)
+fi
 if ! compgen -G ".whl/deepspeed-*.whl" >/dev/null; then
     src=$(mktemp -d)
     trap 'rm -rf "$src"' EXIT

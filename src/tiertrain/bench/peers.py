@@ -86,6 +86,11 @@ class PeerBench:
     update: str
     probe_each_step: bool = False  # drain and measure the disk between timed steps (``_time_steps``)
     probe_bytes: int = 1 << 30     # each way, per disk probe
+    peer_device: int | None = None  # the peers' device cap on CUDA (None: tiertrain's device budget)
+
+    @property
+    def peer_cap(self) -> int:
+        return self.peer_device or self.budgets.device
 
     def batches(self, device: torch.device) -> list[torch.Tensor]:
         g = torch.Generator().manual_seed(1)
@@ -257,6 +262,8 @@ def _run_deepspeed(bench: PeerBench, device: torch.device, recompute: bool) -> R
             "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": pin},
                                   "offload_optimizer": {"device": "cpu", "pin_memory": pin}},
             "zero_force_ds_cpu_optimizer": False, "steps_per_print": 1 << 30}
+    if pin:
+        conf = _within_device_cap(conf, bench)
     if bench.budgets.disk_dir:
         conf = _on_nvme(conf, bench, pin)
     if bench.precision in ("bf16", "fp16"):
@@ -280,6 +287,19 @@ def _run_deepspeed(bench: PeerBench, device: torch.device, recompute: bool) -> R
         return _time_steps(step, bench, device, name, "recomputes every block" if recompute else "")
     finally:
         engine.destroy()
+
+
+def _within_device_cap(conf: dict, bench: PeerBench) -> dict:
+    """ZeRO-3's device buffers sized as a user held to the cap would size them. Its defaults suit a
+    whole GPU, not a cap: a gradient bucket of 5e8 elements (2 GB in fp32) and up to 1e9 parameters
+    kept gathered between uses (every parameter of a model under 1e9, 1.4 GB for a 354M). The bucket
+    sizes are transformers' DeepSpeed integration's "auto" values (from the hidden size); the gathered
+    parameters are held to a quarter of the cap (counted in fp32)."""
+    d, live = bench.cfg.d_model, bench.peer_cap // 4 // 4
+    zero = {**conf["zero_optimization"], "reduce_bucket_size": d * d, "stage3_prefetch_bucket_size": int(0.9 * d * d),
+            "stage3_param_persistence_threshold": 10 * d, "stage3_max_live_parameters": live,
+            "stage3_max_reuse_distance": live}
+    return {**conf, "zero_optimization": zero}
 
 
 def _on_nvme(conf: dict, bench: PeerBench, pin: bool) -> dict:
@@ -369,14 +389,14 @@ def _run_peer(name: str, bench: PeerBench, device: torch.device) -> Row:
     for recompute in (False, True):
         restart_rss_peak()
         try:
-            with _device_cap(device, bench.budgets.device), warnings.catch_warnings():
+            with _device_cap(device, bench.peer_cap), warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)  # the peers' own deprecations
                 return runner(bench, device, recompute)
         except ImportError as e:
             return Row(name, note=f"not run: {e}; install it (pip install {name}) to compare with it")
         except torch.OutOfMemoryError:
             if recompute:
-                return Row(name, note=f"out of device memory at {format_bytes(bench.budgets.device)}, "
+                return Row(name, note=f"out of device memory at {format_bytes(bench.peer_cap)}, "
                                       "even recomputing every block")
         except Exception as e:  # noqa: BLE001 - a peer's own failure is a figure here, not our crash
             traceback.print_exc()
@@ -432,8 +452,8 @@ def bench_peers(bench: PeerBench, peers: tuple[str, ...], out: Callable[[str], N
             rows.append(_isolated(name, _peer_alone, name, mine, device))
     peak = matmul_peak(device, "fp32" if bench.precision == "fp32" else "bf16")
     flops = flops_per_token(bench.cfg, bench.seq) * bench.batch * bench.seq
-    cap = "held to it with set_per_process_memory_fraction" if device.type == "cuda" else \
-        "not enforceable for peers on CPU"
+    cap = ("held to it" if bench.peer_cap == bench.budgets.device else f"held to {format_bytes(bench.peer_cap)}") + \
+        " with set_per_process_memory_fraction" if device.type == "cuda" else "not enforceable for peers on CPU"
     out(f"model {param_count(bench.cfg) / 1e6:.1f}M params, batch {bench.batch} x {bench.seq}, {bench.precision} "
         f"on {device.type}; device budget {format_bytes(bench.budgets.device)} ({cap}); "
         f"{bench.steps} timed steps after {bench.warmup} warm-up"

@@ -51,7 +51,7 @@ mkdir -p "$DISK"
 lscpu | grep -E '^(Model name|CPU\(s\))' | tee -a "$OUT/summary.log"
 df -hT "$DISK" /tmp | tee -a "$OUT/summary.log"
 # 1. correctness on CUDA: plans against plain PyTorch, pools, train with a plan (incl. auto)
-stage cuda_tests 150 python3 -m pytest -q -ra --durations=5 tests/test_cuda.py
+stage cuda_tests 150 python3 -m pytest -v -ra --durations=5 -p no:cacheprovider tests/test_cuda.py
 # 2. issue 21's comparison on this machine: a 354M GPT-2-medium-shaped model, states on disk at 512 MiB
 #    device and 2 GiB host, beside DeepSpeed ZeRO-Infinity (NVMe) held to 2 GiB of device memory
 stage peers_disk 330 tt bench peers --model scripts/gpt2-medium.json --batch-size 1 --seq-len 128 \

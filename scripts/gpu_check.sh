@@ -11,13 +11,13 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=src
-tt() { python3 -m tiertrain.cli.main "$@"; }
 status=0
 wanted=" ${*:-cuda_tests peers_disk overhead large offload planner peers} "
 stage() {  # stage NAME SECONDS COMMAND...: run it with a limit, log it, remember a failure
     local name=$1 limit=$2; shift 2
     [[ $wanted == *" $name "* ]] || return 0
     echo "=== $name" | tee -a "$OUT/summary.log"
+    [ "$1" = tt ] && set -- python3 -m tiertrain.cli.main "${@:2}"  # timeout runs programs, not shell functions
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
     tail -n 12 "$OUT/$name.log" | tee -a "$OUT/summary.log"

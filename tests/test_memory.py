@@ -464,3 +464,56 @@ def test_a_closed_host_pool_gives_its_pages_back_while_views_of_it_live_and_is_n
     rss, _ = _mapping_of(addr)  # still mapped: the view holds it
     assert rss < 1 << 10, rss
     assert int(view[: 1 << 20].sum()) == 0  # what a view reads after close
+
+
+class _FakeCudart:
+    """CUDA's runtime as ``HostRegion`` calls it, recording what is pinned (CUDA refuses an address
+    that is registered already, error 712, as this does)."""
+
+    def __init__(self):
+        self.pinned: dict[int, int] = {}
+        self.calls: list[tuple[str, int]] = []
+
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        self.calls.append(("register", ptr))
+        if ptr in self.pinned:
+            return 712
+        self.pinned[ptr] = nbytes
+        return 0
+
+    def cudaHostUnregister(self, ptr):
+        self.calls.append(("unregister", ptr))
+        return 0 if self.pinned.pop(ptr, None) is not None else 713
+
+
+def test_pinned_host_memory_is_unpinned_once_before_it_can_be_unmapped(monkeypatch):
+    """Seen on an H100: a pinned buffer dropped without unpinning (a page-size probe's) left its address
+    registered, and the host pool the kernel mapped there next could not be pinned. Each region is
+    unpinned when dropped or at its pool's close, once, and while its mapping still exists."""
+    import gc
+
+    from tiertrain.memory import pool as pool_mod
+    from tiertrain.memory.pool import MemoryPool, host_buffer
+
+    fake = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    mapped_at_unpin = []
+    real = pool_mod._unregister
+    monkeypatch.setattr(pool_mod, "_unregister", lambda ptr, mapping: (mapped_at_unpin.append(not mapping.closed),
+                                                                      real(ptr, mapping)))
+    for _ in range(3):  # dropped: a probe's buffer
+        buf, region = host_buffer(1 << 20, pin=True)
+        assert region.pinned and fake.pinned == {buf.data_ptr(): 1 << 20}
+        del buf, region
+        gc.collect()
+        assert fake.pinned == {}
+    pool = MemoryPool(Tier.HOST, 4 << 20, 1 << 20, torch.device("cpu"))
+    assert pool.pinned and len(fake.pinned) == 1
+    view = pool.buffer[:16]
+    pool.close()
+    assert fake.pinned == {} and view.sum() == 0  # unpinned at close; the view still reads (zeros)
+    del pool, view
+    gc.collect()
+    unpins = [c for c in fake.calls if c[0] == "unregister"]
+    assert len(unpins) == 4 and all(mapped_at_unpin), (fake.calls, mapped_at_unpin)

@@ -284,8 +284,8 @@ def _auto(model: nn.Module, step: Callable[[], None], memory: Budgets, page: int
 
     precision, update = opts.compute_dtype or "fp32", opts.update or "sync"
     check_update_mode(update, precision, opts.grad_accum, opts.clips)
-    cuda = next(model.parameters()).is_cuda
-    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
+    # the GPU's stream too where the model still sits on the CPU: profiling runs it on the GPU
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
         return auto_plan(model, step, memory, page, precision, update, opts.needs_all_grads(precision), opts.blocks,
                          max_staleness=DEFAULT_MAX_STALENESS if opts.max_staleness is None else opts.max_staleness,
                          disk_gain=disk_gain)

@@ -156,11 +156,11 @@ class Mover:
             raise ValueError(f"copy needs a memory destination at least as large, got {src!r} and {dst!r}")
         _landed(src)
         handle = Handle()
+        event = self._compute_event()  # ``dst`` (a slot) may still be read by kernels queued before now
         if isinstance(src.pool, DiskPool):
-            parts = [(self._read_disk, self._reader(dst, src.pool, e, i * src.pool.page_size))
+            parts = [(self._read_disk, self._reader(dst, src.pool, e, i * src.pool.page_size, event))
                      for i, e in enumerate(src.extents)]
         else:
-            event = self._compute_event()
             parts = [(self._copy.submit, lambda: self._on_copy_stream(dst.tier, event, lambda: self._scatter(
                 dst, 0, src, 0, src.nbytes)))]
         join = _Join(len(parts), handle._finish)
@@ -235,7 +235,7 @@ class Mover:
                     for i, e in enumerate(extents)]
         target = Chunk(chunk.name, chunk.kind, chunk.nbytes, dst, extents)
         if isinstance(src, DiskPool):
-            return [(self._read_disk, self._reader(target, src, e, i * src.page_size))
+            return [(self._read_disk, self._reader(target, src, e, i * src.page_size, event))
                     for i, e in enumerate(chunk.extents)]
         return [(self._copy.submit, lambda: self._on_copy_stream(dst.tier, event, lambda: self._scatter(
             target, 0, chunk, 0, chunk.nbytes)))]
@@ -293,7 +293,10 @@ class Mover:
             disk.write_page(e.page, memoryview(direct.numpy()))
         return write
 
-    def _reader(self, target: Chunk, disk: DiskPool, e: Extent, start: int) -> Callable[[], None]:
+    def _reader(self, target: Chunk, disk: DiskPool, e: Extent, start: int,
+                event: "torch.cuda.Event | None") -> Callable[[], None]:
+        """A page read and put in place: on a GPU, after ``event`` (kernels queued before the read was
+        asked for may still read the bytes it overwrites)."""
         def read() -> None:
             direct = self._direct_view(target.pool, target, start, e.length, disk.written_length(e.page))
             if direct is not None:  # straight into place; a bad checksum fails the whole move/copy
@@ -301,7 +304,7 @@ class Mover:
                 return
             stage = self._staging(disk.page_size)
             disk.read_page(e.page, memoryview(stage.numpy()))  # verified before any byte is used
-            self._on_copy_stream(target.tier, None, lambda: self._scatter_from(target, start, stage[: e.length]))
+            self._on_copy_stream(target.tier, event, lambda: self._scatter_from(target, start, stage[: e.length]))
         return read
 
     @staticmethod

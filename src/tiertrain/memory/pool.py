@@ -7,16 +7,20 @@ budget. Nothing spills to another tier on its own: the caller decides where byte
 
 from __future__ import annotations
 
+import logging
 import mmap
 import platform
 import sys
 import threading
+import weakref
 
 import torch
 
 from tiertrain.errors import BudgetError, ConfigError
 from tiertrain.memory.pages import Extent, PagesExhausted, PageTable
 from tiertrain.plan.tiers import Tier
+
+log = logging.getLogger(__name__)
 
 IO_ALIGN = 4096  # O_DIRECT needs buffers, offsets and lengths aligned to the logical block size
 DEFAULT_PAGE_SIZE = 1 << 20  # for a MemorySystem made without one; runs measure theirs (engine.measure.page_size)
@@ -70,8 +74,9 @@ _NORESERVE = getattr(mmap, "MAP_NORESERVE",
                      0x4000 if sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64") else 0)
 
 
-def host_buffer(nbytes: int, pin: bool) -> tuple[torch.Tensor, mmap.mmap | None]:
-    """Page-aligned host memory (so any page of it can be an O_DIRECT buffer), pinned with CUDA.
+def host_buffer(nbytes: int, pin: bool) -> tuple[torch.Tensor, "HostRegion | None"]:
+    """Page-aligned host memory (so any page of it can be an O_DIRECT buffer), pinned with CUDA;
+    keep the region beside the tensor for as long as the memory must stay pinned.
 
     We map anonymous memory ourselves instead of ``torch.empty(pin_memory=True)``: the
     caching pinned allocator rounds to powers of two (a 40 GiB budget would pin 64 GiB) and
@@ -83,16 +88,52 @@ def host_buffer(nbytes: int, pin: bool) -> tuple[torch.Tensor, mmap.mmap | None]
     """
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8), None
-    try:
-        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _NORESERVE)
-    except OSError as exc:  # the kernel refused the reservation (overcommit limits)
-        raise BudgetError("host", nbytes, nbytes, 0, detail=f"the kernel refused to map it ({exc.strerror})") from None
-    tensor = torch.frombuffer(region, dtype=torch.uint8)
-    if pin:
-        err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(err)}")
-    return tensor, region
+    region = HostRegion(nbytes, pin)
+    return region.tensor, region
+
+
+class HostRegion:
+    """An anonymous private mapping, pinned for CUDA where asked, and unpinned before it can be unmapped.
+
+    Memory unmapped while still registered stays in CUDA's table, and the next mapping the kernel puts
+    at that address cannot be registered (error 712, "already registered", or a sticky "resource
+    already mapped" at a later CUDA call: seen on an H100, where a page-size probe's pinned buffer,
+    dropped registered, broke the host pool made after it). So the pin is undone by ``unpin`` (a
+    pool's close) or when this object is collected, whichever comes first; the finalizer holds the
+    mapping, so the mapping outlives its pin. Views of ``tensor`` keep the mapping, not the pin."""
+
+    def __init__(self, nbytes: int, pin: bool) -> None:
+        try:
+            self.map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _NORESERVE)
+        except OSError as exc:  # the kernel refused the reservation (overcommit limits)
+            raise BudgetError("host", nbytes, nbytes, 0, detail=f"the kernel refused to map it ({exc.strerror})") from None
+        self.tensor = torch.frombuffer(self.map, dtype=torch.uint8)
+        self.pinned = False
+        self._unpin: weakref.finalize | None = None
+        if pin:
+            err = int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0))
+            if err != 0:
+                raise RuntimeError(f"pinning {nbytes} bytes of host memory for CUDA (cudaHostRegister) failed with "
+                                   f"CUDA error {err}")
+            self.pinned = True
+            self._unpin = weakref.finalize(self, _unregister, self.tensor.data_ptr(), self.map)
+            self._unpin.atexit = False  # the process's end unpins everything, and CUDA may be gone by then
+
+    def unpin(self) -> None:
+        if self._unpin is not None:
+            self._unpin()
+        self.pinned = False
+
+    def give_back(self) -> None:
+        """Return the pages to the OS now, whatever views still point here (they then read zeros)."""
+        self.map.madvise(mmap.MADV_DONTNEED)
+
+
+def _unregister(ptr: int, mapping: mmap.mmap) -> None:
+    """Unpin; ``mapping`` is only held, so that it is unmapped after this, never before."""
+    err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+    if err != 0:
+        log.warning("unpinning host memory at %#x failed with CUDA error %d", ptr, err)
 
 
 class MemoryPool(Pool):
@@ -116,8 +157,8 @@ class MemoryPool(Pool):
         return self.buffer[start : start + e.length]
 
     def close(self) -> None:
-        if self.pinned and self.capacity:
-            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+        if self._region is not None:
+            self._region.unpin()
         self.buffer = torch.empty(0, dtype=torch.uint8)
         # The mmap is unmapped when the last view of it is gone; closing it here would fail
         # while a caller still holds a view, and a model's parameters (views of its slots) often
@@ -125,5 +166,5 @@ class MemoryPool(Pool):
         # are given back to the OS now: the memory is free at close, whatever still points at it
         # (a view read after close sees zeros).
         if self._region is not None:
-            self._region.madvise(mmap.MADV_DONTNEED)
+            self._region.give_back()
         self._region = None

@@ -208,7 +208,7 @@ class BlockGroup:
             if p.grad is None:
                 continue
             if self.local_has[i]:
-                views[i].add_(p.grad)
+                views[i].add_(p.grad.to(views[i].device))  # a GPU's gradient into a host chunk: copied first
             else:
                 views[i].copy_(p.grad)
                 self.local_has[i] = True
@@ -344,6 +344,16 @@ def adamw_block(group: BlockGroup, hypers: list[AdamWHyper], coef: torch.Tensor 
         views = group.views
     else:
         views = group.state_views
-    adamw_step(views(group.master), views(taken.chunk), views(group.exp_avg), views(group.exp_avg_sq),
+    masters = views(group.master)
+    if masters:  # a shard may hold no piece of this block
+        steps_beside(group, masters[0].device)
+    adamw_step(masters, views(taken.chunk), views(group.exp_avg), views(group.exp_avg_sq),
                [group.steps[i] for i in owners], [taken.has_grad[i] for i in owners],
                [group.group_of[i] for i in owners], hypers, coef)
+
+
+def steps_beside(group: BlockGroup, device: torch.device) -> None:
+    """Fused AdamW wants each step count on its parameter's device (torch's CUDA kernel refuses CPU
+    counts): a block whose master is homed on the GPU keeps its counts there, moved at its first update."""
+    if group.steps and group.steps[0].device != device:
+        group.steps[:] = [s.to(device) for s in group.steps]

@@ -50,7 +50,7 @@ class GradBuffer:
         views). Call under ``lock``, with ``chunk`` set."""
         for i, grad in grads:
             if self.has_grad[i]:
-                views[i].add_(grad)
+                views[i].add_(grad.to(views[i].device))  # a GPU's gradient into a host chunk: copied first
             else:
                 views[i].copy_(grad)
                 self.has_grad[i] = True

@@ -21,7 +21,7 @@ from tiertrain.memory.chunk import Chunk
 from tiertrain.memory.movement import Handle
 from tiertrain.optim import AdamWHyper, adamw_step
 from tiertrain.plan.bytes import PIECE_BUFFERS, piece_bytes
-from tiertrain.runtime.block_group import F32, BlockGroup
+from tiertrain.runtime.block_group import F32, BlockGroup, steps_beside
 from tiertrain.runtime.grads import TakenGrads
 
 
@@ -77,6 +77,7 @@ def update_in_pieces(g: BlockGroup, hypers: list[AdamWHyper], coef: torch.Tensor
     per_piece = max(1, piece_bytes(disk.nbytes, g.plan) // page)
     n_pages = len(disk.extents)
     firsts = list(range(0, n_pages, per_piece))
+    steps_beside(g, torch.device("cpu"))  # updated on the host (a replan may have homed it on the GPU before)
     before = [s.detach().clone() for s in g.steps]
     sets: list[_Buffers] = []
     try:

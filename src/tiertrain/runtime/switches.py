@@ -36,6 +36,9 @@ class _Stashed:
         self.shape, self.stride, self.dtype, self.device = t.shape, t.stride(), t.dtype, t.device
         self.host_view().copy_(t.reshape(-1), non_blocking=t.device.type == "cuda")
         self.event = None
+        if t.device.type == "cuda":  # freed unrestored (a graph dropped), the chunk waits for this copy
+            self.event = torch.cuda.Event()
+            self.event.record()
 
     def host_view(self) -> torch.Tensor:
         return self.chunk.typed(self.dtype)[: self.shape.numel()]
@@ -44,7 +47,7 @@ class _Stashed:
         out = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
         out.view(-1).copy_(self.host_view(), non_blocking=self.device.type == "cuda")
         if self.device.type == "cuda":  # the host chunk may be reused only once this copy has read it
-            self.event = torch.cuda.Event()
+            self.event = torch.cuda.Event()  # (recorded after the pack's copy, on the same stream)
             self.event.record()
         return out
 

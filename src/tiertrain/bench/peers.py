@@ -86,11 +86,13 @@ class PeerBench:
     update: str
     probe_each_step: bool = False  # drain and measure the disk between timed steps (``_time_steps``)
     probe_bytes: int = 1 << 30     # each way, per disk probe
-    peer_device: int | None = None  # the peers' device cap on CUDA (None: tiertrain's device budget)
+    cap: int | None = None  # on CUDA, every system's allocator cap (None: ``device_cap``'s default)
 
     @property
-    def peer_cap(self) -> int:
-        return self.peer_device or self.budgets.device
+    def device_cap(self) -> int:
+        """tiertrain's device pool is its whole device budget, and its activations, like every system's,
+        come from torch's allocator beside it: the default cap leaves them 1 GiB."""
+        return self.cap or self.budgets.device + (1 << 30)
 
     def batches(self, device: torch.device) -> list[torch.Tensor]:
         g = torch.Generator().manual_seed(1)
@@ -295,7 +297,7 @@ def _within_device_cap(conf: dict, bench: PeerBench) -> dict:
     kept gathered between uses (every parameter of a model under 1e9, 1.4 GB for a 354M). The bucket
     sizes are transformers' DeepSpeed integration's "auto" values (from the hidden size); the gathered
     parameters are held to a quarter of the cap (counted in fp32)."""
-    d, live = bench.cfg.d_model, bench.peer_cap // 4 // 4
+    d, live = bench.cfg.d_model, bench.device_cap // 4 // 4
     zero = {**conf["zero_optimization"], "reduce_bucket_size": d * d, "stage3_prefetch_bucket_size": int(0.9 * d * d),
             "stage3_param_persistence_threshold": 10 * d, "stage3_max_live_parameters": live,
             "stage3_max_reuse_distance": live}
@@ -369,15 +371,16 @@ def _release(device: torch.device) -> None:
 
 
 def _tiertrain_under_cap(bench: PeerBench, device: torch.device) -> Row:
-    """tiertrain under the same allocator cap as the peers: its budget is kept by its own
-    accounting, and running out of device memory here would show that accounting wrong."""
+    """tiertrain under the same allocator cap as the peers: its pools keep its budget by its own
+    accounting, and running out of device memory here would show its activations over the rest."""
     restart_rss_peak()
     try:
-        with _device_cap(device, bench.budgets.device):
+        with _device_cap(device, bench.device_cap):
             return _run_tiertrain(bench, device)
     except torch.OutOfMemoryError as e:
-        return Row(f"tiertrain ({bench.update})", note=f"out of device memory under its own budget "
-                                                       f"{format_bytes(bench.budgets.device)}: {str(e).splitlines()[0]}")
+        return Row(f"tiertrain ({bench.update})", note=f"out of device memory under {format_bytes(bench.device_cap)} "
+                                                       f"(its pool {format_bytes(bench.budgets.device)}): "
+                                                       f"{str(e).splitlines()[0]}")
     finally:
         _release(device)
 
@@ -389,14 +392,14 @@ def _run_peer(name: str, bench: PeerBench, device: torch.device) -> Row:
     for recompute in (False, True):
         restart_rss_peak()
         try:
-            with _device_cap(device, bench.peer_cap), warnings.catch_warnings():
+            with _device_cap(device, bench.device_cap), warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)  # the peers' own deprecations
                 return runner(bench, device, recompute)
         except ImportError as e:
             return Row(name, note=f"not run: {e}; install it (pip install {name}) to compare with it")
         except torch.OutOfMemoryError:
             if recompute:
-                return Row(name, note=f"out of device memory at {format_bytes(bench.peer_cap)}, "
+                return Row(name, note=f"out of device memory under {format_bytes(bench.device_cap)}, "
                                       "even recomputing every block")
         except Exception as e:  # noqa: BLE001 - a peer's own failure is a figure here, not our crash
             traceback.print_exc()
@@ -452,8 +455,8 @@ def bench_peers(bench: PeerBench, peers: tuple[str, ...], out: Callable[[str], N
             rows.append(_isolated(name, _peer_alone, name, mine, device))
     peak = matmul_peak(device, "fp32" if bench.precision == "fp32" else "bf16")
     flops = flops_per_token(bench.cfg, bench.seq) * bench.batch * bench.seq
-    cap = ("held to it" if bench.peer_cap == bench.budgets.device else f"held to {format_bytes(bench.peer_cap)}") + \
-        " with set_per_process_memory_fraction" if device.type == "cuda" else "not enforceable for peers on CPU"
+    cap = f"every system held to {format_bytes(bench.device_cap)} with set_per_process_memory_fraction" \
+        if device.type == "cuda" else "not enforceable for peers on CPU"
     out(f"model {param_count(bench.cfg) / 1e6:.1f}M params, batch {bench.batch} x {bench.seq}, {bench.precision} "
         f"on {device.type}; device budget {format_bytes(bench.budgets.device)} ({cap}); "
         f"{bench.steps} timed steps after {bench.warmup} warm-up"

@@ -437,10 +437,9 @@ def bench_parallel_cmd(nproc: int, layouts: str, d_model: int, layers: int, batc
 @click.option("--seq-len", type=POSITIVE, default=128, show_default=True)
 @click.option("--precision", type=click.Choice(BENCH_PRECISIONS), default="fp32", show_default=True)
 @click.option("--device-memory", default="1GiB", show_default=True,
-              help="tiertrain's device budget; on CUDA the peers are held to it too.")
-@click.option("--peer-device-memory",
-              help="On CUDA, hold the peers to this instead (more than tiertrain's budget: a peer's defaults "
-                   "want more device memory than a tight budget leaves them).")
+              help="tiertrain's device budget (its device pool).")
+@click.option("--device-cap", help="On CUDA, the device memory every system may allocate, tiertrain included "
+                                   "[default: the device budget + 1GiB, room for activations beside its pool].")
 @click.option("--host-memory", default="16GiB", show_default=True, help="tiertrain's host budget.")
 @click.option("--update", type=click.Choice(["sync", "overlap", "lockfree"]), default="overlap", show_default=True,
               help="tiertrain's update mode (sync and overlap are exact, as the peers are).")
@@ -453,7 +452,7 @@ def bench_parallel_cmd(nproc: int, layouts: str, d_model: int, layers: int, batc
               help="With --disk: let each timed step's write-backs land and measure the disk's raw rates between "
                    "steps, so each step is set against the rates on either side of it (for a disk whose rate moves).")
 def bench_peers_cmd(model: str, batch_size: int, seq_len: int, precision: str, device_memory: str,
-                    peer_device_memory: str | None, host_memory: str, update: str, peer_list: str, steps: int,
+                    device_cap: str | None, host_memory: str, update: str, peer_list: str, steps: int,
                     warmup: int, disk: str | None, probe_each_step: bool) -> None:
     """tiertrain (plan auto) beside DeepSpeed ZeRO-Offload and FSDP2 CPU offload: tokens/s, MFU, device peak."""
     from tiertrain.bench.machine import describe
@@ -477,9 +476,9 @@ def bench_peers_cmd(model: str, batch_size: int, seq_len: int, precision: str, d
     budgets = Budgets.parse(device_memory, host_memory, disk)
     if disk and "fsdp2" in peers:
         raise ConfigError("--disk: FSDP2 offloads to host memory only; leave it out (--peers deepspeed)")
-    peer_device = parse_size(peer_device_memory) if peer_device_memory else None
+    cap = parse_size(device_cap) if device_cap else None
     work = PeerBench(cfg, batch_size, seq_len, precision, budgets, steps, warmup, update, probe_each_step,
-                     peer_device=peer_device)
+                     cap=cap)
     rows = bench_peers(work, peers, click.echo)
     if not rows[0].ran:
         raise SystemExit(1)

@@ -60,7 +60,7 @@ stage peers_disk 330 tt bench peers --model scripts/gpt2-medium.json --batch-siz
     --device-memory 512MiB --device-cap 4GiB --host-memory 2GiB --disk $DISK:40GiB \
     --peers deepspeed --update overlap --steps 5
 # 3. a model that fits: overhead against plain PyTorch (target <= 3%), tokens/s, MFU
-stage overhead 100 tt bench overhead --d-model 2048 --layers 12 --seq-len 1024 --batch-size 8 --precision bf16 \
+stage overhead 100 tt bench overhead --d-model 2048 --layers 12 --seq-len 256 --batch-size 32 --precision bf16 \
     --rounds 5 --steps 3
 # 4. states >= 4x the device budget (1.5B params, 24 GiB of states, a 6 GiB device budget): tokens/s, TFLOPS
 stage large 140 tt train --model scripts/gpu-1.5b.json --plan auto --device-memory 6GiB --host-memory 96GiB \

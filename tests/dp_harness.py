@@ -22,6 +22,13 @@ def rank_batches(rank: int, n: int) -> list[torch.Tensor]:
     return [torch.randint(0, 256, (2, 17), generator=g) for _ in range(n)]
 
 
+def rank_disk(disk: Path, rank: int) -> str:
+    """This rank's disk-tier directory; its parent made here (tiertrain creates a disk directory only
+    inside one that exists)."""
+    disk.mkdir(parents=True, exist_ok=True)
+    return str(disk / f"rank{rank}")
+
+
 def _fresh():
     from tiertrain.engine.optimizer import make_adamw
     from tiertrain.models import build
@@ -69,7 +76,7 @@ def tiered_losses(rank: int, plan, update: str, accum: int, clip: float | None, 
     from tiertrain.memory import Budgets
 
     model, opt = _fresh()
-    budgets = Budgets(64 << 20, 64 << 20, 64 << 20, str(disk / f"rank{rank}"))
+    budgets = Budgets(64 << 20, 64 << 20, 64 << 20, rank_disk(disk, rank))
     tm, topt = tiertrain.setup(model, opt, budgets, plan=plan, update=update, grad_accum=accum, max_grad_norm=clip,
                                page_size=64 << 10)
     try:
@@ -215,7 +222,7 @@ def agreed_auto_setup(rank: int, disk: Path) -> dict:
     model, opt = _fresh()
     step = ProfileStep(model, lm_loss, 256, 2, 16, contextlib.nullcontext, torch.device("cpu"))
     try:
-        tm, topt = tiertrain.setup(model, opt, Budgets(64 << 20, 64 << 20, 64 << 20, str(disk / f"rank{rank}")),
+        tm, topt = tiertrain.setup(model, opt, Budgets(64 << 20, 64 << 20, 64 << 20, rank_disk(disk, rank)),
                                    plan="auto", update="sync", profile_step=step)
         try:
             losses = _loop(tm, topt, rank, 1, None, None)

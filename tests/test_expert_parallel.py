@@ -26,7 +26,7 @@ import functools
 import pytest
 import torch
 
-from dp_harness import rank_batches, run_ranks
+from dp_harness import rank_batches, rank_disk, run_ranks
 from tiertrain.errors import ConfigError
 from tiertrain.memory import Budgets
 from tiertrain.plan import ParallelLayout, Plan, builtin_plan, data_parallel
@@ -103,7 +103,7 @@ def expert_parallel_run(rank: int, cfg: dict, plan: Plan, update: str, clip: flo
 
     torch.set_num_threads(1)
     model, opt = _fresh(cfg, seed=rank)
-    budgets = Budgets(64 << 20, 64 << 20, 64 << 20, str(disk / f"rank{rank}"))
+    budgets = Budgets(64 << 20, 64 << 20, 64 << 20, rank_disk(disk, rank))
     tm, topt = tiertrain.setup(model, opt, budgets, plan=plan, update=update, max_grad_norm=clip, grad_accum=accum,
                                page_size=64 << 10)
     rt, out = tm.runtime, {"losses": [], "sent": []}
@@ -135,7 +135,7 @@ def data_parallel_moe(rank: int, cfg: dict, disk, tokens: int, steps: int = STEP
 
     torch.set_num_threads(1)
     model, opt = _fresh(cfg)
-    budgets = Budgets(64 << 20, 64 << 20, 64 << 20, str(disk / f"rank{rank}"))
+    budgets = Budgets(64 << 20, 64 << 20, 64 << 20, rank_disk(disk, rank))
     tm, topt = tiertrain.setup(model, opt, budgets, plan=data_parallel(builtin_plan("resident", N), 2), update="sync",
                                page_size=64 << 10)
     try:

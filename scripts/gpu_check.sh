@@ -2,8 +2,8 @@
 # The GPU half of the checks, in one call on a lent GPU machine (issue 4's "Measure" list):
 #   run (device tool): command "bash scripts/gpu_check.sh [STAGE ...]", carry [".whl"], timeout_s 600
 # after `bash scripts/gpu_wheels.sh` here. Stages: cuda_tests peers_disk overhead large offload planner
-# peers (default: all). Together they pass one call's 10 minutes: split them over two calls, e.g.
-# "cuda_tests peers_disk", then "overhead large offload".
+# peers (default: all). Together their limits pass one call's 10 minutes: split them over three calls,
+# e.g. "cuda_tests peers_disk", "overhead large offload", then "planner peers".
 # Each stage's log goes to $OUT (fetched back); a stage that fails is reported and the next one
 # still runs. Sizes suit an 80 GiB H100/H200.
 set -uo pipefail
@@ -39,7 +39,7 @@ fi
 python3 -c "import deepspeed; print('deepspeed', deepspeed.__version__)" 2>/dev/null | tail -n 1 | tee -a "$OUT/summary.log"
 # libaio for DeepSpeed's aio op (ZeRO-Infinity on NVMe), carried as Debian packages in .whl/deb
 # (gpu_wheels.sh) where the image has none: unpacked aside, found by the compiler and the loader there
-if ! ldconfig -p | grep -q libaio.so && compgen -G ".whl/deb/*.deb" >/dev/null; then
+if [ ! -e /usr/include/libaio.h ] && compgen -G ".whl/deb/*.deb" >/dev/null; then
     for f in .whl/deb/*.deb; do dpkg -x "$f" /tmp/aio; done
     aio=/tmp/aio/usr/lib/x86_64-linux-gnu
     export CPATH=/tmp/aio/usr/include LIBRARY_PATH=$aio LD_LIBRARY_PATH=$aio${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}

@@ -6,7 +6,8 @@
 #   crc32c: tiertrain's page checksums.
 #   deepspeed (+ its pure-Python and small binary dependencies): the peer in `bench peers`.
 #     It ships as source only, so it is built here into a py3-none-any wheel with DS_BUILD_OPS=0
-#     (no compiled ops: the peer uses torch's fused AdamW, and ZeRO-3 offload needs no other op).
+#     (no compiled ops: the peer uses torch's fused AdamW; ZeRO-Infinity's aio op, for the NVMe stage,
+#     is built just in time there, against the libaio fetched below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl

@@ -44,7 +44,8 @@ def test_bench_overhead_prints_plain_and_resident_beside_the_target():
     assert r.stdout.count("overhead against plain") == 2 and r.stdout.count("target <= 3%") == 2
     assert r.stdout.count("tokens/s, MFU") == 3 and "the MFU ceiling" in r.stdout
     for bad, says in ((("--update", "lockfree"), "no plain peer"), (("--rounds", "0"), "at least 1"),
-                      (("--seq-len", "4096"), "exceeds the model's maximum")):
+                      (("--seq-len", "4096"), "exceeds the model's maximum"),
+                      (("--device-memory", "1GiB", "--device-cap", "512MiB"), "give a cap above it")):
         r = run_cli("bench", "overhead", *bad)
         assert r.returncode != 0 and says in r.stderr
 
@@ -98,7 +99,8 @@ def test_bench_peers_runs_tiertrain_and_each_peer_on_the_same_model_and_batches(
     for r in ran:  # each system's line says how many cores it kept busy
         assert any(ln.startswith(r.name) and f"CPU {statistics.median(r.cores_busy):.1f} of " in ln for ln in lines)
     for bad, says in ((("--peers", "colossal"), "choose from deepspeed, fsdp2"),
-                      (("--seq-len", "4096"), "exceeds the model's maximum")):
+                      (("--seq-len", "4096"), "exceeds the model's maximum"),
+                      (("--device-memory", "1GiB", "--device-cap", "512MiB"), "give a cap above it")):
         r = run_cli("bench", "peers", *bad)
         assert r.returncode != 0 and says in r.stderr
 

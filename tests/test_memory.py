@@ -489,7 +489,8 @@ class _FakeCudart:
 def test_pinned_host_memory_is_unpinned_once_before_it_can_be_unmapped(monkeypatch):
     """Seen on an H100: a pinned buffer dropped without unpinning (a page-size probe's) left its address
     registered, and the host pool the kernel mapped there next could not be pinned. Each region is
-    unpinned when dropped or at its pool's close, once, and while its mapping still exists."""
+    unpinned when dropped or at its pool's close, once, and its unpin holds its mapping (so the mapping
+    cannot be unmapped before it)."""
     import gc
 
     from tiertrain.memory import pool as pool_mod
@@ -498,22 +499,24 @@ def test_pinned_host_memory_is_unpinned_once_before_it_can_be_unmapped(monkeypat
     fake = _FakeCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    mapped_at_unpin = []
+    maps, unpinned_with = [], []
     real = pool_mod._unregister
-    monkeypatch.setattr(pool_mod, "_unregister", lambda ptr, mapping: (mapped_at_unpin.append(not mapping.closed),
+    monkeypatch.setattr(pool_mod, "_unregister", lambda ptr, mapping: (unpinned_with.append(id(mapping)),
                                                                       real(ptr, mapping)))
     for _ in range(3):  # dropped: a probe's buffer
         buf, region = host_buffer(1 << 20, pin=True)
         assert region.pinned and fake.pinned == {buf.data_ptr(): 1 << 20}
+        maps.append(id(region.map))
         del buf, region
         gc.collect()
         assert fake.pinned == {}
     pool = MemoryPool(Tier.HOST, 4 << 20, 1 << 20, torch.device("cpu"))
     assert pool.pinned and len(fake.pinned) == 1
+    maps.append(id(pool._region.map))
     view = pool.buffer[:16]
     pool.close()
     assert fake.pinned == {} and view.sum() == 0  # unpinned at close; the view still reads (zeros)
     del pool, view
     gc.collect()
     unpins = [c for c in fake.calls if c[0] == "unregister"]
-    assert len(unpins) == 4 and all(mapped_at_unpin), (fake.calls, mapped_at_unpin)
+    assert len(unpins) == 4 and unpinned_with == maps, (fake.calls, unpinned_with, maps)

@@ -9,7 +9,8 @@ batches, precision and device budget, one after the other in one process.
 Every system gets the same AdamW (torch's fused CPU kernel; DeepSpeed through
 ``zero_force_ds_cpu_optimizer: false``): on these machines it beat DeepSpeed's CPUAdam, and it
 needs no compiler where the peer runs. Peers have no device budget flag of their own, so on CUDA
-each runs under ``torch.cuda.set_per_process_memory_fraction`` set to tiertrain's device budget.
+every system, tiertrain too, runs under one ``torch.cuda.set_per_process_memory_fraction`` cap
+(``PeerBench.device_cap``).
 A peer that runs out of device memory runs again with every block's activations recomputed
 (``torch.utils.checkpoint``), as its user would; its row says so.
 
@@ -264,7 +265,7 @@ def _run_deepspeed(bench: PeerBench, device: torch.device, recompute: bool) -> R
             "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": pin},
                                   "offload_optimizer": {"device": "cpu", "pin_memory": pin}},
             "zero_force_ds_cpu_optimizer": False, "steps_per_print": 1 << 30}
-    if pin:
+    if device.type == "cuda":  # where the cap holds
         conf = _within_device_cap(conf, bench)
     if bench.budgets.disk_dir:
         conf = _on_nvme(conf, bench, pin)
@@ -351,13 +352,13 @@ def _single_rank_group(device: torch.device) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _device_cap(device: torch.device, budget: int) -> Iterator[None]:
-    """Hold a peer to tiertrain's device budget (CUDA's caching allocator refuses past it)."""
+def _device_cap(device: torch.device, cap: int) -> Iterator[None]:
+    """Hold a system to ``cap`` bytes of the device (CUDA's caching allocator refuses past it)."""
     if device.type != "cuda":
         yield
         return
     total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
     try:
         yield
     finally:

@@ -38,7 +38,7 @@ class AtLeast(click.ParamType):
 
 
 POSITIVE = AtLeast(1)
-BENCH_PRECISIONS = PRECISIONS[:2]  # the benches and `tiertrain plan` compare fp32 and bf16 (fp16 needs loss scaling)
+BENCH_PRECISIONS = PRECISIONS[:2]  # the benches compare fp32 and bf16 (fp16 needs loss scaling)
 
 
 class Finite(click.FloatRange):
@@ -477,6 +477,9 @@ def bench_peers_cmd(model: str, batch_size: int, seq_len: int, precision: str, d
     if disk and "fsdp2" in peers:
         raise ConfigError("--disk: FSDP2 offloads to host memory only; leave it out (--peers deepspeed)")
     cap = parse_size(device_cap) if device_cap else None
+    if cap is not None and cap < budgets.device:
+        raise ConfigError(f"--device-cap {device_cap} is below --device-memory {device_memory}: tiertrain's device pool "
+                          "is its whole budget; give a cap above it (the default leaves 1GiB beside it)")
     work = PeerBench(cfg, batch_size, seq_len, precision, budgets, steps, warmup, update, probe_each_step,
                      cap=cap)
     rows = bench_peers(work, peers, click.echo)

@@ -114,7 +114,7 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, memo
     io = _disk_io(opts, memory, page) if isinstance(plan, str) and plan == "auto" else None
     auto, first = None, None
     if isinstance(plan, str) and plan == "auto" and profile_step is not None:
-        auto = _auto(model, profile_step, memory, page, opts, io.together_gain)
+        auto = _auto(model, profile_step, memory, page, opts, io.together_gain, device)
         plan = auto.plan
     elif isinstance(plan, str) and plan == "auto":  # the first step is the profile
         first = first_step_auto(model, found, memory, page, opts, device, io.together_gain)
@@ -276,7 +276,7 @@ def _buffers_to(model: nn.Module, device: torch.device) -> None:
 
 
 def _auto(model: nn.Module, step: Callable[[], None], memory: Budgets, page: int, opts: RunOptions,
-          disk_gain: float) -> AutoPlan:
+          disk_gain: float, device: torch.device) -> AutoPlan:
     """Profile outside the run's random stream, so an auto run trains as the same plan from a file would.
     The run's update mode and clipping are refused before profiling, not after it. ``disk_gain``:
     how much faster the run's disk tier moves reads and writes at once than in turns (``DiskIO``)."""
@@ -284,8 +284,9 @@ def _auto(model: nn.Module, step: Callable[[], None], memory: Budgets, page: int
 
     precision, update = opts.compute_dtype or "fp32", opts.update or "sync"
     check_update_mode(update, precision, opts.grad_accum, opts.clips)
-    # the GPU's stream too where the model still sits on the CPU: profiling runs it on the GPU
-    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+    # the run's GPU's stream too, even where the model still sits on the CPU: profiling runs it there
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
         return auto_plan(model, step, memory, page, precision, update, opts.needs_all_grads(precision), opts.blocks,
                          max_staleness=DEFAULT_MAX_STALENESS if opts.max_staleness is None else opts.max_staleness,
                          disk_gain=disk_gain)

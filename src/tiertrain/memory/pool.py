@@ -120,6 +120,7 @@ class HostRegion:
             self._unpin.atexit = False  # the process's end unpins everything, and CUDA may be gone by then
 
     def unpin(self) -> None:
+        """Unpin now (a pool's close), not when collected; the mapping stays while views of it live."""
         if self._unpin is not None:
             self._unpin()
         self.pinned = False

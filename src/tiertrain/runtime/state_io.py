@@ -49,7 +49,7 @@ def _whole(rt: Runtime, g: BlockGroup, chunk: Chunk) -> torch.Tensor:
 def logical_steps(g: BlockGroup) -> torch.Tensor:
     """Each parameter's AdamW step count: a sharded block's ranks step only the pieces they hold, so the
     count is the most any rank has (all ranks must ask together)."""
-    steps = torch.stack([s.detach().float() for s in g.steps]) if g.steps else torch.zeros(0)
+    steps = torch.stack([s.detach().float().cpu() for s in g.steps]) if g.steps else torch.zeros(0)  # GPU-homed too
     if g.shard is not None:
         g.comm.all_reduce(steps, op="max")
     return steps

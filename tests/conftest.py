@@ -39,6 +39,12 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subpro
                           cwd=cwd, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
+def made(directory: Path) -> Path:
+    """``directory``, made (tiertrain creates a disk directory only inside one that exists)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
 def read_metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
 

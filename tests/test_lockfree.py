@@ -3,7 +3,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from conftest import read_metrics, tiny_config
+from conftest import made, read_metrics, tiny_config
 from tiered_harness import TINY4, train_plain, train_tiered
 from tiertrain.engine.loop import train
 from tiertrain.errors import ConfigError
@@ -83,7 +83,7 @@ def test_lockfree_leaves_a_blocks_states_to_its_update_loop(tmp_path, monkeypatc
                         lambda self, st, *a, **k: (calls.append(st.index), read_ahead(self, st, *a, **k)))
     train_tiered(TINY4, 3, 1, None, plan(Tier.DISK, 1), budgets(tmp_path))
     assert calls == []
-    train_tiered(TINY4, 3, 1, None, dataclasses.replace(plan(Tier.DISK, 1), update="overlap"), budgets(tmp_path / "o"))
+    train_tiered(TINY4, 3, 1, None, dataclasses.replace(plan(Tier.DISK, 1), update="overlap"), budgets(made(tmp_path / "o")))
     assert len(calls) >= 3
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import tiertrain
+from conftest import made
 from tiered_harness import _fresh, _loop, train_plain
 from tiertrain.memory import Budgets, Kind, Tier
 from tiertrain.plan import BlockPlan, Plan
@@ -238,7 +239,7 @@ def test_bf16_updates_in_pieces_equal_whole_block_updates_and_stage_nothing_whol
     (a few pieces) is enough from the start."""
     def run(plan: Plan, host: int) -> list[float]:
         model, opt = _fresh(MODEL)
-        tm, topt = tiertrain.setup(model, opt, _budgets(tmp_path / f"d{host}", host), plan=plan, page_size=PAGE,
+        tm, topt = tiertrain.setup(model, opt, _budgets(made(tmp_path / f"d{host}"), host), plan=plan, page_size=PAGE,
                                    compute_dtype="bf16")
         try:
             return _loop(tm, topt, None, 3, 1, None)
@@ -271,7 +272,7 @@ def test_a_sync_run_that_fits_only_in_pieces_is_told_how(tmp_path):
         check_fits(blocks, whole, have, PAGE)
 
 
-def test_a_piece_buffer_refused_part_way_frees_those_already_made(tmp_path, monkeypatch):
+def test_a_piece_buffer_refused_part_way_frees_those_alreadymade(tmp_path, monkeypatch):
     """The host refuses the second buffer of a piece's set: the update fails with that refusal, and
     every buffer made before it goes back to the pool (none is left holding host pages)."""
     from tiertrain.errors import BudgetError

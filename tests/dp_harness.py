@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import made
+
 TINY4 = {"n_layer": 4, "n_head": 2, "d_model": 32, "d_ffn": 64, "vocab_size": 256, "max_seq_len": 64}
 STEPS = 4
 
@@ -23,10 +25,8 @@ def rank_batches(rank: int, n: int) -> list[torch.Tensor]:
 
 
 def rank_disk(disk: Path, rank: int) -> str:
-    """This rank's disk-tier directory; its parent made here (tiertrain creates a disk directory only
-    inside one that exists)."""
-    disk.mkdir(parents=True, exist_ok=True)
-    return str(disk / f"rank{rank}")
+    """This rank's disk-tier directory, in ``disk`` made here (``conftest.made``)."""
+    return str(made(disk) / f"rank{rank}")
 
 
 def _fresh():

@@ -99,7 +99,7 @@ def test_bench_peers_runs_tiertrain_and_each_peer_on_the_same_model_and_batches(
         assert any(ln.startswith(r.name) and f"CPU {statistics.median(r.cores_busy):.1f} of " in ln for ln in lines)
     for bad, says in ((("--peers", "colossal"), "choose from deepspeed, fsdp2"),
                       (("--seq-len", "4096"), "exceeds the model's maximum"),
-                      (("--device-memory", "1GiB", "--device-cap", "512MiB"), "give a cap above it")):
+                      (("--device-memory", "1GiB", "--device-cap", "512MiB"), "give a cap at or above it")):
         r = run_cli("bench", "peers", *bad)
         assert r.returncode != 0 and says in r.stderr
 

@@ -26,6 +26,14 @@ def _plans(n: int) -> dict[str, Plan]:
             "max-offload": builtin_plan("max-offload", n, disk=True), "mixed": mixed}
 
 
+@pytest.fixture
+def whole_device_pool(monkeypatch):
+    """A run replans only after plan auto's first step, and its device pool keeps the whole budget;
+    these runs are set up with a given plan to replan from, so their pools are made as auto's are."""
+    monkeypatch.setattr("tiertrain.engine.setup.device_need", lambda *a: None)
+
+
+@pytest.mark.usefixtures("whole_device_pool")
 @pytest.mark.parametrize("update", ["sync", "overlap"])
 @pytest.mark.parametrize("first, then", [("max-offload", "resident"), ("resident", "max-offload"),
                                          ("stream", "mixed"), ("mixed", "stream"), ("max-offload", "mixed")])
@@ -54,3 +62,17 @@ def test_a_new_plan_at_a_step_boundary_keeps_plain_pytorchs_losses(tmp_path, fir
         tm.runtime.close()
         tm.runtime.mem.close()
     assert losses == train_plain(TINY4, 6, 1, None)
+
+
+def test_a_run_whose_device_pool_holds_its_own_plan_refuses_a_plan_that_needs_more_device(tmp_path):
+    plans = _plans(4)
+    model, opt = _fresh(TINY4)
+    tm, topt = tiertrain.setup(model, opt, Budgets(32 << 20, 32 << 20, 64 << 20, str(tmp_path / "disk")),
+                               plan=plans["max-offload"], page_size=PAGE)
+    try:
+        with pytest.raises(ValueError, match="plan 'resident' needs .* device .* set up with plan 'auto'"):
+            replan(tm.runtime, plans["resident"], transient_grads=False)
+        assert tm.runtime.plan.name == plans["max-offload"].name  # refused before anything moved
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()

@@ -114,6 +114,44 @@ def test_random_valid_plans_equal_plain_pytorch_bitwise(tmp_path, references, se
     got, stats = train_tiered(TINY4, STEPS, accum, clip, plan, budgets(tmp_path))
     assert got == references(TINY4, accum, clip), plan.to_json()
     assert stats["device"]["peak"] <= DEVICE_BUDGET and stats["device"]["pages_in_use_bytes"] <= DEVICE_BUDGET
+    # the device pool mapped only the plan's count, and that was enough (an allocation past it raises)
+    assert stats["device"]["reserved_bytes"] < DEVICE_BUDGET
+
+
+@pytest.mark.parametrize("plan", ["resident", "stream", "max-offload"])
+def test_the_device_pool_maps_what_the_plan_counts_and_leaves_the_rest_of_the_budget_to_activations(tmp_path, plan):
+    """On a GPU torch allocates activations beside the pool and the planner counts them in the device
+    budget: a pool of the whole budget put them on top of it."""
+    import tiertrain
+    from tiered_harness import _fresh
+    from tiertrain.runtime.budget_check import device_need
+
+    b = budgets(tmp_path)
+    model, opt = _fresh(TINY4)
+    tm, topt = tiertrain.setup(model, opt, b, plan=plan, update="overlap", page_size=64 * 1024)
+    try:
+        rt, pool = tm.runtime, tm.runtime.mem.pool(Tier.DEVICE)
+        numels = [g.layout.numel for g in rt.groups]
+        counted = device_need(numels, rt.plan, pool.page_size, True, rt.transient_grads)
+        assert pool.capacity == counted < DEVICE_BUDGET
+        with pytest.raises(RuntimeError, match="the plan's count is short, a bug in tiertrain"):
+            rt.mem.allocate("beyond", counted + 1, Tier.DEVICE)
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()
+
+
+def test_a_run_that_replans_after_its_first_step_keeps_the_whole_device_budget(tmp_path):
+    import tiertrain
+    from tiered_harness import _fresh
+
+    model, opt = _fresh(TINY4)
+    tm, _ = tiertrain.setup(model, opt, budgets(tmp_path), plan="auto", page_size=64 * 1024)
+    try:  # its plan after the first step is not known yet
+        assert tm.runtime.mem.pool(Tier.DEVICE).capacity == DEVICE_BUDGET
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()
 
 
 def test_plan_json_round_trips():

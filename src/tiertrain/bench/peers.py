@@ -91,8 +91,9 @@ class PeerBench:
 
     @property
     def device_cap(self) -> int:
-        """tiertrain's device pool is its whole device budget, and its activations, like every system's,
-        come from torch's allocator beside it: the default cap leaves them 1 GiB."""
+        """tiertrain's device pool maps what its plan counts, and its activations, like every system's,
+        come from torch's allocator beside it, within the budget as the planner counted them; the
+        default cap leaves 1 GiB beyond the budget, for what the planner's count of them misses."""
         return self.cap or self.budgets.device + (1 << 30)
 
     def batches(self, device: torch.device) -> list[torch.Tensor]:
@@ -380,7 +381,7 @@ def _tiertrain_under_cap(bench: PeerBench, device: torch.device) -> Row:
             return _run_tiertrain(bench, device)
     except torch.OutOfMemoryError as e:
         return Row(f"tiertrain ({bench.update})", note=f"out of device memory under {format_bytes(bench.device_cap)} "
-                                                       f"(its pool {format_bytes(bench.budgets.device)}): "
+                                                       f"(its device budget {format_bytes(bench.budgets.device)}): "
                                                        f"{str(e).splitlines()[0]}")
     finally:
         _release(device)

@@ -439,7 +439,8 @@ def bench_parallel_cmd(nproc: int, layouts: str, d_model: int, layers: int, batc
 @click.option("--device-memory", default="1GiB", show_default=True,
               help="tiertrain's device budget (its device pool).")
 @click.option("--device-cap", help="On CUDA, the device memory every system may allocate, tiertrain included "
-                                   "[default: the device budget + 1GiB, room for activations beside its pool].")
+                                   "[default: the device budget + 1GiB, room for what the planner's count of "
+                                   "activations misses].")
 @click.option("--host-memory", default="16GiB", show_default=True, help="tiertrain's host budget.")
 @click.option("--update", type=click.Choice(["sync", "overlap", "lockfree"]), default="overlap", show_default=True,
               help="tiertrain's update mode (sync and overlap are exact, as the peers are).")
@@ -479,7 +480,8 @@ def bench_peers_cmd(model: str, batch_size: int, seq_len: int, precision: str, d
     cap = parse_size(device_cap) if device_cap else None
     if cap is not None and cap < budgets.device:
         raise ConfigError(f"--device-cap {device_cap} is below --device-memory {device_memory}: tiertrain's device pool "
-                          "is its whole budget; give a cap above it (the default leaves 1GiB beside it)")
+                          "and the activations beside it are planned within its budget; give a cap at or above it "
+                          "(the default leaves 1GiB beyond it)")
     work = PeerBench(cfg, batch_size, seq_len, precision, budgets, steps, warmup, update, probe_each_step,
                      cap=cap)
     rows = bench_peers(work, peers, click.echo)

@@ -42,7 +42,7 @@ from tiertrain.plan import (DEFAULT_MAX_STALENESS, ParallelLayout, Plan, RunOpti
 from tiertrain.plan.bytes import bounds_grads, page_for_states, pieces_to_fit, widen_read_ahead
 from tiertrain.plan.bytes import transient as transient_grads
 from tiertrain.runtime.blocks import block_numel, find_blocks
-from tiertrain.runtime.budget_check import PlanDoesNotFit, capacities, check_fits
+from tiertrain.runtime.budget_check import PlanDoesNotFit, capacities, check_fits, device_need
 from tiertrain.runtime.build import LetGo
 from tiertrain.runtime.runtime import Runtime
 
@@ -131,7 +131,10 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, memo
     # Bounding the gradients alive makes backward wait for the optimizer: only when the host needs it
     bound = opts.train and bounds_grads(numels, chosen, page, budgets, transient)
     io = io or _disk_io(opts, memory, page)
-    mem = MemorySystem(memory, page_size=page, check_machine=False, io_workers=io.depth, write_share=io.write_share)
+    # a first-step auto run replans into a plan not known yet: its device pool keeps the whole budget
+    reserve = None if first is not None else device_need(numels, chosen, page, opts.train, bound)
+    mem = MemorySystem(memory, page_size=page, check_machine=False, io_workers=io.depth, write_share=io.write_share,
+                       device_reserve=reserve)
     watched = found[0].module
     del found  # the blocks' lists held the model's original parameters: let them go block by block
     runtime = Runtime(model, groups, group_of, mem, chosen, opts, transient_grads=bound,

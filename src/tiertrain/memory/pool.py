@@ -1,8 +1,8 @@
 """One tier's memory, reserved once at start and handed out in pages.
 
-The reservation is the budget rounded down to whole pages; the pool never grows, and
-an allocation past it raises a BudgetError naming the tier, the bytes needed and the
-budget. Nothing spills to another tier on its own: the caller decides where bytes live.
+The reservation is the budget (or, for the device, the plan's count of it: ``MemorySystem``'s
+``device_reserve``) rounded down to whole pages; the pool never grows, and an allocation past
+it raises a BudgetError naming the tier, the bytes needed and the budget. Nothing spills to another tier on its own: the caller decides where bytes live.
 """
 
 from __future__ import annotations
@@ -34,11 +34,13 @@ def check_page_size(size: int) -> int:
 
 
 class Pool:
-    def __init__(self, tier: Tier, budget: int, page_size: int, share_pages: bool) -> None:
+    def __init__(self, tier: Tier, budget: int, page_size: int, share_pages: bool, reserve: int | None = None) -> None:
+        """``reserve``: the bytes mapped, where less than the budget (``MemorySystem``'s device_reserve)."""
         if page_size % IO_ALIGN:
             raise ValueError(f"page size {page_size} must be a multiple of {IO_ALIGN}")
         self.tier, self.budget, self.page_size = tier, budget, page_size
-        self.n_pages = budget // page_size
+        self.short_of_budget = reserve is not None and reserve < budget
+        self.n_pages = (min(reserve, budget) if reserve is not None else budget) // page_size
         self.table = PageTable(self.n_pages, page_size, share_pages)
         self._lock = threading.Lock()
         self.peak_bytes = 0  # most page bytes ever in use: what the budget bounds
@@ -56,6 +58,12 @@ class Pool:
             try:
                 extents = self.table.allocate(nbytes, contiguous, top)
             except PagesExhausted as exc:
+                if self.short_of_budget:  # the plan's count was short, not the user's budget
+                    raise RuntimeError(
+                        f"the {self.tier.value} pool holds the {self.capacity} bytes the plan counts (its budget "
+                        f"{self.budget}, the rest left for activations) and cannot hold "
+                        f"{exc.needed_pages * self.page_size} more ({self.used_bytes} in use): the plan's count "
+                        f"is short, a bug in tiertrain; please report it") from None
                 raise BudgetError(self.tier.value, exc.needed_pages * self.page_size, self.budget,
                                   self.used_bytes) from None
             self.peak_bytes = max(self.peak_bytes, self.used_bytes)
@@ -144,8 +152,9 @@ class MemoryPool(Pool):
     code path above runs and is tested without an accelerator.
     """
 
-    def __init__(self, tier: Tier, budget: int, page_size: int, device: torch.device) -> None:
-        super().__init__(tier, budget, page_size, share_pages=True)
+    def __init__(self, tier: Tier, budget: int, page_size: int, device: torch.device,
+                 reserve: int | None = None) -> None:
+        super().__init__(tier, budget, page_size, share_pages=True, reserve=reserve)
         self.device = device
         self.pinned = device.type == "cpu" and tier is Tier.HOST and torch.cuda.is_available()
         if device.type == "cuda":

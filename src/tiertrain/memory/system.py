@@ -30,18 +30,22 @@ class MemorySystem:
 
     def __init__(self, budgets: Budgets, page_size: int = DEFAULT_PAGE_SIZE, io_workers: int = 8,
                  device: torch.device | None = None, reserve_disk: bool = True, check_machine: bool = True,
-                 write_share: int = 0) -> None:
+                 write_share: int = 0, device_reserve: int | None = None) -> None:
         """``check_machine=False``: the caller has already held the budgets against the machine
         (``tiertrain.setup`` does, before it profiles or builds anything). ``io_workers``: disk requests
         in flight; ``write_share``: how many of them may write while reads wait (runs measure both per
-        disk: ``engine.measure.disk_depth``)."""
+        disk: ``engine.measure.disk_depth``). ``device_reserve``: the device pool maps only this much of
+        its budget (whole pages), what the plan counts for it (``tiertrain.setup``): on a GPU torch
+        allocates activations beside the pool, and the planner counted them in the same budget, so a
+        pool of the whole budget put them on top of it (an H100 run at a 512 MiB budget peaked at
+        1.14 GiB)."""
         self.device = device or compute_device()
         if check_machine:
             check_budgets(budgets, self.device)
         self.page_size = check_page_size(page_size)  # runs measure theirs (engine.measure.page_size)
         self.accounting = Accounting()
         self.pools: dict[Tier, Pool] = {
-            Tier.DEVICE: MemoryPool(Tier.DEVICE, budgets.device, self.page_size, self.device),
+            Tier.DEVICE: MemoryPool(Tier.DEVICE, budgets.device, self.page_size, self.device, device_reserve),
             Tier.HOST: MemoryPool(Tier.HOST, budgets.host, self.page_size, torch.device("cpu")),
         }
         if budgets.disk:
@@ -198,12 +202,14 @@ class MemorySystem:
         return {"read": read, "written": written}
 
     def stats(self) -> dict[str, Any]:
-        """Per tier: budget, page bytes in use, and live/peak bytes per state kind; for the disk also
-        the bytes it has read and written."""
+        """Per tier: budget, bytes its pool maps (``reserved_bytes``; the device pool's may be less
+        than its budget), page bytes in use, and live/peak bytes per state kind; for the disk also the
+        bytes it has read and written."""
         report = self.accounting.report()
         for tier, pool in self.pools.items():
-            report[tier.value].update(budget=pool.budget, pages_in_use_bytes=pool.used_bytes,
-                                      pages_peak_bytes=pool.peak_bytes, page_size=pool.page_size)
+            report[tier.value].update(budget=pool.budget, reserved_bytes=pool.capacity,
+                                      pages_in_use_bytes=pool.used_bytes, pages_peak_bytes=pool.peak_bytes,
+                                      page_size=pool.page_size)
         if Tier.DISK in self.pools:
             traffic = self.disk_traffic()
             report[Tier.DISK.value].update(bytes_read=traffic["read"], bytes_written=traffic["written"])

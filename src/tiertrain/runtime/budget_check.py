@@ -33,6 +33,13 @@ def capacities(budgets: Budgets) -> dict[Tier, int]:
     return {Tier.DEVICE: budgets.device, Tier.HOST: budgets.host, Tier.DISK: budgets.disk}
 
 
+def device_need(numels: list[int], plan: Plan, page: int, train: bool, bounds_grads: bool) -> int:
+    """The device bytes the runtime allocates under ``plan``, its gradients counted as it holds them
+    (bounded where ``bounds_grads``, else all): what the device pool reserves of its budget, so that on
+    a GPU the rest of the budget is there for the activations the planner counted in it."""
+    return tier_bytes(numels, plan, page, train, "transient" if train and bounds_grads else "all")[Tier.DEVICE]
+
+
 def _short(need: dict[Tier, int], budgets: Budgets) -> list[Tier]:
     have = capacities(budgets)
     return [t for t in need if need[t] > have[t]]

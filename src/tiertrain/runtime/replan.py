@@ -18,11 +18,13 @@ from tiertrain.memory import Kind, Tier
 from tiertrain.plan import Plan
 from tiertrain.plan.bytes import master_in_slot, separate_param_home, state_homes
 from tiertrain.runtime.block_group import F32, BlockGroup
+from tiertrain.runtime.budget_check import device_need
 from tiertrain.runtime.build import ring_slots
 from tiertrain.runtime.cache import DeviceCache
 from tiertrain.runtime.modes import make_mode
 from tiertrain.runtime.slots import Slot, rebind
 from tiertrain.runtime.state_moves import StateMoves
+from tiertrain.units import format_bytes
 
 if TYPE_CHECKING:
     from tiertrain.runtime.runtime import Runtime
@@ -35,6 +37,7 @@ def replan(rt: "Runtime", plan: Plan, transient_grads: bool) -> None:
     if not rt.options.train:
         raise ValueError("replan moves optimizer states; a forward-only run has none to move")
     plan = plan.validate(len(rt.groups) - 1)
+    _check_device_room(rt, plan, transient_grads)
     rt.wait_updates()
     rt.cache.settle()
     for g in rt.groups:
@@ -57,6 +60,17 @@ def replan(rt: "Runtime", plan: Plan, transient_grads: bool) -> None:
                            ready=rt.params_ready)
     rt.transient_grads = transient_grads
     rt.wire()
+
+
+def _check_device_room(rt: "Runtime", plan: Plan, transient_grads: bool) -> None:
+    """A device pool maps what its run's plan counts (``tiertrain.setup``), or its whole budget where
+    the run replans (plan auto's first step): the new plan must fit what it maps."""
+    pool = rt.mem.pool(Tier.DEVICE)
+    need = device_need([g.layout.numel for g in rt.groups], plan, pool.page_size, True, transient_grads)
+    if need > pool.capacity:
+        raise ValueError(f"plan {plan.name!r} needs {format_bytes(need)} of device and this run's device pool "
+                         f"maps {format_bytes(pool.capacity)}: setup reserved what its own plan counts; a run that replans must "
+                         "be set up with plan 'auto' (its pool keeps the whole budget)")
 
 
 def _drop_compute_copies(rt: "Runtime") -> None:

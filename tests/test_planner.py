@@ -377,7 +377,7 @@ def test_auto_plans_a_host_smaller_than_the_weights_when_gradients_are_updated_a
         choose(Problem(prof, device=8 * MiB, host=weights * 2 // 3, disk=disk))
     for host, workers in ((weights * 2 // 3, 1), (2 * weights, 2)):
         with monkeypatch.context() as m:
-            m.setattr(auto, "_pipelines", lambda plan: [plan])  # the pipeline found, not the lean variant
+            m.setattr(auto, "_pipelines", lambda plan, *_: [plan])  # the pipeline found, not the lean variant
             chosen, _ = choose(Problem(lean, device=8 * MiB, host=host, disk=disk))
         plan = chosen.plan
         assert (plan.read_ahead, plan.update_workers) == ((1, 1) if workers == 1 else (2, 2)), host

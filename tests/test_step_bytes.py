@@ -39,7 +39,8 @@ def _predicted_disk_bytes(plan: Plan, model_name: str | dict) -> tuple[float, fl
 def _variant(tmp_path: Path, name: str) -> str:
     """max-offload, and ``mixed``: the second block's states on the host and resident (some blocks'
     states on disk, some not); ``host-master``: the first block's and the rest's masters on the host
-    (only their moments cross to disk), the second block's all on disk."""
+    (only their moments cross to disk), the second block's all on disk; ``pieces``: max-offload with
+    every block updated in pieces."""
     import dataclasses
 
     from tiertrain.plan import builtin_plan
@@ -52,21 +53,29 @@ def _variant(tmp_path: Path, name: str) -> str:
     elif name == "host-master":
         plan = dataclasses.replace(plan, blocks=(dataclasses.replace(plan.blocks[0], host_master=True), plan.blocks[1]),
                                    rest=dataclasses.replace(plan.rest, host_master=True))
+    elif name == "pieces":  # every state updated 16 KiB at a time (a tiny block's are ~50 KB)
+        plan = dataclasses.replace(plan, blocks=tuple(dataclasses.replace(b, piece=PIECE) for b in plan.blocks),
+                                   rest=dataclasses.replace(plan.rest, piece=PIECE))
     path = tmp_path / f"{name}.json"
     path.write_text(plan.to_json())
     return str(path)
 
 
-@pytest.mark.parametrize("plan", ["max-offload", "mixed", "host-master"])
+PIECE = 16 << 10
+
+
+@pytest.mark.parametrize("plan", ["max-offload", "mixed", "host-master", "pieces"])
 def test_the_disk_bytes_a_sync_step_moves_are_the_simulators_up_to_sector_rounding(tmp_path, plan):
     out = tmp_path / "run"
+    page = "16KiB" if plan == "pieces" else "64KiB"
     plan = _variant(tmp_path, plan)
-    train(tiny_config(out, steps=4, plan=plan, disk=f"{tmp_path / 'disk'}:64MiB", page_size="64KiB",
+    train(tiny_config(out, steps=4, plan=plan, disk=f"{tmp_path / 'disk'}:64MiB", page_size=page,
                       update="sync", save_every=2))  # what a checkpoint reads is no step's
     rows = read_metrics(out)
     ran = Plan.from_json((out / "plan.json").read_text())
     read, written, transfers = _predicted_disk_bytes(ran, "tiny")
     assert written > 0 and any(bp.home.value == "disk" for bp in (*ran.blocks, ran.rest))
+    assert all(bp.piece == PIECE for bp in ran.blocks) == (plan.endswith("pieces.json"))
     for row in rows[1:]:  # the first step's blocks are in their slots from setup: nothing fetched
         got = row["disk_bytes"]
         assert 0 <= got["read"] - read < transfers * CHUNKS * SECTOR, (got, read, transfers)

@@ -280,19 +280,24 @@ def pieces_to_fit(numels: Sequence[int], plan: Plan, page: int, budgets: dict[Ti
     fits_host = tier_bytes(numels, plan, page, grads=grads)[Tier.HOST] <= budgets[Tier.HOST]
     if fits_host or not plan.uses_disk or any(b.piece for b in (*plan.blocks, plan.rest)):
         return plan
-    def cut(bp: BlockPlan, n: int, piece: int) -> BlockPlan:
-        big = bp.home is Tier.DISK and n * F32_BYTES > piece
-        return dataclasses.replace(bp, piece=piece) if big else bp
-
     piece = max(page, MAX_PIECE // page * page)
     while True:
-        pieced = dataclasses.replace(plan, blocks=tuple(cut(b, n, piece) for b, n in zip(plan.blocks, numels)),
-                                     rest=cut(plan.rest, numels[-1], piece))
+        pieced = cut_in_pieces(numels, plan, piece)
         if fits_budgets(numels, pieced, page, budgets, grads):
             return pieced
         if piece <= page:
             return plan
         piece = max(page, piece // 2 // page * page)
+
+
+def cut_in_pieces(numels: Sequence[int], plan: Plan, piece: int) -> Plan:
+    """The plan with each disk-homed block whose states are larger than ``piece`` bytes updated in
+    pieces of that size (``in_pieces``)."""
+    def cut(bp: BlockPlan, n: int) -> BlockPlan:
+        big = bp.home is Tier.DISK and n * F32_BYTES > piece
+        return dataclasses.replace(bp, piece=piece) if big else bp
+    return dataclasses.replace(plan, blocks=tuple(cut(b, n) for b, n in zip(plan.blocks, numels)),
+                               rest=cut(plan.rest, numels[-1]))
 
 
 def widest_read_ahead(numels: Sequence[int], plan: Plan, page: int, budgets: dict[Tier, int],

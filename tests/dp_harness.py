@@ -73,13 +73,14 @@ def ddp_losses(rank: int, accum: int, clip: float | None) -> list[float]:
 
 def tiered_losses(rank: int, plan, update: str, accum: int, clip: float | None, disk: Path) -> tuple[list[float], int]:
     import tiertrain
-    from tiertrain.memory import Budgets
+    from tiertrain.memory import Budgets, Tier
 
     model, opt = _fresh()
     budgets = Budgets(64 << 20, 64 << 20, 64 << 20, rank_disk(disk, rank))
     tm, topt = tiertrain.setup(model, opt, budgets, plan=plan, update=update, grad_accum=accum, max_grad_norm=clip,
                                page_size=64 << 10)
-    try:
+    try:  # over several ranks the device pool keeps its whole budget (the plan's count misses some of it)
+        assert tm.runtime.mem.pool(Tier.DEVICE).capacity == budgets.device
         before = tm.runtime.comm.sent
         losses = _loop(tm, topt, rank, accum, clip, lambda c: torch.nn.utils.clip_grad_norm_(tm.parameters(), c))
         return losses, tm.runtime.comm.sent - before

@@ -195,6 +195,30 @@ def test_a_master_kept_on_the_host_is_the_streamed_blocks_param_home_no_copy_bes
         assert separate_param_home(travels, plan) is (copy or update == "lockfree")
 
 
+def _short_host(device_is_host: bool, device: int) -> tuple[Problem, list[int]]:
+    """A disk-bound machine (a fixed profile), 12 blocks of 4 MiB states each and 1 MiB of activations,
+    host for the lean whole-block pipeline and two masters beside it; and the blocks' sizes."""
+    from tiertrain.planner.auto import run_profile
+    from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
+
+    n = 1 << 20  # 4 MiB a state: larger than the smallest piece tried
+    blocks = tuple(BlockProfile(f"blocks.{i}", 1e-3, 2e-3, n, 1 << 20, 1 << 12) for i in range(12))
+    disk_bound = MachineProfile(h2d_bps=1e10, d2h_bps=1e10, disk_read_bps=1e8, disk_write_bps=1e8,
+                                adam_params_per_s=1e9, device_is_host=device_is_host)
+    profile = run_profile(Profile(blocks, BlockProfile("rest", 1e-4, 2e-4, n // 4, 1 << 12, 1 << 10), disk_bound,
+                                  page=PAGE), "overlap", 1, False)
+    numels = [n] * 12 + [n // 4]
+    all_disk = Plan(tuple(BlockPlan(home=Tier.DISK, stream=True) for _ in blocks), BlockPlan(home=Tier.DISK),
+                    window=2, prefetch=1, update="overlap", read_ahead=1, update_workers=1)
+    host = tier_bytes(numels, all_disk, PAGE, grads="transient")[Tier.HOST] + 2 * pages(n * 4, PAGE)
+    return Problem(profile, device=device, host=host, disk=1 << 30), numels
+
+
+def _whole_only(pipelines):
+    """``auto._pipelines`` without the variants in pieces."""
+    return lambda plan, *a: [q for q in pipelines(plan, *a) if not any(b.piece for b in (*q.blocks, q.rest))]
+
+
 def test_where_host_is_short_the_planner_updates_blocks_in_pieces_for_more_masters_and_fewer_disk_bytes(monkeypatch):
     """A worker updating a block in pieces stages a few pieces, not the block's states, so the host
     that held whole blocks for the update pipeline holds masters instead: on a disk-bound machine the
@@ -202,35 +226,37 @@ def test_where_host_is_short_the_planner_updates_blocks_in_pieces_for_more_maste
     count, and its step moves fewer disk bytes (measured on a 354M GPT at 2 GiB: 5.1 GB a step against
     6.6). With host for every master beside whole blocks, pieces spare nothing and are not taken."""
     import tiertrain.planner.auto as auto
-    from tiertrain.planner.auto import run_profile
-    from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
 
-    n = 1 << 20  # 4 MiB a state: larger than the smallest piece tried
-    blocks = tuple(BlockProfile(f"blocks.{i}", 1e-3, 2e-3, n, 1 << 12, 1 << 10) for i in range(12))
-    disk_bound = MachineProfile(h2d_bps=1e10, d2h_bps=1e10, disk_read_bps=1e8, disk_write_bps=1e8,
-                                adam_params_per_s=1e9, device_is_host=True)
-    profile = run_profile(Profile(blocks, BlockProfile("rest", 1e-4, 2e-4, n // 4, 1 << 12, 1 << 10), disk_bound,
-                                  page=PAGE), "overlap", 1, False)
-    numels = [n] * 12 + [n // 4]
-    all_disk = Plan(tuple(BlockPlan(home=Tier.DISK, stream=True) for _ in blocks), BlockPlan(home=Tier.DISK),
-                    window=2, prefetch=1, update="overlap", read_ahead=1, update_workers=1)
-    host = tier_bytes(numels, all_disk, PAGE, grads="transient")[Tier.HOST] + 2 * pages(n * 4, PAGE)
-    pb = Problem(profile, device=64 << 20, host=host, disk=1 << 30)
-    everything = auto._pipelines
-
-    def whole_only(plan, *a):
-        return [q for q in everything(plan, *a) if not any(b.piece for b in (*q.blocks, q.rest))]
-
+    pb, numels = _short_host(device_is_host=True, device=64 << 20)
+    host, n = pb.host, numels[0]
     chosen = auto.choose(pb)[0]
     with monkeypatch.context() as m:
-        m.setattr(auto, "_pipelines", whole_only)
+        m.setattr(auto, "_pipelines", _whole_only(auto._pipelines))
         whole = auto.choose(pb)[0]
     assert any(b.piece for b in chosen.plan.blocks) and not any(b.piece for b in whole.plan.blocks)
     assert sum(b.host_master for b in chosen.plan.blocks) > sum(b.host_master for b in whole.plan.blocks)
     moved = [s.timeline.busy("disk_read") + s.timeline.busy("disk_write") for s in (chosen.sim, whole.sim)]
     assert moved[0] < moved[1] and chosen.sim.step_s < whole.sim.step_s
     assert tier_bytes(numels, chosen.plan, PAGE, grads="transient")[Tier.HOST] <= host
-    every = Plan(tuple(BlockPlan(home=Tier.DISK, stream=True, host_master=True) for _ in blocks),
+    every = Plan(tuple(BlockPlan(home=Tier.DISK, stream=True, host_master=True) for _ in numels[:-1]),
                  BlockPlan(home=Tier.DISK, host_master=True), window=2, prefetch=1, update="overlap")
     roomy = dataclasses.replace(pb, host=2 * tier_bytes(numels, every, PAGE, grads="transient")[Tier.HOST])
     assert not any(b.piece for b in auto.choose(roomy)[0].plan.blocks)
+
+
+def test_on_a_gpu_pieces_whose_gradients_leave_activations_no_room_in_the_device_budget_are_not_taken(monkeypatch):
+    """Pieces keep their gradients on the device; on a GPU the activations share its budget with them
+    (the budget check counts no activations, the simulator does). Where the whole-block plan fits the
+    budget with its activations and the pieces would not, the planner keeps whole blocks; with room for
+    both, it takes the pieces there too."""
+    import tiertrain.planner.auto as auto
+
+    tight, _ = _short_host(device_is_host=False, device=24 << 20)
+    with monkeypatch.context() as m:
+        m.setattr(auto, "_pipelines", _whole_only(auto._pipelines))
+        whole = auto.choose(tight)[0]
+    assert whole.sim.peaks["device"] <= tight.device
+    chosen = auto.choose(tight)[0]
+    assert chosen.sim.peaks["device"] <= tight.device and not any(b.piece for b in chosen.plan.blocks)
+    roomy = dataclasses.replace(tight, device=64 << 20)
+    assert any(b.piece for b in auto.choose(roomy)[0].plan.blocks)

@@ -437,7 +437,7 @@ def bench_parallel_cmd(nproc: int, layouts: str, d_model: int, layers: int, batc
 @click.option("--seq-len", type=POSITIVE, default=128, show_default=True)
 @click.option("--precision", type=click.Choice(BENCH_PRECISIONS), default="fp32", show_default=True)
 @click.option("--device-memory", default="1GiB", show_default=True,
-              help="tiertrain's device budget (its device pool).")
+              help="tiertrain's device budget (its device pool and, on a GPU, its activations).")
 @click.option("--device-cap", help="On CUDA, the device memory every system may allocate, tiertrain included "
                                    "[default: the device budget + 1GiB, room for what the planner's count of "
                                    "activations misses].")

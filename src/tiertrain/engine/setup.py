@@ -131,8 +131,11 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, memo
     # Bounding the gradients alive makes backward wait for the optimizer: only when the host needs it
     bound = opts.train and bounds_grads(numels, chosen, page, budgets, transient)
     io = io or _disk_io(opts, memory, page)
-    # a first-step auto run replans into a plan not known yet: its device pool keeps the whole budget
-    reserve = None if first is not None else device_need(numels, chosen, page, opts.train, bound)
+    # The device pool maps what the plan counts, except where it keeps the whole budget: a first-step
+    # auto run replans into a plan not known yet, and over several ranks the count misses what expert
+    # parallel and a forward-only sharded block allocate (README, status row 19)
+    counted = first is None and world_from_env() == 1
+    reserve = device_need(numels, chosen, page, opts.train, bound) if counted else None
     mem = MemorySystem(memory, page_size=page, check_machine=False, io_workers=io.depth, write_share=io.write_share,
                        device_reserve=reserve)
     watched = found[0].module

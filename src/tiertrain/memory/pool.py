@@ -1,8 +1,9 @@
 """One tier's memory, reserved once at start and handed out in pages.
 
 The reservation is the budget (or, for the device, the plan's count of it: ``MemorySystem``'s
-``device_reserve``) rounded down to whole pages; the pool never grows, and an allocation past
-it raises a BudgetError naming the tier, the bytes needed and the budget. Nothing spills to another tier on its own: the caller decides where bytes live.
+``device_reserve``) rounded down to whole pages; the pool never grows. An allocation past the
+budget raises a BudgetError naming the tier, the bytes needed and the budget; one past a count
+short of the budget, a RuntimeError (the count was wrong). Nothing spills to another tier on its own: the caller decides where bytes live.
 """
 
 from __future__ import annotations

@@ -99,7 +99,11 @@ def _widened(plan: Plan, pb: Problem, needs_all_grads: bool) -> tuple[Plan, Simu
             continue
         wide = widen_read_ahead(numels, base, p.page, pb.budgets, p.transient_grads)
         found.append(size_cache(wide, simulate(wide, p, needs_all_grads, pb.budgets), pb, needs_all_grads))
-    return min(found, key=lambda f: f[1].step_s)
+    # the budget check counts no activations, the simulator does: a variant that leaves the device less
+    # room for them than the budget (pieces keep their gradients there) is kept out, unless the
+    # solver's own plan (found[0]) already needs as much
+    room = max(pb.device, found[0][1].peaks["device"])
+    return min((f for f in found if f[1].peaks["device"] <= room), key=lambda f: f[1].step_s)
 
 
 def _pipelines(plan: Plan, numels: list[int], page: int) -> list[Plan]:

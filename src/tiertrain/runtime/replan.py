@@ -64,13 +64,14 @@ def replan(rt: "Runtime", plan: Plan, transient_grads: bool) -> None:
 
 def _check_device_room(rt: "Runtime", plan: Plan, transient_grads: bool) -> None:
     """A device pool maps what its run's plan counts (``tiertrain.setup``), or its whole budget where
-    the run replans (plan auto's first step): the new plan must fit what it maps."""
+    the run replans (plan auto's first step) or has several ranks: the new plan must fit what it maps."""
     pool = rt.mem.pool(Tier.DEVICE)
     need = device_need([g.layout.numel for g in rt.groups], plan, pool.page_size, True, transient_grads)
     if need > pool.capacity:
         raise ValueError(f"plan {plan.name!r} needs {format_bytes(need)} of device and this run's device pool "
                          f"maps {format_bytes(pool.capacity)}: setup reserved what its own plan counts; a run that replans must "
-                         "be set up with plan 'auto' (its pool keeps the whole budget)")
+                         "be planned from its own first step (plan 'auto' without profile_step: its pool keeps "
+                         "the whole budget)")
 
 
 def _drop_compute_copies(rt: "Runtime") -> None:

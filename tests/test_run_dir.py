@@ -99,6 +99,27 @@ def test_resuming_a_run_that_still_trains_says_it_is_running_not_that_it_has_no_
     assert "no checkpoint" in one_error_line(capsys)  # stopped without one: now that is the news
 
 
+def test_the_ranks_of_a_resume_testing_the_directory_at_once_do_not_refuse_each_other(tmp_path):
+    """Under torchrun every rank of a resume tests the directory it resumes from at the same moment;
+    a test in flight (another rank's, here a shared lock held on its own descriptor) is no run."""
+    import fcntl
+
+    from tiertrain.engine.run_dir import LOCK_FILE, RunDir
+
+    out = tmp_path / "run"
+    train(tiny_config(out, steps=1))
+    fd = os.open(out / LOCK_FILE, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # another rank, mid-test
+        RunDir(out).refuse_if_busy()
+        RunDir(out).refuse_if_busy()
+    finally:
+        os.close(fd)
+    with Trainer(tiny_config(tmp_path / "running", steps=1)):  # a run holding its directory is still refused
+        with pytest.raises(RunDirBusy, match="in use by another tiertrain run"):
+            RunDir(tmp_path / "running").refuse_if_busy()
+
+
 def test_three_concurrent_runs_on_one_directory_one_runs_the_others_are_refused_at_once(tmp_path):
     out = tmp_path / "run"
     args = [sys.executable, "-m", "tiertrain.cli.main", "train", *TINY, "--steps", "800", "--save-every", "200",

@@ -58,13 +58,16 @@ class RunDir:
 
     def refuse_if_busy(self) -> None:
         """Before resuming it: a run still training here has maybe no checkpoint yet, and "no
-        checkpoint found" would hide that it is running. Nothing is created or kept."""
+        checkpoint found" would hide that it is running. Nothing is created or kept. The test takes a
+        shared lock, which only a run's exclusive one refuses: every rank of a resume under torchrun
+        tests the directory it resumes from at once, and with an exclusive test one rank now and then
+        found another's test holding it and refused (CI, 2026-11-26)."""
         try:
             fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CLOEXEC)
         except OSError:
             return  # no lock file: no run ever held it (what is missing is said by the resume itself)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError as exc:
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                 raise RunDirBusy(f"run directory {self.path} is in use by another tiertrain run (pid "

@@ -479,8 +479,8 @@ def bench_peers_cmd(model: str, batch_size: int, seq_len: int, precision: str, d
         raise ConfigError("--disk: FSDP2 offloads to host memory only; leave it out (--peers deepspeed)")
     cap = parse_size(device_cap) if device_cap else None
     if cap is not None and cap < budgets.device:
-        raise ConfigError(f"--device-cap {device_cap} is below --device-memory {device_memory}: tiertrain's device pool "
-                          "and the activations beside it are planned within its budget; give a cap at or above it "
+        raise ConfigError(f"--device-cap {device_cap} is below --device-memory {device_memory}: tiertrain's device "
+                          "pool and the activations beside it are planned within its budget; give a cap at or above it "
                           "(the default leaves 1GiB beyond it)")
     work = PeerBench(cfg, batch_size, seq_len, precision, budgets, steps, warmup, update, probe_each_step,
                      cap=cap)

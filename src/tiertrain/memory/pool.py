@@ -3,7 +3,8 @@
 The reservation is the budget (or, for the device, the plan's count of it: ``MemorySystem``'s
 ``device_reserve``) rounded down to whole pages; the pool never grows. An allocation past the
 budget raises a BudgetError naming the tier, the bytes needed and the budget; one past a count
-short of the budget, a RuntimeError (the count was wrong). Nothing spills to another tier on its own: the caller decides where bytes live.
+short of the budget, a RuntimeError (the count was wrong). Nothing spills to another tier on its
+own: the caller decides where bytes live.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from tiertrain.errors import BudgetError, ConfigError
 from tiertrain.memory.pages import Extent, PagesExhausted, PageTable
 from tiertrain.plan.tiers import Tier
+from tiertrain.units import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +63,11 @@ class Pool:
             except PagesExhausted as exc:
                 if self.short_of_budget:  # the plan's count was short, not the user's budget
                     raise RuntimeError(
-                        f"the {self.tier.value} pool holds the {self.capacity} bytes the plan counts (its budget "
-                        f"{self.budget}, the rest left for activations) and cannot hold "
-                        f"{exc.needed_pages * self.page_size} more ({self.used_bytes} in use): the plan's count "
-                        f"is short, a bug in tiertrain; please report it") from None
+                        f"the {self.tier.value} pool holds the {format_bytes(self.capacity)} the plan counts (its "
+                        f"budget {format_bytes(self.budget)}, the rest left for activations) and cannot hold "
+                        f"{format_bytes(exc.needed_pages * self.page_size)} more "
+                        f"({format_bytes(self.used_bytes)} in use): the plan's count is short, a bug in tiertrain; "
+                        "please report it") from None
                 raise BudgetError(self.tier.value, exc.needed_pages * self.page_size, self.budget,
                                   self.used_bytes) from None
             self.peak_bytes = max(self.peak_bytes, self.used_bytes)

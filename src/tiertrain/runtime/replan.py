@@ -69,9 +69,9 @@ def _check_device_room(rt: "Runtime", plan: Plan, transient_grads: bool) -> None
     need = device_need([g.layout.numel for g in rt.groups], plan, pool.page_size, True, transient_grads)
     if need > pool.capacity:
         raise ValueError(f"plan {plan.name!r} needs {format_bytes(need)} of device and this run's device pool "
-                         f"maps {format_bytes(pool.capacity)}: setup reserved what its own plan counts; a run that replans must "
-                         "be planned from its own first step (plan 'auto' without profile_step: its pool keeps "
-                         "the whole budget)")
+                         f"maps {format_bytes(pool.capacity)}: setup reserved what its own plan counts; a run that "
+                         "replans must be planned from its own first step (plan 'auto' without profile_step: its "
+                         "pool keeps the whole budget)")
 
 
 def _drop_compute_copies(rt: "Runtime") -> None:

@@ -52,7 +52,7 @@ def read_metrics(out: Path) -> list[dict]:
 def train_losses(tm, topt, batches) -> list[float]:
     """A plain loop over ``batches`` (token rows: inputs then next-token targets) through a tiered
     model; its losses. The runtime is closed afterwards."""
-    from tiertrain.engine.objective import lm_loss
+    from tiertrain.train.objective import lm_loss
 
     losses = []
     try:
@@ -69,7 +69,7 @@ def train_losses(tm, topt, batches) -> list[float]:
 
 
 def tiny_config(out: Path, **kw):
-    from tiertrain.engine.config import TrainConfig
+    from tiertrain.train.config import TrainConfig
 
     base = dict(model="tiny", steps=6, batch_size=4, seq_len=32, lr=3e-3, out=str(out), log_every=1000)
     base.update(kw)

@@ -30,7 +30,7 @@ def rank_disk(disk: Path, rank: int) -> str:
 
 
 def _fresh():
-    from tiertrain.engine.optimizer import make_adamw
+    from tiertrain.train.optimizer import make_adamw
     from tiertrain.models import build
 
     torch.manual_seed(0)
@@ -42,7 +42,7 @@ def _fresh():
 def _loop(model, opt, rank: int, accum: int, clip: float | None, clip_fn, no_sync=None) -> list[float]:
     import contextlib
 
-    from tiertrain.engine.objective import lm_loss
+    from tiertrain.train.objective import lm_loss
 
     data, losses = rank_batches(rank, STEPS * accum), []
     for s in range(STEPS):
@@ -117,7 +117,7 @@ def run_ranks(world: int, tmp: Path, jobs: list) -> dict:
 def sent_per_step(rank: int, plan, steps: int = 3) -> dict:
     """Bytes this rank sent in each step, the slot fetches of each, and what the formulas need."""
     import tiertrain
-    from tiertrain.engine.objective import lm_loss
+    from tiertrain.train.objective import lm_loss
     from tiertrain.memory import Budgets
 
     model, opt = _fresh()
@@ -143,7 +143,7 @@ def reduction_events(rank: int, plan) -> list[tuple[str, int]]:
     """One step's ("flush", block) and ("landed", block) events, in order: when each block's
     gradients were handed to the reduction and when its reduction was waited for."""
     import tiertrain
-    from tiertrain.engine.objective import lm_loss
+    from tiertrain.train.objective import lm_loss
     from tiertrain.memory import Budgets
     from tiertrain.runtime.block_group import BlockGroup
     from tiertrain.runtime.runtime import Runtime
@@ -169,7 +169,7 @@ def gather_events(rank: int, plan) -> list[tuple[str, int]]:
     """Two steps' ("forward", block) and ("ahead", block) events: when each block's forward began and
     when a block's updated shards started gathering ahead of its own forward."""
     import tiertrain
-    from tiertrain.engine.objective import lm_loss
+    from tiertrain.train.objective import lm_loss
     from tiertrain.memory import Budgets
     from tiertrain.runtime.block_group import BlockGroup
     from tiertrain.runtime.runtime import Runtime
@@ -203,10 +203,10 @@ def agreed_auto_setup(rank: int, disk: Path) -> dict:
     rank 0's is quick and known and any other rank's fails the job: every rank must take rank 0's
     page size, depth and profile, and lay out the same plan."""
     import tiertrain
-    from tiertrain.engine import auto_plan
-    from tiertrain.engine.auto_plan import ProfileStep
-    from tiertrain.engine.measure import disk_depth, page_size
-    from tiertrain.engine.objective import lm_loss
+    from tiertrain.autoplan import auto_plan
+    from tiertrain.autoplan.auto_plan import ProfileStep
+    from tiertrain.measure import disk_depth, page_size
+    from tiertrain.train.objective import lm_loss
     from tiertrain.memory import Budgets
 
     def only_rank0(value):
@@ -240,7 +240,7 @@ def agreed_auto_setup(rank: int, disk: Path) -> dict:
 def agreed_budgets(rank: int) -> list[tuple[int, int]]:
     """The budgets taken from the machine where rank 0 sees 8 GiB available and rank 1 4 GiB: all
     taken, then with a host budget of 1 GiB given."""
-    from tiertrain.engine import budgets
+    from tiertrain.api import machine_budgets as budgets
 
     saved = budgets.host_available
     budgets.host_available = lambda: (8 << 30) if rank == 0 else (4 << 30)
@@ -272,8 +272,8 @@ def recheck_on_rank0(rank: int) -> dict:
     import time
     from types import SimpleNamespace
 
-    from tiertrain.engine import auto_plan
-    from tiertrain.engine.loop import Trainer
+    from tiertrain.autoplan import auto_plan
+    from tiertrain.train.loop import Trainer
 
     ran, saved = [], auto_plan.recheck
 

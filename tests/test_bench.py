@@ -123,7 +123,7 @@ def test_bench_parallel_prints_dp2_beside_dp1_with_the_bytes_each_rank_sent():
 def test_bench_peers_with_a_disk_counts_each_systems_disk_bytes_and_peak_rss(tmp_path):
     import os
 
-    from tiertrain.engine.measure.diskstats import disk_counters
+    from tiertrain.measure.diskstats import disk_counters
     from tiertrain.bench.peers import PeerBench, bench_peers
     from tiertrain.memory import Budgets
     from tiertrain.models import ModelConfig
@@ -157,7 +157,7 @@ def test_bench_peers_with_a_disk_counts_each_systems_disk_bytes_and_peak_rss(tmp
 def test_bench_peers_can_set_each_step_against_the_disk_rates_measured_on_either_side_of_it(tmp_path):
     """``probe_each_step``: a probe after every timed step, each step's own bytes, and a line per step
     with its bounds at the probes before and after it; tiertrain alone (no peers) is allowed."""
-    from tiertrain.engine.measure.diskstats import disk_counters
+    from tiertrain.measure.diskstats import disk_counters
     from tiertrain.bench.peers import PeerBench, bench_peers
     from tiertrain.memory import Budgets
     from tiertrain.models import ModelConfig
@@ -189,7 +189,7 @@ def test_bench_peers_builds_tiertrains_model_on_the_meta_device_where_it_may_not
     says its initial weights are not the peers'; with room, it is built whole, as the peers' are."""
     import torch
 
-    import tiertrain.engine.budgets as budgets_module
+    import tiertrain.api.machine_budgets as budgets_module
     from tiertrain.bench.peers import PeerBench, _run_tiertrain
     from tiertrain.memory import Budgets
     from tiertrain.models import ModelConfig

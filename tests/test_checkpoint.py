@@ -16,9 +16,9 @@ from safetensors.torch import load_file, save_file
 
 from conftest import tiny_config
 from tiertrain.cli.main import main
-from tiertrain.engine.checkpoint import (NEEDED, TrainerState, file_digest, find_checkpoint, load_checkpoint,
+from tiertrain.checkpoint.run import (NEEDED, TrainerState, file_digest, find_checkpoint, load_checkpoint,
                                          save_checkpoint, saved_run_options)
-from tiertrain.engine.loop import Trainer, train
+from tiertrain.train.loop import Trainer, train
 from tiertrain.errors import CheckpointError, OutputError
 
 
@@ -31,9 +31,9 @@ CHILD = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     import safetensors.torch
-    import tiertrain.engine.checkpoint as ck
-    from tiertrain.engine.config import TrainConfig
-    from tiertrain.engine.loop import Trainer
+    import tiertrain.checkpoint.run as ck
+    from tiertrain.train.config import TrainConfig
+    from tiertrain.train.loop import Trainer
 
     out, marker = Path(sys.argv[1]), Path(sys.argv[2])
     real_save = safetensors.torch.save_file
@@ -386,7 +386,7 @@ def test_checkpoints_without_a_write_stamp_count_as_older_ordered_by_step(tmp_pa
 
 
 def test_pruning_never_removes_the_checkpoint_just_written(tmp_path, loader, monkeypatch):
-    import tiertrain.engine.checkpoint as ck
+    import tiertrain.checkpoint.run as ck
 
     out = tmp_path / "run"
     for step in (1, 2):
@@ -574,7 +574,7 @@ def test_config_json_that_describes_no_model_is_refused(run, loader, config):
 
 def test_a_save_that_fails_removes_its_temporary_directory_and_keeps_the_last(run, monkeypatch):
     """Issue 16.5: ENOSPC during a save was a traceback and left a hidden temporary directory."""
-    import tiertrain.engine.checkpoint as ck
+    import tiertrain.checkpoint.run as ck
 
     root = run / "checkpoints"
     before = tree_digest(root)

@@ -35,8 +35,8 @@ from safetensors.torch import load_file, save_file
 
 from conftest import tiny_config
 from tiertrain.cli.main import main
-from tiertrain.engine.checkpoint import NEEDED, file_digest, find_checkpoint, load_checkpoint, saved_run_options
-from tiertrain.engine.loop import Trainer, train
+from tiertrain.checkpoint.run import NEEDED, file_digest, find_checkpoint, load_checkpoint, saved_run_options
+from tiertrain.train.loop import Trainer, train
 from tiertrain.errors import UserError
 
 SEED = int(os.environ.get("TIERTRAIN_FUZZ_SEED", "16016"))

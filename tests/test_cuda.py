@@ -90,8 +90,8 @@ def test_a_meta_built_model_is_planned_from_one_block_run_on_the_gpu_in_bf16(tmp
     """``plan auto`` on a model it cannot run plain measures one block on the GPU, in the run's
     precision: every block saves what profiling the real model there in bf16 finds, byte for byte."""
     import tiertrain
-    from tiertrain.engine.objective import lm_loss
-    from tiertrain.engine.measure.model import measure_profile
+    from tiertrain.train.objective import lm_loss
+    from tiertrain.measure.model import measure_profile
     from tiertrain.models import ModelConfig, build
     from tiertrain.runtime.blocks import find_blocks
 

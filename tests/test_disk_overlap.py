@@ -10,7 +10,7 @@ import pytest
 
 import tiertrain
 from tiered_harness import TINY4, _fresh, _loop, batches, train_plain
-from tiertrain.engine.objective import lm_loss
+from tiertrain.train.objective import lm_loss
 from tiertrain.memory import Budgets, Kind, Tier
 from tiertrain.memory.movement import Handle
 from tiertrain.plan import BlockPlan, Plan

@@ -41,7 +41,7 @@ N = MOE["n_layer"]
 
 
 def _fresh(cfg: dict, seed: int = 0):
-    from tiertrain.engine.optimizer import make_adamw
+    from tiertrain.train.optimizer import make_adamw
     from tiertrain.models import build
 
     torch.manual_seed(seed)
@@ -51,7 +51,7 @@ def _fresh(cfg: dict, seed: int = 0):
 
 
 def _step_loss(model, b, tokens: int | None = None) -> torch.Tensor:
-    from tiertrain.engine.objective import lm_loss
+    from tiertrain.train.objective import lm_loss
 
     if tokens is not None:
         b = b[:1, : tokens + 1]

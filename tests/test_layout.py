@@ -3,7 +3,7 @@ import random
 import pytest
 
 from tiertrain.memory import layout as L
-from tiertrain.engine.measure import page_size as P
+from tiertrain.measure import page_size as P
 from tiertrain.memory.pool import check_page_size
 from tiertrain.memory.budgets import Budgets
 from tiertrain.errors import ConfigError

@@ -5,7 +5,7 @@ import pytest
 
 from conftest import made, read_metrics, tiny_config
 from tiered_harness import TINY4, train_plain, train_tiered
-from tiertrain.engine.loop import train
+from tiertrain.train.loop import train
 from tiertrain.errors import ConfigError
 from tiertrain.memory import Budgets, Tier
 from tiertrain.plan import BlockPlan, Plan
@@ -200,7 +200,7 @@ def test_lockfree_at_zero_staleness_follows_a_learning_rate_schedule_bitwise_eve
     import tiertrain
     import tiertrain.runtime.block_group as updater
     from tiered_harness import _fresh, batches
-    from tiertrain.engine.objective import lm_loss
+    from tiertrain.train.objective import lm_loss
 
     adamw = updater.adamw_block
     monkeypatch.setattr(updater, "adamw_block", lambda *a: (time.sleep(0.01), adamw(*a)))

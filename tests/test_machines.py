@@ -129,7 +129,7 @@ def test_two_machines_differing_only_in_disk_bandwidth_move_the_bottleneck_as_th
 def _stub_depth(monkeypatch, gain: float) -> list:
     """The disk's depth measurement (12-20 s on a fresh cache) stubbed: a disk that moves reads and
     writes at once ``gain`` times as fast as in turns; returns the (directory, page) it was asked for."""
-    from tiertrain.engine.measure import disk_depth
+    from tiertrain.measure import disk_depth
 
     asked = []
 
@@ -194,8 +194,8 @@ def test_planning_for_the_probed_description_gives_the_same_plan_as_planning_her
 
 
 def test_a_probe_taken_while_the_machine_is_busy_is_not_cached(tmp_path, monkeypatch):
-    from tiertrain.engine.measure import cache, load
-    from tiertrain.engine.measure import machine as probing
+    from tiertrain.measure import cache, load
+    from tiertrain.measure import machine as probing
 
     monkeypatch.setenv("TIERTRAIN_CACHE_DIR", str(tmp_path))
     others = {"cores": 1.5}
@@ -210,9 +210,9 @@ def test_a_probe_taken_while_the_machine_is_busy_is_not_cached(tmp_path, monkeyp
 
 
 def test_the_probe_keeps_the_median_of_several_disk_measurements_not_one_taken_in_a_dip(tmp_path, monkeypatch):
-    from tiertrain.engine.measure import cache, page_size
-    from tiertrain.engine.measure import machine as probing
-    from tiertrain.engine.measure.disk import DiskRates
+    from tiertrain.measure import cache, page_size
+    from tiertrain.measure import machine as probing
+    from tiertrain.measure.disk import DiskRates
 
     monkeypatch.setenv("TIERTRAIN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(page_size, "measured_page_size", lambda *a, **k: 1 << 20)
@@ -250,7 +250,7 @@ def test_the_probe_times_each_precisions_product_at_the_size_where_one_takes_lon
     while a product is quick, so where every product is slow enough (a bound of 0 s) all stay at 256."""
     import torch
 
-    from tiertrain.engine.measure import machine
+    from tiertrain.measure import machine
 
     timed = []
     monkeypatch.setattr(machine, "_rate", lambda fn, amount, repeat=3: timed.append(amount) or 1.0)
@@ -265,7 +265,7 @@ def test_the_probe_times_each_precisions_product_at_the_size_where_one_takes_lon
 
 
 def test_the_load_meter_sees_another_process_taking_the_cores():
-    from tiertrain.engine.measure.load import LoadMeter
+    from tiertrain.measure.load import LoadMeter
 
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
@@ -288,7 +288,7 @@ def test_max_model_agrees_with_the_budget_check(tmp_path):
     (one block deeper at its width, and the family's next) fit no plan: the DP finds none, and the
     runtime refuses even the most frugal plan (every block streamed through one slot, recomputed,
     states on disk, one block read ahead)."""
-    from tiertrain.engine.largest_model import RunShape, gpt3_shape, largest_model, model_fits
+    from tiertrain.autoplan.largest_model import RunShape, gpt3_shape, largest_model, model_fits
     from tiertrain.memory import Budgets
     from tiertrain.models import build, param_count
     from tiertrain.plan import builtin_plan

@@ -368,8 +368,8 @@ def test_the_disk_depth_is_measured_with_python_running_beside_the_requests(tmp_
     between requests: the depth a run needs is measured so, not on an idle interpreter."""
     import threading
 
-    from tiertrain.engine.measure import disk_depth
-    from tiertrain.engine.measure.disk import DiskRates
+    from tiertrain.measure import disk_depth
+    from tiertrain.measure.disk import DiskRates
 
     def beside() -> bool:
         return any(t.name == "tiertrain-depth-python" and t.is_alive() for t in threading.enumerate())
@@ -402,7 +402,7 @@ def test_the_disk_depth_is_measured_with_python_running_beside_the_requests(tmp_
 
 def test_the_disk_depth_is_the_plateaus_smallest_and_writes_share_only_where_together_is_faster(tmp_path,
                                                                                                  monkeypatch):
-    from tiertrain.engine.measure import disk_depth
+    from tiertrain.measure import disk_depth
 
     curve = {1: 0.5e9, 2: 0.9e9, 4: 1.2e9, 8: 1.24e9, 16: 1.25e9}
     assert disk_depth.choose(curve, together_bps=2.0e9, apart_bps=1.2e9) == (4, 2)

@@ -143,7 +143,7 @@ def test_the_planner_plans_pieces_where_no_whole_block_update_fits_the_host_and_
     planner finds no plan with whole-block updates, then plans them in pieces; the plan fits the
     runtime's own check (which counts the pieces and the gradients waiting on the device), and the
     planner's host figure is the runtime's."""
-    from tiertrain.engine.measure.analytic import analytic_profile
+    from tiertrain.measure.analytic import analytic_profile
     from tiertrain.models import ModelConfig, build
     from tiertrain.planner.auto import NoPlanFits, choose, run_profile
     from tiertrain.planner.solvers import Problem, feasible
@@ -207,7 +207,7 @@ def test_a_run_updated_in_pieces_checkpoints_a_parameter_at_a_time_and_resumes_b
     writes them back so (never a whole block's tensor: that is what the host cannot hold); resuming
     continues the uninterrupted run bit for bit."""
     from conftest import tiny_config
-    from tiertrain.engine.loop import train
+    from tiertrain.train.loop import train
     from tiertrain.memory import MemorySystem
 
     def whole_chunk(self, chunk):

@@ -143,7 +143,7 @@ def test_tiertrain_plan_plans_for_the_runs_update_mode_as_plan_auto_does(tmp_pat
 
     import tiertrain
     from conftest import read_metrics, run_cli
-    from tiertrain.engine.auto_plan import auto_plan
+    from tiertrain.autoplan.auto_plan import auto_plan
     from tiertrain.memory import Budgets, Tier
     from tiertrain.models import ModelConfig, build
     from tiertrain.plan import Plan
@@ -201,8 +201,8 @@ def _tiny_gpt(layers: int = 3):
 def _measured(model, batch: int = 4, seq: int = 32, page: int = 64 << 10):
     import torch
 
-    from tiertrain.engine.objective import lm_loss
-    from tiertrain.engine.measure.model import measure_profile
+    from tiertrain.train.objective import lm_loss
+    from tiertrain.measure.model import measure_profile
     from tiertrain.runtime.blocks import find_blocks
 
     x = torch.randint(0, 256, (batch, seq + 1), generator=torch.Generator().manual_seed(1))
@@ -234,9 +234,9 @@ def test_the_profiler_measures_each_block_and_leaves_the_model_as_it_was():
 
 
 def test_profiles_are_cached_per_key_and_a_damaged_cache_is_measured_again(tmp_path, monkeypatch):
-    from tiertrain.engine.measure import cache
+    from tiertrain.measure import cache
     from conftest import load_meter
-    from tiertrain.engine.measure import model as profiling
+    from tiertrain.measure import model as profiling
 
     monkeypatch.setenv("TIERTRAIN_CACHE_DIR", str(tmp_path))
     others = {"cores": 0.0}  # what else ran while each profile was measured
@@ -270,8 +270,8 @@ def test_every_solver_plan_fits_the_runtime_check_and_runs_within_its_device_bud
     import torch
 
     import tiertrain
-    from tiertrain.engine.objective import lm_loss
-    from tiertrain.engine.optimizer import make_adamw
+    from tiertrain.train.objective import lm_loss
+    from tiertrain.train.optimizer import make_adamw
     from tiertrain.memory import Budgets, Tier
     from tiertrain.planner.auto import candidates
     from tiertrain.planner.solvers import SOLVERS
@@ -363,7 +363,7 @@ def test_auto_plans_a_host_smaller_than_the_weights_when_gradients_are_updated_a
     from tiertrain.memory import Budgets, Tier
     from tiertrain.models import ModelConfig, build
     from tiertrain.planner.auto import NoPlanFits, choose
-    from tiertrain.engine.measure.analytic import analytic_profile
+    from tiertrain.measure.analytic import analytic_profile
     from tiertrain.runtime.blocks import find_blocks
     from tiertrain.runtime.budget_check import needs
 
@@ -406,7 +406,7 @@ def test_the_planner_counts_transient_gradients_as_the_runtime_does_with_a_wide_
     from tiertrain.memory import Tier
     from tiertrain.models import ModelConfig, build
     from tiertrain.planner.auto import choose, run_profile
-    from tiertrain.engine.measure.analytic import analytic_profile
+    from tiertrain.measure.analytic import analytic_profile
     from tiertrain.runtime.blocks import find_blocks
     from tiertrain.runtime.budget_check import needs
 
@@ -517,8 +517,8 @@ def test_auto_simulates_the_disk_as_the_runs_disk_tier_uses_it(tmp_path):
     go so (a write share, ``DiskIO``): the plan is simulated with a lane each; without, in turns."""
     import torch
 
-    from tiertrain.engine.auto_plan import auto_plan
-    from tiertrain.engine.objective import lm_loss
+    from tiertrain.autoplan.auto_plan import auto_plan
+    from tiertrain.train.objective import lm_loss
     from tiertrain.memory import Budgets
 
     model = _tiny_gpt(2)
@@ -535,10 +535,10 @@ def test_setup_plans_auto_with_the_disk_io_its_memory_system_runs(tmp_path, monk
     import torch
 
     import tiertrain
-    from tiertrain.engine import setup as setup_module
-    from tiertrain.engine.auto_plan import ProfileStep
-    from tiertrain.engine.measure.disk_depth import DiskIO
-    from tiertrain.engine.objective import lm_loss
+    from tiertrain.api import setup as setup_module
+    from tiertrain.autoplan.auto_plan import ProfileStep
+    from tiertrain.measure.disk_depth import DiskIO
+    from tiertrain.train.objective import lm_loss
     from tiertrain.memory import Budgets
 
     monkeypatch.setattr(setup_module, "disk_io_for", lambda *a: DiskIO(3, 1, 1.25))
@@ -563,7 +563,7 @@ def test_a_plan_that_does_not_fit_is_refused_before_the_disk_is_measured(tmp_pat
     import torch
 
     import tiertrain
-    from tiertrain.engine import setup as setup_module
+    from tiertrain.api import setup as setup_module
     from tiertrain.memory import Budgets
     from tiertrain.runtime.budget_check import PlanDoesNotFit
 
@@ -580,8 +580,8 @@ def test_auto_plans_a_lockfree_run_for_the_staleness_it_will_run_with(tmp_path):
     the disk passes of that staleness, and the plan it returns carries it."""
     import torch
 
-    from tiertrain.engine.auto_plan import auto_plan
-    from tiertrain.engine.objective import lm_loss
+    from tiertrain.autoplan.auto_plan import auto_plan
+    from tiertrain.train.objective import lm_loss
     from tiertrain.memory import Budgets
 
     model = _tiny_gpt(2)
@@ -618,8 +618,8 @@ def test_plan_auto_on_a_model_built_on_the_meta_device_measures_one_block_for_al
 
     import tiertrain
     from conftest import train_losses
-    from tiertrain.engine.measure.model import measure_profile
-    from tiertrain.engine.objective import lm_loss
+    from tiertrain.measure.model import measure_profile
+    from tiertrain.train.objective import lm_loss
     from tiertrain.memory import Budgets
     from tiertrain.models import ModelConfig, build
     from tiertrain.runtime.blocks import find_blocks
@@ -655,7 +655,7 @@ def test_one_block_is_run_on_the_inputs_the_model_gives_it_and_nothing_after_it(
     shape is the run's hidden state, and no later block runs (on a meta model nothing could)."""
     import torch
 
-    from tiertrain.engine.measure.one_block import block_inputs, real_copy
+    from tiertrain.measure.one_block import block_inputs, real_copy
     from tiertrain.models import ModelConfig, build
 
     model = build(ModelConfig(n_layer=3, n_head=4, d_model=64, d_ffn=256, vocab_size=256, max_seq_len=64, name="t"),
@@ -677,8 +677,8 @@ def test_plan_auto_on_a_model_that_does_not_fit_plain_estimates_or_says_what_to_
     import torch
 
     import tiertrain
-    import tiertrain.engine.measure.one_block as block_profile
-    from tiertrain.engine.objective import lm_loss
+    import tiertrain.measure.one_block as block_profile
+    from tiertrain.train.objective import lm_loss
     from tiertrain.errors import ConfigError
     from tiertrain.memory import Budgets
 
@@ -731,8 +731,8 @@ def test_plan_auto_measures_one_block_of_a_transformers_model_that_does_not_fit_
 
     import tiertrain
     from conftest import train_losses
-    from tiertrain.engine.objective import lm_loss
-    from tiertrain.engine.measure.model import measure_profile
+    from tiertrain.train.objective import lm_loss
+    from tiertrain.measure.model import measure_profile
     from tiertrain.memory import Budgets
     from tiertrain.models import build
     from tiertrain.runtime.blocks import find_blocks
@@ -861,10 +861,10 @@ def test_a_block_beyond_the_measurement_bounds_is_measured_at_a_reduced_shape_an
     back to the run's shape equal, byte for byte, what the block saves at the run's shape."""
     import torch
 
-    from tiertrain.engine.measure.analytic import saved_bytes
-    from tiertrain.engine.measure.bounds import UNBOUNDED, MeasureBounds, run_cost
-    from tiertrain.engine.measure.machine import probe
-    from tiertrain.engine.measure.one_block import profile_one_block
+    from tiertrain.measure.analytic import saved_bytes
+    from tiertrain.measure.bounds import UNBOUNDED, MeasureBounds, run_cost
+    from tiertrain.measure.machine import probe
+    from tiertrain.measure.one_block import profile_one_block
     from tiertrain.models import ModelConfig, build
     from tiertrain.runtime.blocks import find_blocks
 
@@ -915,8 +915,8 @@ def test_plan_auto_does_not_run_a_plain_model_beyond_the_bounds():
     its place (the profile step is never called) and the plan says so."""
     import torch
 
-    from tiertrain.engine.auto_plan import auto_plan
-    from tiertrain.engine.measure.bounds import MeasureBounds
+    from tiertrain.autoplan.auto_plan import auto_plan
+    from tiertrain.measure.bounds import MeasureBounds
     from tiertrain.memory import Budgets
     from tiertrain.models import ModelConfig, build
 
@@ -941,9 +941,9 @@ def test_the_analytic_saved_bytes_are_what_our_block_saves(precision):
     block for shapes, widths, heads and MLPs that differ (no s x s scores: attention is SDPA)."""
     import torch
 
-    from tiertrain.engine.measure.analytic import saved_bytes
-    from tiertrain.engine.measure.model import _SavedBytes
-    from tiertrain.engine.precision import Precision
+    from tiertrain.measure.analytic import saved_bytes
+    from tiertrain.measure.model import _SavedBytes
+    from tiertrain.runtime.precision import Precision
     from tiertrain.models import ModelConfig, build
 
     for d, h, f in ((96, 3, 384), (192, 6, 320), (64, 8, 256)):
@@ -986,11 +986,11 @@ def test_a_wrong_cached_probe_is_measured_again_once_the_first_steps_disprove_it
     import io
 
     from conftest import read_metrics, tiny_config
-    from tiertrain.engine.auto_plan import CHECK_AFTER
-    from tiertrain.engine.loop import WARMUP_STEPS, Trainer
-    from tiertrain.engine.measure import cache
-    from tiertrain.engine.measure import machine as probing
-    from tiertrain.engine.metrics import Reporter
+    from tiertrain.autoplan.auto_plan import CHECK_AFTER
+    from tiertrain.train.loop import WARMUP_STEPS, Trainer
+    from tiertrain.measure import cache
+    from tiertrain.measure import machine as probing
+    from tiertrain.train.metrics import Reporter
     from tiertrain.planner.machine import Load
 
     monkeypatch.setenv("TIERTRAIN_CACHE_DIR", str(tmp_path / "cache"))
@@ -1003,7 +1003,7 @@ def test_a_wrong_cached_probe_is_measured_again_once_the_first_steps_disprove_it
     said = io.StringIO()
     cfg = tiny_config(tmp_path / "run", plan="auto", device_memory="160KiB", host_memory="256MiB", page_size="4KiB",
                       steps=WARMUP_STEPS + CHECK_AFTER + 1)
-    from tiertrain.engine import auto_plan
+    from tiertrain.autoplan import auto_plan
     from tiertrain.runtime.runtime import Runtime
 
     calls: list[str] = []
@@ -1034,14 +1034,14 @@ def test_a_probe_with_little_scratch_allocates_within_it_and_is_not_kept(tmp_pat
     """A running plan's recheck probes beside budgets the user sized to the machine: its measurements
     take at most their scratch at once (the process's RSS peak rises by about that, where a whole
     probe's AdamW alone takes 512 MiB), and such a probe is used once, not cached for later runs."""
-    from tiertrain.engine.measure import cache
-    from tiertrain.engine.measure import machine as probing
-    from tiertrain.engine.metrics import process_rss, restart_rss_peak
+    from tiertrain.measure import cache
+    from tiertrain.measure import machine as probing
+    from tiertrain.train.metrics import process_rss, restart_rss_peak
     from tiertrain.planner.machine import Load
 
     monkeypatch.setenv("TIERTRAIN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(Load, "busy", property(lambda self: False))
-    monkeypatch.setattr("tiertrain.engine.measure.page_size.measured_page_size", lambda *a: 1 << 20)
+    monkeypatch.setattr("tiertrain.measure.page_size.measured_page_size", lambda *a: 1 << 20)
     rises = {}
     for scratch in (64 << 20, probing.PROBE_SCRATCH):
         if restart_rss_peak() is None:
@@ -1062,7 +1062,7 @@ def test_a_misprediction_probes_the_machine_again_only_once_the_runs_own_disk_tr
     ``wait_updates``) before it probes, and only where it probes."""
     import dataclasses
 
-    from tiertrain.engine import auto_plan
+    from tiertrain.autoplan import auto_plan
     from tiertrain.plan import builtin_plan
     from tiertrain.planner.simulator import simulate
 
@@ -1094,9 +1094,9 @@ def test_a_transformers_block_with_eager_attention_scales_its_s_by_s_scores_exac
     import torch
 
     from tiered_harness import HF_GPT2
-    from tiertrain.engine.measure.bounds import UNBOUNDED, MeasureBounds
-    from tiertrain.engine.measure.machine import probe
-    from tiertrain.engine.measure.one_block import profile_one_block
+    from tiertrain.measure.bounds import UNBOUNDED, MeasureBounds
+    from tiertrain.measure.machine import probe
+    from tiertrain.measure.one_block import profile_one_block
     from tiertrain.models import build
     from tiertrain.runtime.blocks import find_blocks
 

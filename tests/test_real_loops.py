@@ -238,7 +238,7 @@ def test_the_optimizer_state_dict_is_torchs_and_resumes_bitwise(tmp_path, monkey
         tm2.load_state_dict(weights)
         topt2.load_state_dict(sd)
         assert first + train(tm2, topt2, data[2:]) == want
-        import tiertrain.engine.tiered_optimizer as tiered_optimizer
+        import tiertrain.api.tiered_optimizer as tiered_optimizer
 
         monkeypatch.setattr(tiered_optimizer, "host_available", lambda: 1024)
         with pytest.raises(tiered_optimizer.StatesTooLarge, match="tiertrain's checkpoints"):
@@ -355,7 +355,7 @@ def test_plan_auto_without_a_profile_function_plans_from_the_first_step_and_stay
     topt.register_step_pre_hook(lambda *_: seen.append(rt.plan.name))  # the plan each step ran under
     try:
         got = no_trainer_loop(tm, topt, 4, accum)
-        first = tiertrain.engine.first_step_auto.first_plan(len(rt.groups) - 1, True, update)
+        first = tiertrain.autoplan.first_step.first_plan(len(rt.groups) - 1, True, update)
         assert seen[0] == "max-offload" and at_setup == {bp.home for bp in (*first.blocks, first.rest)}
         assert tm.auto_plan is not None and rt.plan == tm.auto_plan.plan and rt.plan.blocks != first.blocks
         assert seen[1:] == [rt.plan.name] * 3

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from tiered_harness import TINY4, _fresh, batches, train_plain
-from tiertrain.engine.objective import lm_loss
+from tiertrain.train.objective import lm_loss
 from tiertrain.memory import Budgets, Tier
 from tiertrain.plan import BlockPlan, Plan, builtin_plan
 
@@ -30,7 +30,7 @@ def _plans(n: int) -> dict[str, Plan]:
 def whole_device_pool(monkeypatch):
     """A run replans only after plan auto's first step, and its device pool keeps the whole budget;
     these runs are set up with a given plan to replan from, so their pools are made as auto's are."""
-    monkeypatch.setattr("tiertrain.engine.setup.device_need", lambda *a: None)
+    monkeypatch.setattr("tiertrain.api.setup.device_need", lambda *a: None)
 
 
 @pytest.mark.usefixtures("whole_device_pool")

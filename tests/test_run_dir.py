@@ -12,9 +12,9 @@ import pytest
 
 from conftest import read_metrics, tiny_config
 from tiertrain.cli.main import main
-from tiertrain.engine.checkpoint import find_checkpoint
-from tiertrain.engine.loop import Trainer, train
-from tiertrain.engine.run_dir import RunDirBusy, RunDirTaken
+from tiertrain.checkpoint.run import find_checkpoint
+from tiertrain.train.loop import Trainer, train
+from tiertrain.train.run_dir import RunDirBusy, RunDirTaken
 
 TINY = ["--model", "tiny", "--batch-size", "4", "--seq-len", "32", "--log-every", "1000"]
 
@@ -104,7 +104,7 @@ def test_the_ranks_of_a_resume_testing_the_directory_at_once_do_not_refuse_each_
     a test in flight (another rank's, here a shared lock held on its own descriptor) is no run."""
     import fcntl
 
-    from tiertrain.engine.run_dir import LOCK_FILE, RunDir
+    from tiertrain.train.run_dir import LOCK_FILE, RunDir
 
     out = tmp_path / "run"
     train(tiny_config(out, steps=1))

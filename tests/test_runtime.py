@@ -239,7 +239,7 @@ def test_fp16_overflow_skips_the_step_and_backs_off_as_gradscaler_does(tmp_path,
 
     import tiertrain
     from tiered_harness import _fresh, batches
-    from tiertrain.engine.objective import lm_loss
+    from tiertrain.train.objective import lm_loss
     from tiertrain.runtime.state_io import export_state
 
     data = batches(1) * 24
@@ -321,7 +321,7 @@ def test_offload_hidden_moves_saved_activations_to_the_host_and_brings_them_back
 
     import tiertrain
     from tiered_harness import _fresh, batches
-    from tiertrain.engine.objective import lm_loss
+    from tiertrain.train.objective import lm_loss
 
     b = batches(1)[0]
     model, opt = _fresh(TINY4)
@@ -415,8 +415,8 @@ def test_the_device_cache_follows_the_recorded_order_with_belady_eviction(tmp_pa
 
     import tiertrain
     from tiered_harness import batches
-    from tiertrain.engine.objective import lm_loss
-    from tiertrain.engine.optimizer import make_adamw
+    from tiertrain.train.objective import lm_loss
+    from tiertrain.train.optimizer import make_adamw
     from tiertrain.models import GPT, resolve_config
 
     class Shared(GPT):
@@ -551,7 +551,7 @@ def test_device_homed_blocks_keep_gradients_on_the_device_and_fp32_ones_update_t
 
     import tiertrain
     from tiered_harness import _fresh, batches
-    from tiertrain.engine.objective import lm_loss
+    from tiertrain.train.objective import lm_loss
     from tiertrain.memory import Kind
     from tiertrain.plan import builtin_plan
     from tiertrain.runtime.blocks import find_blocks

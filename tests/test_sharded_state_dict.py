@@ -7,7 +7,7 @@ from dp_harness import run_ranks
 def _state_dict_outcome(rank: int, shard: bool) -> str:
     import tiertrain
     from dp_harness import _fresh
-    from tiertrain.engine.tiered_optimizer import ShardedStates
+    from tiertrain.api.tiered_optimizer import ShardedStates
     from tiertrain.memory import Budgets
     from tiertrain.plan import builtin_plan, data_parallel
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import read_metrics, tiny_config
-from tiertrain.engine.loop import train
+from tiertrain.train.loop import train
 from tiertrain.models import build
 from tiertrain.plan import Plan
 from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
@@ -91,7 +91,7 @@ def test_each_disk_step_says_how_much_of_it_the_disk_was_busy_and_the_summary_gi
     from rich.console import Console
 
     from tiertrain.cli.summary import print_summary
-    from tiertrain.engine.measure.diskstats import disk_counters
+    from tiertrain.measure.diskstats import disk_counters
 
     (tmp_path / "disk").mkdir()
     if disk_counters(str(tmp_path / "disk")) is None:
@@ -123,8 +123,8 @@ def test_each_disk_step_says_how_much_of_it_the_disk_was_busy_and_the_summary_gi
 def test_the_disk_watch_counts_the_time_the_device_was_busy_between_two_readings(tmp_path):
     """64 MiB written and synced between two readings keep the device busy for more than a tick; the
     bytes are the disk tier's own count, whatever else the device did."""
-    from tiertrain.engine.disk_watch import DiskWatch
-    from tiertrain.engine.measure.diskstats import disk_counters
+    from tiertrain.train.disk_watch import DiskWatch
+    from tiertrain.measure.diskstats import disk_counters
 
     if disk_counters(str(tmp_path)) is None:
         pytest.skip(f"{tmp_path} is on no block device (tmpfs or overlay): no counters to read")
@@ -163,7 +163,7 @@ def test_each_row_reports_the_process_resident_memory_beside_the_tier_peaks(tmp_
     a 256 MiB buffer stands for it, touched and freed before the steps), a peak the steps never see."""
     import torch
 
-    from tiertrain.engine.loop import Trainer
+    from tiertrain.train.loop import Trainer
 
     out = tmp_path / "run"
     trainer = Trainer(tiny_config(out, steps=3, plan="max-offload", page_size="64KiB", device_memory="64MiB",
@@ -333,7 +333,7 @@ def test_a_block_applied_twice_copies_its_master_out_of_its_slot_once_and_traini
 def test_the_cpu_watch_splits_the_process_cpu_seconds_by_phase_and_gives_the_kernels_share():
     """Cores busy = CPU seconds over wall seconds, for the whole row and each phase marked; the kernel's
     share of the row's CPU seconds. Readings given by hand: (user, kernel, wall)."""
-    from tiertrain.engine.cpu_watch import CpuTimes, CpuWatch
+    from tiertrain.train.cpu_watch import CpuTimes, CpuWatch
 
     readings = iter([CpuTimes(0.0, 0.0, 0.0),   # reset
                      CpuTimes(0.1, 0.0, 0.1),   # forward begins: 0.1 s "between" at one core
@@ -361,7 +361,7 @@ def test_the_cpu_watch_counts_every_thread_of_the_process_and_not_a_waiting_one(
     reading of the process from one of the calling thread, or of the wall clock."""
     import threading
 
-    from tiertrain.engine.cpu_watch import CpuWatch
+    from tiertrain.train.cpu_watch import CpuWatch
 
     stop = threading.Event()
 

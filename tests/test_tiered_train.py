@@ -2,7 +2,7 @@ import pytest
 
 from conftest import read_metrics, tiny_config
 from tiered_harness import TINY4
-from tiertrain.engine.loop import Trainer, train
+from tiertrain.train.loop import Trainer, train
 from tiertrain.errors import ConfigError
 
 KW = dict(model=TINY4, steps=8, grad_accum=2, grad_clip=0.5, save_every=4, keep_checkpoints=5)
@@ -43,7 +43,7 @@ def test_checkpoints_move_between_plain_and_tiered_runs(tmp_path, plain_run):
 
 def test_tiered_resume_reproduces_the_uninterrupted_tiered_run(tmp_path, plain_run, monkeypatch):
     """The resumed run sets its states up for the checkpoint to write (not initialised first)."""
-    import tiertrain.engine.setup as setup_module
+    import tiertrain.api.setup as setup_module
 
     inits, setup = [], setup_module.setup
     monkeypatch.setattr(setup_module, "setup", lambda *a, **k: (inits.append(k["init_states"]), setup(*a, **k))[1])

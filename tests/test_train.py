@@ -6,9 +6,9 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import read_metrics, tiny_config
-from tiertrain.engine.config import TrainConfig
-from tiertrain.engine.loop import Trainer, train
-from tiertrain.engine.schedule import lr_at
+from tiertrain.train.config import TrainConfig
+from tiertrain.train.loop import Trainer, train
+from tiertrain.train.schedule import lr_at
 from tiertrain.errors import ConfigError
 from tiertrain.models import GPT, CONFIGS
 
@@ -68,7 +68,7 @@ def test_a_resume_that_moves_the_lr_schedule_says_so_and_how_to_keep_it(tmp_path
     both figures and the flags that would keep it. The same --steps resumes without a word."""
     import io
 
-    from tiertrain.engine.metrics import Reporter
+    from tiertrain.train.metrics import Reporter
 
     def resumed(**kw) -> str:
         text = io.StringIO()
@@ -138,7 +138,7 @@ def test_the_default_sequence_length_is_shortened_to_what_the_model_takes(tmp_pa
 
 
 def test_config_file_and_flags_merge_with_flags_winning(tmp_path):
-    from tiertrain.engine.config import make_config
+    from tiertrain.train.config import make_config
 
     cfg = make_config({"steps": 5, "batch-size": 3, "betas": [0.8, 0.9]}, {"steps": 7, "lr": None})
     assert (cfg.steps, cfg.batch_size, cfg.betas, cfg.lr) == (7, 3, (0.8, 0.9), TrainConfig().lr)
@@ -154,7 +154,7 @@ def test_with_cuda_the_measured_device_peak_adds_what_torch_allocated_beside_the
     The figure to compare adds the allocator's peak beyond the pool; on CPU there is none to add."""
     import torch
 
-    from tiertrain.engine.metrics import device_peak_with_activations
+    from tiertrain.train.metrics import device_peak_with_activations
 
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 1000 + 300)
     assert device_peak_with_activations(400, 1000, torch.device("cuda", 0)) == 700
@@ -170,8 +170,8 @@ def test_a_model_that_fits_the_host_budget_but_not_beside_the_budgets_is_built_o
     says why. Free memory, which varies from run to run, never decides how the weights are drawn."""
     import io
 
-    import tiertrain.engine.budgets as budgets_module
-    from tiertrain.engine.metrics import Reporter
+    import tiertrain.api.machine_budgets as budgets_module
+    from tiertrain.train.metrics import Reporter
 
     def said(room: int, out) -> str:
         monkeypatch.setattr(budgets_module, "cgroup_room", lambda: room)
@@ -188,7 +188,7 @@ def test_a_model_that_fits_the_host_budget_but_not_beside_the_budgets_is_built_o
 
 def test_a_step_line_names_the_disk_tiers_pages_apart_from_the_memory_peak():
     """A disk plan's pages (12 GiB for the 1.31B) are no memory: the line's peak is its memory tiers'."""
-    from tiertrain.engine.metrics import step_memory
+    from tiertrain.train.metrics import step_memory
 
     row = {"peak_bytes": {"device": 1 << 20, "host": 3 << 20, "disk": 12 << 30}, "rss_bytes": {"now": 5 << 20}}
     assert step_memory(row) == "peak 3.00 MiB  disk 12.00 GiB  RSS 5.00 MiB"

@@ -16,7 +16,7 @@ import torch
 from conftest import read_metrics, tiny_config
 from tiertrain import typed
 from tiertrain.cli.main import main
-from tiertrain.engine.loop import Trainer, TrainingDiverged
+from tiertrain.train.loop import Trainer, TrainingDiverged
 from tiertrain.errors import ConfigError
 from tiertrain.memory.capacity import host_available
 from tiertrain.memory.pages import PagesExhausted, PageTable

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 import tiertrain
-from tiertrain.engine.objective import lm_loss
-from tiertrain.engine.optimizer import make_adamw
+from tiertrain.train.objective import lm_loss
+from tiertrain.train.optimizer import make_adamw
 from tiertrain.memory import Budgets
 from tiertrain.models import build
 

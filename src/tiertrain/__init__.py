@@ -10,7 +10,7 @@ __all__ = ["Budgets", "CheckpointError", "ConfigError", "DataError", "OutputErro
 def __getattr__(name: str):
     """Lazy imports keep ``import tiertrain`` light for the CLI and the planner."""
     if name == "setup":
-        from tiertrain.engine.setup import setup
+        from tiertrain.api.setup import setup
 
         return setup
     if name == "Budgets":
@@ -28,4 +28,4 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-_SUBPACKAGES = ("models", "engine", "memory", "plan", "planner", "runtime", "parallel", "optim", "data")
+_SUBPACKAGES = ("models", "api", "train", "checkpoint", "autoplan", "measure", "memory", "plan", "planner", "runtime", "parallel", "optim", "data")

@@ -19,8 +19,8 @@ from typing import Callable
 import numpy as np
 
 from tiertrain.bench.runtime import disk_bench_room, disk_home_plan, model_cfg
-from tiertrain.engine.config import TrainConfig
-from tiertrain.engine.metrics import Reporter
+from tiertrain.train.config import TrainConfig
+from tiertrain.train.metrics import Reporter
 from tiertrain.models import param_count
 
 SMOOTH = 25  # steps in the moving average of the loss (one sequence per step is noisy)
@@ -59,7 +59,7 @@ def _curve(label: str, out: Path) -> Curve:
 
 
 def _run(label: str, update: str, staleness: int, base: dict, work: Path) -> Curve:
-    from tiertrain.engine.loop import train
+    from tiertrain.train.loop import train
 
     out = work / label
     cfg = TrainConfig(**base, update=update, max_staleness=staleness, out=str(out))

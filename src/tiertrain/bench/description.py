@@ -18,8 +18,8 @@ from typing import Callable
 
 from tiertrain.bench.planner import _Run, fidelity_plans
 from tiertrain.bench.runtime import model_cfg
-from tiertrain.engine.measure.analytic import analytic_profile
-from tiertrain.engine.measure.machine import probe
+from tiertrain.measure.analytic import analytic_profile
+from tiertrain.measure.machine import probe
 from tiertrain.memory import Budgets
 from tiertrain.models import param_count
 from tiertrain.plan import Plan, builtin_plan

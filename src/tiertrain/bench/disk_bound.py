@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from tiertrain.engine.measure.disk import measure_disk
-from tiertrain.engine.measure.disk_depth import together_rate
+from tiertrain.measure.disk import measure_disk
+from tiertrain.measure.disk_depth import together_rate
 
 MiB = 1 << 20
 

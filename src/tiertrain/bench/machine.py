@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from tiertrain.engine.measure.machine import cpu_model
+from tiertrain.measure.machine import cpu_model
 
 
 def _ram_bytes() -> int:

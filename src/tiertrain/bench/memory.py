@@ -20,8 +20,8 @@ from typing import Callable
 import torch
 
 from tiertrain.memory import Budgets, MemorySystem, Tier
-from tiertrain.engine.measure.disk import measure_disk
-from tiertrain.engine.measure.page_size import measured_page_size
+from tiertrain.measure.disk import measure_disk
+from tiertrain.measure.page_size import measured_page_size
 from tiertrain.memory.pool import host_buffer
 
 MiB = 1 << 20

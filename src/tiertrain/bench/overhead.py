@@ -19,9 +19,9 @@ from typing import Callable
 import torch
 
 from tiertrain.bench.machine import synchronize as _sync
-from tiertrain.engine.objective import lm_loss
-from tiertrain.engine.optimizer import make_adamw
-from tiertrain.engine.precision import Precision
+from tiertrain.train.objective import lm_loss
+from tiertrain.train.optimizer import make_adamw
+from tiertrain.runtime.precision import Precision
 from tiertrain.memory import Budgets
 from tiertrain.memory.system import compute_device
 from tiertrain.models import ModelConfig, build, param_count

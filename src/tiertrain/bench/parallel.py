@@ -118,7 +118,7 @@ def worker(layout: str, b: ParallelBench) -> dict[str, Any]:
     """One rank's run (under torchrun): step times, blocked seconds and bytes sent per timed step."""
     import tiertrain
     from tiertrain.bench.runtime import model_cfg
-    from tiertrain.engine.objective import lm_loss
+    from tiertrain.train.objective import lm_loss
     from tiertrain.memory import Budgets
     from tiertrain.models import build
     from tiertrain.parallel import rank_from_env, world_from_env

@@ -54,14 +54,14 @@ from torch.utils.checkpoint import checkpoint
 from tiertrain.bench.machine import synchronize
 from tiertrain.bench.disk_bound import DiskLimit, measure_limit
 from tiertrain.bench.overhead import matmul_peak
-from tiertrain.engine.auto_plan import ProfileStep
-from tiertrain.engine.budgets import meta_build_reason
-from tiertrain.engine.cpu_watch import process_times, usable_cores
-from tiertrain.engine.measure.diskstats import DiskCounters, disk_counters
-from tiertrain.engine.metrics import process_rss, restart_rss_peak
-from tiertrain.engine.objective import lm_loss
-from tiertrain.engine.optimizer import make_adamw
-from tiertrain.engine.precision import Precision
+from tiertrain.autoplan.auto_plan import ProfileStep
+from tiertrain.api.machine_budgets import meta_build_reason
+from tiertrain.train.cpu_watch import process_times, usable_cores
+from tiertrain.measure.diskstats import DiskCounters, disk_counters
+from tiertrain.train.metrics import process_rss, restart_rss_peak
+from tiertrain.train.objective import lm_loss
+from tiertrain.train.optimizer import make_adamw
+from tiertrain.runtime.precision import Precision
 from tiertrain.memory import Budgets
 from tiertrain.memory.system import compute_device
 from tiertrain.models import ModelConfig, build, flops_per_token, param_count

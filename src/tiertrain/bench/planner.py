@@ -27,10 +27,10 @@ import torch
 
 from tiertrain.bench.machine import synchronize
 from tiertrain.bench.runtime import model_cfg
-from tiertrain.engine.measure.machine import probe_machine
-from tiertrain.engine.measure.model import measure_profile, profile_key
-from tiertrain.engine.objective import lm_loss
-from tiertrain.engine.optimizer import make_adamw
+from tiertrain.measure.machine import probe_machine
+from tiertrain.measure.model import measure_profile, profile_key
+from tiertrain.train.objective import lm_loss
+from tiertrain.train.optimizer import make_adamw
 from tiertrain.memory import Budgets, Tier
 from tiertrain.memory.system import compute_device
 from tiertrain.models import ModelConfig, build, param_count
@@ -185,8 +185,8 @@ def bench_estimate(d: int, layers: int, batch: int, seq: int, out: Callable[[str
     """What ``plan auto`` plans a model from when it cannot run the plain model (built on meta, or
     too big for the device): one of its blocks measured, and the analytic estimate where even that
     does not fit, each against the whole model measured here, in turns over ``rounds`` rounds."""
-    from tiertrain.engine.measure.analytic import analytic_profile
-    from tiertrain.engine.measure.one_block import measure_one_block
+    from tiertrain.measure.analytic import analytic_profile
+    from tiertrain.measure.one_block import measure_one_block
 
     cfg = model_cfg(d, layers, max(256, seq))
     run = _Run(cfg, batch, seq)

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from tiertrain.bench.machine import synchronize
-from tiertrain.engine.objective import lm_loss
-from tiertrain.engine.optimizer import make_adamw
+from tiertrain.train.objective import lm_loss
+from tiertrain.train.optimizer import make_adamw
 from tiertrain.memory import Budgets
 from tiertrain.memory.system import compute_device
 from tiertrain.models import ModelConfig, build, param_count

@@ -117,11 +117,11 @@ def train(config_file: str | None, quiet: bool, nproc: int, **flags: Any) -> Non
     from pathlib import Path
 
     from tiertrain.cli.summary import print_summary
-    from tiertrain.engine.checkpoint import saved_run_options
-    from tiertrain.engine.config import make_config, read_config_file
-    from tiertrain.engine.loop import Trainer
-    from tiertrain.engine.metrics import Reporter
-    from tiertrain.engine.run_dir import RunDir
+    from tiertrain.checkpoint.run import saved_run_options
+    from tiertrain.train.config import make_config, read_config_file
+    from tiertrain.train.loop import Trainer
+    from tiertrain.train.metrics import Reporter
+    from tiertrain.train.run_dir import RunDir
     from tiertrain.parallel.group import end_process_group
 
     file_values = read_config_file(config_file) if config_file else {}
@@ -219,7 +219,7 @@ def _relay_ranks(proc: "subprocess.Popen[str]") -> int:
 def _refuse_resume_without_disk(resume: "Path") -> None:
     """A run whose states lived on disk resumes only with --disk given again: a checkpoint never
     chooses where tiertrain writes (or, at the end, deletes)."""
-    from tiertrain.engine.checkpoint import find_checkpoint, read_trainer
+    from tiertrain.checkpoint.run import find_checkpoint, read_trainer
 
     disk = read_trainer(find_checkpoint(resume)).run_config.get("disk")
     if disk:
@@ -329,7 +329,7 @@ def bench_offload_cmd(d_model: int, layers: int, batch_size: int, seq_len: int, 
     """Step time with states on disk against max(compute, disk I/O, optimizer) measured in the same run."""
     from tiertrain.bench.machine import describe
     from tiertrain.bench.runtime import bench_offload
-    from tiertrain.engine.measure.page_size import page_size_for
+    from tiertrain.measure.page_size import page_size_for
     from tiertrain.memory.system import compute_device
     from tiertrain.units import parse_size
 
@@ -352,7 +352,7 @@ def bench_convergence_cmd(d_model: int, layers: int, batch_size: int, seq_len: i
     """Loss against wall time, sync and lockfree, with states on disk: what lockfree's faster steps learn."""
     from tiertrain.bench.convergence import bench_convergence
     from tiertrain.bench.machine import describe
-    from tiertrain.engine.measure.page_size import page_size_for
+    from tiertrain.measure.page_size import page_size_for
     from tiertrain.memory.system import compute_device
     from tiertrain.units import parse_size
 
@@ -620,7 +620,7 @@ def probe_cmd(disk_dir: str | None, out: str | None, list_machines: bool) -> Non
 
 def _write_output(path: "Path", data: bytes) -> None:
     """An output file written whole (atomically) or one clear error: an unwritable place is the user's to fix."""
-    from tiertrain.engine.atomic import write_atomic
+    from tiertrain.checkpoint.atomic import write_atomic
     from tiertrain.errors import OutputError
 
     try:

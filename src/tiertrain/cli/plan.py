@@ -20,7 +20,7 @@ from tiertrain.planner.simulator import RESOURCES, Simulation
 from tiertrain.units import format_bytes, format_count
 
 if TYPE_CHECKING:
-    from tiertrain.engine.largest_model import Largest
+    from tiertrain.autoplan.largest_model import Largest
     from tiertrain.planner.network import Network
 
 
@@ -183,8 +183,8 @@ def plan_profile(req: PlanRequest, here: Machine, target: Machine, disk_dir: str
 
 
 def _model_profile(req: PlanRequest, here: Machine, disk_dir: str | None) -> Profile:
-    from tiertrain.engine.auto_plan import config_profile
-    from tiertrain.engine.measure.bounds import MeasureBounds
+    from tiertrain.autoplan.auto_plan import config_profile
+    from tiertrain.measure.bounds import MeasureBounds
     from tiertrain.memory.system import compute_device
     from tiertrain.models import ModelConfig, resolve_config
     from tiertrain.units import parse_size
@@ -202,7 +202,7 @@ def _model_profile(req: PlanRequest, here: Machine, disk_dir: str | None) -> Pro
 
 def run_plan(req: PlanRequest, console: Console) -> Candidate:
     """Plan ``req``'s model (or profile) for ``req.machine`` (default: this one); print it; return the choice."""
-    from tiertrain.engine.measure.machine import probe, with_disk_gain
+    from tiertrain.measure.machine import probe, with_disk_gain
     from tiertrain.plan import check_update_mode
     from tiertrain.planner.auto import choose_layout, run_profile
     from tiertrain.planner.datasheets import find_machine
@@ -239,7 +239,7 @@ def run_plan(req: PlanRequest, console: Console) -> Candidate:
 def _network(req: PlanRequest, target: Machine, here: Machine, profile: Profile) -> "Network":
     """The ranks' collective rates: measured between local ranks at the largest block's size where the
     plan is for this machine, else the described machine's link."""
-    from tiertrain.engine.measure.collectives import network_for
+    from tiertrain.measure.collectives import network_for
 
     chunk = max(b.params for b in profile.blocks) * profile.compute_bytes
     return network_for(req.nproc, None if target is here else target.network, target.name, chunk)
@@ -261,7 +261,7 @@ def _page(req: PlanRequest, profile: Profile, target: Machine, disk_dir: str | N
     numels = [b.params for b in (*profile.blocks, profile.rest)]
     if target.page_size:
         return page_for_states(numels, target.page_size)
-    from tiertrain.engine.measure.page_size import page_size_for
+    from tiertrain.measure.page_size import page_size_for
     from tiertrain.memory.system import compute_device
 
     return page_for_states(numels, page_size_for(None, disk_dir, compute_device()))
@@ -269,8 +269,8 @@ def _page(req: PlanRequest, profile: Profile, target: Machine, disk_dir: str | N
 
 def run_max_model(req: PlanRequest, console: Console) -> "Largest":
     """``--max-model``: the largest GPT-3-shaped model for ``req.machine`` (default: this one, probed)."""
-    from tiertrain.engine.largest_model import RunShape, largest_model
-    from tiertrain.engine.measure.machine import probe, with_disk_gain
+    from tiertrain.autoplan.largest_model import RunShape, largest_model
+    from tiertrain.measure.machine import probe, with_disk_gain
     from tiertrain.plan import check_update_mode
     from tiertrain.planner.datasheets import find_machine
     from tiertrain.units import parse_size

@@ -12,7 +12,7 @@ from tiertrain.units import format_bytes, format_count
 def take_probe(disk_dir: str | None) -> Machine:
     """A fresh measurement (a cached one may be stale: this is how to renew it); kept when quiet. With
     the disk's gain for reads and writes at once, which ``tiertrain plan`` plans with."""
-    from tiertrain.engine.measure.machine import probe, with_disk_gain
+    from tiertrain.measure.machine import probe, with_disk_gain
 
     return with_disk_gain(probe(disk_dir, use_cache=False), disk_dir)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from tiertrain.engine.loop import RunSummary
+from tiertrain.train.loop import RunSummary
 from tiertrain.units import format_bytes
 
 

@@ -19,25 +19,25 @@ import torch
 import torch.nn as nn
 
 from tiertrain.data import BatchSampler, load_tokens
-from tiertrain.engine.atomic import write_atomic
-from tiertrain.engine.auto_plan import AutoPlan, ProfileStep
-from tiertrain.engine.checkpoint import (TrainerState, checkpoint_root, find_checkpoint, load_checkpoint,
+from tiertrain.checkpoint.atomic import write_atomic
+from tiertrain.autoplan.auto_plan import AutoPlan, ProfileStep
+from tiertrain.checkpoint.run import (TrainerState, checkpoint_root, find_checkpoint, load_checkpoint,
                                          save_checkpoint)
-from tiertrain.engine.budgets import meta_build_reason
-from tiertrain.engine.config import SEQ_LEN, TrainConfig
-from tiertrain.engine.cpu_watch import CpuWatch, usable_cores
-from tiertrain.engine.disk_watch import BACKWARD, BETWEEN, FORWARD, PHASES, STEP, DiskWatch
-from tiertrain.engine.metrics import (MetricsFile, NoMetrics, Reporter, StepMedians, StepTimer,
+from tiertrain.api.machine_budgets import meta_build_reason
+from tiertrain.train.config import SEQ_LEN, TrainConfig
+from tiertrain.train.cpu_watch import CpuWatch, usable_cores
+from tiertrain.train.disk_watch import BACKWARD, BETWEEN, FORWARD, PHASES, STEP, DiskWatch
+from tiertrain.train.metrics import (MetricsFile, NoMetrics, Reporter, StepMedians, StepTimer,
                                       device_peak_with_activations, peak_bytes, process_rss, restart_rss_peak)
 from tiertrain.parallel import rank_from_env, world_from_env
-from tiertrain.engine.objective import causal_lm_pair, is_encoder, lm_loss, masked_lm_pair
-from tiertrain.engine.optimizer import make_adamw
-from tiertrain.engine.precision import Precision, choose_device, choose_precision
-from tiertrain.engine.run_dir import METRICS_FILE, PLAN_FILE, RunDir
-from tiertrain.engine.schedule import lr_at, schedule_moved
-from tiertrain.engine.stop import StopFlag
-from tiertrain.engine.tiered import default_budgets, setup_tiered
-from tiertrain.engine.train_state import PlainState, TieredState, TrainState
+from tiertrain.train.objective import causal_lm_pair, is_encoder, lm_loss, masked_lm_pair
+from tiertrain.train.optimizer import make_adamw
+from tiertrain.runtime.precision import Precision, choose_device, choose_precision
+from tiertrain.train.run_dir import METRICS_FILE, PLAN_FILE, RunDir
+from tiertrain.train.schedule import lr_at, schedule_moved
+from tiertrain.train.stop import StopFlag
+from tiertrain.train.tiered import default_budgets, setup_tiered
+from tiertrain.checkpoint.train_state import PlainState, TieredState, TrainState
 from tiertrain.errors import CheckpointError, ConfigError, OutputError, UserError
 from tiertrain.memory import Tier
 from tiertrain.models import build, flops_per_token, param_count, resolve_config
@@ -436,7 +436,7 @@ class Trainer:
         if self.model.runtime.plan.update == "lockfree":
             row["staleness"] = self.model.runtime.pop_staleness()
         if self.auto is not None and self.step > WARMUP_STEPS:  # beside the measured step_s and tier peaks
-            from tiertrain.engine.auto_plan import CHECK_AFTER
+            from tiertrain.autoplan.auto_plan import CHECK_AFTER
 
             measured = self.step_seconds[WARMUP_STEPS:] + [row["step_s"]]
             if len(measured) == CHECK_AFTER:  # held against the first steps; remeasured where far off
@@ -452,7 +452,7 @@ class Trainer:
         """Rank 0 rechecks (it measured the profile; over several ranks the others would probe one disk
         beside it) while the others wait for it, under the measuring timeout rather than the
         collectives': a probe may take longer than a collective is allowed to."""
-        from tiertrain.engine.auto_plan import recheck
+        from tiertrain.autoplan.auto_plan import recheck
         from tiertrain.parallel.agree import from_rank0
 
         auto = self.auto

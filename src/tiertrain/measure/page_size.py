@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tiertrain.engine.measure import cache
-from tiertrain.engine.measure.disk import measure_disk
+from tiertrain.measure import cache
+from tiertrain.measure.disk import measure_disk
 from tiertrain.errors import ConfigError
 from tiertrain.memory.disk import make_disk_dir
 from tiertrain.memory.pool import check_page_size, host_buffer

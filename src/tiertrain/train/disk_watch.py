@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from tiertrain.engine.measure.diskstats import DiskCounters, disk_counters
+from tiertrain.measure.diskstats import DiskCounters, disk_counters
 from tiertrain.memory import MemorySystem
 
 FORWARD, BACKWARD, STEP = PHASES = ("forward", "backward", "step")  # what the loop marks, in a step's order

@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
-from tiertrain.engine.measure.analytic import analytic_profile
+from tiertrain.measure.analytic import analytic_profile
 from tiertrain.errors import UserError
 from tiertrain.models.accounting import param_count
 from tiertrain.models.config import ModelConfig

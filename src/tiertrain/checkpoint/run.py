@@ -50,10 +50,10 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from tiertrain import typed
-from tiertrain.engine.atomic import publish_dir, write_atomic
-from tiertrain.engine.sharded_checkpoint import (SHARD_FILE, ShardedTensors, ShardMap, check_shard_files,
+from tiertrain.checkpoint.atomic import publish_dir, write_atomic
+from tiertrain.checkpoint.sharded import (SHARD_FILE, ShardedTensors, ShardMap, check_shard_files,
                                                 experts_held_elsewhere, shard_file, shard_map, write_rank_file)
-from tiertrain.engine.train_state import TrainState, checked_groups
+from tiertrain.checkpoint.train_state import TrainState, checked_groups
 from tiertrain.errors import CheckpointError, OutputError, one_line
 from tiertrain.optim.hparams import MOMENTS
 from tiertrain.tensor_file import LazyTensors, TensorSpec, write_streamed

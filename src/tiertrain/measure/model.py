@@ -23,8 +23,8 @@ import torch
 import torch.nn as nn
 
 from tiertrain import typed
-from tiertrain.engine.measure import cache
-from tiertrain.engine.measure.load import LoadMeter
+from tiertrain.measure import cache
+from tiertrain.measure.load import LoadMeter
 from tiertrain.errors import ConfigError
 from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
 from tiertrain.runtime.blocks import Block, block_numel

@@ -23,9 +23,9 @@ from typing import Callable
 import torch
 
 from tiertrain import typed
-from tiertrain.engine.measure import cache
-from tiertrain.engine.measure.disk import measure_disk
-from tiertrain.engine.measure.load import LoadMeter
+from tiertrain.measure import cache
+from tiertrain.measure.disk import measure_disk
+from tiertrain.measure.load import LoadMeter
 from tiertrain.errors import ConfigError
 from tiertrain.planner.machine import Machine, PerDtype
 from tiertrain.planner.profile import MachineProfile
@@ -83,7 +83,7 @@ def with_disk_gain(machine: Machine, disk_dir: str | None) -> Machine:
     auto plan measures the gain at its run's own page size, once."""
     if not disk_dir or not machine.page_size:
         return machine
-    from tiertrain.engine.measure.disk_depth import together_gain
+    from tiertrain.measure.disk_depth import together_gain
 
     return dataclasses.replace(machine, disk_together_gain=together_gain(disk_dir, machine.page_size))
 
@@ -105,7 +105,7 @@ def _measure(disk_dir: str | None, scratch: int) -> Machine:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     h2d, d2h = _copies(dev, sync, min(64 * MiB, scratch // 2))
     read, write, disk_cpu = _disk_rates(Path(disk_dir)) if disk_dir else (1e9, 1e9, 0.0)
-    from tiertrain.engine.measure.page_size import measured_page_size
+    from tiertrain.measure.page_size import measured_page_size
 
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Machine(name=_name(dev), device=dev.type,

@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.nn as nn
 
-from tiertrain.engine.budgets import machine_budgets
-from tiertrain.engine.first_step_auto import FIRST_PLAN, FirstStepAuto, first_plan, first_step_auto
-from tiertrain.engine.measure.disk_depth import DiskIO, disk_io_for
-from tiertrain.engine.measure.page_size import page_size_for
-from tiertrain.engine.tiered_module import TieredModule, tiered_in_place
-from tiertrain.engine.tiered_optimizer import TieredOptimizer
-from tiertrain.engine.torch_clip import install_clip_redirect, tag
+from tiertrain.api.machine_budgets import machine_budgets
+from tiertrain.autoplan.first_step import FIRST_PLAN, FirstStepAuto, first_plan, first_step_auto
+from tiertrain.measure.disk_depth import DiskIO, disk_io_for
+from tiertrain.measure.page_size import page_size_for
+from tiertrain.api.tiered_module import TieredModule, tiered_in_place
+from tiertrain.api.tiered_optimizer import TieredOptimizer
+from tiertrain.api.torch_clip import install_clip_redirect, tag
 from tiertrain.errors import ConfigError
 from tiertrain.memory import Budgets, MemorySystem
 from tiertrain.memory.capacity import check_budgets
@@ -47,7 +47,7 @@ from tiertrain.runtime.build import LetGo
 from tiertrain.runtime.runtime import Runtime
 
 if TYPE_CHECKING:
-    from tiertrain.engine.auto_plan import AutoPlan
+    from tiertrain.autoplan.auto_plan import AutoPlan
 
 def _groups_from(optimizer: torch.optim.Optimizer, model: nn.Module) -> tuple[list[dict[str, Any]], dict[int, int]]:
     if not isinstance(optimizer, torch.optim.AdamW):
@@ -286,7 +286,7 @@ def _auto(model: nn.Module, step: Callable[[], None], memory: Budgets, page: int
     """Profile outside the run's random stream, so an auto run trains as the same plan from a file would.
     The run's update mode and clipping are refused before profiling, not after it. ``disk_gain``:
     how much faster the run's disk tier moves reads and writes at once than in turns (``DiskIO``)."""
-    from tiertrain.engine.auto_plan import auto_plan
+    from tiertrain.autoplan.auto_plan import auto_plan
 
     precision, update = opts.compute_dtype or "fp32", opts.update or "sync"
     check_update_mode(update, precision, opts.grad_accum, opts.clips)

@@ -6,7 +6,7 @@ import dataclasses
 import math
 from typing import Any
 
-from tiertrain.engine.config import TrainConfig
+from tiertrain.train.config import TrainConfig
 
 SCHEDULE_OPTIONS = ("steps", "lr", "min_lr", "warmup_steps")  # what the lr at a step depends on
 

@@ -22,12 +22,12 @@ import torch
 import torch.nn as nn
 
 from tiertrain import typed
-from tiertrain.engine.measure import cache
-from tiertrain.engine.measure.analytic import analytic_profile
-from tiertrain.engine.measure.bounds import MeasureBounds, RunCost
-from tiertrain.engine.measure.machine import forget as forget_probe
-from tiertrain.engine.measure.machine import probe
-from tiertrain.engine.measure.model import cached_profile, measure_profile, profile_key
+from tiertrain.measure import cache
+from tiertrain.measure.analytic import analytic_profile
+from tiertrain.measure.bounds import MeasureBounds, RunCost
+from tiertrain.measure.machine import forget as forget_probe
+from tiertrain.measure.machine import probe
+from tiertrain.measure.model import cached_profile, measure_profile, profile_key
 from tiertrain.errors import ConfigError
 from tiertrain.memory import Budgets
 from tiertrain.memory.system import compute_device
@@ -163,7 +163,7 @@ def _beyond(model: nn.Module, found: list, shape: tuple | None, precision: str, 
     """Why profiling the plain model would go beyond ``bounds`` (estimated before running it), or ''."""
     if not shape or next(model.parameters()).is_meta:
         return ""
-    from tiertrain.engine.measure.one_block import model_cost
+    from tiertrain.measure.one_block import model_cost
 
     cost: RunCost = model_cost(model, found, shape[:2], precision, here, weights_held=device.type == "cpu")
     if cost.within(bounds):
@@ -209,7 +209,7 @@ def _estimate(model: nn.Module, found: list, shape: tuple | None, precision: str
     """The plain model cannot be measured (``why``: it would not fit the device or the bounds, the case
     tiertrain exists for, or it has no weights yet): measure one of its blocks, at a reduced shape if
     need be, and scale; where not even that fits, the FLOP estimate (our models) or say what to do."""
-    from tiertrain.engine.measure.one_block import BeyondBounds, BlockInputsUnknown, profile_one_block
+    from tiertrain.measure.one_block import BeyondBounds, BlockInputsUnknown, profile_one_block
 
     model.zero_grad(set_to_none=True)
     if torch.cuda.is_available():

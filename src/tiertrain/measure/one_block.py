@@ -23,11 +23,11 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from tiertrain.engine.measure.analytic import (HIDDEN_BYTES, Work, block_work, generic_rest, generic_work,
+from tiertrain.measure.analytic import (HIDDEN_BYTES, Work, block_work, generic_rest, generic_work,
                                                rest_work, saved_bytes)
-from tiertrain.engine.measure.bounds import MIN_TOKENS, UNBOUNDED, MeasureBounds, RunCost, pick_shape, run_cost
-from tiertrain.engine.measure.model import _SavedBytes, measure_profile
-from tiertrain.engine.precision import Precision
+from tiertrain.measure.bounds import MIN_TOKENS, UNBOUNDED, MeasureBounds, RunCost, pick_shape, run_cost
+from tiertrain.measure.model import _SavedBytes, measure_profile
+from tiertrain.runtime.precision import Precision
 from tiertrain.models.accounting import embedding_params
 from tiertrain.models.config import ModelConfig
 from tiertrain.models.init import init_in_place
@@ -322,7 +322,7 @@ def measure_one_block(model: nn.Module, blocks: list[Block], cfg: ModelConfig | 
                       key: str) -> Profile:
     """The benchmarks' entry (``bench planner --part estimate``): the block at the run's shape, as
     before bounds existed, with ``machine``'s rates in the profile."""
-    from tiertrain.engine.measure.machine import probe
+    from tiertrain.measure.machine import probe
 
     got = profile_one_block(model, blocks, cfg, shape, precision, device, probe(), key, UNBOUNDED)
     return dataclasses.replace(got, machine=machine)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
-from tiertrain.engine.measure.bounds import MeasureBounds
+from tiertrain.measure.bounds import MeasureBounds
 from tiertrain.memory import Budgets
 from tiertrain.plan import Plan, RunOptions
 from tiertrain.plan.bytes import bounds_grads
@@ -33,7 +33,7 @@ from tiertrain.runtime.blocks import Block, block_numel
 from tiertrain.runtime.budget_check import capacities, fits
 
 if TYPE_CHECKING:
-    from tiertrain.engine.auto_plan import AutoPlan
+    from tiertrain.autoplan.auto_plan import AutoPlan
     from tiertrain.runtime.runtime import Runtime
 
 log = logging.getLogger("tiertrain")
@@ -128,11 +128,11 @@ class FirstStepAuto:
         return auto
 
     def _plan(self) -> "AutoPlan | None":
-        from tiertrain.engine.auto_plan import solved
-        from tiertrain.engine.measure.analytic import analytic_profile
-        from tiertrain.engine.measure.machine import probe
-        from tiertrain.engine.measure.model import cached_profile
-        from tiertrain.engine.measure.one_block import BeyondBounds, BlockInputsUnknown, profile_one_block
+        from tiertrain.autoplan.auto_plan import solved
+        from tiertrain.measure.analytic import analytic_profile
+        from tiertrain.measure.machine import probe
+        from tiertrain.measure.model import cached_profile
+        from tiertrain.measure.one_block import BeyondBounds, BlockInputsUnknown, profile_one_block
         from tiertrain.memory.system import compute_device
         from tiertrain.models.config import ModelConfig
         from tiertrain.plan import DEFAULT_MAX_STALENESS
@@ -173,7 +173,7 @@ class FirstStepAuto:
 def first_step_auto(model: nn.Module, found: list[Block], budgets: Budgets, page: int, opts: RunOptions,
                     device: torch.device, disk_gain: float) -> FirstStepAuto:
     """Keep what planning after the first step needs, before setup lets the model's parameters go."""
-    from tiertrain.engine.measure.model import profile_key
+    from tiertrain.measure.model import profile_key
 
     key = profile_key(model, (), "", device).rstrip("/")  # the model's part; the shape is known after a step
     return FirstStepAuto(shape_only(found), getattr(model, "config", None), key, budgets, page, opts,

@@ -23,7 +23,7 @@ from tiertrain.errors import ConfigError
 from tiertrain.runtime.state_io import current_weights, write_weights
 
 if TYPE_CHECKING:
-    from tiertrain.engine.auto_plan import AutoPlan
+    from tiertrain.autoplan.auto_plan import AutoPlan
     from tiertrain.runtime.runtime import Runtime
 
 

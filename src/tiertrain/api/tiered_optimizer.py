@@ -105,11 +105,11 @@ class TieredOptimizer(torch.optim.Optimizer):
                                 "torch's one-dict format would need every rank to gather them at once (a loop that "
                                 "saves on rank 0 only would hang); save with tiertrain's checkpoints, which every "
                                 "rank writes its own shards of (tiertrain train --save-every, or "
-                                "tiertrain.engine.checkpoint.save_checkpoint on every rank)")
+                                "tiertrain.checkpoint.run.save_checkpoint on every rank)")
         need = sum(8 * g.layout.numel for g in self._rt.groups)  # two fp32 moments per parameter
         room = host_available()
         if need > room // 2:
             raise StatesTooLarge(f"the optimizer's states ({format_bytes(need)}) do not fit in host memory "
                                  f"({format_bytes(room)} available) as one state dict; save and resume with "
                                  "tiertrain's checkpoints (tiertrain train --save-every, or "
-                                 "tiertrain.engine.checkpoint.save_checkpoint), which stream them block by block")
+                                 "tiertrain.checkpoint.run.save_checkpoint), which stream them block by block")

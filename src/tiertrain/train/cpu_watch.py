@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from tiertrain.engine.disk_watch import BETWEEN
+from tiertrain.train.disk_watch import BETWEEN
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 
-from tiertrain.engine.measure.machine import probe
+from tiertrain.measure.machine import probe
 from tiertrain.models.accounting import block_params, embedding_params
 from tiertrain.models.config import ModelConfig
 from tiertrain.planner.machine import Machine, compute_seconds

@@ -7,10 +7,10 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from tiertrain.engine.config import TrainConfig
-from tiertrain.engine.precision import Precision
+from tiertrain.train.config import TrainConfig
+from tiertrain.runtime.precision import Precision
 from tiertrain.errors import ConfigError
-from tiertrain.engine.budgets import TakenBudgets, machine_budgets
+from tiertrain.api.machine_budgets import TakenBudgets, machine_budgets
 from tiertrain.memory import Budgets
 from tiertrain.units import parse_size
 
@@ -31,7 +31,7 @@ def setup_tiered(model: nn.Module, opt: torch.optim.Optimizer, cfg: TrainConfig,
                  device: torch.device, budgets: Budgets,
                  profile_step: Callable[[], None] | None = None) -> tuple[nn.Module, object]:
     """``profile_step``: one plain forward+backward at the run's batch shape, for ``--plan auto``."""
-    from tiertrain.engine.setup import setup
+    from tiertrain.api.setup import setup
     from tiertrain.memory.system import compute_device
 
     if device.type != compute_device().type:

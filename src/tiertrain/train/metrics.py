@@ -13,7 +13,7 @@ from typing import Any, TextIO
 
 import torch
 
-from tiertrain.engine.atomic import write_atomic
+from tiertrain.checkpoint.atomic import write_atomic
 from tiertrain.units import format_bytes
 
 

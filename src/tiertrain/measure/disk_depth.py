@@ -34,8 +34,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from tiertrain.engine.measure import cache
-from tiertrain.engine.measure.disk import measure_disk, probe_file
+from tiertrain.measure import cache
+from tiertrain.measure.disk import measure_disk, probe_file
 from tiertrain.errors import ConfigError, DiskError
 from tiertrain.memory.pool import host_buffer
 from tiertrain.parallel.agree import from_rank0

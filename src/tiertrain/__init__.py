@@ -14,7 +14,7 @@ def __getattr__(name: str):
 
         return setup
     if name == "Budgets":
-        from tiertrain.memory import Budgets
+        from tiertrain.plan import Budgets
 
         return Budgets
     if name == "Plan":

@@ -1,6 +1,6 @@
 """Tiered memory: page pools on device, host and disk; chunks; asynchronous movement; accounting."""
 
-from tiertrain.memory.budgets import Budgets
+from tiertrain.plan.budgets import Budgets
 from tiertrain.memory.chunk import Chunk
 from tiertrain.memory.layout import ChunkLayout, search_chunk_size
 from tiertrain.memory.movement import Handle

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from tiertrain.errors import UserError
-from tiertrain.memory.budgets import Budgets
+from tiertrain.plan.budgets import Budgets
 from tiertrain.units import format_bytes
 
 _UNLIMITED = 1 << 60  # cgroup v1 writes a huge number for "no limit"

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from tiertrain.memory.accounting import Accounting
-from tiertrain.memory.budgets import Budgets
+from tiertrain.plan.budgets import Budgets
 from tiertrain.memory.capacity import check_budgets
 from tiertrain.memory.chunk import Chunk
 from tiertrain.memory.disk import DiskDir, DiskPool

@@ -146,13 +146,13 @@ def reduction_events(rank: int, plan) -> list[tuple[str, int]]:
     from tiertrain.train.objective import lm_loss
     from tiertrain.memory import Budgets
     from tiertrain.runtime.block_group import BlockGroup
-    from tiertrain.runtime.runtime import Runtime
+    from tiertrain.runtime.group_state import Grads
 
     events: list[tuple[str, int]] = []
-    flush, finish = Runtime._flush, BlockGroup.finish_reduce
-    Runtime._flush = lambda self, g: (events.append(("flush", g.index)), flush(self, g))[1]
-    BlockGroup.finish_reduce = lambda self: (events.append(("landed", self.index)) if self.reducing else None,
-                                             finish(self))[1]
+    flush, finish = BlockGroup.post_backward, BlockGroup.finish_reduction
+    BlockGroup.post_backward = lambda self: (events.append(("flush", self.index)), flush(self))[1]
+    BlockGroup.finish_reduction = lambda self: (
+        events.append(("landed", self.index)) if self.state[1] is Grads.REDUCING else None, finish(self))[1]
     model, opt = _fresh()
     tm, topt = tiertrain.setup(model, opt, Budgets(64 << 20, 64 << 20), plan=plan, page_size=64 << 10)
     try:
@@ -172,18 +172,18 @@ def gather_events(rank: int, plan) -> list[tuple[str, int]]:
     from tiertrain.train.objective import lm_loss
     from tiertrain.memory import Budgets
     from tiertrain.runtime.block_group import BlockGroup
-    from tiertrain.runtime.runtime import Runtime
+    from tiertrain.runtime.group_state import Slot
 
     events: list[tuple[str, int]] = []
-    begins, ahead = Runtime.forward_begins, BlockGroup.gather_ahead
+    begins, ahead = BlockGroup.pre_forward, BlockGroup.gather_ahead
 
     def gather_ahead(self):
-        started = self.gathering is None
+        started = self.state[2] is not Slot.GATHERING
         ahead(self)
-        if started and self.gathering is not None:
+        if started and self.state[2] is Slot.GATHERING:
             events.append(("ahead", self.index))
 
-    Runtime.forward_begins = lambda self, g: (events.append(("forward", g.index)), begins(self, g))[1]
+    BlockGroup.pre_forward = lambda self: (events.append(("forward", self.index)), begins(self))[1]
     BlockGroup.gather_ahead = gather_ahead
     model, opt = _fresh()
     tm, topt = tiertrain.setup(model, opt, Budgets(64 << 20, 64 << 20), plan=plan, page_size=64 << 10)

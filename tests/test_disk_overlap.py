@@ -14,6 +14,7 @@ from tiertrain.train.objective import lm_loss
 from tiertrain.memory import Budgets, Kind, Tier
 from tiertrain.memory.movement import Handle
 from tiertrain.plan import BlockPlan, Plan
+from tiertrain.runtime.block_group import BlockGroup
 from tiertrain.runtime.blocks import find_blocks
 from tiertrain.runtime.budget_check import needs, widest_read_ahead
 
@@ -116,8 +117,7 @@ def _in_host(tm, kind: Kind = Kind.MASTER) -> int:
 def _settle_writes(tm) -> None:
     """Wait for the last step's updates and write-backs (the forward-time trigger never waits)."""
     for g in tm.runtime.groups:
-        if g.pending is not None:
-            g.pending.result()
+        g.wait_update()
     tm.runtime.moves.drain()
 
 
@@ -185,7 +185,7 @@ def test_forward_leaves_the_workers_places_while_a_write_back_is_still_in_flight
         _close(tm)
 
 
-def test_blocks_that_flush_only_as_backward_ends_are_not_read_into_the_workers_places(tmp_path):
+def test_blocks_that_flush_only_as_backward_ends_are_not_read_into_the_workers_places(tmp_path, monkeypatch):
     """A block whose gradients flush only as backward ends (reduced at the end; a parameter that got no
     gradient) is updated after blocks that were never read in: had forward read it into a worker's
     place, the host would hold more states than the budget counts. Once a backward shows that, forward
@@ -196,8 +196,7 @@ def test_blocks_that_flush_only_as_backward_ends_are_not_read_into_the_workers_p
     want = train_plain(TINY4, 4, 1, None)
     tm, topt = _setup(tmp_path, plan, host)
     rt = tm.runtime
-    for g in rt.groups:
-        g.reduces_at_end = True
+    monkeypatch.setattr(BlockGroup, "reduces_at_end", property(lambda g: True))  # every group flushes at the end
     losses: list[float] = []
     try:
         for batch in batches(4):

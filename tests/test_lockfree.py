@@ -145,11 +145,11 @@ def test_a_block_staler_than_allowed_gets_its_held_back_gradients_before_use(tmp
     rt = tm.runtime
     try:
         _loop(tm, topt, tm.clip_grad_norm_, 1, 1, None)  # one step of gradients: a pass is not due yet
-        assert all(st.grads.chunk is not None and st.version == 0 for st in rt.groups)
-        rt.steps_taken += 3  # now 4 steps on: one past the staleness allowed
+        assert all(st.holds_grad_chunk() and st.version == 0 for st in rt.groups)
+        rt.clock.steps_taken += 3  # now 4 steps on: one past the staleness allowed
         st = rt.groups[0]
-        rt.params_ready(st)
-        assert st.version == 1 and st.grads.chunk is None
+        st.await_params()
+        assert st.version == 1 and not st.holds_grad_chunk()
         assert rt.pop_staleness() == 3
     finally:
         rt.close()

@@ -6,6 +6,7 @@ import pytest
 from tiered_harness import HF_GPT2, TINY4, train_plain, train_tiered
 from tiertrain.errors import ConfigError
 from tiertrain.memory import Budgets, Tier
+from tiertrain.runtime.block_group import BlockGroup
 from tiertrain.runtime.budget_check import PlanDoesNotFit
 from tiertrain.plan import BlockPlan, Plan
 
@@ -314,7 +315,7 @@ def test_draining_waits_for_reads_no_update_followed(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("recompute", [False, True])
-def test_offload_hidden_moves_saved_activations_to_the_host_and_brings_them_back(tmp_path, recompute):
+def test_offload_hidden_moves_saved_activations_to_the_host_and_brings_them_back(tmp_path, recompute, monkeypatch):
     """With recompute, exactly each block's input (the hidden state, 4 x 16 x 32 fp32) waits on the
     host; without, everything the block saves except its parameters; the gradients are unchanged."""
     import torch
@@ -333,8 +334,8 @@ def test_offload_hidden_moves_saved_activations_to_the_host_and_brings_them_back
     try:
         names = [n for n, _ in tm.named_parameters()]
         host_grads = {}
-        tm.runtime.mode.update_now = lambda st, coef, hypers: host_grads.update(
-            {n: v.clone() for (n, _), v in zip(st.block.params, st.views(st.grads.chunk))})
+        monkeypatch.setattr(BlockGroup, "update_now", lambda st, hypers, coef: host_grads.update(
+            {n: v.clone() for (n, _), v in zip(st.block.params, st.grad_views())}))
         loss = lm_loss(tm, b[:, :-1], b[:, 1:])
         stashes = [tm.runtime.stashes[i] for i in range(4)]
         hidden = 4 * 16 * 32 * 4

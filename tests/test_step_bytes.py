@@ -249,8 +249,8 @@ def test_with_one_place_a_slot_filled_from_disk_gives_its_master_and_the_bytes_a
     tm, topt = tiertrain.setup(model, opt, Budgets(64 << 20, 64 << 20, 64 << 20, str(tmp_path)), plan=plan,
                                page_size=64 << 10)
     rt = tm.runtime
-    rt.plan, rt.moves.max_read_ahead = plan, 1  # setup widens read-ahead to what the budgets hold: one place here
-    rt.wire()
+    rt.mode.close()  # setup widens read-ahead to what the budgets hold: the plan's one place here
+    rt.take_plan(rt.groups, plan, rt.transient_grads)
     try:
         assert rt.groups[1].fills_slot_from_disk and not rt.groups[0].fills_slot_from_disk
         _loop(tm, topt, None, 1, 1, None)  # the first step's blocks are in their slots from setup

@@ -40,7 +40,7 @@ def _run(spec, update: str, bounded: bool, accum: int = 1):
     rest, first = rt.groups[-1], rt.groups[0]
     index = next(i for i, p in enumerate(rest.params) if p is _embedding(tm))
     first.block.module.register_full_backward_pre_hook(
-        lambda m, g: seen.append(rest.grads.chunk is not None and rest.grads.has_grad[index]))
+        lambda m, g: seen.append(rest.grad_views()[index] is not None))
     try:
         assert rt.transient_grads is bounded
         losses = _loop(tm, topt, tm.clip_grad_norm_, 3, accum, None)
@@ -117,9 +117,9 @@ def test_a_tied_embedding_updated_in_pieces_has_its_head_gradient_in_the_device_
     rest = rt.groups[-1]
     index = next(i for i, p in enumerate(rest.params) if p is _embedding(tm))
     rt.groups[0].block.module.register_full_backward_pre_hook(
-        lambda m, g: seen.append(rest.grads.chunk is not None and rest.grads.has_grad[index]))
+        lambda m, g: seen.append(rest.grad_views()[index] is not None))
     try:
-        assert rt.transient_grads and rt.tied_early
+        assert rt.transient_grads and rt.backward.tied_early
         losses = _loop(tm, topt, None, 3, 1, None)
         peak = rt.mem.stats()["device"]["peak_by_kind"]["grad"]
     finally:
@@ -146,7 +146,7 @@ def test_a_head_registered_before_the_embedding_leaves_the_embeddings_use_its_ow
     plan = builtin_plan("stream", WIDE["n_layer"], update=update)
     tm, topt = tiertrain.setup(model, opt, Budgets(device=64 << 20, host=256 << 20), plan=plan, page_size=PAGE)
     try:
-        assert tm.runtime.tied_early
+        assert tm.runtime.backward.tied_early
         losses = _loop(tm, topt, tm.clip_grad_norm_, 4, 1, None)
         with pytest.raises(IndexError):  # a forward that raises
             tm(torch.full((1, 4), WIDE["vocab_size"] + 1))

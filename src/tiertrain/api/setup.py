@@ -44,6 +44,7 @@ from tiertrain.plan.bytes import transient as transient_grads
 from tiertrain.runtime.blocks import block_numel, find_blocks
 from tiertrain.runtime.budget_check import PlanDoesNotFit, capacities, check_fits, device_need
 from tiertrain.runtime.build import LetGo
+from tiertrain.runtime.modes import mode_of
 from tiertrain.runtime.runtime import Runtime
 
 if TYPE_CHECKING:
@@ -120,7 +121,7 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, memo
         first = first_step_auto(model, found, memory, page, opts, device, io.together_gain)
         plan = first_plan(len(found) - 1, memory.disk > 0, opts.update)
     chosen = _laid_out(_chosen(plan, found, memory, opts), opts)
-    _check_lockfree_shards(chosen)
+    mode_of(chosen).check(chosen)  # what the update mode cannot run, refused before anything is allocated
     numels, budgets = [block_numel(b) for b in found], capacities(memory)
     transient = transient_grads(chosen.update, opts.needs_all_grads(chosen.compute_dtype))
     if opts.train:  # a host too small for whole blocks' states: their updates go through it in pieces
@@ -220,19 +221,6 @@ def _options(options: RunOptions | None, fields: dict[str, Any]) -> RunOptions:
 
     base = dataclasses.asdict(options) if options is not None else {}
     return typed.load(RunOptions, {**base, **fields}, "tiertrain.setup option")
-
-
-def _check_lockfree_shards(plan: Plan) -> None:
-    """Lockfree with lag over sharded blocks is refused: whether a rank gathers a block's params
-    again depends on whether its own update has published them yet, so ranks could issue different
-    collectives and hang. At staleness 0 every block waits for its update, on every rank."""
-    if (plan.update == "lockfree" and plan.max_staleness > 0 and plan.parallel.dp > 1
-            and any(b.shard for b in (*plan.blocks, plan.rest))):
-        raise ConfigError(f"lockfree updates with max staleness {plan.max_staleness} over {plan.parallel.dp} ranks "
-                          "need replicated blocks: use max staleness 0 (--max-staleness 0), update 'overlap', or a "
-                          "replicated layout (a plan file whose blocks say \"shard\": false, as `tiertrain plan "
-                          "--nproc N` writes where replicating is faster; in Python tiertrain.plan.data_parallel(plan, "
-                          "N, shard=False))")
 
 
 def _laid_out(plan: Plan, opts: RunOptions) -> Plan:

@@ -35,7 +35,7 @@ class TieredModule(nn.Module):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the gradients of the current accumulation window
         (FSDP's spelling; ``torch.nn.utils.clip_grad_norm_(model.parameters(), c)`` works too)."""
-        return self.runtime.mode.clip_grad_norm_(max_norm, norm_type)
+        return self.runtime.clip_grad_norm_(max_norm, norm_type)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The parameters' ``.grad`` and the gradients the runtime gathered for the step."""
@@ -107,15 +107,9 @@ def tiered_in_place(model: nn.Module, runtime: "Runtime", auto: "AutoPlan | None
     model.__class__ = type(cls.__name__, (TieredModule, cls), {"__module__": cls.__module__,
                                                                "__qualname__": cls.__qualname__})
     model.runtime, model.auto_plan = runtime, auto
-    model.register_forward_pre_hook(lambda m, args: _forward_begins(runtime))
+    model.register_forward_pre_hook(lambda m, args: runtime.begin_forward())
     model.register_forward_hook(lambda m, args, out: _forward_ends(runtime, out))
     return model
-
-
-def _forward_begins(rt: "Runtime") -> None:
-    rt.groups[-1].fetch()  # embeddings and head are used first and last
-    if torch.is_grad_enabled():     # an evaluation pass does not become the order the cache plans by
-        rt.cache.new_pass()
 
 
 def _forward_ends(rt: "Runtime", out: Any) -> Any:

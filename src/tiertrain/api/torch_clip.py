@@ -37,7 +37,7 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     if len(runtimes) > 1 or {id(p) for p in params if p.requires_grad} != ours:
         raise ConfigError("clip_grad_norm_ on a tiered model clips over all of its parameters at once: pass "
                           "model.parameters() (not a subset, and not mixed with another model's)")
-    norm = rt.mode.clip_grad_norm_(float(max_norm), float(norm_type))
+    norm = rt.clip_grad_norm_(float(max_norm), float(norm_type))
     if error_if_nonfinite and not math.isfinite(float(norm)):
         raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, "
                            "so it cannot be clipped. To disable this error and scale the gradients by the "

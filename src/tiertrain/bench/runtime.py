@@ -97,9 +97,6 @@ def _tiered(cfg: ModelConfig, budgets: Budgets, plan, update: str, page: int):
 
 
 def bench_optimizer(d: int, layers: int, repeats: int, out: Callable[[str], None]) -> dict:
-    from tiertrain.memory import Kind, Tier
-    from tiertrain.runtime.block_group import F32
-
     cfg = model_cfg(d, layers)
     n = param_count(cfg)
     bound = stream_inplace_add(512 << 20, torch.get_num_threads()) / ADAMW_BYTES_PER_PARAM
@@ -114,13 +111,13 @@ def bench_optimizer(d: int, layers: int, repeats: int, out: Callable[[str], None
         t = time.perf_counter()
         opt.step()
         peer.append(n / (time.perf_counter() - t))
-        for g in rt.groups:  # gradients as backward would leave them (untimed)
-            g.grads.chunk = rt.mem.allocate(f"{g.block.name}.grad", g.nbytes, Tier.HOST, Kind.GRAD, contiguous=True)
-            g.grads.chunk.typed(F32).normal_(0, 1e-3)
-            g.grads.has_grad = [True] * len(g.params)
+        for g in rt.groups:  # gradients as backward leaves them, flushed into each block's grad chunk (untimed)
+            for p in g.params:
+                p.grad = torch.empty_like(p).normal_(0, 1e-3)
+            g.post_backward()
         t = time.perf_counter()
         for g in rt.groups:
-            rt.mode.update_now(g, None, None)
+            g.update_now(rt.hypers(), None)
         ours.append(n / (time.perf_counter() - t))
     rt.close()
     rt.mem.close()

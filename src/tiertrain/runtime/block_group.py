@@ -1,6 +1,7 @@
-"""One block's chunks and gradient bookkeeping, behind the verbs a step uses (the counterpart of
-FSDP2's ``FSDPParamGroup``): ``fetch`` its compute params onto the device, ``release`` what it
-holds for the step, ``reduce_grads`` as backward finishes it, ``update`` its states.
+"""One block's chunks, its state and its step (the counterpart of FSDP2's ``FSDPParamGroup``): the
+hooks call ``pre_forward``, ``post_forward``, ``pre_backward`` and ``grad_arrived`` on the group,
+backward's end calls ``post_backward`` on those that did not flush as they came, and the update mode
+runs ``update`` where it decides. Nothing outside this module sets a group's fields.
 
 Chunks per block (one layout, in parameter order):
   ``master``, ``exp_avg``, ``exp_avg_sq``  fp32 optimizer state at the block's home tier (with data
@@ -8,235 +9,349 @@ Chunks per block (one layout, in parameter order):
   ``param_home``  the compute params between uses (a streamed block's, or a sharded block's shard of
                   them): on the host, or the fp32 master itself wherever that lives; fetched (a
                   sharded one: all-gathered) into a device slot before use;
-  ``grads``       the gradients gathered since the last update (``grads.GradBuffer``), reduced over
-                  the ranks (``local``: this rank's own, summed over micro-batches, until then).
+  grads           the gradients gathered since the last update (``grads.GradBuffer``), reduced over
+                  the ranks (this rank's own sum over micro-batches until then).
 With expert parallel a mixture-of-experts block has two groups, one per parallel pattern: the block's
-own (laid out over every rank, as any block) and its held experts' (``experts``: this rank's experts,
-whose gradients already hold every rank's tokens, so they are only averaged, and summed over the
-experts' replicas where there are any).
-Who waits for what (an update in flight, a slot's copy, a disk read) is decided by the update
-mode and the device cache the runtime wires in; a group only does what is asked of it.
+own (laid out over every rank, as any block) and its held experts' (``experts``, fetched with it:
+this rank's experts, whose gradients already hold every rank's tokens, so they are only averaged, and
+summed over the experts' replicas where there are any).
+
+Its collaborators come with the run's ``RunContext``, given at construction: the device cache (a
+streamed block's slot), the update mode (when params are final enough to use, and what becomes of
+final gradients), the state moves (disk-homed states around an update), the backward pass (what one
+block's flush means for the others) and the collectives.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
 
-from tiertrain.memory import ChunkLayout, Kind, MemorySystem, Tier
+from tiertrain.memory import ChunkLayout, Kind, Tier
 from tiertrain.memory.chunk import Chunk
 from tiertrain.memory.heap import release_free_heap
-from tiertrain.optim import AdamWHyper, adamw_step
-from tiertrain.parallel import Collectives
+from tiertrain.memory.movement import Handle
+from tiertrain.optim import AdamWHyper
 from tiertrain.parallel.collectives import Waitable
 from tiertrain.plan import BlockPlan
-from tiertrain.plan.bytes import grad_tier, master_home, state_homes, updated_away
+from tiertrain.plan.bytes import grad_tier, in_pieces, master_home, state_homes, updated_away
 from tiertrain.runtime.blocks import Block
-from tiertrain.runtime.grads import GradBuffer, TakenGrads
+from tiertrain.runtime.grads import GradBuffer
+from tiertrain.runtime.group_adamw import F32, adamw_block
+from tiertrain.runtime.group_state import GRAD_MOVES, PASS_MOVES, SLOT_MOVES, Grads, Pass, Slot, moved
+from tiertrain.runtime.pieces import update_in_pieces
 from tiertrain.runtime.reduction import Copy, Reduction
-from tiertrain.runtime.slots import Slot
+from tiertrain.runtime.slots import DeviceSlot, point_at
 
-F32 = torch.float32
+if TYPE_CHECKING:
+    from tiertrain.runtime.context import RunContext
+
 TRIM_AFTER = 8 << 20  # a reduction of this many bytes or more gives its freed buffers back to the OS
 
 
-@dataclass(eq=False)
-class BlockGroup:
-    index: int
-    block: Block
-    plan: BlockPlan
-    layout: ChunkLayout
-    params: list[nn.Parameter]                 # the slot-backed parameters the module now uses
-    master: Chunk | None                       # None in inference-only runs (train=False), as the moments
+@dataclass(frozen=True)
+class GroupChunks:
+    """A block's chunks as the builder (or a replan) made them: states at their homes, the compute
+    params' home between uses (None: its slot is its only copy), and the device slot it computes in."""
+
+    master: Chunk | None              # None in inference-only runs (train=False), as the moments
     exp_avg: Chunk | None
     exp_avg_sq: Chunk | None
-    param_home: Chunk | None                   # streamed (or sharded) blocks only
-    slot: Slot
-    steps: list[torch.Tensor]                  # AdamW step count per parameter (the fused kernel's form)
-    group_of: list[int]                        # the optimizer's param group of each parameter
-    compute: torch.dtype                       # dtype of the slot and the param home
-    mem: MemorySystem
-    comm: Collectives
-    shard: tuple[int, int] | None = None       # data parallel, sharded: the elements [start, end) this rank holds
-    mean_over: int = 0                         # ranks whose gradients the reduced sum averages (0: comm's world)
-    reduces_at_end: bool = False               # reduced when backward ends, never before (expert replicas: a
-    #                                            rank's held experts may get no gradient where a replica's do)
-    experts: "BlockGroup | None" = None        # expert parallel: the group of this block's held experts
-    grad_floors: tuple[int, int, int] = (0, 0, 0)  # bounded gradients (the runtime's): bytes a grad chunk takes at
-    #                                            least, this rank's part and a whole block's sum, and the size kept
-    #                                            at the pool's far end
-    grads: GradBuffer = field(init=False)
-    grad_count: int = 0                        # parameters whose gradient arrived in the current backward
-    pending: Future | None = None              # its update in flight
-    reducing: "Reduction | None" = None        # data parallel: its gradients' reduction in flight
-    version: int = 0                           # the params include the updates of steps < version
-    local: Chunk | None = None                 # data parallel: this rank's gradients, summed over micro-batches
-    slot_stale: bool = False                   # a resident sharded block's slot awaits the gather of its update
-    gathering: "Waitable | None" = None        # that gather, started ahead of the block's forward
-    acquire: Callable[["BlockGroup"], None] | None = None      # the device cache's: a slot, filled (streamed)
-    ready: Callable[["BlockGroup"], None] | None = None        # the update mode's: params final enough to use
-    params_written: Callable[["BlockGroup"], None] | None = None  # the cache's: a slot's copy went stale
+    param_home: Chunk | None          # streamed (or sharded) blocks only
+    slot: DeviceSlot
 
-    def __post_init__(self) -> None:
-        self.grads = GradBuffer(len(self.params))
-        self.mean_over = self.mean_over or self.comm.world_size
-        self.local_has = [False] * len(self.params)
-        self.view_params, self._cuts = _state_cuts(self.layout, self.shard)
 
-    # -- the verbs -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class GroupLayout:
+    """How a block is laid out over the ranks and what its gradients are averaged over."""
+
+    shard: tuple[int, int] | None = None   # data parallel, sharded: the elements [start, end) this rank holds
+    mean_over: int = 1                     # ranks whose gradients the reduced sum averages
+    reduces_at_end: bool = False           # reduced when backward ends, never before (expert replicas: a rank's
+    #                                        held experts may get no gradient where a replica's do; a tied weight's
+    #                                        other uses, whose gradients are not among those counted to flush early)
+    grad_floors: tuple[int, int, int] = (0, 0, 0)  # bounded gradients: bytes a grad chunk takes at least, this
+    #                                        rank's part and a whole block's sum, and the size kept at the pool's far end
+
+
+class BlockGroup:
+    def __init__(self, index: int, block: Block, plan: BlockPlan, layout: ChunkLayout, params: list[nn.Parameter],
+                 chunks: GroupChunks, steps: list[torch.Tensor], group_of: list[int], compute: torch.dtype,
+                 ctx: "RunContext", laid: GroupLayout = GroupLayout(), experts: "BlockGroup | None" = None,
+                 comm: Any = None, version: int = 0) -> None:
+        """``params``: the slot-backed parameters the module now uses; ``steps``: AdamW's step count per
+        parameter (the fused kernel's form); ``group_of``: the optimizer's param group of each parameter;
+        ``comm``: the collectives its chunks are laid out over (the run's, or its experts' replicas);
+        ``version``: the steps its params already include (a replan's group goes on from its old one's)."""
+        self._index, self._block, self._plan, self._layout = index, block, plan, layout
+        self._params, self._steps, self._group_of, self._compute = params, steps, group_of, compute
+        self._master, self._exp_avg, self._exp_avg_sq = chunks.master, chunks.exp_avg, chunks.exp_avg_sq
+        self._param_home, self._slot = chunks.param_home, chunks.slot
+        self._ctx, self._mem = ctx, ctx.mem
+        self._comm = comm if comm is not None else ctx.comm
+        self._shard, self._reduces_at_end, self._floors = laid.shard, laid.reduces_at_end, laid.grad_floors
+        self._mean_over = laid.mean_over or self._comm.world_size
+        self._experts = experts
+        self._grads = GradBuffer(len(params))
+        self._grad_count = 0                          # parameters whose gradient arrived in the current backward
+        self._local: Chunk | None = None              # data parallel: this rank's gradients, summed over micro-batches
+        self._local_has = [False] * len(params)
+        self._reduction: Reduction | None = None      # data parallel: its gradients' reduction in flight
+        self._update: Future | None = None            # its update in flight
+        self._version = version                       # the params include the updates of steps < version
+        self._gathering: Waitable | None = None       # a resident sharded block's gather, started ahead of its forward
+        self._pass, self._grad_state, self._slot_state = Pass.IDLE, Grads.NONE, Slot.FRESH
+        self._before_forward = Pass.IDLE
+        self._view_params, self._cuts = _state_cuts(layout, self._shard)
+
+    # -- what others may read -------------------------------------------------------------
+    index = property(lambda self: self._index)
+    block = property(lambda self: self._block)
+    plan: BlockPlan = property(lambda self: self._plan)  # type: ignore[assignment]
+    layout: ChunkLayout = property(lambda self: self._layout)  # type: ignore[assignment]
+    params: list[nn.Parameter] = property(lambda self: self._params)  # type: ignore[assignment]
+    steps: list[torch.Tensor] = property(lambda self: self._steps)  # type: ignore[assignment]
+    group_of: list[int] = property(lambda self: self._group_of)  # type: ignore[assignment]
+    compute: torch.dtype = property(lambda self: self._compute)  # type: ignore[assignment]
+    master: Chunk | None = property(lambda self: self._master)  # type: ignore[assignment]
+    exp_avg: Chunk | None = property(lambda self: self._exp_avg)  # type: ignore[assignment]
+    exp_avg_sq: Chunk | None = property(lambda self: self._exp_avg_sq)  # type: ignore[assignment]
+    param_home: Chunk | None = property(lambda self: self._param_home)  # type: ignore[assignment]
+    slot: DeviceSlot = property(lambda self: self._slot)  # type: ignore[assignment]
+    shard: tuple[int, int] | None = property(lambda self: self._shard)  # type: ignore[assignment]
+    experts: "BlockGroup | None" = property(lambda self: self._experts)  # type: ignore[assignment]
+    comm = property(lambda self: self._comm)
+    mem = property(lambda self: self._mem)
+    version: int = property(lambda self: self._version)  # type: ignore[assignment]
+    reduces_at_end: bool = property(lambda self: self._reduces_at_end)  # type: ignore[assignment]
+    mean_over: int = property(lambda self: self._mean_over)  # type: ignore[assignment]
+    state = property(lambda self: (self._pass, self._grad_state, self._slot_state))
+    view_params: list[int] = property(lambda self: self._view_params)  # type: ignore[assignment]
+    state_cuts: list[tuple[int, int]] = property(lambda self: self._cuts)  # type: ignore[assignment]
+
+    # -- the hooks' verbs -------------------------------------------------------------------
+    def pre_forward(self) -> None:
+        """Its forward is about to run: its params (and its held experts') on the device; then what
+        its forward triggers ahead of use for other blocks (the read-ahead)."""
+        self._before_forward = Pass.IDLE if self._pass is Pass.FORWARD else self._pass  # FORWARD: one that raised
+        self._pass = moved(PASS_MOVES, self.name, self._pass, Pass.FORWARD)
+        self.fetch()
+        if self._experts is not None:
+            self._experts.fetch()
+        self._ctx.ahead.forward_began(self)
+
+    def post_forward(self) -> None:
+        """Its forward returned: back where it was (a recompute's forward returns inside backward)."""
+        self._pass = moved(PASS_MOVES, self.name, self._pass, self._before_forward)
+
+    def pre_backward(self) -> None:
+        """Its backward is about to run: a streamed block comes back, and its states start in from disk
+        (where the mode reads ahead: not lockfree, whose loop may be moving them). Where its slot was just
+        filled from its fp32 master on disk, the master is copied from the slot, not read from disk a
+        third time in the step (forward, backward, update)."""
+        self._pass = moved(PASS_MOVES, self.name, self._pass, Pass.BACKWARD)
+        if self._plan.stream:
+            self.fetch()
+        ctx = self._ctx
+        if ctx.clock.final_micro() and ctx.mode.reads_ahead:
+            ctx.moves.read_ahead(self, slot=self._slot if self.fills_slot_from_disk and self._shard is None else None)
+
+    def grad_arrived(self) -> None:
+        """A parameter's gradient is accumulated: once every one of them is in, the block flushes."""
+        self._ctx.backward.begin()
+        self._grad_count += 1
+        if self._grad_count == len(self._params) and not self.reduces_at_end:
+            self._ctx.backward.flushed_early(self)
+            self.post_backward()
+
+    def tied_grad_arrived(self, index: int, leaf: torch.Tensor) -> None:
+        """A tied weight's other use (``runtime.tied``): its gradient into the grad chunk now."""
+        self._ctx.backward.begin()
+        grad, leaf.grad = leaf.grad, None
+        self._add_grads([(index, grad)], self._ctx.clock.steps_taken, self._ctx.mode.step_hypers())
+        if self._grad_state is Grads.NONE:
+            self._grads_to(Grads.SUMMING)
+
+    def post_backward(self) -> None:
+        """Its gradients of this backward are all in (or backward ended): into its grad chunk, summed
+        over the micro-batches; over several ranks on the last one, their reduction starts (the backward
+        pass keeps it in flight under the next block's backward); otherwise the mode learns they are final."""
+        ctx = self._ctx
+        if self._pass is Pass.BACKWARD:
+            self._pass = moved(PASS_MOVES, self.name, self._pass, Pass.IDLE)
+        self._reduce_grads(ctx.clock.steps_taken, ctx.mode.step_hypers(), ctx.clock.final_micro())
+        if self._reduction is not None:
+            ctx.backward.reduction_started(self)
+        else:
+            ctx.mode.grads_final(self)
+
+    @property
+    def has_fresh_grads(self) -> bool:
+        """Whether a gradient arrived in this backward that no flush has taken yet."""
+        return self._grad_count > 0
+
+    # -- params --------------------------------------------------------------------------------
     def fetch(self) -> None:
         """The block's compute params on the device and usable: a streamed block takes a slot (the
         cache copies or gathers it in, or finds it there); a resident one waits for its update if the
         mode says so, and a sharded one gathers the update's shards into its slot."""
-        if self.plan.stream:
-            self.acquire(self)
+        if self._plan.stream:
+            self._ctx.cache.acquire(self)
             return
-        self.ready(self)
-        if self.gathering is not None:
-            self.gathering.wait()
-            self.gathering = None
-        elif self.slot_stale:
-            self.gather_into(self.slot.chunk)
-        self.slot_stale = False
+        self.await_params()
+        if self._slot_state is Slot.GATHERING:
+            self._gathering.wait()
+            self._gathering = None
+        elif self._slot_state is Slot.STALE:
+            self.gather_into(self._slot.chunk)
+        self._slot_state = moved(SLOT_MOVES, self.name, self._slot_state, Slot.FRESH)
+
+    def await_params(self) -> None:
+        """Return once its params are final enough to use, as the update mode says."""
+        self._ctx.mode.params_ready(self)
 
     def gather_ahead(self) -> None:
         """A resident sharded block whose slot is stale: start gathering its updated shards now, once
         its update is final (every rank waits for the same update, so every rank issues the same
         gathers in the same order), so the gather runs while the block before it computes."""
-        if self.plan.stream or not self.slot_stale or self.gathering is not None:
+        if self._plan.stream or self._slot_state is not Slot.STALE:
             return
-        self.ready(self)
-        self.gathering = self.gather_into(self.slot.chunk, async_op=True)
+        self.await_params()
+        self._gathering = self.gather_into(self._slot.chunk, async_op=True)
+        self._slot_state = moved(SLOT_MOVES, self.name, self._slot_state, Slot.GATHERING)
 
-    def gather_into(self, dst: Chunk, async_op: bool = False):
+    def gather_into(self, dst: Chunk, async_op: bool = False) -> Waitable | None:
         """The block's compute params, whole, into ``dst`` (a device slot): every rank's shard of them."""
-        dtype = F32 if self.param_home is self.master else self.compute
-        out = dst.typed(self.compute)[: self.layout.numel]
-        if self.param_home.tier is Tier.DISK:  # an fp32 master on disk: this rank's shard read into its place
-            n = self.layout.shard_numel
-            src = out[self.shard[0] : self.shard[0] + n]
-            self.mem.read_into(self.param_home, src.view(torch.uint8))
+        dtype = F32 if self._param_home is self._master else self._compute
+        out = dst.typed(self._compute)[: self._layout.numel]
+        if self._param_home.tier is Tier.DISK:  # an fp32 master on disk: this rank's shard read into its place
+            n = self._layout.shard_numel
+            src = out[self._shard[0] : self._shard[0] + n]
+            self._mem.read_into(self._param_home, src.view(torch.uint8))
         else:
-            src = self.param_home.typed(dtype)[: self.layout.shard_numel]
-        return self.comm.all_gather(out, src, async_op=async_op)
+            src = self._param_home.typed(dtype)[: self._layout.shard_numel]
+        return self._comm.all_gather(out, src, async_op=async_op)
 
+    def fill(self, slot: DeviceSlot) -> Handle | Waitable:
+        """Start filling ``slot`` with its compute params (the device cache moved it there): gathered from
+        every rank's shard, or copied from its home. Issued in the thread that runs the step, so every
+        rank issues its collectives in one order."""
+        if self._slot is not slot:
+            self.rebind(slot)
+        if self._shard is not None:
+            return self.gather_into(slot.chunk, async_op=True)
+        return self._mem.mover.copy(self._param_home, slot.chunk)
+
+    def rebind(self, slot: DeviceSlot) -> None:
+        """Point its parameters at another slot, the same parameter objects (``slots.point_at``)."""
+        point_at(self._params, self._layout, self._compute, slot)
+        self._slot = slot
+
+    # -- gradients --------------------------------------------------------------------------
     def release(self) -> None:
         """Drop the gradients gathered for a step that will not update (zero_grad, a skipped fp16 step,
         a backward that raised: a reduction it left in flight is waited for first, since it still
-        writes into ``local`` and its fresh chunk)."""
-        self.abandon_reduce()
-        for chunk in (self.grads.clear(), self.local):
+        writes into its local sum and its fresh chunk)."""
+        self.abandon_reduction()
+        for chunk in (self._grads.clear(), self._local):
             if chunk is not None:
-                self.mem.release(chunk)
-        self.local, self.local_has = None, [False] * len(self.params)
+                self._mem.release(chunk)
+        self._local, self._local_has = None, [False] * len(self._params)
+        self._grad_count = 0
+        self._grads_to(Grads.NONE)
 
-    def reduce_grads(self, step: int, hypers: list[AdamWHyper] | None, make_room: Callable[[Tier], None],
-                     final: bool) -> None:
+    def forget_fresh_grads(self) -> None:
+        """``zero_grad``: the parameters' gradients not flushed yet are dropped with them."""
+        for p in self._params:
+            p.grad = None
+        self._grad_count = 0
+
+    def _reduce_grads(self, step: int, hypers: list[AdamWHyper] | None, final: bool) -> None:
         """Move the parameters' fresh gradients into the block's grad chunk (accumulating) and free
-        them. With data parallel they first sum over the micro-batches in ``local``, and on the
+        them. With data parallel they first sum over the micro-batches in its local sum, and on the
         ``final`` one are averaged over the ranks (reduce-scattered to the shards, or all-reduced)
         before they join the grad chunk. The chunk lives where the block's update runs
-        (``plan.bytes.grad_tier``). ``make_room(tier)`` returns once a new chunk may be allocated
-        there (transient gradients); ``hypers``: lockfree keeps the step's own with its gradients."""
-        if self.mean_over > 1:
-            if self.local is None and updated_away(self.plan):
-                make_room(grad_tier(self.plan))  # transient gradients: ``local`` is one more whole-block chunk
+        (``plan.bytes.grad_tier``). ``hypers``: lockfree keeps the step's own with its gradients."""
+        if self._mean_over > 1:
+            if self._local is None and updated_away(self._plan):
+                self._make_room()  # transient gradients: the local sum is one more whole-block chunk
             self._sum_locally()
+            self._grads_to(Grads.SUMMING)
             if final:
-                self._reduce_over_ranks(step, hypers, make_room)
-            self.grad_count = 0
+                self._reduce_over_ranks(step, hypers)
+            self._grad_count = 0
             return
-        fresh = [(i, p.grad) for i, p in enumerate(self.params) if p.grad is not None]
-        for p in self.params:
+        fresh = [(i, p.grad) for i, p in enumerate(self._params) if p.grad is not None]
+        for p in self._params:
             p.grad = None
-        self.add_grads(fresh, step, hypers, make_room)
-        self.grad_count = 0
+        self._add_grads(fresh, step, hypers)
+        self._grads_to(Grads.FINAL if final else Grads.SUMMING)
+        self._grad_count = 0
 
-    def add_grads(self, grads: list[tuple[int, torch.Tensor]], step: int, hypers: list[AdamWHyper] | None,
-                  make_room: Callable[[Tier], None]) -> None:
+    def _add_grads(self, grads: list[tuple[int, torch.Tensor]], step: int, hypers: list[AdamWHyper] | None) -> None:
         """One process: (parameter index, gradient) pairs into the grad chunk, a new one if the update
-        took the last (``make_room`` first, as in ``reduce_grads``)."""
+        took the last (room made first, where gradients are bounded)."""
         fresh = None
         while True:  # a lockfree update loop may take the chunk at any moment between these lines
-            with self.grads.lock:
-                if self.grads.chunk is None and fresh is not None:
-                    self.grads.chunk, fresh = fresh, None
-                if self.grads.chunk is not None:
-                    self.grads.add(grads, self.views(self.grads.chunk), step, hypers)
+            with self._grads.lock:
+                if self._grads.chunk is None and fresh is not None:
+                    self._grads.chunk, fresh = fresh, None
+                if self._grads.chunk is not None:
+                    self._grads.add(grads, self.views(self._grads.chunk), step, hypers)
                     break
-            if updated_away(self.plan):
-                make_room(grad_tier(self.plan))  # outside the lock: it may wait for this block's own update
+            if updated_away(self._plan):
+                self._make_room()  # outside the lock: it may wait for this block's own update
             fresh = self._new_grad_chunk(self.nbytes)
         if fresh is not None:
-            self.mem.release(fresh)
+            self._mem.release(fresh)
 
-    def update(self, hypers: list[AdamWHyper], coef: torch.Tensor | None) -> None:
-        """Apply the gathered gradients to master and moments (which must be in memory), free the
-        gradients, publish the new compute params, and note the step they now include."""
-        taken = self.grads.take()
-        if taken is not None:
-            adamw_block(self, taken.hypers or hypers, coef, taken)
-            self.mem.release(taken.chunk)  # gradients live from backward's flush to here
-        self.publish()
-        if taken is not None:
-            self.version = max(self.version, taken.step + 1)
+    def _make_room(self) -> None:
+        self._ctx.backward.room_for_grads(grad_tier(self._plan))
 
-    def publish(self) -> None:
-        """Write the fp32 master into the compute copy the next forward reads (rounded to the compute
-        dtype), and let the cache (or, for a resident sharded block, its next fetch) know a slot's copy
-        of it is stale."""
-        target = self.param_home if self.param_home is not None else self.slot.chunk
-        if target is not self.master:  # an fp32 master doubles as the param home of a streamed block
-            n = self.state_numel
-            target.typed(self.compute)[:n].copy_(self.master.typed(F32)[:n])
-        if self.shard is not None and not self.plan.stream:
-            self.slot_stale = True
-        self.params_written(self)
-
-    # -- data parallel -------------------------------------------------------------------
     def _sum_locally(self) -> None:
-        """This rank's fresh gradients into ``local`` (its own sum over micro-batches), freed from the params."""
-        if self.local is None:
-            self.local = self._new_grad_chunk(self.nbytes)
-            self.local.typed(F32).zero_()  # a parameter no rank's micro-batch reached contributes zeros
-        views = self.views(self.local)
-        for i, p in enumerate(self.params):
+        """This rank's fresh gradients into its local sum over micro-batches, freed from the params."""
+        if self._local is None:
+            self._local = self._new_grad_chunk(self.nbytes)
+            self._local.typed(F32).zero_()  # a parameter no rank's micro-batch reached contributes zeros
+        views = self.views(self._local)
+        for i, p in enumerate(self._params):
             if p.grad is None:
                 continue
-            if self.local_has[i]:
+            if self._local_has[i]:
                 views[i].add_(p.grad.to(views[i].device))  # a GPU's gradient into a host chunk: copied first
             else:
                 views[i].copy_(p.grad)
-                self.local_has[i] = True
+                self._local_has[i] = True
             p.grad = None
 
-    def _reduce_over_ranks(self, step: int, hypers: list[AdamWHyper] | None, make_room: Callable[[Tier], None]) -> None:
-        """Start averaging ``local`` over the ranks into this rank's part (its shard, or all of it),
-        reduced straight into a fresh grad chunk (no temporary); ``finish_reduce`` adds it to the grad
-        chunk once it has landed. Started, not waited for: the runtime lets it run under the next
-        block's backward. A parameter has a gradient where any rank's micro-batches gave it one."""
-        if updated_away(self.plan):
-            make_room(grad_tier(self.plan))
+    def _reduce_over_ranks(self, step: int, hypers: list[AdamWHyper] | None) -> None:
+        """Start averaging the local sum over the ranks into this rank's part (its shard, or all of it),
+        reduced straight into a fresh grad chunk (no temporary); ``finish_reduction`` adds it to the grad
+        chunk once it has landed. A parameter has a gradient where any rank's micro-batches gave it one."""
+        if updated_away(self._plan):
+            self._make_room()
         fresh = self._new_grad_chunk(self.state_numel * F32.itemsize)  # before any collective: if this
         mine = fresh.typed(F32)[: self.state_numel]                    # raises, no rank has issued one
-        has = torch.tensor(self.local_has, dtype=torch.uint8)
-        works = [self.comm.all_reduce(has, op="max", async_op=True)]
-        full = self.local.typed(F32)[: self.layout.numel]
-        if self.shard is None:
-            works.append(self.comm.all_reduce(full, async_op=True))
+        has = torch.tensor(self._local_has, dtype=torch.uint8)
+        works = [self._comm.all_reduce(has, op="max", async_op=True)]
+        full = self._local.typed(F32)[: self._layout.numel]
+        if self._shard is None:
+            works.append(self._comm.all_reduce(full, async_op=True))
             works.append(Copy(mine, full))
         else:
-            works.append(self.comm.reduce_scatter(mine, full, async_op=True))
-        self.reducing = Reduction(works, fresh, mine, has, step, hypers)
+            works.append(self._comm.reduce_scatter(mine, full, async_op=True))
+        self._reduction = Reduction(works, fresh, mine, has, step, hypers)
+        self._grads_to(Grads.REDUCING)
 
-    def abandon_reduce(self) -> None:
+    def abandon_reduction(self) -> None:
         """A reduction left in flight by a backward that raised: let it land (or fail: a lost rank is
         reported where the step raised) and free its chunk; its gradients are dropped."""
-        r, self.reducing = self.reducing, None
+        r, self._reduction = self._reduction, None
         if r is None:
             return
         try:
@@ -244,82 +359,219 @@ class BlockGroup:
                 w.wait()
         except Exception:  # noqa: BLE001 - the error that matters was raised where backward stopped
             pass
-        self.mem.release(r.fresh)
+        self._mem.release(r.fresh)
 
-    def finish_reduce(self) -> None:
+    def finish_reduction(self) -> None:
         """Wait for the reduction ``_reduce_over_ranks`` started and add this rank's part, averaged, to
         the grad chunk; the block's gradients are then final. Nothing to do if none is in flight."""
-        r, self.reducing = self.reducing, None
+        r, self._reduction = self._reduction, None
         if r is None:
             return
         for w in r.works:
             w.wait()
-        r.mine.div_(self.mean_over)
+        r.mine.div_(self._mean_over)
         fresh = r.fresh
-        with self.grads.lock:
-            if self.grads.chunk is None:
-                self.grads.chunk, fresh = fresh, None
+        with self._grads.lock:
+            if self._grads.chunk is None:
+                self._grads.chunk, fresh = fresh, None
             else:
-                self.grads.chunk.typed(F32)[: self.state_numel].add_(r.mine)
-            self.grads.has_grad = [a or bool(b) for a, b in zip(self.grads.has_grad, r.has.tolist())]
-            self.grads.step, self.grads.hypers = r.step, r.hypers
-        for chunk in (fresh, self.local):
+                self._grads.chunk.typed(F32)[: self.state_numel].add_(r.mine)
+            self._grads.has_grad = [a or bool(b) for a, b in zip(self._grads.has_grad, r.has.tolist())]
+            self._grads.step, self._grads.hypers = r.step, r.hypers
+        for chunk in (fresh, self._local):
             if chunk is not None:
-                self.mem.release(chunk)
-        self.local, self.local_has = None, [False] * len(self.params)
+                self._mem.release(chunk)
+        self._local, self._local_has = None, [False] * len(self._params)
+        self._grads_to(Grads.FINAL)
         if self.nbytes >= TRIM_AFTER:
             release_free_heap()  # the transport's buffers for a large chunk, freed, would stay in its threads' heaps
 
     def _new_grad_chunk(self, nbytes: int) -> Chunk:
-        mine, whole, top = self.grad_floors  # bounded gradients: sizes that never fragment (``Runtime._grad_floors``)
+        mine, whole, top = self._floors  # bounded gradients: sizes that never fragment (``plan.bytes.grad_floors``)
         at_top = nbytes == top
         if not at_top:
             nbytes = max(nbytes, whole if nbytes > self.state_numel * F32.itemsize else mine)
-        return self.mem.allocate(f"{self.block.name}.grad", nbytes, grad_tier(self.plan), Kind.GRAD, contiguous=True,
-                                 top=at_top)
+        return self._mem.allocate(f"{self._block.name}.grad", nbytes, grad_tier(self._plan), Kind.GRAD,
+                                  contiguous=True, top=at_top)
 
-    # -- views -------------------------------------------------------------------------
+    def _grads_to(self, new: Grads) -> None:
+        self._grad_state = moved(GRAD_MOVES, self.name, self._grad_state, new)
+
+    # -- what the gradients hold (the norm, the room they take) ------------------------------
+    def grad_views(self) -> list[torch.Tensor | None]:
+        """Per parameter, an fp32 view of its gradient in the grad chunk (None: it got none)."""
+        chunk = self._grads.chunk
+        if chunk is None:
+            return [None] * len(self._params)
+        views = self.views(chunk)
+        return [v if has else None for v, has in zip(views, self._grads.has_grad)]
+
+    def shard_grad_pieces(self) -> list[torch.Tensor]:
+        """This rank's pieces of its gradients (a sharded block), those of parameters that got one."""
+        chunk = self._grads.chunk
+        if chunk is None:
+            return []
+        return [v for v, i in zip(self.state_views(chunk), self._view_params) if self._grads.has_grad[i]]
+
+    def holds_grads(self) -> bool:
+        """Whether any gradient chunk of its is alive (this rank's sum, the grad chunk) or its update runs."""
+        return self._grads.chunk is not None or self._local is not None or not self.update_idle()
+
+    def holds_grad_chunk(self) -> bool:
+        return self._grads.chunk is not None
+
+    def grads_span(self, steps: int) -> bool:
+        """Whether its gathered gradients span ``steps`` steps its params do not include yet (lockfree's
+        loop coalesces disk passes so). Call under ``grad_lock``."""
+        return self._grads.chunk is not None and self._grads.step + 1 - self._version >= steps
+
+    @property
+    def grad_lock(self) -> Any:
+        return self._grads.lock
+
+    # -- the update ----------------------------------------------------------------------------
+    def update(self, hypers: list[AdamWHyper], coef: torch.Tensor | None) -> None:
+        """Update the block where the calling thread runs: its states in, AdamW, its params published,
+        its states home (a block updated in pieces does all of it a piece at a time)."""
+        if in_pieces(self._plan):
+            taken = self._grads.take()
+            if taken is not None:
+                update_in_pieces(self, taken, hypers, coef)
+                self._published(taken.step)
+            return
+        moves = self._ctx.moves
+        moves.bring_in(self)
+        self._apply(hypers, coef)
+        moves.send_home(self)
+
+    def _apply(self, hypers: list[AdamWHyper], coef: torch.Tensor | None) -> None:
+        """Apply the gathered gradients to master and moments (which must be in memory), free the
+        gradients, publish the new compute params, and note the step they now include."""
+        taken = self._grads.take()
+        if taken is not None:
+            adamw_block(self, taken.hypers or hypers, coef, taken)
+            self._mem.release(taken.chunk)  # gradients live from backward's flush to here
+        self._publish()
+        if taken is not None:
+            self._version = max(self._version, taken.step + 1)
+
+    def _publish(self) -> None:
+        """Write the fp32 master into the compute copy the next forward reads (rounded to the compute
+        dtype), and let the cache (or, for a resident sharded block, its next fetch) know a slot's copy
+        of it is stale."""
+        target = self._param_home if self._param_home is not None else self._slot.chunk
+        if target is not self._master:  # an fp32 master doubles as the param home of a streamed block
+            n = self.state_numel
+            target.typed(self._compute)[:n].copy_(self._master.typed(F32)[:n])
+        self._mark_written()
+
+    def _published(self, step: int) -> None:
+        """A block updated in pieces published its new params piece by piece (``runtime.pieces``)."""
+        self._mark_written()
+        self._version = max(self._version, step + 1)
+
+    def _mark_written(self) -> None:
+        if self._shard is not None and not self._plan.stream:
+            self._slot_state = moved(SLOT_MOVES, self.name, self._slot_state, Slot.STALE)
+        self._ctx.cache.invalidate(self)
+
+    def params_written(self) -> None:
+        """Its params were written from outside a step (a checkpoint loaded): the next use reads them anew."""
+        self._ctx.cache.invalidate(self)
+
+    def update_now(self, hypers: list[AdamWHyper], coef: torch.Tensor | None) -> None:
+        """The step's update of the block in this (the step's) thread: its gradients are handed over."""
+        self._handed_over()
+        self.update(hypers, coef)
+
+    def run_update(self, pool: Executor, fn: Callable[..., None], *args: Any) -> Future:
+        """``fn(*args)`` on ``pool`` as its update in flight (its gradients handed over to it): its next
+        use waits for it."""
+        self._update = pool.submit(fn, *args)
+        self._handed_over()
+        return self._update
+
+    def _handed_over(self) -> None:
+        """Its gradients belong to an update now (which takes them when it runs)."""
+        if self._grad_state is not Grads.REDUCING:
+            self._grads_to(Grads.NONE)
+
+    @property
+    def update_future(self) -> Future | None:
+        return self._update
+
+    def update_idle(self) -> bool:
+        """No update of its runs or waits."""
+        return self._update is None or self._update.done()
+
+    def wait_update(self) -> None:
+        """Wait for its update in flight (re-raising its error here)."""
+        if self._update is not None:
+            self._update.result()
+
+    def finish_update(self) -> None:
+        """Wait for its update in flight and forget it."""
+        if self._update is not None:
+            self._update.result()
+            self._update = None
+
+    def steps_on(self, device: torch.device) -> None:
+        """Fused AdamW wants each step count on its parameter's device (torch's CUDA kernel refuses CPU
+        counts): a block whose master is homed on the GPU keeps its counts there, moved at its first
+        update (and back to the host for an update in pieces)."""
+        if self._steps and self._steps[0].device != device:
+            self._steps[:] = [s.to(device) for s in self._steps]
+
+    # -- sizes and views ------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self._block.name
+
     @property
     def states(self) -> tuple[Chunk, Chunk, Chunk]:
-        return self.master, self.exp_avg, self.exp_avg_sq
+        return self._master, self._exp_avg, self._exp_avg_sq
 
     @property
     def state_numel(self) -> int:
         """Elements of this rank's states (its shard, or the whole block)."""
-        return self.layout.numel if self.shard is None else self.shard[1] - self.shard[0]
+        return self._layout.numel if self._shard is None else self._shard[1] - self._shard[0]
 
     @property
     def on_disk(self) -> list[Chunk]:
         """The states that live on disk between steps (``plan.bytes.state_homes``), which cross to the
         host for each update and back; a ``host_master`` block's master stays where it is."""
-        return [c for c, home in zip(self.states, state_homes(self.plan)) if home is Tier.DISK]
+        return [c for c, home in zip(self.states, state_homes(self._plan)) if home is Tier.DISK]
 
     @property
     def fills_slot_from_disk(self) -> bool:
         """A streamed fp32 block without a param home of its own whose master travels between disk and
         host: its slot is copied from that master, so the master must stay put (its write-back landed,
         no read in) while the slot is filled."""
-        return self.param_home is not None and self.param_home is self.master and master_home(self.plan) is Tier.DISK
+        return (self._param_home is not None and self._param_home is self._master
+                and master_home(self._plan) is Tier.DISK)
 
     @property
     def nbytes(self) -> int:
-        return self.layout.numel * F32.itemsize
+        return self._layout.numel * F32.itemsize
 
     def views(self, chunk: Chunk) -> list[torch.Tensor]:
         """Per-parameter fp32 views of a whole-block chunk (merged) in layout order."""
         flat = chunk.typed(F32)
-        return [flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.layout.slots]
-
-    @property
-    def state_cuts(self) -> list[tuple[int, int]]:
-        """[lo, hi) within a state chunk of each piece of a parameter this rank holds (``view_params``)."""
-        return self._cuts
+        return [flat[s.offset : s.offset + s.numel].view(s.shape) for s in self._layout.slots]
 
     def state_views(self, chunk: Chunk) -> list[torch.Tensor]:
         """fp32 views of a state chunk, one per piece of a parameter this rank holds (``view_params``
         names the parameter of each): per parameter, or its sharded pieces."""
         flat = chunk.typed(F32)
         return [flat[lo:hi] for lo, hi in self._cuts]
+
+    def chunks(self) -> Iterator[Chunk]:
+        """Every chunk it owns now (states, param home, slot), each once."""
+        seen: set[int] = set()
+        for c in (*self.states, self._param_home, self._slot.chunk):
+            if c is not None and id(c) not in seen:
+                seen.add(id(c))
+                yield c
 
 
 def _state_cuts(layout: ChunkLayout, shard: tuple[int, int] | None) -> tuple[list[int], list[tuple[int, int]]]:
@@ -335,25 +587,3 @@ def _state_cuts(layout: ChunkLayout, shard: tuple[int, int] | None) -> tuple[lis
             owners.append(i)
             cuts.append((lo - start, hi - start))
     return owners, cuts
-
-
-def adamw_block(group: BlockGroup, hypers: list[AdamWHyper], coef: torch.Tensor | None, taken: TakenGrads) -> None:
-    """One AdamW step of the block's master and moments (this rank's pieces) with the gradients it took."""
-    owners = group.view_params
-    if group.shard is None:
-        views = group.views
-    else:
-        views = group.state_views
-    masters = views(group.master)
-    if masters:  # a shard may hold no piece of this block
-        steps_beside(group, masters[0].device)
-    adamw_step(masters, views(taken.chunk), views(group.exp_avg), views(group.exp_avg_sq),
-               [group.steps[i] for i in owners], [taken.has_grad[i] for i in owners],
-               [group.group_of[i] for i in owners], hypers, coef)
-
-
-def steps_beside(group: BlockGroup, device: torch.device) -> None:
-    """Fused AdamW wants each step count on its parameter's device (torch's CUDA kernel refuses CPU
-    counts): a block whose master is homed on the GPU keeps its counts there, moved at its first update."""
-    if group.steps and group.steps[0].device != device:
-        group.steps[:] = [s.to(device) for s in group.steps]

@@ -2,13 +2,15 @@
 weights (or left for a checkpoint to fill), and the module's parameters re-pointed at the slots.
 
 The fp32 master is written first and the compute copies (slot, param home) from it, so every
-copy is the master rounded to the compute dtype, as the optimizer will publish it.
+copy is the master rounded to the compute dtype, as the optimizer will publish it. Every group is
+made by ``BlockGroup``'s one constructor (a replan makes its groups the same way from the chunks it moved).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -19,13 +21,27 @@ from tiertrain.models.init import init_in_place
 from tiertrain.parallel import Collectives
 from tiertrain.parallel.experts import ExpertParallel
 from tiertrain.plan import BlockPlan, Plan, RunOptions
-from tiertrain.plan.bytes import in_pieces, master_home, master_in_slot, separate_param_home, sharded, state_homes
+from tiertrain.plan.bytes import (grad_floors, grad_tier, in_pieces, master_home, master_in_slot,
+                                  separate_param_home, sharded, state_homes, updated_away)
 from tiertrain.precisions import torch_dtype
-from tiertrain.runtime.block_group import F32, BlockGroup
+from tiertrain.runtime.block_group import F32, BlockGroup, GroupChunks, GroupLayout
 from tiertrain.runtime.blocks import Block, HeldExperts, block_layout, split_experts
-from tiertrain.runtime.slots import Slot, alias
+from tiertrain.runtime.context import RunContext
+from tiertrain.runtime.slots import DeviceSlot, alias
 
 LetGo = Callable[[nn.Parameter, nn.Parameter], None]  # (the model's original, the parameter now in its place)
+
+
+@dataclass(frozen=True)
+class BuildSpec:
+    """What every group of a run is built with besides its block."""
+
+    plan: Plan
+    options: RunOptions
+    group_of_param: dict[int, int]        # the optimizer's param group of each of the model's parameters, by id
+    bounded: bool                         # backward waits for updates to free gradient chunks (bounded gradients)
+    reduced_at_end: frozenset[int]        # blocks whose gradients are reduced only when backward ends
+    let_go: LetGo | None = None
 
 
 def layouts_for(blocks: list[Block], plan: Plan) -> list[ChunkLayout]:
@@ -34,19 +50,18 @@ def layouts_for(blocks: list[Block], plan: Plan) -> list[ChunkLayout]:
             for b, bp in zip(blocks, (*plan.blocks, plan.rest))]
 
 
-def ring_slots(mem: MemorySystem, layouts: list[ChunkLayout], plan: Plan) -> list[Slot]:
+def ring_slots(mem: MemorySystem, layouts: list[ChunkLayout], plan: Plan) -> list[DeviceSlot]:
     """The slots streamed blocks share: the window plus the cache, each as large as the largest."""
     streamed = [lay for lay, p in zip(layouts, (*plan.blocks, plan.rest)) if p.stream]
     if not streamed:
         return []
     size = max(lay.numel for lay in streamed) * torch_dtype(plan.compute_dtype).itemsize
-    return [Slot(mem.allocate(f"slot.{k}", size, Tier.DEVICE, Kind.PARAM, contiguous=True))
+    return [DeviceSlot(mem.allocate(f"slot.{k}", size, Tier.DEVICE, Kind.PARAM, contiguous=True))
             for k in range(min(plan.window + plan.cache, len(streamed)))]
 
 
-def build_groups(mem: MemorySystem, comm: Collectives, model: nn.Module, blocks: list[Block], plan: Plan,
-                 options: RunOptions, group_of_param: dict[int, int], replaced: dict[int, nn.Parameter],
-                 experts: ExpertParallel | None = None, let_go: LetGo | None = None) -> list[BlockGroup]:
+def build_groups(ctx: RunContext, model: nn.Module, blocks: list[Block], spec: BuildSpec,
+                 replaced: dict[int, nn.Parameter], experts: ExpertParallel | None = None) -> list[BlockGroup]:
     """One group per block, each with its chunks written and its parameters installed in the model
     (and in ``blocks``, in place). ``replaced`` receives the slot-backed parameter that stands for each
     of the model's, by the original's id: an original may be freed once ``let_go(original, new)`` has
@@ -56,48 +71,78 @@ def build_groups(mem: MemorySystem, comm: Collectives, model: nn.Module, blocks:
     blocks) outlives the build; a mixture-of-experts block's originals go only when the build ends. With
     data parallel, rank 0's initial weights are every rank's (as DDP broadcasts them). With expert
     parallel (``experts``) a block's held experts form a group of their own, right after the block's."""
+    plan = spec.plan
     held: dict[int, HeldExperts] = {}
     if experts is not None:
         blocks, held = split_experts(blocks, lambda m: experts.owned(m.n_experts))
     layouts = layouts_for(blocks, plan)
-    ring = ring_slots(mem, layouts, plan)
+    bplans = (*plan.blocks, plan.rest)
+    laid_out = [(lay, bp, sharded(bp, plan)) for lay, bp in zip(layouts, bplans)]
+    laid_out += [(block_layout(h.block), bplans[i], False) for i, h in held.items()]  # held experts: never sharded
+    floors = grad_floors_for(laid_out, ctx.comm.world_size) if spec.bounded else {}
+    ring = ring_slots(ctx.mem, layouts, plan)
     compute = torch_dtype(plan.compute_dtype)
     groups: list[BlockGroup] = []
     streamed_seen = 0
-    for i, (block, bplan, layout) in enumerate(zip(blocks, (*plan.blocks, plan.rest), layouts)):
+    for i, (block, bplan, layout) in enumerate(zip(blocks, bplans, layouts)):
         if bplan.stream:
             slot = ring[streamed_seen % len(ring)]
             streamed_seen += 1
         else:
             nbytes = layout.numel * compute.itemsize
-            slot = Slot(mem.allocate(f"{block.name}.slot", nbytes, Tier.DEVICE, Kind.PARAM, contiguous=True))
+            slot = DeviceSlot(ctx.mem.allocate(f"{block.name}.slot", nbytes, Tier.DEVICE, Kind.PARAM, contiguous=True))
+        index = len(groups)
         build = _build_sharded if sharded(bplan, plan) else _build
-        group = build(mem, comm, len(groups), block, bplan, slot, plan, options, compute, layout)
-        groups.append(_installed(group, block, model, group_of_param, replaced, let_go))
-        if i in held:
-            group.experts = _build_experts(mem, comm, experts, len(groups), held[i], bplan, plan, options, compute)
-            groups.append(_installed(group.experts, held[i].block, model, group_of_param, replaced, let_go))
+        chunks, shard = build(ctx.mem, ctx.comm, index, block, bplan, slot, plan, spec.options, compute, layout)
+        held_group = None
+        if i in held:  # its experts' group next, so that the block's group is made with it
+            held_group = _build_experts(ctx, model, experts, index + 1, held[i], bplan, spec, compute, replaced, floors)
+        laid = GroupLayout(shard, ctx.comm.world_size, block.name in spec.reduced_at_end, floors_of(floors, bplan))
+        groups.append(_made(ctx, model, index, block, bplan, layout, chunks, compute, spec, replaced, laid,
+                            held_group))
+        if held_group is not None:
+            groups.append(held_group)
     return groups
 
 
-def _installed(group: BlockGroup, block: Block, model: nn.Module, group_of_param: dict[int, int],
-               replaced: dict[int, nn.Parameter], let_go: LetGo | None) -> BlockGroup:
-    """The group's parameters in the model and in ``block`` in place of the originals, which are let go
-    of: their values are in the chunks now, and a run larger than memory must not keep its whole
+def grad_floors_for(chunks: list[tuple[ChunkLayout, BlockPlan, bool]], world: int) -> dict[Tier, tuple[int, int, int]]:
+    """With gradients bounded, per tier: ``plan.bytes.grad_floors`` of the chunks updates take away there,
+    from each group's (layout, plan, sharded): this rank's part of each, and the whole block's."""
+    away: dict[Tier, list[tuple[int, int]]] = {}
+    for lay, bp, split in chunks:
+        if updated_away(bp):
+            mine = lay.shard_numel if split else lay.numel
+            away.setdefault(grad_tier(bp), []).append((mine * F32.itemsize, lay.numel * F32.itemsize))
+    return {tier: grad_floors([m for m, _ in gs], [w for _, w in gs], world) for tier, gs in away.items()}
+
+
+def floors_of(floors: dict[Tier, tuple[int, int, int]], bplan: BlockPlan) -> tuple[int, int, int]:
+    """A block's bounded grad chunk sizes: those of its gradients' tier, where its updates take them away."""
+    return floors.get(grad_tier(bplan), (0, 0, 0)) if updated_away(bplan) else (0, 0, 0)
+
+
+def _made(ctx: RunContext, model: nn.Module, index: int, block: Block, bplan: BlockPlan, layout: ChunkLayout,
+          chunks: GroupChunks, compute: torch.dtype, spec: BuildSpec, replaced: dict[int, nn.Parameter],
+          laid: GroupLayout, experts: BlockGroup | None = None, comm: Collectives | None = None) -> BlockGroup:
+    """The group, with its parameters in the model and in ``block`` in place of the originals, which are
+    let go of: their values are in the chunks now, and a run larger than memory must not keep its whole
     initial model alive beside its budgets (nor, in setup, beside the pools it fills)."""
-    group.block = block
-    group.group_of = [group_of_param.get(id(p), 0) for _, p in block.params]
-    install_params(model, group)
-    pairs = [(old, new) for (_, old), new in zip(block.params, group.params)]
+    params = [nn.Parameter(t, requires_grad=spec.options.train) for t in alias(chunks.slot, layout, compute)]
+    steps = [torch.zeros((), dtype=F32) for _ in params]
+    group_of = [spec.group_of_param.get(id(p), 0) for _, p in block.params]
+    group = BlockGroup(index, block, bplan, layout, params, chunks, steps, group_of, compute, ctx, laid, experts, comm)
+    install_params(model, block, params)
+    pairs = [(old, new) for (_, old), new in zip(block.params, params)]
     replaced.update({id(old): new for old, new in pairs})
-    block.params[:] = [(n, new) for (n, _), new in zip(block.params, group.params)]
-    for old, new in pairs if let_go is not None else ():
-        let_go(old, new)
+    block.params[:] = [(n, new) for (n, _), new in zip(block.params, params)]
+    for old, new in pairs if spec.let_go is not None else ():
+        spec.let_go(old, new)
     return group
 
 
-def _build_experts(mem: MemorySystem, world: Collectives, experts: ExpertParallel, index: int, held: HeldExperts,
-                   parent: BlockPlan, plan: Plan, options: RunOptions, compute: torch.dtype) -> BlockGroup:
+def _build_experts(ctx: RunContext, model: nn.Module, experts: ExpertParallel, index: int, held: HeldExperts,
+                   parent: BlockPlan, spec: BuildSpec, compute: torch.dtype, replaced: dict[int, nn.Parameter],
+                   floors: dict[Tier, tuple[int, int, int]]) -> BlockGroup:
     """A block's held experts: their states at the block's home, their compute params in a device slot
     of their own (they do not stream: the window holds blocks), replicated over their replicas, and
     averaged over every rank (their gradients hold every rank's tokens). Rank 0's initial weights are
@@ -105,12 +150,13 @@ def _build_experts(mem: MemorySystem, world: Collectives, experts: ExpertParalle
     bplan = dataclasses.replace(parent, stream=False, shard=False, recompute=False, offload_hidden=False,
                                 param_copy=False)
     layout = block_layout(held.block)
-    slot = Slot(mem.allocate(f"{held.block.name}.slot", layout.numel * compute.itemsize, Tier.DEVICE, Kind.PARAM,
-                             contiguous=True))
-    values = _rank0_values(world, held) if options.init_states else held.block
-    group = _build(mem, experts.replicas, index, values, bplan, slot, plan, options, compute, layout)
-    group.mean_over, group.reduces_at_end = experts.dp, experts.replicas.world_size > 1
-    return group
+    slot = DeviceSlot(ctx.mem.allocate(f"{held.block.name}.slot", layout.numel * compute.itemsize, Tier.DEVICE,
+                                       Kind.PARAM, contiguous=True))
+    values = _rank0_values(ctx.comm, held) if spec.options.init_states else held.block
+    chunks, _ = _build(ctx.mem, experts.replicas, index, values, bplan, slot, spec.plan, spec.options, compute, layout)
+    laid = GroupLayout(None, experts.dp, experts.replicas.world_size > 1, floors_of(floors, bplan))
+    return _made(ctx, model, index, held.block, bplan, layout, chunks, compute, spec, replaced, laid,
+                 comm=experts.replicas)
 
 
 def _rank0_values(world: Collectives, held: HeldExperts) -> Block:
@@ -125,8 +171,9 @@ def _rank0_values(world: Collectives, held: HeldExperts) -> Block:
     return Block(held.block.name, None, [(n, value[n].view(p.shape)) for n, p in held.block.params])
 
 
-def _build(mem: MemorySystem, comm: Collectives, index: int, block: Block, bplan: BlockPlan, slot: Slot, plan: Plan,
-           options: RunOptions, compute: torch.dtype, layout: ChunkLayout) -> BlockGroup:
+def _build(mem: MemorySystem, comm: Collectives, index: int, block: Block, bplan: BlockPlan, slot: DeviceSlot,
+           plan: Plan, options: RunOptions, compute: torch.dtype,
+           layout: ChunkLayout) -> tuple[GroupChunks, tuple[int, int] | None]:
     """Allocate the block's chunks, write its weights in, and leave its slot filled.
     ``separate_param_home`` (the planner's and the budget check's rule too): a streamed block keeps its
     compute params in a host chunk of their own, which the optimizer publishes into; else its fp32
@@ -147,13 +194,10 @@ def _build(mem: MemorySystem, comm: Collectives, index: int, block: Block, bplan
     for chunk, home in zip((master, exp_avg, exp_avg_sq), state_homes(bplan)):
         if chunk is not None and chunk.tier is not home:
             mem.move(chunk, home, contiguous=True).wait()
-    params = [nn.Parameter(t, requires_grad=options.train) for t in alias(slot, layout, compute)]
-    steps = [torch.zeros((), dtype=F32) for _ in params]
-    return BlockGroup(index, block, bplan, layout, params, master, exp_avg, exp_avg_sq, param_home, slot, steps,
-                      [], compute, mem, comm)
+    return GroupChunks(master, exp_avg, exp_avg_sq, param_home, slot), None
 
 
-def _states(mem: MemorySystem, comm: Collectives, block: Block, bplan: BlockPlan, slot: Slot, plan: Plan,
+def _states(mem: MemorySystem, comm: Collectives, block: Block, bplan: BlockPlan, slot: DeviceSlot, plan: Plan,
             options: RunOptions, compute: torch.dtype, layout: ChunkLayout) -> tuple[Chunk, Chunk, Chunk]:
     """The block's master and moments at their home, and its slot filled from the master (zeroed where
     the master is left unwritten for a checkpoint to fill). A block updated in pieces writes its
@@ -172,8 +216,9 @@ def _states(mem: MemorySystem, comm: Collectives, block: Block, bplan: BlockPlan
     return master, exp_avg, exp_avg_sq
 
 
-def _build_sharded(mem: MemorySystem, comm: Collectives, index: int, block: Block, bplan: BlockPlan, slot: Slot,
-                   plan: Plan, options: RunOptions, compute: torch.dtype, layout: ChunkLayout) -> BlockGroup:
+def _build_sharded(mem: MemorySystem, comm: Collectives, index: int, block: Block, bplan: BlockPlan, slot: DeviceSlot,
+                   plan: Plan, options: RunOptions, compute: torch.dtype,
+                   layout: ChunkLayout) -> tuple[GroupChunks, tuple[int, int] | None]:
     """A sharded block: this rank's shard of master and moments at their home, its shard of the compute
     params in the param home, the whole compute params in the slot. The block's weights are made
     whole once, on the host (one block at a time), as rank 0 has them."""
@@ -206,10 +251,7 @@ def _build_sharded(mem: MemorySystem, comm: Collectives, index: int, block: Bloc
     for chunk, home in zip(states, homes):
         if chunk.tier is not home:
             mem.move(chunk, home, contiguous=True).wait()
-    params = [nn.Parameter(t, requires_grad=options.train) for t in alias(slot, layout, compute)]
-    steps = [torch.zeros((), dtype=F32) for _ in params]
-    return BlockGroup(index, block, bplan, layout, params, *states, param_home, slot, steps, [], compute, mem, comm,
-                      shard=(lo, hi))
+    return GroupChunks(*states, param_home, slot), (lo, hi)
 
 
 def _fill(chunk: Chunk, params: list[tuple[str, torch.Tensor]], layout: ChunkLayout, dtype: torch.dtype) -> None:
@@ -290,9 +332,9 @@ def _optimizer_chunks(mem: MemorySystem, block: Block, layout: ChunkLayout, home
     return master, moments[0], moments[1]
 
 
-def install_params(model: nn.Module, group: BlockGroup) -> None:
+def install_params(model: nn.Module, block: Block, params: list[nn.Parameter]) -> None:
     """Register the slot-backed parameters wherever the originals were registered (tied weights too)."""
-    replace = {id(old): new for (_, old), new in zip(group.block.params, group.params)}
+    replace = {id(old): new for (_, old), new in zip(block.params, params)}
     for module in model.modules():
         for name, p in list(module._parameters.items()):
             if p is not None and id(p) in replace:

@@ -19,21 +19,21 @@ from __future__ import annotations
 
 import threading
 from bisect import bisect_right
-from typing import Callable
+from typing import TYPE_CHECKING
 
-from tiertrain.memory.movement import Handle, Mover
-from tiertrain.runtime.block_group import BlockGroup
-from tiertrain.runtime.slots import Slot, rebind
+from tiertrain.memory.movement import Handle
+from tiertrain.runtime.slots import DeviceSlot
+
+if TYPE_CHECKING:
+    from tiertrain.runtime.block_group import BlockGroup
 
 NEVER = float("inf")
 
 
 class DeviceCache:
-    def __init__(self, streamed: list[BlockGroup], slots: list[Slot], mover: Mover, prefetch: int,
-                 ready: Callable[[BlockGroup], None]) -> None:
+    def __init__(self, streamed: list["BlockGroup"], slots: list[DeviceSlot], prefetch: int) -> None:
         self.blocks = {st.index: st for st in streamed}
-        self.slots, self.mover, self.prefetch = slots, mover, prefetch
-        self._ready = ready  # waits until a block's params are final (its update written back)
+        self.slots, self.prefetch = slots, prefetch
         self._inflight: dict[int, Handle] = {}  # block index -> copy into its slot
         self._stale: set[int] = set()           # blocks rewritten at home since their slot was filled
         self._stale_lock = threading.Lock()     # updaters add to it; only this (main) thread takes out
@@ -73,7 +73,7 @@ class DeviceCache:
             self.pos = int(nxt)
 
     # -- residency ---------------------------------------------------------------------
-    def acquire(self, st: BlockGroup) -> None:
+    def acquire(self, st: "BlockGroup") -> None:
         """Make sure ``st`` sits in a slot now, then start the prefetches this access triggers."""
         self.trace.append(st.index)
         self._last_use[st.index] = len(self.trace)
@@ -88,13 +88,13 @@ class DeviceCache:
         for q in range(self.pos + 1, min(len(self.order), self.pos + 1 + self.prefetch)):
             self._fetch(self.blocks[self.order[q]], q, demand=False)
 
-    def _resident(self, st: BlockGroup) -> bool:
+    def _resident(self, st: "BlockGroup") -> bool:
         return st.slot.holder == st.index
 
-    def _fetch(self, st: BlockGroup, at: int, demand: bool) -> Handle | None:
+    def _fetch(self, st: "BlockGroup", at: int, demand: bool) -> Handle | None:
         """Start copying ``st`` into a slot unless it is there or on its way; None when it is there
         (or, for a prefetch, when no slot may be taken for it yet)."""
-        self._ready(st)  # an update may still rewrite this block's params (and invalidate its copy)
+        st.await_params()  # an update may still rewrite this block's params (and invalidate its copy)
         if st.index in self._inflight:
             return self._inflight[st.index]  # a copy that began before a publish leaves the mark for next time
         stale = self._take_stale(st)
@@ -105,20 +105,15 @@ class DeviceCache:
         slot = self._take_slot(st, at, demand)
         if slot is None:
             return None
-        if st.slot is not slot:
-            rebind(st, slot)
         slot.holder = st.index
         slot.wait_readers()  # a master still being copied out of it (``StateMoves.read_ahead``)
-        # a sharded block's params are gathered from every rank's shard (issued here, in the thread that
-        # runs the step, so every rank issues its collectives in one order); others are copied from home
-        handle = st.gather_into(slot.chunk, async_op=True) if st.shard is not None else self.mover.copy(
-            st.param_home, slot.chunk)
+        handle = st.fill(slot)
         self._inflight[st.index] = handle
         self.fetches += 1
         self.prefetched += not demand
         return handle
 
-    def _take_slot(self, st: BlockGroup, at: int, demand: bool) -> Slot | None:
+    def _take_slot(self, st: "BlockGroup", at: int, demand: bool) -> DeviceSlot | None:
         """A slot for ``st``'s access at ``at``: a free one, else Belady's victim at that access. A
         prefetch takes it now only if that victim is not needed before ``at`` (nor computing now),
         so prefetching never adds a fetch to what demand fetching would do."""
@@ -140,7 +135,7 @@ class DeviceCache:
         victim.holder = None
         return victim
 
-    def _eviction_key(self, slot: Slot, at: int) -> float:
+    def _eviction_key(self, slot: DeviceSlot, at: int) -> float:
         if self.lost:
             return -self._last_use.get(slot.holder, 0)  # least recently used first
         return self.next_use(slot.holder, at)           # Belady: needed furthest ahead first
@@ -151,7 +146,7 @@ class DeviceCache:
             handle.wait()
         self._inflight.clear()
 
-    def invalidate(self, st: BlockGroup) -> None:
+    def invalidate(self, st: "BlockGroup") -> None:
         """Any thread: the block's params were rewritten at home, so its slot is refilled at its next access.
 
         Only marks it. Slots change hands in the main thread alone: an updater that cleared a
@@ -161,7 +156,7 @@ class DeviceCache:
             with self._stale_lock:
                 self._stale.add(st.index)
 
-    def _take_stale(self, st: BlockGroup) -> bool:
+    def _take_stale(self, st: "BlockGroup") -> bool:
         with self._stale_lock:
             if st.index in self._stale:
                 self._stale.discard(st.index)

@@ -1,49 +1,48 @@
-"""The module and autograd hooks that drive a step; each reads like the step it implements.
+"""The module and autograd hooks that drive a step: each calls one block group's verb, as FSDP2's
+``_pre_forward`` calls its param group's ``pre_forward``.
 
-Forward: the block's group fetches its compute params (a streamed block takes a device slot,
+Forward: ``pre_forward`` fetches the block's compute params (a streamed block takes a device slot,
 waiting only if the copy has not landed, and triggers the next prefetches; a resident block waits
-for its pending update), and disk reads of the states backward updates first are started.
-Backward: a streamed block is fetched again before its backward, with its prefetches. Every
-parameter's gradient leaves for its group's grad chunk as soon as it is accumulated; a block whose
-gradients are all in is reduced at once, the rest when backward ends (parameters that got no
-gradient, e.g. an idle expert).
+for its pending update) and starts what its forward triggers for other blocks (disk reads, the next
+resident block's gather); ``post_forward`` marks it done. Backward: ``pre_backward`` fetches a
+streamed block again, with its prefetches, and starts its states' reads. Every parameter's gradient
+is reported to its group as soon as it is accumulated; a group whose gradients are all in flushes
+at once, the rest when backward ends (``runtime.backward``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from torch.utils.hooks import RemovableHandle
 
+from tiertrain.memory import MemorySystem
 from tiertrain.runtime.block_group import BlockGroup
 from tiertrain.runtime.switches import HostStash, SavedTensors, wrap_forward
 
-if TYPE_CHECKING:
-    from tiertrain.runtime.runtime import Runtime
 
-
-def install_block_hooks(rt: "Runtime", g: BlockGroup) -> None:
-    """The block's module hooks: they call the runtime with this group, whatever plan it runs under."""
+def install_block_hooks(g: BlockGroup) -> list[RemovableHandle]:
+    """The block's module hooks, calling the group; their handles (a new plan's groups replace them)."""
     module = g.block.module
-    module.register_forward_pre_hook(lambda m, a: rt.forward_begins(g))
-    module.register_full_backward_pre_hook(lambda m, grad: rt.backward_begins(g))
+    return [module.register_forward_pre_hook(lambda m, a: g.pre_forward()),
+            module.register_forward_hook(lambda m, a, out: g.post_forward()),
+            module.register_full_backward_pre_hook(lambda m, grad: g.pre_backward())]
 
 
-def apply_switches(rt: "Runtime", g: BlockGroup) -> HostStash | None:
+def install_grad_hooks(g: BlockGroup) -> list[RemovableHandle]:
+    return [p.register_post_accumulate_grad_hook(lambda param: g.grad_arrived()) for p in g.params]
+
+
+def apply_switches(g: BlockGroup, mem: MemorySystem, own_forward: object) -> HostStash | None:
     """The block's activation switches as its plan says (recompute, offload_hidden; a streamed block's
     saved views of its params kept as places in its slot): its forward wrapped, over whatever wrapped it
-    before (a new plan). The host stash, where it offloads."""
+    before (a new plan). ``own_forward``: what the module had before any plan wrapped it. The host
+    stash, where it offloads."""
     module = g.block.module
-    original = rt.own_forwards.get(g.index)  # what the module had before any plan wrapped it
-    if original is None:
+    if own_forward is None:
         module.__dict__.pop("forward", None)
     else:
-        module.forward = original
-    stash = HostStash(rt.mem, g.block.name) if g.plan.offload_hidden else None
+        module.forward = own_forward
+    stash = HostStash(mem, g.block.name) if g.plan.offload_hidden else None
     if g.plan.recompute or g.plan.offload_hidden or g.plan.stream:
-        hooks = SavedTensors(g, rt.mem, stash) if g.plan.offload_hidden or g.plan.stream else None
+        hooks = SavedTensors(g, mem, stash) if g.plan.offload_hidden or g.plan.stream else None
         module.forward = wrap_forward(module.forward, g.plan.recompute, hooks)
     return stash
-
-
-def install_grad_hooks(rt: "Runtime", g: BlockGroup) -> None:
-    for p in g.params:
-        p.register_post_accumulate_grad_hook(lambda param, g=g: rt.grad_arrived(g))

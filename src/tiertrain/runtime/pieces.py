@@ -14,6 +14,8 @@ piece (the kernel advances the copy each piece is given).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from tiertrain.memory import MemorySystem, Tier
@@ -21,8 +23,11 @@ from tiertrain.memory.chunk import Chunk
 from tiertrain.memory.movement import Handle
 from tiertrain.optim import AdamWHyper, adamw_step
 from tiertrain.plan.bytes import PIECE_BUFFERS, piece_bytes
-from tiertrain.runtime.block_group import F32, BlockGroup, steps_beside
+from tiertrain.runtime.group_adamw import F32
 from tiertrain.runtime.grads import TakenGrads
+
+if TYPE_CHECKING:
+    from tiertrain.runtime.block_group import BlockGroup
 
 
 class _Buffers:
@@ -30,7 +35,7 @@ class _Buffers:
     counts them), each starting on a page boundary (O_DIRECT reads straight into them). A state
     on the host (a ``host_master`` block's master) is updated where it lies: its piece is a view."""
 
-    def __init__(self, g: BlockGroup, nbytes: int) -> None:
+    def __init__(self, g: "BlockGroup", nbytes: int) -> None:
         self.held: list[tuple[Chunk, Chunk]] = []  # (a disk state, its host buffer)
         self.bytes: list[torch.Tensor] = []        # per state (master, exp_avg, exp_avg_sq): this piece's bytes
         self.io: list[Handle] = []                 # its reads or its write-back in flight
@@ -42,7 +47,7 @@ class _Buffers:
             self.release(g.mem)  # a refusal frees the buffers already made
             raise
 
-    def at(self, g: BlockGroup, first: int, count: int) -> None:
+    def at(self, g: "BlockGroup", first: int, count: int) -> None:
         """Point the buffers at pages ``[first, first + count)``: a host state's bytes are its own."""
         page, mine = self.held[0][0].pool.page_size, {id(c): b.merge() for c, b in self.held}
 
@@ -50,7 +55,7 @@ class _Buffers:
             return mine[id(c)] if id(c) in mine else c.merge()[first * page : (first + count) * page]
         self.bytes = [piece(c) for c in g.states]
 
-    def on_disk(self, g: BlockGroup) -> list[tuple[Chunk, torch.Tensor]]:
+    def on_disk(self, g: "BlockGroup") -> list[tuple[Chunk, torch.Tensor]]:
         """(disk state, this piece's bytes of it) for each state on disk."""
         mine = {id(c) for c, _ in self.held}
         return [(c, b) for c, b in zip(g.states, self.bytes) if id(c) in mine]
@@ -66,18 +71,16 @@ class _Buffers:
         self.held = []
 
 
-def update_in_pieces(g: BlockGroup, hypers: list[AdamWHyper], coef: torch.Tensor | None) -> None:
-    """``BlockGroup.update`` for a block whose states stay on disk (``plan.bytes.in_pieces``)."""
-    taken = g.grads.take()
-    if taken is None:
-        return
+def update_in_pieces(g: "BlockGroup", taken: TakenGrads, hypers: list[AdamWHyper], coef: torch.Tensor | None) -> None:
+    """The AdamW step of a block whose states stay on disk (``plan.bytes.in_pieces``) with the gradients
+    it took, its new params published a piece at a time (the group notes the step they include)."""
     hypers = taken.hypers or hypers  # lockfree keeps each step's own with its gradients
     disk = g.on_disk[0]  # disk chunks: one extent per page
     mem, page = g.mem, disk.pool.page_size
     per_piece = max(1, piece_bytes(disk.nbytes, g.plan) // page)
     n_pages = len(disk.extents)
     firsts = list(range(0, n_pages, per_piece))
-    steps_beside(g, torch.device("cpu"))  # updated on the host (a replan may have homed it on the GPU before)
+    g.steps_on(torch.device("cpu"))  # updated on the host (a replan may have homed it on the GPU before)
     before = [s.detach().clone() for s in g.steps]
     sets: list[_Buffers] = []
     try:
@@ -105,13 +108,9 @@ def update_in_pieces(g: BlockGroup, hypers: list[AdamWHyper], coef: torch.Tensor
     for i, s in enumerate(g.steps):
         if taken.has_grad[i]:
             s.copy_(before[i] + 1)
-    if g.shard is not None and not g.plan.stream:
-        g.slot_stale = True  # a resident sharded block gathers the new shards into its slot at its next use
-    g.params_written(g)
-    g.version = max(g.version, taken.step + 1)
 
 
-def _read(g: BlockGroup, buf: _Buffers, first: int, count: int) -> None:
+def _read(g: "BlockGroup", buf: _Buffers, first: int, count: int) -> None:
     buf.at(g, first, count)
     buf.io = [g.mem.mover.read_pages(c, first, count, b) for c, b in buf.on_disk(g)]
 
@@ -125,7 +124,7 @@ def _drain(buf: _Buffers) -> None:
             pass
 
 
-def _cut(g: BlockGroup, lo: int, hi: int) -> list[tuple[int, int, int]]:
+def _cut(g: "BlockGroup", lo: int, hi: int) -> list[tuple[int, int, int]]:
     """(parameter, start, end) of each parameter part inside state elements ``[lo, hi)``."""
     out = []
     for owner, (a, b) in zip(g.view_params, g.state_cuts):
@@ -135,7 +134,7 @@ def _cut(g: BlockGroup, lo: int, hi: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def _adamw_piece(g: BlockGroup, buf: _Buffers, lo: int, hypers: list[AdamWHyper], coef: torch.Tensor | None,
+def _adamw_piece(g: "BlockGroup", buf: _Buffers, lo: int, hypers: list[AdamWHyper], coef: torch.Tensor | None,
                  taken: TakenGrads, before: list[torch.Tensor]) -> None:
     """AdamW on the parameter parts inside this piece, each from its step count before the update."""
     n = buf.bytes[0].numel() // F32.itemsize
@@ -150,7 +149,7 @@ def _adamw_piece(g: BlockGroup, buf: _Buffers, lo: int, hypers: list[AdamWHyper]
                [g.group_of[i] for i, _, _ in parts], hypers, coef)
 
 
-def _publish_piece(g: BlockGroup, buf: _Buffers, lo: int) -> None:
+def _publish_piece(g: "BlockGroup", buf: _Buffers, lo: int) -> None:
     """The piece's new params into the compute copy the next forward reads; where that copy is the
     fp32 master itself (on disk), its write-back publishes it."""
     target: Chunk = g.param_home if g.param_home is not None else g.slot.chunk

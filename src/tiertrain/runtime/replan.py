@@ -1,5 +1,6 @@
 """A new plan taking effect at a step boundary: every state moved to the tier the plan names, the
-device slots and compute copies rebuilt, the same parameter objects re-pointed at them.
+device slots and compute copies rebuilt, and the blocks' groups made anew (through the constructor
+setup's build uses) over the same chunks and the same parameter objects, re-pointed at the new slots.
 
 Used by ``plan="auto"`` without a profile function: the first step runs under a conservative plan
 and is the profile; the chosen plan then takes over. Numerics do not change: masters and moments
@@ -12,18 +13,17 @@ those to the host last; each plan fits its budgets alone (the budget check).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from tiertrain.memory import Kind, Tier
-from tiertrain.plan import Plan
+from tiertrain.memory.chunk import Chunk
+from tiertrain.plan import BlockPlan, Plan
 from tiertrain.plan.bytes import master_in_slot, separate_param_home, state_homes
-from tiertrain.runtime.block_group import F32, BlockGroup
+from tiertrain.runtime.block_group import F32, BlockGroup, GroupChunks, GroupLayout
 from tiertrain.runtime.budget_check import device_need
-from tiertrain.runtime.build import ring_slots
-from tiertrain.runtime.cache import DeviceCache
-from tiertrain.runtime.modes import make_mode
-from tiertrain.runtime.slots import Slot, rebind
-from tiertrain.runtime.state_moves import StateMoves
+from tiertrain.runtime.build import floors_of, grad_floors_for, ring_slots
+from tiertrain.runtime.slots import DeviceSlot
 from tiertrain.units import format_bytes
 
 if TYPE_CHECKING:
@@ -36,30 +36,50 @@ def replan(rt: "Runtime", plan: Plan, transient_grads: bool) -> None:
     """Run ``rt`` under ``plan`` from the next step on (call between steps; training runs only)."""
     if not rt.options.train:
         raise ValueError("replan moves optimizer states; a forward-only run has none to move")
-    plan = plan.validate(len(rt.groups) - 1)
+    plan = plan.validate(len(_blocks(rt.groups)) - 1)
     _check_device_room(rt, plan, transient_grads)
     rt.wait_updates()
     rt.cache.settle()
     for g in rt.groups:
         g.release()
     _drop_compute_copies(rt)
-    for g, bp in zip(rt.groups, (*plan.blocks, plan.rest)):
-        g.plan = bp
-    rt.plan = plan
+    old = rt.groups
+    plans = _new_plans(old, plan)
     for tier in _MOVE_ORDER:
-        for g in rt.groups:
-            for chunk, home in zip(g.states, state_homes(g.plan)):
+        for g in old:
+            for chunk, home in zip(g.states, state_homes(plans[g.index])):
                 if home is tier and chunk.tier is not tier:
                     rt.mem.move(chunk, tier, contiguous=True).wait()
-    ring = ring_slots(rt.mem, [g.layout for g in rt.groups], plan)
-    _compute_copies(rt, ring)
+    copies = _compute_copies(rt, old, plans, plan)
+    floors = grad_floors_for([(g.layout, plans[g.index], g.shard is not None) for g in old],
+                             rt.comm.world_size) if transient_grads else {}
+    made: dict[int, BlockGroup] = {}
+    for g in reversed(old):  # a block's held experts come after it: made first, so the block is made with them
+        slot, param_home = copies[g.index]
+        bp = plans[g.index]
+        laid = GroupLayout(g.shard, g.mean_over, g.reduces_at_end, floors_of(floors, bp))
+        made[g.index] = BlockGroup(g.index, g.block, bp, g.layout, g.params, GroupChunks(*g.states, param_home, slot),
+                                   g.steps, g.group_of, g.compute, rt.ctx, laid,
+                                   made[g.experts.index] if g.experts is not None else None, g.comm, g.version)
+        made[g.index].rebind(slot)
     rt.mode.close()
-    rt.moves = StateMoves(rt.mem, plan.read_ahead)
-    rt.mode = make_mode(rt)
-    rt.cache = DeviceCache([g for g in rt.groups if g.plan.stream], ring, rt.mem.mover, plan.prefetch,
-                           ready=rt.params_ready)
-    rt.transient_grads = transient_grads
-    rt.wire()
+    rt.take_plan([made[g.index] for g in old], plan, transient_grads)
+
+
+def _blocks(groups: list[BlockGroup]) -> list[BlockGroup]:
+    """The groups that stand for the model's blocks (not held experts'), in order."""
+    experts = {g.experts.index for g in groups if g.experts is not None}
+    return [g for g in groups if g.index not in experts]
+
+
+def _new_plans(groups: list[BlockGroup], plan: Plan) -> dict[int, BlockPlan]:
+    """Each group's plan under ``plan``: its block's, or for held experts their block's home (they never stream)."""
+    out = dict(zip((g.index for g in _blocks(groups)), (*plan.blocks, plan.rest)))
+    for g in groups:
+        if g.experts is not None:
+            out[g.experts.index] = dataclasses.replace(out[g.index], stream=False, shard=False, recompute=False,
+                                                       offload_hidden=False, param_copy=False)
+    return out
 
 
 def _check_device_room(rt: "Runtime", plan: Plan, transient_grads: bool) -> None:
@@ -84,34 +104,38 @@ def _drop_compute_copies(rt: "Runtime") -> None:
             rt.mem.release(g.slot.chunk)
         if g.param_home is not None and g.param_home is not g.master:
             rt.mem.release(g.param_home)
-        g.param_home = None
 
 
-def _compute_copies(rt: "Runtime", ring: list[Slot]) -> None:
-    """Each block's slot and param home as the plan says, written from its master, and its parameters
-    re-pointed at the slot (a streamed block's slot is filled at its first use)."""
-    plan, streamed_seen = rt.plan, 0
-    for g in rt.groups:
+def _compute_copies(rt: "Runtime", groups: list[BlockGroup], plans: dict[int, BlockPlan],
+                    plan: Plan) -> dict[int, tuple[DeviceSlot, Chunk | None]]:
+    """Each group's slot and param home as its new plan says, written from its master (a streamed block's
+    slot is one of the ring's, filled at its first use), in block order as setup makes them."""
+    ring = ring_slots(rt.mem, [g.layout for g in _blocks(groups)], plan)
+    out, streamed_seen = {}, 0
+    for g in groups:
+        bp = plans[g.index]
         size = g.layout.numel * g.compute.itemsize
-        if g.plan.stream:
+        if bp.stream:
             slot = ring[streamed_seen % len(ring)]
             streamed_seen += 1
             slot.holder = None
-        elif master_in_slot(g.plan, plan, rt.options.train):
-            slot = Slot(g.master, holder=g.index)
+        elif master_in_slot(bp, plan, rt.options.train):
+            slot = DeviceSlot(g.master, holder=g.index)
         else:
-            slot = Slot(rt.mem.allocate(f"{g.block.name}.slot", size, Tier.DEVICE, Kind.PARAM, contiguous=True),
-                        holder=g.index)
+            slot = DeviceSlot(rt.mem.allocate(f"{g.block.name}.slot", size, Tier.DEVICE, Kind.PARAM, contiguous=True),
+                              holder=g.index)
             _write_compute(g, slot.chunk)
-        if g.plan.stream and separate_param_home(g.plan, plan, rt.options.train):
-            g.param_home = rt.mem.allocate(f"{g.block.name}.param", size, Tier.HOST, Kind.PARAM, contiguous=True)
-            _write_compute(g, g.param_home)
-        elif g.plan.stream:
-            g.param_home = g.master
-        rebind(g, slot)
+        param_home = None
+        if bp.stream and separate_param_home(bp, plan, rt.options.train):
+            param_home = rt.mem.allocate(f"{g.block.name}.param", size, Tier.HOST, Kind.PARAM, contiguous=True)
+            _write_compute(g, param_home)
+        elif bp.stream:
+            param_home = g.master
+        out[g.index] = (slot, param_home)
+    return out
 
 
-def _write_compute(g: BlockGroup, dst) -> None:
+def _write_compute(g: BlockGroup, dst: Chunk) -> None:
     """The block's master, rounded to the compute dtype, into ``dst`` (a disk master is read first)."""
     master = g.master
     if master.tier is Tier.DISK:

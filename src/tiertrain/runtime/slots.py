@@ -9,7 +9,6 @@ the slot holds the block when its backward runs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,12 +16,9 @@ from tiertrain.memory import ChunkLayout
 from tiertrain.memory.chunk import Chunk
 from tiertrain.memory.movement import Handle
 
-if TYPE_CHECKING:
-    from tiertrain.runtime.block_group import BlockGroup
-
 
 @dataclass
-class Slot:
+class DeviceSlot:
     chunk: Chunk
     holder: int | None = None  # index of the block whose params are in it
     readers: list[Handle] = field(default_factory=list)  # copies out of it in flight
@@ -40,13 +36,13 @@ class Slot:
         self.readers = []
 
 
-def slot_base(slot: Slot) -> tuple[torch.UntypedStorage, int]:
+def slot_base(slot: DeviceSlot) -> tuple[torch.UntypedStorage, int]:
     """The device pool's storage and the slot's byte offset in it."""
     flat = slot.chunk.merge()
     return flat.untyped_storage(), flat.storage_offset()  # uint8 storage: offsets in bytes
 
 
-def alias(slot: Slot, layout: ChunkLayout, dtype: torch.dtype) -> list[torch.Tensor]:
+def alias(slot: DeviceSlot, layout: ChunkLayout, dtype: torch.dtype) -> list[torch.Tensor]:
     """Tensors of each parameter's shape living in the slot's memory, with their own version counters."""
     storage, base = slot_base(slot)
     out = []
@@ -57,18 +53,17 @@ def alias(slot: Slot, layout: ChunkLayout, dtype: torch.dtype) -> list[torch.Ten
     return out
 
 
-def rebind(group: "BlockGroup", slot: Slot) -> None:
-    """Point the block's parameters at another slot (the device cache moved it).
+def point_at(params: list[torch.Tensor], layout: ChunkLayout, dtype: torch.dtype, slot: DeviceSlot) -> None:
+    """Point a block's parameters at another slot (the device cache moved it).
 
     ``set_`` counts as an in-place change, which would make autograd refuse the parameters it
     saved in forward; the values are the same block's, so the version counters are put back
     (torch's ``_unsafe_set_version_counter``, made for exactly this kind of storage swap).
     Saved *views* of the parameters are rebuilt from the new slot at unpack time instead."""
     storage, base = slot_base(slot)
-    versions = tuple(p._version for p in group.params)
-    size = group.compute.itemsize
+    versions = tuple(p._version for p in params)
+    size = dtype.itemsize
     with torch.no_grad():
-        for p, s in zip(group.params, group.layout.slots):
+        for p, s in zip(params, layout.slots):
             p.set_(storage, (base + s.offset * size) // size, s.shape)
-    torch._C._autograd._unsafe_set_version_counter(tuple(group.params), versions)
-    group.slot = slot
+    torch._C._autograd._unsafe_set_version_counter(tuple(params), versions)

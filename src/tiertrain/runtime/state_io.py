@@ -155,7 +155,7 @@ def write_weights(rt: Runtime, g: BlockGroup, tensors: list[torch.Tensor | None]
         target = g.param_home if g.param_home is not None else g.slot.chunk
         if target is not g.master:
             _write_parts(rt, g, target, tensors, g.compute)
-        rt.cache.invalidate(g)
+        g.params_written()
         return
     if any(t is None for t in tensors):
         current = _split(g, _weights_of(rt, g))
@@ -169,7 +169,7 @@ def write_weights(rt: Runtime, g: BlockGroup, tensors: list[torch.Tensor | None]
         _write(rt, target, mine if target is g.param_home else whole, g.compute)
     if g.shard is not None and not g.plan.stream:
         _write(rt, g.slot.chunk, whole, g.compute)  # a resident sharded block's slot holds the whole block
-    rt.cache.invalidate(g)  # a streamed block's slot copy is refilled at its next use
+    g.params_written()  # a streamed block's slot copy is refilled at its next use
 
 
 def write_moments(rt: Runtime, g: BlockGroup, state: Mapping[str, torch.Tensor], names: list[str]) -> None:

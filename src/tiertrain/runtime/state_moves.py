@@ -11,13 +11,15 @@ A chunk has one mover at a time: a read waits for the block's last write-back to
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 from tiertrain.errors import BudgetError
 from tiertrain.memory import Handle, MemorySystem, Tier
 from tiertrain.plan.bytes import in_pieces
-from tiertrain.runtime.block_group import BlockGroup
-from tiertrain.runtime.slots import Slot
+from tiertrain.runtime.slots import DeviceSlot
+
+if TYPE_CHECKING:
+    from tiertrain.runtime.block_group import BlockGroup
 
 
 class StateMoves:
@@ -29,7 +31,7 @@ class StateMoves:
         self._local = threading.local()            # per worker: its last write-back
         self._lock = threading.Lock()
 
-    def read_ahead(self, g: BlockGroup, block: bool = True, slot: Slot | None = None, places: int | None = None) -> bool:
+    def read_ahead(self, g: "BlockGroup", block: bool = True, slot: DeviceSlot | None = None, places: int | None = None) -> bool:
         """Start reading a disk-homed block's states now, so the reads overlap the backward of this and
         later blocks instead of following it. Skipped when ``places`` (default ``max_read_ahead``)
         blocks are already read in, and, with ``block=False``, while the block's last update or its
@@ -55,7 +57,7 @@ class StateMoves:
         self._master_from(g, slot, reads)
         return True
 
-    def _read_states(self, g: BlockGroup, reads: list[Handle], leave_master: bool) -> None:
+    def _read_states(self, g: "BlockGroup", reads: list[Handle], leave_master: bool) -> None:
         """A block's states on disk started into the host (its master too unless ``leave_master``), once
         its last write-back has landed."""
         for h in self._home.pop(g.index, []):
@@ -69,7 +71,7 @@ class StateMoves:
         except BudgetError:  # no room now: the update reads what is still on disk itself
             pass
 
-    def _master_from(self, g: BlockGroup, slot: Slot | None, reads: list[Handle]) -> None:
+    def _master_from(self, g: "BlockGroup", slot: DeviceSlot | None, reads: list[Handle]) -> None:
         """The master of a block being read in copied from ``slot`` (just filled from it), where it is
         still on disk; else its update reads it (``bring_in``)."""
         master = g.master
@@ -95,11 +97,10 @@ class StateMoves:
         """Whether every write-back has landed."""
         return all(h.done() for moves in list(self._home.values()) for h in moves)
 
-    def _settled(self, g: BlockGroup) -> bool:
-        pending = g.pending
-        return (pending is None or pending.done()) and all(h.done() for h in self._home.get(g.index, []))
+    def _settled(self, g: "BlockGroup") -> bool:
+        return g.update_idle() and all(h.done() for h in self._home.get(g.index, []))
 
-    def bring_in(self, g: BlockGroup) -> None:
+    def bring_in(self, g: "BlockGroup") -> None:
         """Before an update (on its worker): the block's reads landed, and whatever is still on disk
         read in, while this worker's last write-back may still be going out (the disk reads and
         writes at once: a block counts as being updated from its first read on, beside the one write-back
@@ -114,7 +115,7 @@ class StateMoves:
         for h in [self.mem.move(c, Tier.HOST, contiguous=True) for c in g.states if c.tier is Tier.DISK]:
             h.wait()
 
-    def send_home(self, g: BlockGroup) -> None:
+    def send_home(self, g: "BlockGroup") -> None:
         """After an update: a disk-homed block's states start back to disk once this worker's last
         write-back has landed (one write-back per worker in flight bounds the states held in host:
         ``plan.bytes.tier_bytes``); the block is read in no more."""
@@ -127,7 +128,7 @@ class StateMoves:
         with self._lock:
             self._reads.pop(g.index, None)
 
-    def settle(self, g: BlockGroup) -> None:
+    def settle(self, g: "BlockGroup") -> None:
         """Return once the block's params are final (before reading them): its update is done and,
         where its slot is filled from the fp32 master itself on disk, the master's write-back has landed.
 
@@ -135,8 +136,7 @@ class StateMoves:
         device slot), so the next forward runs while their states go home to disk: that write-back
         overlaps compute instead of the forward waiting for it. The states' next reader
         (``read_ahead``, ``bring_in``) waits for it instead."""
-        if g.pending is not None:
-            g.pending.result()
+        g.wait_update()
         if g.fills_slot_from_disk:
             for h in self._home.pop(g.index, []):
                 h.wait()
@@ -153,8 +153,3 @@ class StateMoves:
         for h in reads:
             h.wait_done()  # a failed read left its chunk where it was; its update reports the error
 
-
-def wait(pending: Future | None) -> None:
-    """Wait for an update in flight (re-raising its error here)."""
-    if pending is not None:
-        pending.result()

@@ -433,8 +433,9 @@ class Trainer:
         if total is not None:
             row["peak_bytes"]["device_with_activations"] = total
         row["slot_fetches"] = self.model.runtime.cache.pop_fetches()  # streamed blocks copied onto the device
-        if self.model.runtime.plan.update == "lockfree":
-            row["staleness"] = self.model.runtime.pop_staleness()
+        staleness = self.model.runtime.pop_staleness()
+        if staleness is not None:  # lockfree: the params a forward used may lag
+            row["staleness"] = staleness
         if self.auto is not None and self.step > WARMUP_STEPS:  # beside the measured step_s and tier peaks
             from tiertrain.autoplan.auto_plan import CHECK_AFTER
 

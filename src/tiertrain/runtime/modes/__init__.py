@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from tiertrain.runtime.modes.base import UpdateMode
+from tiertrain.plan import Plan
+from tiertrain.runtime.modes.base import ModeContext, UpdatableGroup, UpdateMode
 from tiertrain.runtime.modes.lockfree import LockfreeMode
 from tiertrain.runtime.modes.overlap import OverlapMode
 from tiertrain.runtime.modes.sync import SyncMode
 
-if TYPE_CHECKING:
-    from tiertrain.runtime.runtime import Runtime
-
 MODES: dict[str, type[UpdateMode]] = {"sync": SyncMode, "overlap": OverlapMode, "lockfree": LockfreeMode}
 
 
-def make_mode(rt: "Runtime") -> UpdateMode:
-    return MODES[rt.plan.update](rt, rt.plan.update_workers)
+def mode_of(plan: Plan) -> type[UpdateMode]:
+    """The mode a plan runs its updates in."""
+    return MODES[plan.update]
 
 
-__all__ = ["MODES", "LockfreeMode", "OverlapMode", "SyncMode", "UpdateMode", "make_mode"]
+def make_mode(ctx: ModeContext) -> UpdateMode:
+    return mode_of(ctx.plan)(ctx)
+
+
+__all__ = ["MODES", "LockfreeMode", "ModeContext", "OverlapMode", "SyncMode", "UpdatableGroup", "UpdateMode",
+           "make_mode", "mode_of"]

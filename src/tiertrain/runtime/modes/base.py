@@ -2,45 +2,92 @@
 
 A mode decides when a block's update runs (after backward, during it, or on a loop the device
 never waits for), when the device may use a block's params again, and what a step and
-``zero_grad`` do. It is chosen once, from the plan (``make_mode``); the runtime never tests the
-plan's update mode itself.
+``zero_grad`` do. It is chosen once, from the plan (``make_mode``); nothing outside the modes
+tests the plan's update mode: what differs between them is asked of the mode.
+
+A mode sees the run through ``ModeContext`` and the groups through ``UpdatableGroup``: it runs
+and waits for their updates and drops their gradients; it never reaches into a group.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ContextManager, Protocol
 
 import torch
 
 from tiertrain.optim import AdamWHyper
-from tiertrain.plan.bytes import in_pieces
-from tiertrain.runtime.pieces import update_in_pieces
+from tiertrain.plan import BlockPlan, Plan
+from tiertrain.runtime.step_clock import StepClock
+from tiertrain.runtime.step_norm import StepNorm
 
 if TYPE_CHECKING:
-    from tiertrain.runtime.block_group import BlockGroup
-    from tiertrain.runtime.runtime import Runtime
+    from tiertrain.runtime.state_moves import StateMoves
+
+
+class UpdatableGroup(Protocol):
+    """What a mode may ask of a block group."""
+
+    index: int
+    plan: BlockPlan
+    version: int            # its params include the updates of steps below this
+    update_future: Future | None
+    grad_lock: ContextManager[Any]
+
+    def update(self, hypers: list[AdamWHyper], coef: torch.Tensor | None) -> None: ...
+    def update_now(self, hypers: list[AdamWHyper], coef: torch.Tensor | None) -> None: ...
+    def run_update(self, pool: Executor, fn: Callable[..., None], *args: Any) -> Future: ...
+    def update_idle(self) -> bool: ...
+    def wait_update(self) -> None: ...
+    def finish_update(self) -> None: ...
+    def release(self) -> None: ...
+    def grads_span(self, steps: int) -> bool: ...
+
+
+@dataclass(frozen=True)
+class ModeContext:
+    """The run, as an update mode sees it."""
+
+    groups: list[UpdatableGroup]             # in block order, the rest last
+    clock: StepClock
+    norm: StepNorm
+    moves: "StateMoves"
+    hypers: Callable[[], list[AdamWHyper]]   # the optimizer's hyperparameters as they are now (a snapshot)
+    settle: Callable[[], None]               # a step begins: copies into device slots landed, read-ahead restarted
+    max_grad_norm: float | None              # clipping declared at setup
+    waits_for_norm: bool                     # the step needs the global norm (clipping, fp16) before any update
+    plan: Plan
 
 
 class UpdateMode:
     """Sync's behaviour, which the others refine: updates run when the step is taken."""
 
-    reads_ahead = True     # disk states may be read in during forward and backward, ahead of updates
+    reads_ahead = True              # disk states may be read in during forward and backward, ahead of updates
+    updates_in_backward_order = False  # each block is updated as backward finishes it, so forward's read-ahead
+    #                                    may use the update workers' places (``runtime.read_ahead``)
+    takes_grads_any_time = False    # an update loop may take a block's grad chunk at any moment
+    reports_staleness = False       # the run reports how stale the params a forward used were
 
-    def __init__(self, rt: "Runtime", workers: int) -> None:
-        self.rt = rt
-        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="tiertrain-optim")
+    def __init__(self, ctx: ModeContext) -> None:
+        self.ctx = ctx
+        self.pool = ThreadPoolExecutor(ctx.plan.update_workers, thread_name_prefix="tiertrain-optim")
+
+    @classmethod
+    def check(cls, plan: Plan) -> None:
+        """Refuse a plan this mode cannot run, before anything is allocated."""
 
     # -- the device side -------------------------------------------------------------------
-    def params_ready(self, g: "BlockGroup") -> None:
+    def params_ready(self, g: UpdatableGroup) -> None:
         """Return when the block's params may be used: once its update is written back."""
-        self.rt.moves.settle(g)
+        self.ctx.moves.settle(g)
 
     def step_hypers(self) -> list[AdamWHyper] | None:
         """Hyperparameters to keep with this step's gradients (None: the update's own, taken then)."""
         return None
 
-    def grads_final(self, g: "BlockGroup") -> None:
+    def grads_final(self, g: UpdatableGroup) -> None:
         """A block's gradients of this backward are all in its chunk."""
 
     def backward_done(self, final: bool) -> None:
@@ -48,56 +95,50 @@ class UpdateMode:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float) -> torch.Tensor:
         """The loop's ``clip_grad_norm_``: the global norm, and the coefficient the updates will apply."""
-        return self.rt.clip_grad_norm_(max_norm, norm_type)
+        return self.ctx.norm.clip_grad_norm_(max_norm, norm_type)
+
+    def pop_staleness(self) -> int:
+        """The most steps a block's params lagged since last asked (0 where they never lag)."""
+        return 0
 
     # -- the step --------------------------------------------------------------------------
     def step(self) -> None:
-        rt = self.rt
-        rt.steps_taken += 1
-        rt.cache.settle()
-        rt.restart_reads()
-        if not rt.updates_started:
-            if rt.options.max_grad_norm is not None and rt.clip_coef is None:  # declared, and the loop did not clip
-                rt.clip_grad_norm_(rt.options.max_grad_norm)
-            coef = rt.grad_coefficient()
-            for g in rt.update_order():
-                if not rt.skip_step:
-                    self.update_now(g, coef, None)
+        ctx, clock = self.ctx, self.ctx.clock
+        clock.steps_taken += 1
+        ctx.settle()
+        if not clock.updates_started:
+            if ctx.max_grad_norm is not None and ctx.norm.clip_coef is None:  # declared, and the loop did not clip
+                ctx.norm.clip_grad_norm_(ctx.max_grad_norm)
+            coef = ctx.norm.coefficient()
+            for g in self.update_order():
+                if not clock.skip_step:
+                    g.update_now(ctx.hypers(), coef)
         self.after_step()
-        rt.end_step()
+        clock.end_step()
+        ctx.norm.end_step()
+
+    def update_order(self) -> list[UpdatableGroup]:
+        """The rest (embeddings) first: the next forward starts there."""
+        return self.ctx.groups[-1:] + self.ctx.groups[:-1]
 
     def after_step(self) -> None:
         self.wait_all()
 
     def wait_all(self) -> None:
         """Every gradient taken into the states and every state home (checkpoints, the end)."""
-        for g in self.rt.groups:
-            if g.pending is not None:
-                g.pending.result()
-                g.pending = None
-        self.rt.moves.drain()
+        for g in self.ctx.groups:
+            g.finish_update()
+        self.ctx.moves.drain()
 
-    def zero_grad(self, g: "BlockGroup") -> None:
-        if g.pending is None:  # an update in flight takes (and frees) the gradients itself
+    def zero_grad(self, g: UpdatableGroup) -> None:
+        if g.update_future is None:  # an update in flight takes (and frees) the gradients itself
             g.release()
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
 
     # -- running updates -------------------------------------------------------------------
-    def update_now(self, g: "BlockGroup", coef: torch.Tensor | None, hypers: list[AdamWHyper] | None) -> None:
-        """Update one block in this thread: its states in, AdamW, its params published, states home
-        (a block updated in pieces does all of it a piece at a time)."""
-        if in_pieces(g.plan):
-            update_in_pieces(g, hypers or self.rt.hypers(), coef)
-            return
-        moves = self.rt.moves
-        moves.bring_in(g)
-        g.update(hypers or self.rt.hypers(), coef)
-        moves.send_home(g)
-
-    def submit(self, g: "BlockGroup", coef: torch.Tensor | None) -> Future:
+    def submit(self, g: UpdatableGroup, coef: torch.Tensor | None) -> Future:
         """Update one block on a worker; its next use waits on the returned future. The hyperparameters
         are copied now: by the time the worker runs, the loop may have set the next step's learning rate."""
-        g.pending = self.pool.submit(self.update_now, g, coef, self.rt.hypers())
-        return g.pending
+        return g.run_update(self.pool, g.update, self.ctx.hypers(), coef)

@@ -7,44 +7,53 @@ per pass, since each pass costs the states' disk traffic whatever it carries."""
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
 
 import torch
 
 from tiertrain.errors import ConfigError
 from tiertrain.optim import AdamWHyper
-from tiertrain.plan import Tier
+from tiertrain.plan import Plan, Tier
 from tiertrain.plan.bytes import steps_per_disk_pass
-from tiertrain.runtime.modes.base import UpdateMode
-
-if TYPE_CHECKING:
-    from tiertrain.runtime.block_group import BlockGroup
-    from tiertrain.runtime.runtime import Runtime
+from tiertrain.runtime.modes.base import ModeContext, UpdatableGroup, UpdateMode
 
 
 class LockfreeMode(UpdateMode):
     reads_ahead = False  # a block's loop may be moving its states at any moment: one mover per chunk
+    takes_grads_any_time = True
+    reports_staleness = True
 
-    def __init__(self, rt: "Runtime", workers: int) -> None:
-        super().__init__(rt, workers)
-        self.max_staleness = rt.plan.max_staleness
-        self._running: set[int] = set()  # blocks whose loop runs (guarded by each block's grads.lock)
+    def __init__(self, ctx: ModeContext) -> None:
+        super().__init__(ctx)
+        self.max_staleness = ctx.plan.max_staleness
+        self._running: set[int] = set()  # blocks whose loop runs (guarded by each block's grad lock)
         self._seen = 0                    # the most steps a block's params lagged since last asked
         self._seen_lock = threading.Lock()
 
-    def params_ready(self, g: "BlockGroup") -> None:
+    @classmethod
+    def check(cls, plan: Plan) -> None:
+        """Lockfree with lag over sharded blocks is refused: whether a rank gathers a block's params
+        again depends on whether its own update has published them yet, so ranks could issue different
+        collectives and hang. At staleness 0 every block waits for its update, on every rank."""
+        if plan.max_staleness > 0 and plan.parallel.dp > 1 and any(b.shard for b in (*plan.blocks, plan.rest)):
+            raise ConfigError(f"lockfree updates with max staleness {plan.max_staleness} over {plan.parallel.dp} "
+                              "ranks need replicated blocks: use max staleness 0 (--max-staleness 0), update "
+                              "'overlap', or a replicated layout (a plan file whose blocks say \"shard\": false, as "
+                              "`tiertrain plan --nproc N` writes where replicating is faster; in Python "
+                              "tiertrain.plan.data_parallel(plan, N, shard=False))")
+
+    def params_ready(self, g: UpdatableGroup) -> None:
         """Return once the block's params are at most ``max_staleness`` steps old (the staleness is recorded)."""
-        rt = self.rt
-        while rt.steps_taken - g.version > self.max_staleness:
+        clock = self.ctx.clock
+        while clock.steps_taken - g.version > self.max_staleness:
             self.submit_loop(g)  # the gradients it holds back must be applied now
-            pending = g.pending
+            pending = g.update_future
             if pending is None:
                 break
             pending.result()
-            if pending is g.pending and rt.steps_taken - g.version > self.max_staleness:
+            if pending is g.update_future and clock.steps_taken - g.version > self.max_staleness:
                 break  # its loop ended without the missing step's gradients (none were produced)
         with self._seen_lock:
-            self._seen = max(self._seen, rt.steps_taken - g.version)
+            self._seen = max(self._seen, clock.steps_taken - g.version)
 
     def pop_staleness(self) -> int:
         with self._seen_lock:
@@ -56,45 +65,40 @@ class LockfreeMode(UpdateMode):
                           "train without clipping (grad_clip: 0) or use --update overlap")
 
     def step_hypers(self) -> list[AdamWHyper] | None:
-        return self.rt.hypers()
+        return self.ctx.hypers()
 
-    def grads_final(self, g: "BlockGroup") -> None:
+    def grads_final(self, g: UpdatableGroup) -> None:
         steps = steps_per_disk_pass("lockfree", self.max_staleness)
         self.submit_loop(g, coalesce=steps if g.plan.home is Tier.DISK else 1)
 
     def step(self) -> None:
         """Updates are already running; the device does not wait."""
-        self.rt.steps_taken += 1
-        self.rt.micro = 0
+        self.ctx.clock.steps_taken += 1
+        self.ctx.clock.micro = 0
 
     def wait_all(self) -> None:
-        for g in self.rt.groups:
+        for g in self.ctx.groups:
             self.submit_loop(g)  # what the loops held back to coalesce
         super().wait_all()
 
-    def zero_grad(self, g: "BlockGroup") -> None:
+    def zero_grad(self, g: UpdatableGroup) -> None:
         """Flushed gradients belong to the block's loop now."""
 
-    def submit_loop(self, g: "BlockGroup", coalesce: int = 1) -> None:
+    def submit_loop(self, g: UpdatableGroup, coalesce: int = 1) -> None:
         """Keep updating the block while its gathered gradients span ``coalesce`` steps or more; start
         a loop only if none runs. (``params_ready`` forces a pass with ``coalesce=1`` when a block
         would otherwise be staler than allowed, and so does ``wait_all``.)"""
-        with g.grads.lock:
-            if g.index in self._running or not self._due(g, coalesce):
+        with g.grad_lock:
+            if g.index in self._running or not g.grads_span(coalesce):
                 return
             self._running.add(g.index)
 
         def loop() -> None:
             while True:
-                self.update_now(g, None, self.rt.hypers())
-                with g.grads.lock:
-                    if not self._due(g, coalesce):
+                g.update(self.ctx.hypers(), None)
+                with g.grad_lock:
+                    if not g.grads_span(coalesce):
                         self._running.discard(g.index)
                         return
 
-        g.pending = self.pool.submit(loop)
-
-    @staticmethod
-    def _due(g: "BlockGroup", coalesce: int) -> bool:
-        """Whether the block's gathered gradients span ``coalesce`` steps (call under ``grads.lock``)."""
-        return g.grads.chunk is not None and g.grads.step + 1 - g.version >= coalesce
+        g.run_update(self.pool, loop)

@@ -39,6 +39,15 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subpro
                           cwd=cwd, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
+def needs(blocks, plan, page: int, train: bool = True, transient_grads: bool = False) -> dict:
+    """What ``plan.fit`` counts per tier for a model's blocks (gradients updated away as they come where
+    ``transient_grads``, else all of them held)."""
+    from tiertrain.plan.fit import tier_bytes
+    from tiertrain.runtime.blocks import block_sizes
+
+    return tier_bytes(block_sizes(blocks), plan, page, train, "transient" if transient_grads else "all")
+
+
 def made(directory: Path) -> Path:
     """``directory``, made (tiertrain creates a disk directory only inside one that exists)."""
     directory.mkdir(parents=True, exist_ok=True)

@@ -79,8 +79,9 @@ def tiered_losses(rank: int, plan, update: str, accum: int, clip: float | None, 
     budgets = Budgets(64 << 20, 64 << 20, 64 << 20, rank_disk(disk, rank))
     tm, topt = tiertrain.setup(model, opt, budgets, plan=plan, update=update, grad_accum=accum, max_grad_norm=clip,
                                page_size=64 << 10)
-    try:  # over several ranks the device pool keeps its whole budget (the plan's count misses some of it)
-        assert tm.runtime.mem.pool(Tier.DEVICE).capacity == budgets.device
+    try:  # over several ranks too the device pool maps what the plan counts (a count short of what the run
+        # allocates fails the run: "the plan's count is short, a bug in tiertrain")
+        assert tm.runtime.mem.pool(Tier.DEVICE).capacity == tm.runtime.plan.resolved.device < budgets.device
         before = tm.runtime.comm.sent
         losses = _loop(tm, topt, rank, accum, clip, lambda c: torch.nn.utils.clip_grad_norm_(tm.parameters(), c))
         return losses, tm.runtime.comm.sent - before

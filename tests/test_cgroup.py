@@ -180,3 +180,74 @@ def test_a_block_whose_states_are_4x_the_host_budget_trains_from_disk_in_pieces_
     assert used <= cap
     assert got["pieces"][-1] > 0  # setup cut the plan into pieces: whole blocks' states do not fit the host
     assert got["losses"] == train_plain(PIECES_MODEL, 3, 1, None)
+
+
+IN_RAM_MODEL = {"n_layer": 48, "n_embd": 256, "n_head": 4, "n_positions": 64, "vocab_size": 8192, "resid_pdrop": 0.0,
+                "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": 0, "eos_token_id": 0}
+IN_RAM_DEVICE, IN_RAM_HOST = 48 << 20, 160 << 20
+# the cap: the budgets plus what a process with transformers imported holds beside them (about 390 MiB here,
+# a cgroup's count). The model's fp32 weights (153 MiB) are not in it: at setup the process holds them and
+# the cgroup leaves it less room than the budgets, as a 354M GPT-2 (1.4 GB) under a 3 GiB cap with 512 MiB +
+# 2 GiB of budgets; setup moves them into the pools block by block, so they count as room
+IN_RAM_CAP = IN_RAM_DEVICE + IN_RAM_HOST + (392 << 20)
+IN_RAM_RUN = """
+import json, sys
+import torch
+import transformers
+import tiertrain
+from tiertrain.memory.capacity import cgroup_room
+from tiertrain.plan.fit import BeyondMachine, MachineRoom, check_machine
+cfg, budgets, mode = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+torch.manual_seed(0)
+model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**cfg))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+g = torch.Generator().manual_seed(1)
+batches = [torch.randint(0, cfg["vocab_size"], (2, 33), generator=g) for _ in range(3)]
+out = {}
+if mode == "tiered":
+    budgets = tiertrain.Budgets(**budgets)
+    try:  # the room the cgroup leaves now, without the weights setup frees
+        check_machine(budgets, MachineRoom(cgroup_room()))
+        out["without_weights"] = "fits"
+    except BeyondMachine as exc:
+        out["without_weights"] = str(exc)
+    model, opt = tiertrain.setup(model, opt, budgets, plan="max-offload", update="overlap", page_size=1 << 20)
+losses = []
+for b in batches:
+    loss = model(input_ids=b[:, :-1], labels=b[:, 1:]).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    losses.append(loss.item())
+print(json.dumps({**out, "losses": losses}))
+"""
+
+
+def test_a_transformers_model_built_in_ram_trains_under_a_cap_its_weights_and_the_budgets_exceed(tmp_path):
+    """A transformers GPT-2 built in RAM, set up with budgets and states on disk, in a memory cgroup whose
+    room at setup is less than the budgets while the model's own weights are alive: the machine check counts
+    the weights setup frees as it moves them into the pools, setup stays within the cap, and the run trains
+    with plain PyTorch's losses (the script never closes the run: it is closed as the interpreter exits)."""
+    pytest.importorskip("transformers")
+    cfg = json.dumps(IN_RAM_MODEL)
+    budgets = json.dumps({"device": IN_RAM_DEVICE, "host": IN_RAM_HOST, "disk": "2GiB", "disk_dir": str(tmp_path)})
+    group = _make_cgroup("in-ram")
+    try:
+        (group / "memory.limit_in_bytes").write_text(str(IN_RAM_CAP))
+        cmd = (f'echo $$ > {group}/cgroup.procs && exec "{sys.executable}" -c \'{IN_RAM_RUN}\' \'{cfg}\' '
+               f'\'{budgets}\' tiered')
+        r = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, timeout=400)
+        used = int((group / "memory.max_usage_in_bytes").read_text())
+    finally:
+        group.rmdir()
+    assert r.returncode == 0, f"exit {r.returncode} (-9: killed for memory)\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    print(f"cgroup peak {used / 2**20:.0f} MiB beside the cap {IN_RAM_CAP / 2**20:.0f} MiB; without the weights "
+          f"setup frees: {got['without_weights']}")
+    assert "exceed the memory this process can take" in got["without_weights"]  # the cap is really that tight
+    assert used <= IN_RAM_CAP
+    plain = subprocess.run([sys.executable, "-c", IN_RAM_RUN, cfg, budgets, "plain"], capture_output=True, text=True,
+                           timeout=400)
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    assert got["losses"] == json.loads(plain.stdout.strip().splitlines()[-1])["losses"]
+    assert not list(tmp_path.iterdir())  # the disk tier's files removed as the interpreter exited

@@ -16,7 +16,9 @@ from tiertrain.memory.movement import Handle
 from tiertrain.plan import BlockPlan, Plan
 from tiertrain.runtime.block_group import BlockGroup
 from tiertrain.runtime.blocks import find_blocks
-from tiertrain.runtime.budget_check import needs, widest_read_ahead
+from conftest import needs
+from tiertrain.plan.fit import widest_read_ahead
+from tiertrain.runtime.blocks import block_sizes
 
 PAGE = 64 * 1024
 
@@ -243,9 +245,9 @@ def test_spare_host_memory_reads_more_blocks_ahead_within_the_budget(tmp_path):
     base = needs(blocks, plan, PAGE)[Tier.HOST]
     roomy = needs(blocks, dataclasses.replace(plan, read_ahead=5), PAGE)[Tier.HOST]
     assert base < roomy
-    assert widest_read_ahead(blocks, plan, budgets(tmp_path, base), PAGE).read_ahead == 1
-    assert widest_read_ahead(blocks, plan, budgets(tmp_path, roomy - 1), PAGE).read_ahead < 5
-    assert widest_read_ahead(blocks, plan, budgets(tmp_path, 1 << 30), PAGE).read_ahead == 5  # 4 blocks + rest
+    assert widest_read_ahead(block_sizes(blocks), plan, PAGE, budgets(tmp_path, base)).read_ahead == 1
+    assert widest_read_ahead(block_sizes(blocks), plan, PAGE, budgets(tmp_path, roomy - 1)).read_ahead < 5
+    assert widest_read_ahead(block_sizes(blocks), plan, PAGE, budgets(tmp_path, 1 << 30)).read_ahead == 5  # 4 blocks + rest
     want = train_plain(TINY4, 4, 1, None)
     for host in (base, roomy):
         model, opt = _fresh(TINY4)

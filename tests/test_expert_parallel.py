@@ -28,7 +28,7 @@ import torch
 
 from dp_harness import rank_batches, rank_disk, run_ranks
 from tiertrain.errors import ConfigError
-from tiertrain.memory import Budgets
+from tiertrain.memory import Budgets, Tier
 from tiertrain.plan import ParallelLayout, Plan, builtin_plan, data_parallel
 
 MOE = {"n_layer": 2, "n_head": 2, "d_model": 32, "d_ffn": 64, "vocab_size": 256, "max_seq_len": 64, "n_experts": 4,
@@ -107,7 +107,9 @@ def expert_parallel_run(rank: int, cfg: dict, plan: Plan, update: str, clip: flo
     tm, topt = tiertrain.setup(model, opt, budgets, plan=plan, update=update, max_grad_norm=clip, grad_accum=accum,
                                page_size=64 << 10)
     rt, out = tm.runtime, {"losses": [], "sent": []}
-    try:
+    try:  # the device pool maps what the plan counts, the held experts' slots and states among it
+        assert rt.mem.pool(Tier.DEVICE).capacity == rt.plan.resolved.device < budgets.device
+        assert sum(rt.plan.resolved.experts) > 0
         out["held"] = sorted({n.split(".experts.")[1].split(".")[0] for n, _ in tm.named_parameters()
                               if ".experts." in n})
         data = rank_batches(rank, steps * accum)

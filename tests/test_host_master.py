@@ -11,7 +11,8 @@ import pytest
 from tiered_harness import train_plain, train_tiered
 from tiertrain.memory import Budgets
 from tiertrain.plan import BlockPlan, Plan
-from tiertrain.plan.bytes import host_masters, page_for_states, pages, tier_bytes
+from tiertrain.plan.bytes import pages
+from tiertrain.plan.fit import host_masters, page_for_states, tier_bytes
 from tiertrain.plan.tiers import Tier
 from tiertrain.planner.auto import to_plan
 from tiertrain.planner.solvers import Problem
@@ -89,7 +90,7 @@ def test_the_planner_keeps_masters_on_the_host_it_has_and_the_plan_trains_as_pla
     from tiertrain.planner.auto import choose
     from tiertrain.planner.simulator import simulate
     from tiertrain.runtime.blocks import find_blocks
-    from tiertrain.runtime.budget_check import needs
+    from conftest import needs
 
     spec = dict(TINY4, n_layer=12)
     blocks = find_blocks(build(spec, device="meta"))
@@ -97,7 +98,7 @@ def test_the_planner_keeps_masters_on_the_host_it_has_and_the_plan_trains_as_pla
     all_disk = Plan(tuple(BlockPlan(home=Tier.DISK, stream=True) for _ in numels[:-1]), BlockPlan(home=Tier.DISK),
                     window=2, prefetch=1, update="overlap")
     host = tier_bytes(numels, all_disk, PAGE, grads="transient")[Tier.HOST] + 4 * pages(numels[0] * 4, PAGE)
-    pb = Problem(profile, device=1 << 20, host=host, disk=64 << 20)
+    pb = Problem(profile, Budgets(device=1 << 20, host=host, disk=64 << 20))
     plan = choose(pb)[0].plan
     assert any(b.host_master for b in (*plan.blocks, plan.rest)), plan.to_json()
     without = dataclasses.replace(plan, blocks=tuple(dataclasses.replace(b, host_master=False) for b in plan.blocks),
@@ -123,8 +124,8 @@ def test_the_planner_sends_the_solvers_host_homed_blocks_to_disk_where_every_mas
     profile, numels = _disk_bound(12)
     every = Plan(tuple(BlockPlan(home=Tier.DISK, stream=True, host_master=True) for _ in numels[:-1]),
                  BlockPlan(home=Tier.DISK, host_master=True), window=2, prefetch=1, update="overlap")
-    pb = Problem(profile, device=1 << 20, host=tier_bytes(numels, every, PAGE, grads="transient")[Tier.HOST],
-                 disk=64 << 20)
+    pb = Problem(profile, Budgets(device=1 << 20, host=tier_bytes(numels, every, PAGE, grads="transient")[Tier.HOST],
+                 disk=64 << 20))
     assert all(not all(SOLVERS[name](pb).disk_home) for name in ("dp", "greedy"))  # blocks kept on the host
     with monkeypatch.context() as m:
         m.setattr(auto, "_pipelines", lambda plan, *_: [plan])
@@ -141,7 +142,7 @@ def test_where_host_is_short_the_planner_takes_the_lean_pipeline_for_more_master
     within the runtime's own count. With host for every master either way, the lean pipeline only
     waits longer, and the default one is kept."""
     import tiertrain.planner.auto as auto
-    from tiertrain.runtime.budget_check import needs
+    from conftest import needs
     from tiertrain.runtime.blocks import find_blocks
     from tiertrain.models import build
     from tiered_harness import TINY4
@@ -150,7 +151,7 @@ def test_where_host_is_short_the_planner_takes_the_lean_pipeline_for_more_master
     all_disk = Plan(tuple(BlockPlan(home=Tier.DISK, stream=True) for _ in numels[:-1]), BlockPlan(home=Tier.DISK),
                     window=2, prefetch=1, update="overlap")
     host = tier_bytes(numels, all_disk, PAGE, grads="transient")[Tier.HOST] + pages(numels[0] * 4, PAGE)
-    pb = Problem(profile, device=1 << 20, host=host, disk=64 << 20)
+    pb = Problem(profile, Budgets(device=1 << 20, host=host, disk=64 << 20))
     chosen = auto.choose(pb)[0]
     assert (chosen.plan.update_workers, chosen.plan.read_ahead) == (1, 1), chosen.plan.to_json()
     blocks = find_blocks(build(dict(TINY4, n_layer=12), device="meta"))
@@ -163,7 +164,7 @@ def test_where_host_is_short_the_planner_takes_the_lean_pipeline_for_more_master
     assert chosen.sim.step_s < default.sim.step_s
     every = Plan(tuple(BlockPlan(home=Tier.DISK, stream=True, host_master=True) for _ in numels[:-1]),
                  BlockPlan(home=Tier.DISK, host_master=True), window=2, prefetch=1, update="overlap")
-    roomy = dataclasses.replace(pb, host=2 * tier_bytes(numels, every, PAGE, grads="transient")[Tier.HOST])
+    roomy = pb.with_budgets(host=2 * tier_bytes(numels, every, PAGE, grads="transient")[Tier.HOST])
     assert auto.choose(roomy)[0].plan.update_workers == 2
 
 
@@ -211,7 +212,7 @@ def _short_host(device_is_host: bool, device: int) -> tuple[Problem, list[int]]:
     all_disk = Plan(tuple(BlockPlan(home=Tier.DISK, stream=True) for _ in blocks), BlockPlan(home=Tier.DISK),
                     window=2, prefetch=1, update="overlap", read_ahead=1, update_workers=1)
     host = tier_bytes(numels, all_disk, PAGE, grads="transient")[Tier.HOST] + 2 * pages(n * 4, PAGE)
-    return Problem(profile, device=device, host=host, disk=1 << 30), numels
+    return Problem(profile, Budgets(device=device, host=host, disk=1 << 30)), numels
 
 
 def _whole_only(pipelines):
@@ -240,7 +241,7 @@ def test_where_host_is_short_the_planner_updates_blocks_in_pieces_for_more_maste
     assert tier_bytes(numels, chosen.plan, PAGE, grads="transient")[Tier.HOST] <= host
     every = Plan(tuple(BlockPlan(home=Tier.DISK, stream=True, host_master=True) for _ in numels[:-1]),
                  BlockPlan(home=Tier.DISK, host_master=True), window=2, prefetch=1, update="overlap")
-    roomy = dataclasses.replace(pb, host=2 * tier_bytes(numels, every, PAGE, grads="transient")[Tier.HOST])
+    roomy = pb.with_budgets(host=2 * tier_bytes(numels, every, PAGE, grads="transient")[Tier.HOST])
     assert not any(b.piece for b in auto.choose(roomy)[0].plan.blocks)
 
 
@@ -258,5 +259,5 @@ def test_on_a_gpu_pieces_whose_gradients_leave_activations_no_room_in_the_device
     assert whole.sim.peaks["device"] <= tight.device
     chosen = auto.choose(tight)[0]
     assert chosen.sim.peaks["device"] <= tight.device and not any(b.piece for b in chosen.plan.blocks)
-    roomy = dataclasses.replace(tight, device=64 << 20)
+    roomy = tight.with_budgets(device=64 << 20)
     assert any(b.piece for b in auto.choose(roomy)[0].plan.blocks)

@@ -5,7 +5,7 @@ import pytest
 from tiertrain.memory import layout as L
 from tiertrain.measure import page_size as P
 from tiertrain.memory.pool import check_page_size
-from tiertrain.memory.budgets import Budgets
+from tiertrain.plan.budgets import Budgets
 from tiertrain.errors import ConfigError
 
 

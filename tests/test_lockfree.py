@@ -169,7 +169,7 @@ def test_lagging_lockfree_updates_stay_within_the_host_budget_the_plan_was_check
     import tiertrain.runtime.block_group as updater
     from tiered_harness import _fresh, _loop
     from tiertrain.runtime.blocks import find_blocks
-    from tiertrain.runtime.budget_check import needs
+    from conftest import needs
 
     adamw = updater.adamw_block
     monkeypatch.setattr(updater, "adamw_block", lambda *a: (time.sleep(0.03), adamw(*a)))

@@ -13,7 +13,7 @@ import pytest
 from conftest import load_meter
 
 from tiertrain.errors import ConfigError
-from tiertrain.planner.machine import Link, Load, Machine, PerDtype, TierSizes
+from tiertrain.planner.machine import Link, Load, Machine, PerDtype
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -292,18 +292,18 @@ def test_max_model_agrees_with_the_budget_check(tmp_path):
     from tiertrain.memory import Budgets
     from tiertrain.models import build, param_count
     from tiertrain.plan import builtin_plan
-    from tiertrain.runtime.blocks import find_blocks
-    from tiertrain.runtime.budget_check import fits
+    from tiertrain.plan.fit import fits
+    from tiertrain.runtime.blocks import block_sizes, find_blocks
 
     machine, page = small_machine(), 64 << 10
-    sizes = TierSizes(device=128 * MiB, host=GiB, disk=8 * GiB)
+    sizes = Budgets(device=128 * MiB, host=GiB, disk=8 * GiB)
     run = RunShape(batch=1, seq=64, precision="fp32", update="sync", needs_all_grads=True, max_staleness=1, page=page)
     found = largest_model(machine, sizes, run)
     budgets = Budgets(sizes.device, sizes.host, sizes.disk, str(tmp_path))
     assert found.cfg.n_layer >= found.family.n_layer > 1 and found.params == param_count(found.cfg)
     assert found.params < found.bound_params
     blocks = find_blocks(build(found.cfg, device="meta"))
-    assert fits(blocks, found.chosen.plan, budgets, page)
+    assert fits(block_sizes(blocks), found.chosen.plan, budgets, page)
     assert found.chosen.sim.peaks["device"] <= sizes.device and found.chosen.sim.peaks["host"] <= sizes.host
 
     def frugal(n: int):
@@ -312,7 +312,8 @@ def test_max_model_agrees_with_the_budget_check(tmp_path):
 
     for bigger in (gpt3_shape(found.cfg.n_layer + 1, found.cfg.d_model, 64), gpt3_shape(found.family.n_layer + 1, seq=64)):
         assert not model_fits(bigger, machine, sizes, run), bigger.name
-        assert not fits(find_blocks(build(bigger, device="meta")), frugal(bigger.n_layer), budgets, page), bigger.name
+        assert not fits(block_sizes(find_blocks(build(bigger, device="meta"))), frugal(bigger.n_layer), budgets,
+                        page), bigger.name
 
 
 def test_max_model_from_the_command_line_prints_the_answer_beside_the_capacity_bound(tmp_path, capsys):

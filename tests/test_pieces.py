@@ -12,7 +12,8 @@ from conftest import made
 from tiered_harness import _fresh, _loop, train_plain
 from tiertrain.memory import Budgets, Kind, Tier
 from tiertrain.plan import BlockPlan, Plan
-from tiertrain.plan.bytes import bounded_grads, in_pieces, pieces_to_fit, tier_bytes
+from tiertrain.plan.bytes import in_pieces
+from tiertrain.plan.fit import bounded_grads, pieces_to_fit, tier_bytes
 from tiertrain.runtime.blocks import block_numel, find_blocks
 
 PAGE = 4096
@@ -128,7 +129,7 @@ def test_overlap_without_clipping_bounds_the_gradients_waiting_on_the_device(tmp
     budgets = dataclasses.replace(_budgets(tmp_path), device=few)
     tm, topt = tiertrain.setup(model, opt, budgets, plan=plan, page_size=PAGE)
     try:
-        assert tm.runtime.transient_grads  # bounded: all of them would not fit
+        assert tm.runtime.bounded_grads  # bounded: all of them would not fit
         got = _loop(tm, topt, None, 5, 1, None)
         peak = tm.runtime.mem.stats()["device"]["peak_by_kind"]["grad"]
     finally:
@@ -147,7 +148,7 @@ def test_the_planner_plans_pieces_where_no_whole_block_update_fits_the_host_and_
     from tiertrain.models import ModelConfig, build
     from tiertrain.planner.auto import NoPlanFits, choose, run_profile
     from tiertrain.planner.solvers import Problem, feasible
-    from tiertrain.runtime.budget_check import needs
+    from conftest import needs
 
     cfg = ModelConfig(n_layer=4, n_head=4, d_model=128, d_ffn=512, vocab_size=32768, max_seq_len=64, name="wide")
     page = 64 << 10
@@ -155,7 +156,7 @@ def test_the_planner_plans_pieces_where_no_whole_block_update_fits_the_host_and_
     prof = run_profile(dataclasses.replace(analytic_profile(cfg, 2, 32, "fp32", str(tmp_path)), page=page),
                        "overlap", 1, needs_all_grads=False)
     rest_states = prof.rest.params * 12
-    pb = Problem(prof, device=64 << 20, host=rest_states // 4, disk=1 << 30)
+    pb = Problem(prof, Budgets(device=64 << 20, host=rest_states // 4, disk=1 << 30))
     whole = dataclasses.replace(prof, read_ahead=1, update_workers=1)
     assert not feasible(pb) and not feasible(dataclasses.replace(pb, profile=whole))
     chosen, _ = choose(pb)
@@ -164,7 +165,7 @@ def test_the_planner_plans_pieces_where_no_whole_block_update_fits_the_host_and_
     need = needs(blocks, plan, page, transient_grads=True)
     assert need[Tier.HOST] <= pb.host and need[Tier.DEVICE] <= pb.device
     with pytest.raises(NoPlanFits):  # no disk: nowhere to stream the pieces from
-        choose(dataclasses.replace(pb, disk=0))
+        choose(pb.with_budgets(disk=0))
 
 
 def _churn(table, sizes: list[int], alive: int, steps: int, top: int) -> None:
@@ -188,7 +189,7 @@ def test_bounded_gradients_of_mixed_sizes_always_find_their_run_in_what_the_budg
     all one size) never fragments a pool of exactly what ``alive_grad_bytes`` counts; the same chunks
     in a pool of the sum of the largest ``alive`` sizes (what was counted before) do not fit."""
     from tiertrain.memory.pages import PageTable, PagesExhausted
-    from tiertrain.plan.bytes import alive_grad_bytes
+    from tiertrain.plan.fit import alive_grad_bytes
 
     page, workers = 4096, 1
     blocks, rest = [243 * page] * 8, 456 * page  # the 24-layer d=2304 GPT's proportions: embeddings = 1.9 blocks
@@ -258,7 +259,7 @@ def test_bf16_updates_in_pieces_equal_whole_block_updates_and_stage_nothing_whol
 def test_a_sync_run_that_fits_only_in_pieces_is_told_how(tmp_path):
     """In sync mode every block's gradients wait for the step, so pieces (whose gradients wait on the
     device) do not help; the refusal says the run fits in pieces when gradients are updated away."""
-    from tiertrain.runtime.budget_check import PlanDoesNotFit, check_fits
+    from tiertrain.plan.fit import PlanDoesNotFit, check_fits
 
     blocks = find_blocks(_fresh(MODEL)[0])
     numels = [block_numel(b) for b in blocks]
@@ -269,7 +270,7 @@ def test_a_sync_run_that_fits_only_in_pieces_is_told_how(tmp_path):
                         "transient")
     assert cut is not whole
     with pytest.raises(PlanDoesNotFit, match="updated in pieces .* --update overlap --grad-clip 0"):
-        check_fits(blocks, whole, have, PAGE)
+        check_fits(numels, whole, have, PAGE)
 
 
 def test_a_piece_buffer_refused_part_way_frees_those_alreadymade(tmp_path, monkeypatch):

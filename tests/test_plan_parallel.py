@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from tiertrain.plan import builtin_plan, data_parallel
-from tiertrain.plan.bytes import tier_bytes
+from tiertrain.plan import Budgets, builtin_plan, data_parallel
+from tiertrain.plan.fit import tier_bytes
 from tiertrain.plan.tiers import Tier
 from tiertrain.planner.auto import NoPlanFits, choose_layout, run_profile
 from tiertrain.planner.network import Network
@@ -40,7 +40,7 @@ def _states_bytes() -> int:
 def test_where_the_cpu_updates_dominate_sharding_is_chosen_each_rank_updates_half():
     """With states in host, each rank of a sharded plan updates half of them: where the CPU updates
     take longer than what the extra all-gathers cost, sharding wins."""
-    pb = Problem.sized(_profile(2, adam=1e8), device=40 * MiB, host=4 * _states_bytes())
+    pb = Problem.sized(_profile(2, adam=1e8), Budgets(device=40 * MiB, host=4 * _states_bytes()))
     chosen, cands = choose_layout(pb, ("dp",), "sync", True, 1)
     plan = chosen.plan
     assert plan.parallel.dp == 2 and all(b.shard for b in (*plan.blocks, plan.rest))
@@ -54,7 +54,7 @@ def test_where_updates_are_quick_and_reduce_scatter_is_an_all_reduce_as_over_glo
     follows the update: where updates are quick, replicating is faster."""
     gloo = Network(2, True, all_gather_bps=RATE, reduce_scatter_bps=RATE / 2, all_reduce_bps=RATE,
                    all_to_all_bps=RATE, source="as gloo measures")
-    pb = Problem.sized(_profile(2, network=gloo), device=40 * MiB, host=4 * _states_bytes())
+    pb = Problem.sized(_profile(2, network=gloo), Budgets(device=40 * MiB, host=4 * _states_bytes()))
     chosen, _ = choose_layout(pb, ("dp",), "sync", True, 1)
     assert chosen.plan.name == "auto/dp/replicated x2"
     assert not any(b.shard for b in (*chosen.plan.blocks, chosen.plan.rest))
@@ -62,14 +62,14 @@ def test_where_updates_are_quick_and_reduce_scatter_is_an_all_reduce_as_over_glo
 
 def test_when_whole_states_do_not_fit_a_rank_sharding_is_chosen_and_each_rank_holds_its_share():
     host = int(0.85 * _states_bytes())  # whole states and gradients do not fit a rank; half of them do
-    pb = Problem.sized(_profile(2), device=64 * MiB, host=host)
+    pb = Problem.sized(_profile(2), Budgets(device=64 * MiB, host=host))
     chosen, _ = choose_layout(pb, ("dp",), "sync", True, 1)
     plan = chosen.plan
     assert plan.parallel.dp == 2 and all(b.shard for b in (*plan.blocks, plan.rest))
     numels = [PARAMS] * N_BLOCKS + [REST]
     assert tier_bytes(numels, plan, 64 << 10)[Tier.HOST] <= host  # what the runtime's budget check counts
     with pytest.raises(NoPlanFits):  # and no plan fits one process with these budgets
-        choose_layout(Problem.sized(_profile(1), device=64 * MiB, host=host), ("dp",), "sync", True, 1)
+        choose_layout(Problem.sized(_profile(1), Budgets(device=64 * MiB, host=host)), ("dp",), "sync", True, 1)
 
 
 @pytest.mark.parametrize("dp", [2, 4])

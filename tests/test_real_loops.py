@@ -373,5 +373,5 @@ def test_plan_auto_without_a_profile_function_is_refused_where_it_cannot_replan(
     with pytest.raises(ConfigError, match="forward-only run.*profile_step"):
         tiertrain.setup(model, None, Budgets(64 << 20, 64 << 20), train=False, page_size=PAGE)
     model, opt = _fresh(OURS)
-    with pytest.raises(tiertrain.runtime.budget_check.PlanDoesNotFit, match="first step under 'max-offload'"):
+    with pytest.raises(tiertrain.plan.fit.PlanDoesNotFit, match="first step under 'max-offload'"):
         tiertrain.setup(model, opt, Budgets(1 << 10, 1 << 10), page_size=PAGE)

@@ -13,6 +13,7 @@ from tiertrain.plan import BlockPlan, Plan, builtin_plan
 
 import tiertrain
 from tiertrain.plan.bytes import state_homes
+from tiertrain.plan.fit import PlanDoesNotFit, resolve
 from tiertrain.runtime.replan import replan
 
 PAGE = 64 << 10
@@ -26,11 +27,16 @@ def _plans(n: int) -> dict[str, Plan]:
             "max-offload": builtin_plan("max-offload", n, disk=True), "mixed": mixed}
 
 
+def _resolved(tm, plan, budgets):
+    """``plan`` resolved for the run ``tm`` is (``plan.fit.resolve``), as plan auto's first step resolves its choice."""
+    return resolve(plan, tm.runtime.sizes, budgets, PAGE, needs_all_grads=False)
+
+
 @pytest.fixture
 def whole_device_pool(monkeypatch):
     """A run replans only after plan auto's first step, and its device pool keeps the whole budget;
     these runs are set up with a given plan to replan from, so their pools are made as auto's are."""
-    monkeypatch.setattr("tiertrain.api.setup.device_need", lambda *a: None)
+    monkeypatch.setattr("tiertrain.api.setup._device_reserve", lambda plan, first: None)
 
 
 @pytest.mark.usefixtures("whole_device_pool")
@@ -47,7 +53,7 @@ def test_a_new_plan_at_a_step_boundary_keeps_plain_pytorchs_losses(tmp_path, fir
     try:
         for k, b in enumerate(batches(6)):
             if k == 3:
-                replan(tm.runtime, dataclasses.replace(plans[then], update=update), transient_grads=False)
+                replan(tm.runtime, _resolved(tm, dataclasses.replace(plans[then], update=update), budgets))
                 homes = [c.tier for g in tm.runtime.groups for c in g.states]
                 assert homes == [t for bp in (*plans[then].blocks, plans[then].rest) for t in state_homes(bp)]
             loss = lm_loss(tm, b[:, :-1], b[:, 1:])
@@ -67,11 +73,11 @@ def test_a_new_plan_at_a_step_boundary_keeps_plain_pytorchs_losses(tmp_path, fir
 def test_a_run_whose_device_pool_holds_its_own_plan_refuses_a_plan_that_needs_more_device(tmp_path):
     plans = _plans(4)
     model, opt = _fresh(TINY4)
-    tm, topt = tiertrain.setup(model, opt, Budgets(32 << 20, 32 << 20, 64 << 20, str(tmp_path / "disk")),
-                               plan=plans["max-offload"], page_size=PAGE)
+    budgets = Budgets(32 << 20, 32 << 20, 64 << 20, str(tmp_path / "disk"))
+    tm, topt = tiertrain.setup(model, opt, budgets, plan=plans["max-offload"], page_size=PAGE)
     try:
-        with pytest.raises(ValueError, match="plan 'resident' needs .* device .* planned from its own first step"):
-            replan(tm.runtime, plans["resident"], transient_grads=False)
+        with pytest.raises(PlanDoesNotFit, match="plan 'resident' needs .* device .* planned from its own first step"):
+            replan(tm.runtime, _resolved(tm, plans["resident"], budgets))
         assert tm.runtime.plan.name == plans["max-offload"].name  # refused before anything moved
     finally:
         tm.runtime.close()

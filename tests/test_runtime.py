@@ -7,7 +7,7 @@ from tiered_harness import HF_GPT2, TINY4, train_plain, train_tiered
 from tiertrain.errors import ConfigError
 from tiertrain.memory import Budgets, Tier
 from tiertrain.runtime.block_group import BlockGroup
-from tiertrain.runtime.budget_check import PlanDoesNotFit
+from tiertrain.plan.fit import PlanDoesNotFit
 from tiertrain.plan import BlockPlan, Plan
 
 STEPS = 20
@@ -125,15 +125,15 @@ def test_the_device_pool_maps_what_the_plan_counts_and_leaves_the_rest_of_the_bu
     budget: a pool of the whole budget put them on top of it."""
     import tiertrain
     from tiered_harness import _fresh
-    from tiertrain.runtime.budget_check import device_need
+    from tiertrain.plan.fit import tier_bytes
 
     b = budgets(tmp_path)
     model, opt = _fresh(TINY4)
     tm, topt = tiertrain.setup(model, opt, b, plan=plan, update="overlap", page_size=64 * 1024)
     try:
         rt, pool = tm.runtime, tm.runtime.mem.pool(Tier.DEVICE)
-        numels = [g.layout.numel for g in rt.groups]
-        counted = device_need(numels, rt.plan, pool.page_size, True, rt.transient_grads)
+        grads = "transient" if rt.bounded_grads else "all"
+        counted = tier_bytes(rt.sizes, rt.plan, pool.page_size, True, grads)[Tier.DEVICE]
         assert pool.capacity == counted < DEVICE_BUDGET
         with pytest.raises(RuntimeError, match="the plan's count is short, a bug in tiertrain"):
             rt.mem.allocate("beyond", counted + 1, Tier.DEVICE)
@@ -479,7 +479,7 @@ def test_transient_gradients_count_a_wide_embedding_once_not_once_per_worker(mon
     from tiered_harness import _fresh, _loop
     from tiertrain.plan import builtin_plan
     from tiertrain.runtime.blocks import find_blocks
-    from tiertrain.runtime.budget_check import needs
+    from conftest import needs
 
     slow = updater.adamw_block
     monkeypatch.setattr(updater, "adamw_block", lambda *a: (time.sleep(0.1), slow(*a)))
@@ -493,7 +493,7 @@ def test_transient_gradients_count_a_wide_embedding_once_not_once_per_worker(mon
     model, opt = _fresh(wide)
     tm, topt = tiertrain.setup(model, opt, Budgets(device=DEVICE_BUDGET, host=few), plan=plan, page_size=page)
     try:
-        assert tm.runtime.transient_grads
+        assert tm.runtime.bounded_grads
         assert _loop(tm, topt, tm.clip_grad_norm_, 3, 1, None) == train_plain(wide, 3, 1, None)
         assert tm.runtime.mem.stats()["host"]["pages_peak_bytes"] <= few
     finally:
@@ -515,8 +515,8 @@ def test_overlap_bounds_the_gradients_in_host_only_where_the_host_budget_needs_i
     from tiered_harness import _fresh, _loop
     from tiertrain.plan import builtin_plan
     from tiertrain.runtime.blocks import find_blocks
-    from tiertrain.plan.bytes import alive_grad_bytes
-    from tiertrain.runtime.budget_check import needs
+    from tiertrain.plan.fit import alive_grad_bytes
+    from conftest import needs
 
     plan, page = builtin_plan("stream", 4, update="overlap"), 64 * 1024
     blocks = find_blocks(_fresh(TINY4)[0])
@@ -527,7 +527,7 @@ def test_overlap_bounds_the_gradients_in_host_only_where_the_host_budget_needs_i
         model, opt = _fresh(TINY4)
         tm, topt = tiertrain.setup(model, opt, Budgets(device=DEVICE_BUDGET, host=host), plan=plan, page_size=page)
         try:
-            assert tm.runtime.transient_grads is bounded
+            assert tm.runtime.bounded_grads is bounded
             assert _loop(tm, topt, tm.clip_grad_norm_, 4, 1, None) == want
             stats = tm.runtime.mem.stats()["host"]
             assert stats["pages_peak_bytes"] <= host
@@ -556,7 +556,7 @@ def test_device_homed_blocks_keep_gradients_on_the_device_and_fp32_ones_update_t
     from tiertrain.memory import Kind
     from tiertrain.plan import builtin_plan
     from tiertrain.runtime.blocks import find_blocks
-    from tiertrain.runtime.budget_check import needs
+    from conftest import needs
 
     page = 64 * 1024
     mixed = Plan((BlockPlan(home=Tier.DEVICE),) * 2 + (BlockPlan(home=Tier.HOST, stream=True),) * 2,

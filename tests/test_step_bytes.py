@@ -250,7 +250,7 @@ def test_with_one_place_a_slot_filled_from_disk_gives_its_master_and_the_bytes_a
                                page_size=64 << 10)
     rt = tm.runtime
     rt.mode.close()  # setup widens read-ahead to what the budgets hold: the plan's one place here
-    rt.take_plan(rt.groups, plan, rt.transient_grads)
+    rt.take_plan(rt.groups, dataclasses.replace(plan, resolved=rt.plan.resolved))
     try:
         assert rt.groups[1].fills_slot_from_disk and not rt.groups[0].fills_slot_from_disk
         _loop(tm, topt, None, 1, 1, None)  # the first step's blocks are in their slots from setup

@@ -12,9 +12,9 @@ import tiertrain.runtime.block_group as updater
 from tiered_harness import HF_GPT2, TINY4, _fresh, _loop, train_plain
 from tiertrain.memory import Budgets
 from tiertrain.plan import builtin_plan
-from tiertrain.plan.bytes import alive_grad_bytes
+from tiertrain.plan.fit import alive_grad_bytes
 from tiertrain.runtime.blocks import find_blocks
-from tiertrain.runtime.budget_check import needs
+from conftest import needs
 from tiertrain.plan.tiers import Tier
 
 PAGE = 64 * 1024
@@ -42,7 +42,7 @@ def _run(spec, update: str, bounded: bool, accum: int = 1):
     first.block.module.register_full_backward_pre_hook(
         lambda m, g: seen.append(rest.grad_views()[index] is not None))
     try:
-        assert rt.transient_grads is bounded
+        assert rt.bounded_grads is bounded
         losses = _loop(tm, topt, tm.clip_grad_norm_, 3, accum, None)
         stats = rt.mem.stats()["host"]
         reserved = alive_grad_bytes([g.nbytes for g in rt.groups], [], plan.update_workers, 1, 0)
@@ -99,7 +99,7 @@ def test_a_tied_embedding_updated_in_pieces_has_its_head_gradient_in_the_device_
     import dataclasses
 
     from tiertrain.plan import BlockPlan, Plan
-    from tiertrain.plan.bytes import bounded_grads, tier_bytes
+    from tiertrain.plan.fit import bounded_grads, tier_bytes
     from tiertrain.runtime.blocks import block_numel
 
     spec = {**WIDE, "n_layer": 4}
@@ -119,7 +119,7 @@ def test_a_tied_embedding_updated_in_pieces_has_its_head_gradient_in_the_device_
     rt.groups[0].block.module.register_full_backward_pre_hook(
         lambda m, g: seen.append(rest.grad_views()[index] is not None))
     try:
-        assert rt.transient_grads and rt.backward.tied_early
+        assert rt.bounded_grads and rt.backward.tied_early
         losses = _loop(tm, topt, None, 3, 1, None)
         peak = rt.mem.stats()["device"]["peak_by_kind"]["grad"]
     finally:

@@ -144,7 +144,7 @@ def test_a_block_whose_slot_is_filled_from_its_master_on_disk_is_needed_after_it
 def test_backward_waits_for_room_for_gradients_where_the_runtime_bounds_them():
     """With gradients bounded to update_workers + 1 chunks, a block's gradients are flushed only once
     the update that many blocks back has freed its chunk."""
-    from tiertrain.plan.bytes import bounds_grads
+    from tiertrain.plan.fit import bounds_grads
 
     prof = dataclasses.replace(_slow_disk(synthetic(6)), transient_grads=True, page=1 << 20)
     plan = _disk_plan(6, read_ahead=1, workers=1)

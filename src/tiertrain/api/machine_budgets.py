@@ -23,6 +23,7 @@ import torch
 from tiertrain.memory import Budgets
 from tiertrain.memory.capacity import cgroup_room, host_available
 from tiertrain.parallel.agree import every_rank
+from tiertrain.plan.fit import weights_beyond
 from tiertrain.units import format_bytes
 
 DEVICE_SHARE = 0.9
@@ -78,13 +79,5 @@ def _agreed(dev: int, host: int, divide_dev: bool, divide_host: bool) -> tuple[i
 
 def meta_build_reason(weights: int, budgets: Budgets, device: torch.device) -> str | None:
     """Why a model of ``weights`` fp32 bytes must be built on the meta device for a tiered run (setup
-    then draws it block by block), or None where it may be built in memory: beyond the host budget,
-    or, with the budgets setup reserves while the model still lives, beyond its memory cgroup's limit."""
-    reserved = budgets.host + (budgets.device if device.type == "cpu" else 0)
-    room = cgroup_room()  # a cap, fixed for the run: free memory, which varies, never picks how weights are drawn
-    if weights > budgets.host:
-        return f"exceed the host budget ({format_bytes(budgets.host)})"
-    if room is not None and weights + reserved > room:
-        return (f"beside the budgets ({format_bytes(reserved)}) exceed this process's memory cgroup limit "
-                f"({format_bytes(room)} left under it)")
-    return None
+    then draws it block by block), or None where it may be built in memory (``plan.fit.weights_beyond``)."""
+    return weights_beyond(weights, budgets, device.type == "cpu", cgroup_room())

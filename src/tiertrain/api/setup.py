@@ -14,9 +14,12 @@ one (``auto``).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import functools
 import os
 import sys
+import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -39,10 +42,8 @@ from tiertrain.parallel import world_from_env
 from tiertrain.parallel.experts import moe_layers_for
 from tiertrain.plan import (DEFAULT_MAX_STALENESS, ParallelLayout, Plan, RunOptions, check_update_mode, data_parallel,
                             load_plan)
-from tiertrain.plan.bytes import bounds_grads, page_for_states, pieces_to_fit, widen_read_ahead
-from tiertrain.plan.bytes import transient as transient_grads
-from tiertrain.runtime.blocks import block_numel, find_blocks
-from tiertrain.runtime.budget_check import PlanDoesNotFit, capacities, check_fits, device_need
+from tiertrain.plan.fit import PlanDoesNotFit, page_for_states, resolve
+from tiertrain.runtime.blocks import block_numel, block_sizes, find_blocks
 from tiertrain.runtime.build import LetGo
 from tiertrain.runtime.modes import mode_of
 from tiertrain.runtime.runtime import Runtime
@@ -91,18 +92,16 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, memo
     initialised, and disk-homed states are written once, by the checkpoint, instead of twice.
     """
     opts = _options(options, fields)
-    if isinstance(model, TieredModule):
-        raise ConfigError("this model was already set up by tiertrain; call tiertrain.setup once per model")
-    if next(model.parameters()).dtype != torch.float32:
-        raise ConfigError("tiertrain keeps an fp32 model; build it in fp32 (mixed precision comes from the plan)")
-    if opts.train and optimizer is None:
-        raise ConfigError("training needs an optimizer: pass torch.optim.AdamW(model.parameters(), ...)")
+    _check_model(model, optimizer, opts)
     device = compute_device()
     if memory is None:
         taken = machine_budgets(device)
         print(f"tiertrain: {taken.describe()}", file=sys.stderr)
         memory = taken.budgets
-    check_budgets(memory, device)  # before anything is profiled, measured or reserved
+    memory.check_disk_dir()
+    # before anything is profiled, measured or reserved; the model's weights in RAM, which setup frees
+    # block by block as they move into the pools, count as room
+    check_budgets(memory, device, freed=weights_in_ram(model))
     groups, group_of = _groups_from(optimizer, model) if opts.train else ([], {})
     found = find_blocks(model, opts.blocks)
     moe_layers_for(model, opts.ep or 1)  # a dense model is refused before anything is laid out
@@ -111,40 +110,84 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, memo
     page = page_size_for(opts.page_size, memory.disk_dir if memory.disk else None, device)
     if opts.page_size is None:  # a measured size: no larger than small models' chunks allow
         page = page_for_states([block_numel(b) for b in found], page)
-    # auto simulates the disk as the run will use it; any other plan is checked before it is measured
-    io = _disk_io(opts, memory, page) if isinstance(plan, str) and plan == "auto" else None
-    auto, first = None, None
-    if isinstance(plan, str) and plan == "auto" and profile_step is not None:
-        auto = _auto(model, profile_step, memory, page, opts, io.together_gain, device)
-        plan = auto.plan
-    elif isinstance(plan, str) and plan == "auto":  # the first step is the profile
-        first = first_step_auto(model, found, memory, page, opts, device, io.together_gain)
-        plan = first_plan(len(found) - 1, memory.disk > 0, opts.update)
-    chosen = _laid_out(_chosen(plan, found, memory, opts), opts)
-    mode_of(chosen).check(chosen)  # what the update mode cannot run, refused before anything is allocated
-    numels, budgets = [block_numel(b) for b in found], capacities(memory)
-    transient = transient_grads(chosen.update, opts.needs_all_grads(chosen.compute_dtype))
-    if opts.train:  # a host too small for whole blocks' states: their updates go through it in pieces
-        chosen = pieces_to_fit(numels, chosen, page, budgets, "transient" if transient else "all")
-    _check_fits(found, chosen, memory, page, opts.train, transient, first is not None)
-    if opts.train and auto is None:  # an auto plan was widened before it was simulated
-        chosen = widen_read_ahead(numels, chosen, page, budgets, transient)
-    # Bounding the gradients alive makes backward wait for the optimizer: only when the host needs it
-    bound = opts.train and bounds_grads(numels, chosen, page, budgets, transient)
-    io = io or _disk_io(opts, memory, page)
-    # The device pool maps what the plan counts, except where it keeps the whole budget: a first-step
-    # auto run replans into a plan not known yet, and over several ranks the count misses what expert
-    # parallel and a forward-only sharded block allocate (README, status row 19)
-    counted = first is None and world_from_env() == 1
-    reserve = device_need(numels, chosen, page, opts.train, bound) if counted else None
+    disk_io = functools.cache(lambda: _disk_io(opts, memory, page))  # measured once, where it is needed first
+    chosen, auto, first = _planned(plan, model, found, memory, page, opts, device, profile_step, disk_io)
+    io = disk_io()
     mem = MemorySystem(memory, page_size=page, check_machine=False, io_workers=io.depth, write_share=io.write_share,
-                       device_reserve=reserve)
+                       device_reserve=_device_reserve(chosen, first))
     watched = found[0].module
     del found  # the blocks' lists held the model's original parameters: let them go block by block
-    runtime = Runtime(model, groups, group_of, mem, chosen, opts, transient_grads=bound,
+    runtime = Runtime(model, groups, group_of, mem, chosen, opts,
                       let_go=_swapper(optimizer) if optimizer is not None else None)
     if first is not None:
         first.watch(watched)
+    _closed_at_exit(runtime)
+    return _tiered(model, optimizer, runtime, device, auto, first, opts)
+
+
+def _closed_at_exit(runtime: Runtime) -> None:
+    """A script that never closes its run (most do not) has it closed as the interpreter exits: its
+    updates landed, its workers stopped, its disk files removed. Left to the interpreter, a worker still
+    alive at its exit aborted the process now and then ("terminate called without an active exception",
+    exit 134), and the disk tier's files stayed until the next run in that directory removed them."""
+    ref = weakref.ref(runtime)
+
+    def close() -> None:
+        rt = ref()
+        if rt is not None:
+            rt.close()
+            rt.mem.close()
+    atexit.register(close)
+
+
+def _device_reserve(plan: Plan, first: FirstStepAuto | None) -> int | None:
+    """What the device pool maps: what the plan counts (on a GPU torch allocates activations beside the
+    pool, and the planner counted them in the same budget), except in a first-step auto run, which
+    replans into a plan not known yet and keeps the whole budget (None)."""
+    return plan.resolved.device if first is None else None
+
+
+def _check_model(model: nn.Module, optimizer: torch.optim.Optimizer | None, opts: RunOptions) -> None:
+    if isinstance(model, TieredModule):
+        raise ConfigError("this model was already set up by tiertrain; call tiertrain.setup once per model")
+    if next(model.parameters()).dtype != torch.float32:
+        raise ConfigError("tiertrain keeps an fp32 model; build it in fp32 (mixed precision comes from the plan)")
+    if opts.train and optimizer is None:
+        raise ConfigError("training needs an optimizer: pass torch.optim.AdamW(model.parameters(), ...)")
+
+
+def _planned(plan: "str | Plan", model: nn.Module, found: list, memory: Budgets, page: int, opts: RunOptions,
+             device: torch.device, profile_step: Callable[[], None] | None, disk_io: Callable[[], DiskIO]
+             ) -> tuple[Plan, "AutoPlan | None", FirstStepAuto | None]:
+    """The plan the run runs, resolved against the model's sizes, the budgets and the options
+    (``plan.fit.resolve``); plan auto's choice (or, from the first step, what watches it). Any other
+    plan is refused where it does not fit before the disk is measured."""
+    auto, first = None, None
+    if isinstance(plan, str) and plan == "auto":
+        gain = disk_io().together_gain  # auto simulates the disk as the run will use it
+        if profile_step is not None:
+            auto = _auto(model, profile_step, memory, page, opts, gain, device)
+            plan = auto.plan
+        else:  # the first step is the profile
+            first = first_step_auto(model, found, memory, page, opts, device, gain)
+            plan = first_plan(len(found) - 1, memory.disk > 0, opts.update)
+    chosen = _laid_out(_chosen(plan, found, memory, opts), opts)
+    mode_of(chosen).check(chosen)  # what the update mode cannot run, refused before anything is allocated
+    sizes = block_sizes(found, chosen.parallel.ep)
+    try:
+        return resolve(chosen, sizes, memory, page, train=opts.train,
+                       needs_all_grads=opts.needs_all_grads(chosen.compute_dtype)), auto, first
+    except PlanDoesNotFit as exc:
+        if first is None:
+            raise
+        raise PlanDoesNotFit(f"plan 'auto' runs its first step under {FIRST_PLAN!r}, the most frugal plan, and "
+                             f"even it does not fit: {exc}") from None
+
+
+def _tiered(model: nn.Module, optimizer: torch.optim.Optimizer | None, runtime: Runtime, device: torch.device,
+            auto: "AutoPlan | None", first: FirstStepAuto | None, opts: RunOptions
+            ) -> tuple[nn.Module, TieredOptimizer | None]:
+    """The model tiered in place and the optimizer its loop drives, once the runtime is built."""
     _buffers_to(model, device)
     release_free_heap()  # profiling and building freed whole-block buffers: give them back to the OS
     runtime.replaced = {}  # by the ids of originals, some freed already: nothing may look them up now
@@ -157,6 +200,14 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, memo
     after = None if first is None else _replanned_after_step(first, runtime, tiered)
     topt = TieredOptimizer(runtime, optimizer, after) if opts.train else None
     return tiered, topt
+
+
+def weights_in_ram(model: nn.Module) -> int:
+    """Bytes of the model's parameters held in host memory (each storage once): setup moves them into the
+    pools block by block and lets each block's originals go, so this much of the host comes back."""
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()
+                if p.device.type == "cpu" and not p.is_meta}
+    return sum(storages.values())
 
 
 def _swapper(optimizer: torch.optim.Optimizer) -> LetGo:
@@ -190,17 +241,6 @@ def _check_first_step_auto(opts: RunOptions) -> None:
         raise ConfigError("plan 'auto' over several ranks needs a profile function, so that every rank plans alike: "
                           "pass profile_step=fn (one forward+backward at the batch shape), or a plan ('max-offload', "
                           "or a file from `tiertrain plan`)")
-
-
-def _check_fits(found: list, plan: Plan, memory: Budgets, page: int, train: bool, transient: bool,
-                first: bool) -> None:
-    try:
-        check_fits(found, plan, memory, page, train, transient)
-    except PlanDoesNotFit as exc:
-        if not first:
-            raise
-        raise PlanDoesNotFit(f"plan 'auto' runs its first step under {FIRST_PLAN!r}, the most frugal plan, and "
-                             f"even it does not fit: {exc}") from None
 
 
 def _replanned_after_step(first: FirstStepAuto, runtime: Runtime, tiered: nn.Module) -> Callable[[], bool]:

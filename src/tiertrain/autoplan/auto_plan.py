@@ -152,7 +152,7 @@ def solved(profile: Profile, cached: bool, rates: MachineProfile, page: int, bud
     """The solvers' best plan for a profile, simulated at ``rates`` for the run's settings."""
     profile = run_profile(dataclasses.replace(profile, machine=rates, page=page), update, max_staleness,
                           needs_all_grads)
-    chosen, _ = choose(Problem.sized(profile, budgets.device, budgets.host, budgets.disk), update=update,
+    chosen, _ = choose(Problem.sized(profile, budgets), update=update,
                        needs_all_grads=needs_all_grads, max_staleness=max_staleness)
     disk = budgets.disk_dir if budgets.disk else None
     return AutoPlan(chosen.plan, chosen.sim, chosen.solver, profile, cached, disk, needs_all_grads)

@@ -27,10 +27,8 @@ import torch.nn as nn
 from tiertrain.measure.bounds import MeasureBounds
 from tiertrain.memory import Budgets
 from tiertrain.plan import Plan, RunOptions
-from tiertrain.plan.bytes import bounds_grads
-from tiertrain.plan.bytes import transient as transient_grads
-from tiertrain.runtime.blocks import Block, block_numel
-from tiertrain.runtime.budget_check import capacities, fits
+from tiertrain.plan.fit import PlanDoesNotFit, resolve
+from tiertrain.runtime.blocks import Block
 
 if TYPE_CHECKING:
     from tiertrain.autoplan.auto_plan import AutoPlan
@@ -118,12 +116,13 @@ class FirstStepAuto:
             return auto
         from tiertrain.runtime.replan import replan
 
-        numels = [block_numel(b) for b in self.blocks]
-        transient = transient_grads(auto.plan.update, self.options.needs_all_grads(auto.plan.compute_dtype))
-        if not fits(self.blocks, auto.plan, self.budgets, self.page, transient_grads=transient):
-            log.warning("the auto plan does not pass the budget check; staying with %s", FIRST_PLAN)
+        try:
+            plan = resolve(auto.plan, rt.sizes, self.budgets, self.page,
+                           needs_all_grads=self.options.needs_all_grads(auto.plan.compute_dtype))
+        except PlanDoesNotFit as exc:
+            log.warning("the auto plan does not pass the budget check (%s); staying with %s", exc, FIRST_PLAN)
             return None
-        replan(rt, auto.plan, bounds_grads(numels, auto.plan, self.page, capacities(self.budgets), transient))
+        replan(rt, plan)
         print(f"tiertrain: after the first step, {auto.describe()}", file=sys.stderr)
         return auto
 

@@ -21,7 +21,9 @@ from tiertrain.errors import UserError
 from tiertrain.models.accounting import param_count
 from tiertrain.models.config import ModelConfig
 from tiertrain.planner.auto import Candidate, choose, fits, run_profile
-from tiertrain.planner.machine import Machine, TierSizes
+from tiertrain.plan import Budgets
+from tiertrain.plan.fit import capacity_params, within_capacity
+from tiertrain.planner.machine import Machine
 from tiertrain.planner.profile import Profile
 from tiertrain.planner.solvers import Problem
 
@@ -58,11 +60,11 @@ class Largest:
     candidates: list[Candidate]
     profile: Profile
     family: ModelConfig          # the family's largest before deepening
-    sizes: TierSizes
+    sizes: Budgets
 
     @property
     def bound_params(self) -> int:
-        return self.sizes.capacity_params
+        return capacity_params(self.sizes)
 
 
 class NothingFits(UserError):
@@ -74,8 +76,8 @@ def profile_for(cfg: ModelConfig, machine: Machine, run: RunShape) -> Profile:
     return run_profile(dataclasses.replace(profile, page=run.page), run.update, run.max_staleness, run.needs_all_grads)
 
 
-def model_fits(cfg: ModelConfig, machine: Machine, sizes: TierSizes, run: RunShape) -> bool:
-    pb = Problem.sized(profile_for(cfg, machine, run), sizes.device, sizes.host, sizes.disk, run.levels)
+def model_fits(cfg: ModelConfig, machine: Machine, sizes: Budgets, run: RunShape) -> bool:
+    pb = Problem.sized(profile_for(cfg, machine, run), sizes, run.levels)
     return fits(pb)
 
 
@@ -96,15 +98,15 @@ def _gallop(lo: int, limit: int, fit: Callable[[int], bool]) -> int:
     return _last_fitting(lo, min(lo + step, limit), fit)
 
 
-def _beyond_capacity(sizes: TierSizes, params: Callable[[int], int]) -> int:
+def _beyond_capacity(sizes: Budgets, params: Callable[[int], int]) -> int:
     """The first n whose model exceeds the capacity bound: it cannot fit, so the search stops there."""
     n = 1
-    while params(n) <= sizes.capacity_params:
+    while within_capacity(params(n), sizes):
         n *= 2
     return n
 
 
-def largest_model(machine: Machine, sizes: TierSizes, run: RunShape) -> Largest:
+def largest_model(machine: Machine, sizes: Budgets, run: RunShape) -> Largest:
     """The largest family member that fits, deepened at its width while it fits, and its best plan."""
     def family(layers: int) -> bool:
         return model_fits(gpt3_shape(layers, seq=run.seq), machine, sizes, run)
@@ -119,6 +121,6 @@ def largest_model(machine: Machine, sizes: TierSizes, run: RunShape) -> Largest:
     deep = _gallop(layers, deeper, lambda n: model_fits(gpt3_shape(n, width, run.seq), machine, sizes, run))
     cfg = gpt3_shape(deep, width, run.seq)
     profile = profile_for(cfg, machine, run)
-    chosen, cands = choose(Problem.sized(profile, sizes.device, sizes.host, sizes.disk, run.levels),
+    chosen, cands = choose(Problem.sized(profile, sizes, run.levels),
                            update=run.update, needs_all_grads=run.needs_all_grads, max_staleness=run.max_staleness)
     return Largest(cfg, param_count(cfg), chosen, cands, profile, gpt3_shape(layers, seq=run.seq), sizes)

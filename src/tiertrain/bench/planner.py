@@ -35,7 +35,8 @@ from tiertrain.memory import Budgets, Tier
 from tiertrain.memory.system import compute_device
 from tiertrain.models import ModelConfig, build, param_count
 from tiertrain.plan import BlockPlan, Plan, builtin_plan
-from tiertrain.plan.bytes import pages, steps_per_disk_pass
+from tiertrain.plan.bytes import pages
+from tiertrain.plan.update_modes import steps_per_disk_pass
 from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
 from tiertrain.planner.simulator import simulate
 from tiertrain.planner.solvers import Problem, dynamic_programming
@@ -58,7 +59,7 @@ def synthetic_profile(n_blocks: int) -> Profile:
 def bench_solver(n_blocks: int, levels: int, out: Callable[[str], None]) -> dict:
     p = synthetic_profile(n_blocks)
     total = sum(b.params * 16 + b.act_bytes for b in p.blocks)
-    pb = Problem(p, device=total // 3, host=total * 2, disk=total * 4, levels=levels)
+    pb = Problem(p, Budgets(total // 3, total * 2, total * 4), levels=levels)
     times, found = [], None
     for _ in range(3):
         t = time.perf_counter()
@@ -266,7 +267,7 @@ def _take_turns(run: "_Run", budgets: Budgets, page: int, steps: int, rounds: in
     (a slow spell of a shared machine, or what one plan leaves behind, then hits them all); with each
     plan's device peak and the plan that ran."""
     from tiertrain.planner.auto import NoPlanFits
-    from tiertrain.runtime.budget_check import PlanDoesNotFit
+    from tiertrain.plan.fit import PlanDoesNotFit
 
     times: dict[str, list[float]] = {}
     ran: dict[str, tuple[int, Plan]] = {}

@@ -393,9 +393,10 @@ def bench_overhead_cmd(model: str | None, d_model: int, layers: int, batch_size:
     from tiertrain.bench.overhead import bench_overhead
     from tiertrain.bench.runtime import model_cfg
     from tiertrain.models import resolve_config
+    from tiertrain.plan.update_modes import UPDATE_MODES, rules
 
     modes = tuple(u for u in updates.split(",") if u)
-    if not modes or any(u not in ("sync", "overlap") for u in modes):
+    if not modes or any(u not in UPDATE_MODES or rules(u).loops for u in modes):
         raise ConfigError(f"--update {updates!r}: give sync and/or overlap, comma-separated (lockfree changes the "
                           "numerics, so it has no plain peer)")
     cfg = resolve_config(model) if model else model_cfg(d_model, layers)
@@ -460,6 +461,7 @@ def bench_peers_cmd(model: str, batch_size: int, seq_len: int, precision: str, d
     from tiertrain.bench.peers import PEERS, PeerBench, bench_peers
     from tiertrain.memory import Budgets
     from tiertrain.models import ModelConfig, resolve_config
+    from tiertrain.plan.fit import check_device_cap
     from tiertrain.units import parse_size
 
     peers = tuple(p for p in peer_list.split(",") if p)
@@ -478,10 +480,8 @@ def bench_peers_cmd(model: str, batch_size: int, seq_len: int, precision: str, d
     if disk and "fsdp2" in peers:
         raise ConfigError("--disk: FSDP2 offloads to host memory only; leave it out (--peers deepspeed)")
     cap = parse_size(device_cap) if device_cap else None
-    if cap is not None and cap < budgets.device:
-        raise ConfigError(f"--device-cap {device_cap} is below --device-memory {device_memory}: tiertrain's device "
-                          "pool and the activations beside it are planned within its budget; give a cap at or above it "
-                          "(the default leaves 1GiB beyond it)")
+    if cap is not None:
+        check_device_cap(cap, budgets)
     work = PeerBench(cfg, batch_size, seq_len, precision, budgets, steps, warmup, update, probe_each_step,
                      cap=cap)
     rows = bench_peers(work, peers, click.echo)

@@ -12,9 +12,9 @@ from rich.console import Console
 from rich.table import Table
 
 from tiertrain.errors import ConfigError
-from tiertrain.plan import BlockPlan
+from tiertrain.plan import BlockPlan, Budgets
 from tiertrain.planner.auto import Candidate
-from tiertrain.planner.machine import Machine, TierSizes
+from tiertrain.planner.machine import Machine
 from tiertrain.planner.profile import Profile
 from tiertrain.planner.simulator import RESOURCES, Simulation
 from tiertrain.units import format_bytes, format_count
@@ -57,14 +57,11 @@ class PlanRequest:
 
 
 def _disk_dir(req: PlanRequest) -> str | None:
-    from tiertrain.memory import Budgets
-
     return Budgets.parse(0, 0, req.disk).disk_dir if req.disk else None
 
 
-def sizes_for(req: PlanRequest, target: Machine | None) -> tuple[TierSizes, str | None]:
+def sizes_for(req: PlanRequest, target: Machine | None) -> tuple[Budgets, str | None]:
     """The budgets (given, else the described machine's) and the disk directory, if one was given."""
-    from tiertrain.memory import Budgets
     from tiertrain.units import parse_size
 
     disk_dir, disk = _disk_dir(req), None
@@ -78,9 +75,9 @@ def sizes_for(req: PlanRequest, target: Machine | None) -> tuple[TierSizes, str 
     def size(given: str | None, default: int) -> int:
         return parse_size(given) if given else default
 
-    sizes = TierSizes(size(req.device_memory, described.device if described else 0),
-                      size(req.host_memory, described.host if described else 0),
-                      disk if disk is not None else (described.disk if described else 0))
+    sizes = Budgets(size(req.device_memory, described.device if described else 0),
+                    size(req.host_memory, described.host if described else 0),
+                    disk if disk is not None else (described.disk if described else 0))
     return sizes, disk_dir
 
 
@@ -225,7 +222,7 @@ def run_plan(req: PlanRequest, console: Console) -> Candidate:
     profile = run_profile(profile, req.update, req.max_staleness, req.needs_all_grads)
     if req.nproc > 1:
         profile = dataclasses.replace(profile, network=_network(req, target, here, profile))
-    pb = Problem.sized(profile, sizes.device, sizes.host, sizes.disk, req.levels)
+    pb = Problem.sized(profile, sizes, req.levels)
     chosen, cands = choose_layout(pb, req.solvers or tuple(SOLVERS), req.update, req.needs_all_grads,
                                   req.max_staleness)
     if target is not here:
@@ -249,7 +246,7 @@ def _page(req: PlanRequest, profile: Profile, target: Machine, disk_dir: str | N
     """The page size the run will use: as given, else the profile's, else the described machine's or
     the one measured here, as setup cuts it for the model's chunks (``plan.bytes.page_for_states``):
     chunks take whole pages, so the plan needs the run's."""
-    from tiertrain.plan.bytes import page_for_states
+    from tiertrain.plan.fit import page_for_states
     from tiertrain.units import parse_size
 
     if req.page_size:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from tiertrain.plan.fit import capacity_params
 from tiertrain.planner.machine import Machine
 from tiertrain.units import format_bytes, format_count
 
@@ -55,7 +56,7 @@ def print_builtins(console: Console) -> None:
         sizes = m.budgets()
         table.add_row(m.name, format_bytes(m.device_memory), format_bytes(m.host_memory), format_bytes(m.disk_bytes),
                       f"{m.matmul_flops.bf16 / 1e12:.0f} TFLOP/s" if m.matmul_flops.bf16 else "-",
-                      f"{format_count(sizes.capacity_params)} params")
+                      f"{format_count(capacity_params(sizes))} params")
     console.print(table)
     console.print("capacity bound: (device + host + disk budgets) / 16 B per parameter; budgets are 90% of device "
                   "memory and RAM, the whole disk")

@@ -1,9 +1,7 @@
-"""What this machine can actually give each tier, checked before any pool is reserved.
-
-A budget is a promise the pools keep; one the machine cannot keep would end in an mmap error,
-the kernel's OOM killer or a full disk mid-run. So budgets are held against the memory available
-now (``MemAvailable``, and the memory cgroup's limit less its usage where one applies), the
-device's free memory, and the disk's free space, and refused with one line naming the real figure.
+"""What this machine can actually give each tier, measured before any pool is reserved: the memory
+available now (``MemAvailable``, and the memory cgroup's limit less its usage where one applies), the
+device's free memory, and the disk's free space. Whether the budgets fit in it is ``plan.fit``'s
+decision (``check_machine``), which refuses with one line naming the real figure.
 """
 
 from __future__ import annotations
@@ -14,15 +12,11 @@ from pathlib import Path
 
 import torch
 
-from tiertrain.errors import UserError
 from tiertrain.plan.budgets import Budgets
+from tiertrain.plan.fit import MachineRoom, check_machine
 from tiertrain.units import format_bytes
 
 _UNLIMITED = 1 << 60  # cgroup v1 writes a huge number for "no limit"
-
-
-class BeyondMachine(UserError):
-    """A budget larger than what the machine has."""
 
 
 def _meminfo_available() -> int:
@@ -92,34 +86,25 @@ def host_available() -> int:
     return free if room is None else min(free, room)
 
 
-def check_budgets(budgets: Budgets, device: torch.device) -> None:
-    """Refuse budgets the machine cannot hold, before anything is reserved. Without a GPU the
-    device tier is host memory too, so device and host budgets share the host's room."""
-    host_need = budgets.host + (budgets.device if device.type == "cpu" else 0)
-    have = host_available()
-    if host_need > have:
-        what = "device + host budgets" if device.type == "cpu" else "host budget"
-        raise BeyondMachine(f"the {what} ({format_bytes(host_need)}) exceed the memory this process can take "
-                            f"({format_bytes(have)} available now{_cgroup_note()}); lower --host-memory"
-                            + (" / --device-memory" if device.type == "cpu" else ""))
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        if budgets.device > free:
-            raise BeyondMachine(f"the device budget ({format_bytes(budgets.device)}) exceeds the free memory of "
-                                f"{torch.cuda.get_device_name(device)} ({format_bytes(free)}); lower --device-memory")
+def machine_room(budgets: Budgets, device: torch.device, freed: int = 0) -> MachineRoom:
+    """What this machine can give the tiers now: the host memory this process may take, an accelerator's
+    free memory, the disk directory's free space. ``freed``: host bytes setup frees as it builds."""
+    disk_free = None
     if budgets.disk and budgets.disk_dir:
-        check_disk_room(budgets.disk, Path(budgets.disk_dir))
+        probe = Path(budgets.disk_dir)
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent  # the directory is created later; its filesystem is its nearest parent's
+        disk_free = shutil.disk_usage(probe).free
+    if device.type != "cuda":
+        return MachineRoom(host_available(), freed, True, disk_free=disk_free, note=_cgroup_note())
+    free, _total = torch.cuda.mem_get_info(device)
+    return MachineRoom(host_available(), freed, False, free, torch.cuda.get_device_name(device), disk_free,
+                       _cgroup_note())
 
 
-def check_disk_room(nbytes: int, directory: Path) -> None:
-    """The disk budget against the free space of the filesystem that will hold it."""
-    probe = directory
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent  # the directory is created later; its filesystem is its nearest parent's
-    free = shutil.disk_usage(probe).free
-    if nbytes > free:
-        raise BeyondMachine(f"the disk budget ({format_bytes(nbytes)}) exceeds the free space under {directory} "
-                            f"({format_bytes(free)}); lower the size in --disk DIR:SIZE or free space there")
+def check_budgets(budgets: Budgets, device: torch.device, freed: int = 0) -> None:
+    """Refuse budgets the machine cannot hold, before anything is reserved (``plan.fit.check_machine``)."""
+    check_machine(budgets, machine_room(budgets, device, freed))
 
 
 def _cgroup_note() -> str:

@@ -40,6 +40,8 @@ class MemorySystem:
         pool of the whole budget put them on top of it (an H100 run at a 512 MiB budget peaked at
         1.14 GiB)."""
         self.device = device or compute_device()
+        self.closed = False
+        budgets.check_disk_dir()
         if check_machine:
             check_budgets(budgets, self.device)
         self.page_size = check_page_size(page_size)  # runs measure theirs (engine.measure.page_size)
@@ -216,6 +218,10 @@ class MemorySystem:
         return report
 
     def close(self) -> None:
+        """The movers stopped, the pools given back and the disk files removed (once; again does nothing)."""
+        if self.closed:
+            return
+        self.closed = True
         self.mover.close()
         for pool in self.pools.values():
             pool.close()

@@ -16,8 +16,9 @@ from tiertrain.units import parse_size
 
 @dataclass(frozen=True)
 class Budgets:
-    """Bytes per tier (an int, or a size string: ``Budgets(device="2GiB", host="8GiB")``). A disk
-    budget needs ``disk_dir``, the directory its files go in (created there, private, removed at the end)."""
+    """Bytes per tier (an int, or a size string: ``Budgets(device="2GiB", host="8GiB")``). A run with a
+    disk budget needs ``disk_dir``, the directory its files go in (created there, private, removed at the
+    end); a machine the planner only describes has a disk size alone."""
 
     device: int
     host: int
@@ -29,6 +30,9 @@ class Budgets:
             object.__setattr__(self, name, _size(name, getattr(self, name)))
         if self.disk_dir is not None and not isinstance(self.disk_dir, str):
             object.__setattr__(self, "disk_dir", _directory(self.disk_dir))
+
+    def check_disk_dir(self) -> None:
+        """A run that keeps pages on disk must say where."""
         if self.disk and not self.disk_dir:
             raise ConfigError("a disk budget needs a directory: Budgets(..., disk=SIZE, disk_dir=DIR), or --disk DIR:SIZE")
 

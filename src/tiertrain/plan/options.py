@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tiertrain import typed
-from tiertrain.plan.plan import COMPUTE_DTYPES, UPDATE_MODES
+from tiertrain.plan.plan import COMPUTE_DTYPES
+from tiertrain.plan.update_modes import UPDATE_MODES
 from tiertrain.typed import above, at_least, one_of
 
 

@@ -21,10 +21,10 @@ from tiertrain import typed
 from tiertrain.errors import ConfigError
 from tiertrain.plan.parallel import ParallelLayout
 from tiertrain.plan.tiers import Tier
+from tiertrain.plan.update_modes import UPDATE_MODES, rules
 from tiertrain.precisions import PRECISIONS as COMPUTE_DTYPES
 from tiertrain.typed import at_least, one_of
 
-UPDATE_MODES = ("sync", "overlap", "lockfree")
 BUILTIN_PLANS = ("resident", "stream", "max-offload")
 
 
@@ -57,6 +57,30 @@ _BLOCK_FIELDS = tuple(f.name for f in dataclasses.fields(BlockPlan))
 
 
 DEFAULT_MAX_STALENESS = 1
+GRADS_HELD = ("all", "transient", "bounded")
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What resolving a plan against the model's sizes, the budgets and the run's options decided
+    (``plan.fit.resolve``): data the runtime applies and the simulator replays, never decided again.
+    Written with the plan (``tiertrain plan`` shows it); a plan given to a run is resolved for that run."""
+
+    grads: str = field(default="all", metadata=one_of(*GRADS_HELD))  # all: every block's gradient chunks held;
+    #     transient: each updated away as backward makes it, and all of them fit; bounded: updated away, and
+    #     backward waits for an update to free a chunk where more would not fit
+    page: int = field(default=0, metadata=at_least(0))      # the page size the counts were made at
+    device: int = field(default=0, metadata=at_least(0))    # bytes the plan holds per tier, as counted (the
+    host: int = field(default=0, metadata=at_least(0))      # device pool maps this much of its budget)
+    disk: int = field(default=0, metadata=at_least(0))
+    experts: tuple[int, ...] = ()  # expert parallel: per block, the elements of the experts this rank holds
+
+    @property
+    def bounded(self) -> bool:
+        return self.grads == "bounded"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self) | {"experts": list(self.experts)}
 
 
 @dataclass(frozen=True)
@@ -75,14 +99,14 @@ class Plan:
     compute_dtype: str = field(default="fp32", metadata=one_of(*COMPUTE_DTYPES))  # fp32 | bf16 | fp16: the dtype of
     #                                        device params (master stays fp32; fp16 brings dynamic loss scaling)
     parallel: ParallelLayout = ParallelLayout()  # processes the run spans, and how experts are divided over them
+    resolved: Resolved | None = None  # what ``plan.fit.resolve`` decided for a run (None: not resolved yet)
 
     def validate(self, n_blocks: int) -> "Plan":
         if len(self.blocks) != n_blocks:
             raise ConfigError(f"plan has {len(self.blocks)} block entries but the model has {n_blocks} blocks")
         if self.rest.stream:
             raise ConfigError("the rest block (embeddings, head) cannot stream; set its stream to false")
-        if self.update not in UPDATE_MODES:
-            raise ConfigError(f"update mode {self.update!r} is not one of {', '.join(UPDATE_MODES)}")
+        rules(self.update)  # one of the modes
         if any(b.stream for b in self.blocks) and not 1 <= self.window:
             raise ConfigError(f"window must be at least 1 slot, got {self.window}")
         if not 0 <= self.prefetch < max(1, self.window):
@@ -114,6 +138,7 @@ class Plan:
                            "update": self.update, "read_ahead": self.read_ahead, "max_staleness": self.max_staleness,
                            "compute_dtype": self.compute_dtype,
                            "update_workers": self.update_workers, "parallel": self.parallel.to_dict(),
+                           **({"resolved": self.resolved.to_dict()} if self.resolved is not None else {}),
                            "rest": self.rest.to_dict(),
                            "blocks": [b.to_dict() for b in self.blocks]}, indent=1)
 
@@ -121,16 +146,6 @@ class Plan:
     def from_json(cls, text: str, where: str = "plan") -> "Plan":
         """Every field checked for type and range (``typed``); unknown keys refused by name."""
         return typed.load_json(cls, text, where, "write it with `tiertrain plan` or tiertrain.Plan.to_json()")
-
-
-def check_update_mode(update: str, compute_dtype: str, grad_accum: int, clips: bool) -> None:
-    """Refuse the update modes a run's other options contradict, before anything is planned or allocated."""
-    if update == "lockfree" and compute_dtype == "fp16":
-        raise ConfigError("lockfree updates start before the step's gradients can be checked for fp16 overflow; "
-                          "use --precision bf16 with lockfree, or --update overlap with fp16")
-    if update == "lockfree" and (grad_accum != 1 or clips):
-        raise ConfigError("lockfree updates take gradients as they come: use grad_accum 1 and no clipping "
-                          "(grad_clip: 0), or --update overlap")
 
 
 def builtin_plan(name: str, n_blocks: int, disk: bool = False, update: str = "sync", window: int = 2) -> Plan:
@@ -178,6 +193,6 @@ def load_plan(spec: "str | Plan", n_blocks: int, disk: bool, update: str | None 
             raise ConfigError(f"plan {spec!r} is neither a built-in plan ({', '.join(BUILTIN_PLANS)}) nor a file")
         text = typed.read_text(path, "plan file", "give a plan JSON file")
         plan = Plan.from_json(text, f"plan file {path}")
-    if update is not None and update != plan.update:
+    if update is not None:
         plan = dataclasses.replace(plan, update=update)
     return plan.validate(n_blocks)

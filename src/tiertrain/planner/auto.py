@@ -9,8 +9,10 @@ from dataclasses import dataclass
 from tiertrain.errors import UserError
 from tiertrain.plan.tiers import Tier
 from tiertrain.plan import DEFAULT_MAX_STALENESS, BlockPlan, ParallelLayout, Plan
-from tiertrain.plan.bytes import (MAX_PIECE, TRANSIENT_HINT, cut_in_pieces, disk_passes_per_step, fits_budgets,
-                                  grad_copies, grads_held, host_masters, tier_bytes, transient, widen_read_ahead)
+from tiertrain.plan.fit import (MAX_PIECE, TRANSIENT_HINT, PlanDoesNotFit, Sizes, cut_in_pieces, grads_held, host_masters,
+                                peak_fits, resolve)
+from tiertrain.plan.fit import fits as plan_fits
+from tiertrain.plan.update_modes import disk_passes_per_step, grad_copies, rules, transient
 from tiertrain.planner.profile import Profile
 from tiertrain.planner.simulator import Simulation, simulate
 from tiertrain.planner.solvers import SOLVERS, Problem, Solution, dynamic_programming, feasible
@@ -53,7 +55,7 @@ def run_profile(p: Profile, update: str, max_staleness: int, needs_all_grads: bo
     auto`` and ``tiertrain plan`` both plan through this, so they choose the same plan for one run."""
     return dataclasses.replace(p, grad_copies=grad_copies(update, max_staleness),
                                disk_passes=disk_passes_per_step(update, max_staleness),
-                               transient_grads=transient(update, needs_all_grads))
+                               transient_grads=transient(update, needs_all_grads), master_moves=rules(update).loops)
 
 
 @dataclass(frozen=True)
@@ -73,11 +75,12 @@ def candidates(pb: Problem, update: str = "overlap", solvers: tuple[str, ...] = 
         if s is None:
             out.append(Candidate(name, None, None))
             continue
-        out.append(Candidate(name, *_widened(to_plan(s, pb.profile, update, max_staleness), pb, needs_all_grads)))
+        widened = _widened(to_plan(s, pb.profile, update, max_staleness), pb, needs_all_grads)
+        out.append(Candidate(name, *widened) if widened is not None else Candidate(name, None, None))
     return out
 
 
-def _widened(plan: Plan, pb: Problem, needs_all_grads: bool) -> tuple[Plan, Simulation]:
+def _widened(plan: Plan, pb: Problem, needs_all_grads: bool) -> tuple[Plan, Simulation] | None:
     """The plan with the host it leaves spent, and its device left as cache (``size_cache``): on
     reading ahead alone (``widen_read_ahead``); on disk-homed blocks' masters first
     (``host_masters``), within the gradients' count, so backward waits where it did before and no
@@ -87,26 +90,42 @@ def _widened(plan: Plan, pb: Problem, needs_all_grads: bool) -> tuple[Plan, Simu
     the simulator predicts fastest. Measured on a 354M GPT at 3000 MiB of host (2-core VM, alternated):
     every master on the host 3.59 and 3.84 s a step, the solvers' 8 host-homed blocks 4.88 and 5.19 s."""
     p = pb.profile
-    numels = [b.params for b in (*p.blocks, p.rest)]
+    sizes = profile_sizes(p)
     bases = [plan]
-    for pipeline in _pipelines(plan, numels, p.page):
-        bases.append(_masters_first(numels, pipeline, pb))
+    for pipeline in _pipelines(plan, sizes, p.page):
+        bases.append(_masters_first(sizes, pipeline, pb))
         if p.transient_grads:
-            bases.append(host_masters(numels, _host_homes_to_disk(pipeline, numels), p.page, pb.budgets, "transient"))
+            bases.append(host_masters(sizes, _host_homes_to_disk(pipeline, sizes), p.page, pb.budgets, "transient"))
     found: list[tuple[Plan, Simulation]] = []
     for base in dict.fromkeys(bases):
-        if base is not plan and not _fits(numels, base, pb):  # the solver's own plan is simulated as it is
+        if base is not plan and not _fits(sizes, base, pb):
             continue
-        wide = widen_read_ahead(numels, base, p.page, pb.budgets, p.transient_grads)
-        found.append(size_cache(wide, simulate(wide, p, needs_all_grads, pb.budgets), pb, needs_all_grads))
+        wide = resolved(base, pb, needs_all_grads)  # the plan as the run will run it: what is simulated
+        if wide is not None:
+            found.append(size_cache(wide, simulate(wide, p, needs_all_grads), pb, needs_all_grads))
+    if not found:
+        return None
     # the budget check counts no activations, the simulator does: a variant that leaves the device less
     # room for them than the budget (pieces keep their gradients there) is kept out, unless the
     # solver's own plan (found[0]) already needs as much
     room = max(pb.device, found[0][1].peaks["device"])
-    return min((f for f in found if f[1].peaks["device"] <= room), key=lambda f: f[1].step_s)
+    return min((f for f in found if peak_fits(f[1].peaks["device"], room)), key=lambda f: f[1].step_s)
 
 
-def _pipelines(plan: Plan, numels: list[int], page: int) -> list[Plan]:
+def profile_sizes(p: Profile) -> Sizes:
+    """What a profile's blocks hold, as ``plan.fit`` counts it."""
+    return Sizes(tuple(b.params for b in (*p.blocks, p.rest)))
+
+
+def resolved(plan: Plan, pb: Problem, needs_all_grads: bool) -> Plan | None:
+    """``plan.fit.resolve`` of the plan under the problem's budgets (None where it does not fit)."""
+    try:
+        return resolve(plan, profile_sizes(pb.profile), pb.budgets, pb.profile.page, needs_all_grads=needs_all_grads)
+    except PlanDoesNotFit:
+        return None
+
+
+def _pipelines(plan: Plan, sizes: Sizes, page: int) -> list[Plan]:
     """The plan's own update pipeline and, where it uses a disk, the lean one (one worker, one block
     read ahead): it stages 3 blocks' states in host, not 6, so the host holds more masters and the
     disk moves fewer bytes, but each update waits for the one before it. Measured on a 354M GPT at 2
@@ -121,24 +140,25 @@ def _pipelines(plan: Plan, numels: list[int], page: int) -> list[Plan]:
     whole = [plan, lean] if plan.uses_disk and lean != plan else [plan]
     if not plan.uses_disk or any(b.piece for b in (*plan.blocks, plan.rest)):
         return whole  # a plan in pieces already (a fallback's) keeps its own
-    sizes = dict.fromkeys(max(page, piece // page * page) for piece in PIECES_TRIED)
-    return whole + [cut_in_pieces(numels, w, piece) for w in whole for piece in sizes]
+    pieces = dict.fromkeys(max(page, piece // page * page) for piece in PIECES_TRIED)
+    return whole + [cut_in_pieces(sizes, w, piece) for w in whole for piece in pieces]
 
 
-def _masters_first(numels: list[int], plan: Plan, pb: Problem) -> Plan:
+def _masters_first(sizes: Sizes, plan: Plan, pb: Problem) -> Plan:
     """``host_masters`` within the gradients the plan's pipeline holds."""
     p = pb.profile
-    return host_masters(numels, plan, p.page, pb.budgets, grads_held(numels, plan, p.page, pb.budgets,
-                                                                      p.transient_grads))
+    return host_masters(sizes, plan, p.page, pb.budgets, grads_held(sizes, plan, p.page, pb.budgets,
+                                                                     p.transient_grads))
 
 
-def _fits(numels: list[int], plan: Plan, pb: Problem) -> bool:
+def _fits(sizes: Sizes, plan: Plan, pb: Problem) -> bool:
     """Whether a plan fits the budgets with the gradients counted as the runtime will hold them."""
-    return fits_budgets(numels, plan, pb.profile.page, pb.budgets,
-                grads_held(numels, plan, pb.profile.page, pb.budgets, pb.profile.transient_grads))
+    page = pb.profile.page
+    return plan_fits(sizes, plan, pb.budgets, page, grads=grads_held(sizes, plan, page, pb.budgets,
+                                                                 pb.profile.transient_grads))
 
 
-def _host_homes_to_disk(plan: Plan, numels: list[int]) -> Plan:
+def _host_homes_to_disk(plan: Plan, sizes: Sizes) -> Plan:
     """The plan with every host-homed block's states on disk (where a disk is used at all), updated in
     the plan's pieces where it has them."""
     if not plan.uses_disk:
@@ -148,7 +168,7 @@ def _host_homes_to_disk(plan: Plan, numels: list[int]) -> Plan:
         return dataclasses.replace(bp, home=Tier.DISK) if bp.home is Tier.HOST else bp
     on_disk = dataclasses.replace(plan, blocks=tuple(moved(b) for b in plan.blocks), rest=moved(plan.rest))
     piece = max((b.piece for b in (*plan.blocks, plan.rest)), default=0)
-    return cut_in_pieces(numels, on_disk, piece) if piece else on_disk
+    return cut_in_pieces(sizes, on_disk, piece) if piece else on_disk
 
 
 def size_cache(plan: Plan, sim: Simulation, pb: Problem, needs_all_grads: bool = False) -> tuple[Plan, Simulation]:
@@ -157,13 +177,12 @@ def size_cache(plan: Plan, sim: Simulation, pb: Problem, needs_all_grads: bool =
     so the blocks forward used last are still in place when backward starts instead of fetched
     again. Kept only where the simulator predicts it no slower."""
     spare = sum(b.stream for b in plan.blocks) - plan.window - plan.cache
-    numels = [b.params for b in (*pb.profile.blocks, pb.profile.rest)]
     for k in range(plan.cache + spare, plan.cache, -1):
-        bigger = dataclasses.replace(plan, cache=k)
-        if tier_bytes(numels, bigger, pb.profile.page)[Tier.DEVICE] > pb.device:  # device-homed grads too
+        bigger = resolved(dataclasses.replace(plan, cache=k), pb, needs_all_grads)  # device-homed grads too
+        if bigger is None:
             continue
-        cached = simulate(bigger, pb.profile, needs_all_grads, pb.budgets)
-        if cached.peaks["device"] <= pb.device and cached.step_s <= sim.step_s:
+        cached = simulate(bigger, pb.profile, needs_all_grads)
+        if peak_fits(cached.peaks["device"], pb.device) and cached.step_s <= sim.step_s:
             return bigger, cached
     return plan, sim
 
@@ -254,11 +273,11 @@ def _smallest_hint(pb: Problem) -> str:
     host = _smallest(pb, "host")
     if host is not None:
         return f"a host budget of {format_bytes(host, up=True)} would (with this device and disk)"
-    roomy = dataclasses.replace(pb, device=_LIMIT)
+    roomy = pb.with_budgets(device=_LIMIT)
     host = _smallest(roomy, "host")
     if host is None:
         return "no budgets up to 1 TiB each would with this disk; give a disk (--disk DIR:SIZE) or a larger one"
-    device = _smallest(dataclasses.replace(pb, host=host), "device")
+    device = _smallest(pb.with_budgets(host=host), "device")
     return (f"the smallest budgets that would: device {format_bytes(device or _LIMIT, up=True)} and host "
             f"{format_bytes(host, up=True)} (with this disk)")
 
@@ -270,7 +289,7 @@ def _smallest(pb: Problem, tier: str) -> int | None:
     """The smallest budget of ``tier`` ("device" or "host"), to 1%, for which the DP finds a plan,
     keeping the others; None if even 1 TiB fails."""
     def fits(nbytes: int) -> bool:
-        return dynamic_programming(dataclasses.replace(pb, **{tier: nbytes})) is not None
+        return dynamic_programming(pb.with_budgets(**{tier: nbytes})) is not None
 
     lo, hi = getattr(pb, tier), _LIMIT
     if lo >= hi or not fits(hi):

@@ -14,7 +14,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from tiertrain.plan.bytes import alive_grad_bytes, pages, piece_buffer_bytes
+from tiertrain.plan.bytes import pages
+from tiertrain.plan.fit import alive_grad_bytes, piece_buffer_bytes
 from tiertrain.planner.network import Network
 from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
 
@@ -162,6 +163,8 @@ def host_bytes(p: Profile, choices: tuple[Choice, ...], disk_home: tuple[bool, .
         if not c.device_home and not disk:
             total += _states(p, b)
         total += switch_host_bytes(p, b, c)
+        if disk and c.stream and p.master_moves and p.compute_bytes == 4:  # ``plan.bytes.separate_param_home``
+            total += pages(p.network.per_rank(b.params) * p.compute_bytes, p.page)
     disk_blocks = [b for b, d in zip(p.blocks, disk_home) if d] + ([p.rest] if rest_disk else [])
     if p.piece:  # a few pieces per worker, not whole blocks' states
         return total + _staging(p, disk_blocks)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from tiertrain import typed
 from tiertrain.errors import ConfigError
+from tiertrain.plan.budgets import Budgets
 from tiertrain.planner.profile import MachineProfile
 from tiertrain.typed import above, at_least, one_of
 
@@ -95,15 +96,15 @@ class Machine:
                               disk_cpu_s_per_byte=self.disk_cpu_s_per_byte,
                               disk_together_gain=self.disk_together_gain)
 
-    def budgets(self) -> "TierSizes":
+    def budgets(self) -> Budgets:
         """The budgets a run on this machine gets where none are given: on a GPU 90% of its memory
         (as ``train`` takes), 90% of the host's RAM (the rest is the OS's and the libraries'), the
         whole disk; without one the device tier is host RAM too: at most 4 GiB or a quarter of it,
         and the host 90% of what is left."""
         if self.device_is_host:
             device = min(4 << 30, self.host_memory // 4)
-            return TierSizes(device, int(0.9 * (self.host_memory - device)), self.disk_bytes)
-        return TierSizes(int(0.9 * self.device_memory), int(0.9 * self.host_memory), self.disk_bytes)
+            return Budgets(device, int(0.9 * (self.host_memory - device)), self.disk_bytes)
+        return Budgets(int(0.9 * self.device_memory), int(0.9 * self.host_memory), self.disk_bytes)
 
     def matmul(self, dtype: str) -> float:
         """Achieved matmul FLOP/s in ``dtype``; one refusal naming the machine where it has none."""
@@ -127,19 +128,7 @@ class Machine:
         return cls.from_json(text, f"machine description {path}")
 
 
-@dataclass(frozen=True)
-class TierSizes:
-    """Bytes per tier (the planner's view of budgets)."""
 
-    device: int
-    host: int
-    disk: int
-
-    @property
-    def capacity_params(self) -> int:
-        """The capacity bound: (device + host + disk) / 16 bytes per parameter (mixed-precision AdamW:
-        16-bit params and gradients 2 + 2, fp32 master and two moments 12; BENCHMARKS.md)."""
-        return (self.device + self.host + self.disk) // 16
 
 
 class NoRate(ConfigError):

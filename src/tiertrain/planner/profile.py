@@ -79,6 +79,8 @@ class Profile:
     grad_copies: int = field(default=1, metadata=at_least(1))  # gradient chunks per block at once (plan_bytes)
     disk_passes: float = field(default=1.0, metadata=_TIME)  # a disk-homed block's update passes per step
     transient_grads: bool = False      # overlap without clipping or accumulation: few grad chunks at once
+    master_moves: bool = False         # an update loop may be moving a disk-homed master while forward reads the
+    #                                    params (lockfree): such a block keeps its compute params on the host too
     read_ahead: int = field(default=2, metadata=at_least(0))  # the plan's disk-homed blocks read in ahead
     update_workers: int = field(default=2, metadata=at_least(1))  # the plan's optimizer threads (Plan.update_workers)
     source: str = ""                   # how its block figures were found (measured, reduced shape, estimate)

@@ -29,9 +29,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 from tiertrain.plan.tiers import Tier
-from tiertrain.plan import Plan
-from tiertrain.plan.bytes import (bounded_grads, bounds_grads, grad_copies, grad_tier, pages, sharded, tier_bytes,
-                                  updated_away)
+from tiertrain.plan import Budgets, Plan
+from tiertrain.plan.bytes import grad_tier, pages, sharded, updated_away
+from tiertrain.plan.fit import bounded_grads, bounds_grads, tier_bytes
+from tiertrain.plan.update_modes import grad_copies, rules, updates_during_backward
 from tiertrain.planner.costs import GRAD_BYTES, grads_out_s
 from tiertrain.planner.profile import MachineProfile, Profile
 from tiertrain.planner.timeline import RESOURCES, Timeline
@@ -61,11 +62,12 @@ def _fixed_memory(plan: Plan, p: Profile) -> dict[str, int]:
     return {t.value: v for t, v in need.items()}
 
 
-def simulate(plan: Plan, p: Profile, needs_all_grads: bool = False, budgets: dict[Tier, int] | None = None) -> Simulation:
+def simulate(plan: Plan, p: Profile, needs_all_grads: bool = False, budgets: Budgets | None = None) -> Simulation:
     """Replay one step of ``plan`` on ``p``. ``needs_all_grads``: clipping or fp16 makes overlapped
-    updates wait for the end of backward. ``budgets``: where the runtime will bound the gradients
-    (``plan.bytes.bounds_grads``), those the updates take away count at most what it lets live, and
-    backward waits for an update to free one (``UpdatePipeline.room_for_grads``).
+    updates wait for the end of backward. Where the runtime will bound the gradients (the resolved
+    plan's decision; for a plan not resolved yet, ``plan.fit.bounds_grads`` under ``budgets``), those
+    the updates take away count at most what it lets live, and backward waits for an update to free
+    one (``UpdatePipeline.room_for_grads``).
 
     Where the disk goes faster reading and writing at once (``MachineProfile.disk_lanes``), the step
     is replayed both ways and the faster taken: on two lanes each direction runs at its shared rate
@@ -97,7 +99,7 @@ def _replay_step(plan: Plan, p: Profile, needs_all_grads: bool, budgets: dict[Ti
         live[tier] += delta
         curve.append((t, tier, live[tier]))
 
-    during = plan.update != "sync" and not needs_all_grads  # each block updated as its gradients are in
+    during = updates_during_backward(plan.update, needs_all_grads)  # each block updated as its gradients are in
     pipe = UpdatePipeline.of(plan, p, tl, change, bounded=bool(caps), follows_backward=during)
     replay = _Replay(plan, p, tl, pipe, change, acts=int(p.acts_on_device))
     needed, last_done = replay.forward()
@@ -105,7 +107,8 @@ def _replay_step(plan: Plan, p: Profile, needs_all_grads: bool, budgets: dict[Ti
     n = len(p.blocks)
     for i in [n] if during else [n, *range(n)]:  # the rest's gradients come last; all at once: forward order
         pipe.update(i, device_end)
-    chain = pipe.chain(needed) if plan.update == "overlap" else 0.0
+    mode = rules(plan.update)  # the next forward waits for the updates it needs, where they follow backward
+    chain = pipe.chain(needed) if mode.updates_as_final and not mode.loops else 0.0
     step = _step_time(plan, tl, device_end, needs_all_grads, m, chain)
     peaks = {t: max(v for _, tier, v in curve if tier == t) for t in ("device", "host", "disk")}
     peaks["device"] += max(b.act_bytes for b in p.blocks) * replay.acts   # one block's activations while it computes
@@ -207,10 +210,15 @@ class _Replay:
         return end
 
 
-def _grad_caps(plan: Plan, p: Profile, budgets: dict[Tier, int] | None) -> dict[str, int]:
-    """Per tier, the most updated-away gradient bytes the runtime lets live, where it bounds them."""
+def _grad_caps(plan: Plan, p: Profile, budgets: Budgets | None) -> dict[str, int]:
+    """Per tier, the most updated-away gradient bytes the runtime lets live, where it bounds them: as the
+    resolved plan says (``plan.fit.resolve``), or, for a plan not resolved yet, under ``budgets``."""
     numels = [b.params for b in (*p.blocks, p.rest)]
-    if budgets is None or not bounds_grads(numels, plan, p.page, budgets, p.transient_grads):
+    if plan.resolved is not None:
+        bounded = plan.resolved.bounded
+    else:
+        bounded = budgets is not None and bounds_grads(numels, plan, p.page, budgets, p.transient_grads)
+    if not bounded:
         return {}
     return {t.value: v for t, v in bounded_grads(numels, plan, p.page, bound=False).items()}
 
@@ -249,7 +257,7 @@ def _step_time(plan: Plan, tl: Timeline, device_end: float, needs_all_grads: boo
     if m.device_is_host:
         moved = tl.busy("disk_read") * m.disk_read_bps + tl.busy("disk_write") * m.disk_write_bps
         shared = sum(tl.busy(r) for r in ("compute", "h2d", "d2h", "cpu")) + moved * m.disk_cpu_s_per_byte
-    if plan.update == "sync":
+    if rules(plan.update).waits_at_step:
         return max(last, shared)
     bound = max(max(tl.busy(r) for r in RESOURCES), disk)
     return max(device_end, bound, shared, chain, last - device_end if needs_all_grads else 0.0)

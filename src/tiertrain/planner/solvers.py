@@ -9,6 +9,7 @@ solver accepts fits. Host and disk are checked after the device search (``costs.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tiertrain.plan.tiers import Tier
+from tiertrain.plan.budgets import Budgets
 from tiertrain.planner import costs
 from tiertrain.planner.costs import CHOICES, Choice
 from tiertrain.planner.profile import Profile
@@ -36,26 +37,36 @@ def levels_for(n_blocks: int, levels: int | None = None) -> tuple[int, int]:
 @dataclass(frozen=True)
 class Problem:
     profile: Profile
-    device: int                          # budgets in bytes
-    host: int
-    disk: int = 0
+    budgets: Budgets                     # what each tier may hold (one rank's, over several)
     levels: int = 128                    # device memory discretisation (H3T's m)
     windows: tuple[int, ...] = (1, 2, 3)
     host_levels: int = 16                # host bytes the switches add (stashes), discretised the same way
 
     @classmethod
-    def sized(cls, profile: Profile, device: int, host: int, disk: int = 0, levels: int | None = None) -> "Problem":
+    def sized(cls, profile: Profile, budgets: Budgets, levels: int | None = None) -> "Problem":
         """A problem discretised for its number of blocks (``levels_for``); ``levels`` a floor for the device's."""
         m, hm = levels_for(len(profile.blocks), levels)
-        return cls(profile, device, host, disk, levels=m, host_levels=hm)
+        return cls(profile, budgets, levels=m, host_levels=hm)
+
+    def with_budgets(self, **sizes: int) -> "Problem":
+        """The problem under other budgets for some tiers (``device=``, ``host=``, ``disk=``)."""
+        return dataclasses.replace(self, budgets=dataclasses.replace(self.budgets, **sizes))
+
+    @property
+    def device(self) -> int:
+        return self.budgets.device
+
+    @property
+    def host(self) -> int:
+        return self.budgets.host
+
+    @property
+    def disk(self) -> int:
+        return self.budgets.disk
 
     @property
     def unit(self) -> float:
         return self.device / self.levels
-
-    @property
-    def budgets(self) -> dict[Tier, int]:
-        return {Tier.DEVICE: self.device, Tier.HOST: self.host, Tier.DISK: self.disk}
 
     def capacity(self, window: int, any_stream: bool) -> int:
         """Whole units left for the blocks once the fixed bytes are placed (negative: none)."""

@@ -41,8 +41,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from tiertrain.plan import BlockPlan, Plan
-from tiertrain.plan.bytes import (F32_BYTES, disk_passes_per_step, disk_states, grad_tier, in_pieces, master_home,
-                                  pages, separate_param_home, sharded, updated_away)
+from tiertrain.plan.bytes import (F32_BYTES, disk_states, grad_tier, in_pieces, master_home, pages,
+                                  separate_param_home, sharded, updated_away)
+from tiertrain.plan.update_modes import disk_passes_per_step, rules
 from tiertrain.plan.reads import forward_reads
 from tiertrain.plan.tiers import Tier
 from tiertrain.planner.costs import GRAD_BYTES, publishes_over_link
@@ -104,8 +105,9 @@ class UpdatePipeline:
     @classmethod
     def of(cls, plan: Plan, p: Profile, tl: Timeline, change: Change, bounded: bool,
            follows_backward: bool) -> "UpdatePipeline":
-        workers = 1 if plan.update == "sync" else plan.update_workers
-        read_ahead = 0 if plan.update == "lockfree" else plan.read_ahead
+        mode = rules(plan.update)
+        workers = 1 if mode.waits_at_step else plan.update_workers  # a step's updates: one after another
+        read_ahead = plan.read_ahead if mode.reads_ahead else 0
         return cls(plan, p, tl, change, [_Worker() for _ in range(workers)], read_ahead, bounded, follows_backward)
 
     def _block(self, i: int) -> tuple[BlockPlan, BlockProfile]:

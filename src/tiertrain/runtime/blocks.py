@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from tiertrain.errors import ConfigError
 from tiertrain.memory.layout import ChunkLayout
+from tiertrain.plan.fit import Sizes
 from tiertrain.models.moe import MoEFeedForward
 
 
@@ -38,6 +39,17 @@ def block_layout(block: Block, shard_count: int = 1) -> ChunkLayout:
 def block_numel(block: Block) -> int:
     """Elements in each of the block's chunks, padding included."""
     return block_layout(block).numel
+
+
+def block_sizes(blocks: list[Block], ep: int = 1) -> Sizes:
+    """What the blocks hold, as ``plan.fit`` counts it: each block's elements and, under expert parallel
+    (``ep`` > 1), each block's without its experts and the experts one rank holds (every rank holds as
+    many, of one size) apart."""
+    if ep == 1:
+        return Sizes(tuple(block_numel(b) for b in blocks))
+    split, held = split_experts(blocks, lambda m: range(m.n_experts // ep))
+    return Sizes(tuple(block_numel(b) for b in split),
+                 tuple(block_numel(held[i].block) if i in held else 0 for i in range(len(blocks))))
 
 
 def _signature(m: nn.Module) -> tuple:

@@ -8,7 +8,6 @@ made by ``BlockGroup``'s one constructor (a replan makes its groups the same way
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -21,8 +20,9 @@ from tiertrain.models.init import init_in_place
 from tiertrain.parallel import Collectives
 from tiertrain.parallel.experts import ExpertParallel
 from tiertrain.plan import BlockPlan, Plan, RunOptions
-from tiertrain.plan.bytes import (grad_floors, grad_tier, in_pieces, master_home, master_in_slot,
-                                  separate_param_home, sharded, state_homes, updated_away)
+from tiertrain.plan.bytes import (experts_plan, grad_tier, in_pieces, master_home, master_in_slot, separate_param_home,
+                                  sharded, state_homes, updated_away)
+from tiertrain.plan.fit import grad_floors
 from tiertrain.precisions import torch_dtype
 from tiertrain.runtime.block_group import F32, BlockGroup, GroupChunks, GroupLayout
 from tiertrain.runtime.blocks import Block, HeldExperts, block_layout, split_experts
@@ -147,8 +147,7 @@ def _build_experts(ctx: RunContext, model: nn.Module, experts: ExpertParallel, i
     of their own (they do not stream: the window holds blocks), replicated over their replicas, and
     averaged over every rank (their gradients hold every rank's tokens). Rank 0's initial weights are
     every rank's, for the experts as for the rest."""
-    bplan = dataclasses.replace(parent, stream=False, shard=False, recompute=False, offload_hidden=False,
-                                param_copy=False)
+    bplan = experts_plan(parent)
     layout = block_layout(held.block)
     slot = DeviceSlot(ctx.mem.allocate(f"{held.block.name}.slot", layout.numel * compute.itemsize, Tier.DEVICE,
                                        Kind.PARAM, contiguous=True))
@@ -219,9 +218,9 @@ def _states(mem: MemorySystem, comm: Collectives, block: Block, bplan: BlockPlan
 def _build_sharded(mem: MemorySystem, comm: Collectives, index: int, block: Block, bplan: BlockPlan, slot: DeviceSlot,
                    plan: Plan, options: RunOptions, compute: torch.dtype,
                    layout: ChunkLayout) -> tuple[GroupChunks, tuple[int, int] | None]:
-    """A sharded block: this rank's shard of master and moments at their home, its shard of the compute
-    params in the param home, the whole compute params in the slot. The block's weights are made
-    whole once, on the host (one block at a time), as rank 0 has them."""
+    """A sharded block: this rank's shard of master and moments at their home (none in a forward-only run),
+    its shard of the compute params in the param home, the whole compute params in the slot. The block's
+    weights are made whole once, on the host (one block at a time), as rank 0 has them."""
     lo, hi = layout.shard_range(comm.rank)
     nbytes = (hi - lo) * F32.itemsize
     # the whole block's weights, made once: in its fp32 slot where it has one (no temporary, which glibc
@@ -232,13 +231,7 @@ def _build_sharded(mem: MemorySystem, comm: Collectives, index: int, block: Bloc
     if options.init_states:
         _fill_tensor(full, block.params, layout)
         comm.broadcast(full)
-    pieced = in_pieces(bplan)  # its shard written to disk where it lies: never staged whole on the host
-    homes = state_homes(bplan)
-    states = [mem.allocate(f"{block.name}.{k.value}", nbytes, Tier.HOST if home is Tier.DISK and not pieced else home,
-                           k, contiguous=True) for k, home in zip((Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ), homes)]
-    mem.overwrite(states[0], full[lo:hi].contiguous())
-    for m in states[1:]:
-        mem.zero(m)
+    states = _shard_states(mem, block, bplan, nbytes, full[lo:hi]) if options.train else [None, None, None]
     if not fp32_slot:
         slot.chunk.typed(compute)[: layout.numel].copy_(full)
     slot.holder = index
@@ -248,10 +241,24 @@ def _build_sharded(mem: MemorySystem, comm: Collectives, index: int, block: Bloc
         param_home.typed(compute).copy_(full[lo:hi])
     else:
         param_home = states[0]
-    for chunk, home in zip(states, homes):
-        if chunk.tier is not home:
+    for chunk, home in zip(states, state_homes(bplan)):
+        if chunk is not None and chunk.tier is not home:
             mem.move(chunk, home, contiguous=True).wait()
     return GroupChunks(*states, param_home, slot), (lo, hi)
+
+
+def _shard_states(mem: MemorySystem, block: Block, bplan: BlockPlan, nbytes: int, mine: torch.Tensor) -> list[Chunk]:
+    """This rank's shard of the block's master (``mine``) and zeroed moments, each at its home or, bound for
+    disk, on the host for the caller to send there; a block updated in pieces writes its shard to disk
+    where it lies (never staged whole on the host). A forward-only run has none."""
+    pieced = in_pieces(bplan)
+    states = [mem.allocate(f"{block.name}.{k.value}", nbytes, Tier.HOST if home is Tier.DISK and not pieced else home,
+                           k, contiguous=True)
+              for k, home in zip((Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ), state_homes(bplan))]
+    mem.overwrite(states[0], mine.contiguous())
+    for m in states[1:]:
+        mem.zero(m)
+    return states
 
 
 def _fill(chunk: Chunk, params: list[tuple[str, torch.Tensor]], layout: ChunkLayout, dtype: torch.dtype) -> None:

@@ -13,18 +13,16 @@ those to the host last; each plan fits its budgets alone (the budget check).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING
 
 from tiertrain.memory import Kind, Tier
 from tiertrain.memory.chunk import Chunk
 from tiertrain.plan import BlockPlan, Plan
-from tiertrain.plan.bytes import master_in_slot, separate_param_home, state_homes
+from tiertrain.plan.bytes import experts_plan, master_in_slot, separate_param_home, state_homes
+from tiertrain.plan.fit import check_device_room
 from tiertrain.runtime.block_group import F32, BlockGroup, GroupChunks, GroupLayout
-from tiertrain.runtime.budget_check import device_need
 from tiertrain.runtime.build import floors_of, grad_floors_for, ring_slots
 from tiertrain.runtime.slots import DeviceSlot
-from tiertrain.units import format_bytes
 
 if TYPE_CHECKING:
     from tiertrain.runtime.runtime import Runtime
@@ -32,12 +30,16 @@ if TYPE_CHECKING:
 _MOVE_ORDER = (Tier.DISK, Tier.DEVICE, Tier.HOST)
 
 
-def replan(rt: "Runtime", plan: Plan, transient_grads: bool) -> None:
-    """Run ``rt`` under ``plan`` from the next step on (call between steps; training runs only)."""
+def replan(rt: "Runtime", plan: Plan) -> None:
+    """Run ``rt`` under ``plan`` (resolved for the run: ``plan.fit.resolve``) from the next step on (call
+    between steps; training runs only)."""
     if not rt.options.train:
         raise ValueError("replan moves optimizer states; a forward-only run has none to move")
+    if plan.resolved is None:
+        raise ValueError("internal: replan runs a resolved plan (tiertrain.plan.fit.resolve)")
     plan = plan.validate(len(_blocks(rt.groups)) - 1)
-    _check_device_room(rt, plan, transient_grads)
+    pool = rt.mem.pool(Tier.DEVICE)
+    check_device_room(rt.sizes, plan, pool.page_size, pool.capacity, plan.resolved.bounded)
     rt.wait_updates()
     rt.cache.settle()
     for g in rt.groups:
@@ -52,7 +54,7 @@ def replan(rt: "Runtime", plan: Plan, transient_grads: bool) -> None:
                     rt.mem.move(chunk, tier, contiguous=True).wait()
     copies = _compute_copies(rt, old, plans, plan)
     floors = grad_floors_for([(g.layout, plans[g.index], g.shard is not None) for g in old],
-                             rt.comm.world_size) if transient_grads else {}
+                             rt.comm.world_size) if plan.resolved.bounded else {}
     made: dict[int, BlockGroup] = {}
     for g in reversed(old):  # a block's held experts come after it: made first, so the block is made with them
         slot, param_home = copies[g.index]
@@ -63,7 +65,7 @@ def replan(rt: "Runtime", plan: Plan, transient_grads: bool) -> None:
                                    made[g.experts.index] if g.experts is not None else None, g.comm, g.version)
         made[g.index].rebind(slot)
     rt.mode.close()
-    rt.take_plan([made[g.index] for g in old], plan, transient_grads)
+    rt.take_plan([made[g.index] for g in old], plan)
 
 
 def _blocks(groups: list[BlockGroup]) -> list[BlockGroup]:
@@ -77,21 +79,8 @@ def _new_plans(groups: list[BlockGroup], plan: Plan) -> dict[int, BlockPlan]:
     out = dict(zip((g.index for g in _blocks(groups)), (*plan.blocks, plan.rest)))
     for g in groups:
         if g.experts is not None:
-            out[g.experts.index] = dataclasses.replace(out[g.index], stream=False, shard=False, recompute=False,
-                                                       offload_hidden=False, param_copy=False)
+            out[g.experts.index] = experts_plan(out[g.index])
     return out
-
-
-def _check_device_room(rt: "Runtime", plan: Plan, transient_grads: bool) -> None:
-    """A device pool maps what its run's plan counts (``tiertrain.setup``), or its whole budget where
-    the run replans (plan auto's first step) or has several ranks: the new plan must fit what it maps."""
-    pool = rt.mem.pool(Tier.DEVICE)
-    need = device_need([g.layout.numel for g in rt.groups], plan, pool.page_size, True, transient_grads)
-    if need > pool.capacity:
-        raise ValueError(f"plan {plan.name!r} needs {format_bytes(need)} of device and this run's device pool "
-                         f"maps {format_bytes(pool.capacity)}: setup reserved what its own plan counts; a run that "
-                         "replans must be planned from its own first step (plan 'auto' without profile_step: its "
-                         "pool keeps the whole budget)")
 
 
 def _drop_compute_copies(rt: "Runtime") -> None:

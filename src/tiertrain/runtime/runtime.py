@@ -20,16 +20,17 @@ from tiertrain.optim import AdamWHyper
 from tiertrain.parallel import Collectives, collectives_for
 from tiertrain.parallel.experts import expert_parallel, moe_layers
 from tiertrain.plan import Plan, RunOptions
-from tiertrain.plan.bytes import grad_tier, has_own_place, updated_away
+from tiertrain.plan.bytes import grad_tier, updated_away
+from tiertrain.plan.fit import has_own_place
 from tiertrain.runtime.backward import BackwardPass
 from tiertrain.runtime.block_group import F32, BlockGroup
-from tiertrain.runtime.blocks import Block, block_layout, find_blocks
+from tiertrain.runtime.blocks import Block, block_layout, block_sizes, find_blocks
 from tiertrain.runtime.build import BuildSpec, LetGo, build_groups
 from tiertrain.runtime.cache import DeviceCache
 from tiertrain.runtime.context import RunContext
 from tiertrain.runtime.hooks import apply_switches, install_block_hooks, install_grad_hooks
 from tiertrain.runtime.loss_scale import LossScaler
-from tiertrain.runtime.modes import ModeContext, UpdateMode, make_mode
+from tiertrain.runtime.modes import ModeContext, make_mode
 from tiertrain.runtime.read_ahead import ReadAhead
 from tiertrain.runtime.slots import DeviceSlot
 from tiertrain.runtime.state_moves import StateMoves
@@ -41,22 +42,25 @@ from tiertrain.runtime.tied import extra_uses, give_own_leaf
 
 class Runtime:
     def __init__(self, model: nn.Module, param_groups: list[dict[str, Any]], group_of_param: dict[int, int],
-                 mem: MemorySystem, plan: Plan, options: RunOptions, transient_grads: bool = False,
-                 comm: Collectives | None = None, let_go: LetGo | None = None) -> None:
-        """``param_groups``: the optimizer's (live dicts: schedulers write ``lr`` into them).
-        ``transient_grads``: the host cannot hold every block's gradients, so backward waits for an
-        update to free a gradient chunk (overlap without clipping or accumulation only; setup decides).
-        ``let_go(original, new)``: each of the model's parameters as its block is built (``build_groups``)."""
+                 mem: MemorySystem, plan: Plan, options: RunOptions, comm: Collectives | None = None,
+                 let_go: LetGo | None = None) -> None:
+        """``plan``: resolved for this run (``plan.fit.resolve``: whether backward waits for updates to free
+        gradient chunks is its decision, and what the device pool maps). ``param_groups``: the optimizer's
+        (live dicts: schedulers write ``lr`` into them). ``let_go(original, new)``: each of the model's
+        parameters as its block is built (``build_groups``)."""
+        if plan.resolved is None:
+            raise ValueError("internal: the runtime runs a resolved plan (tiertrain.plan.fit.resolve)")
         self.model, self.mem, self.options = model, mem, options
         self.param_groups = param_groups
         self.comm = comm or collectives_for(plan.parallel.world_size)
         self.clock = StepClock(options.grad_accum)
         self.ctx = RunContext(mem, self.comm, self.clock, self.hypers)
         blocks = find_blocks(model, options.blocks)
+        self.sizes = block_sizes(blocks, plan.parallel.ep)  # what plan.fit counts (a replan counts the same)
         self.experts = expert_parallel(self.comm, plan.parallel.dp, plan.parallel.ep, model)
         self.replaced: dict[int, nn.Parameter] = {}  # the user's parameter (id) -> the one now in its place
         tied = extra_uses(model, [p for _, p in blocks[-1].params]) if options.train else []
-        spec = BuildSpec(plan, options, group_of_param, transient_grads,
+        spec = BuildSpec(plan, options, group_of_param, plan.resolved.bounded,
                          self._reduced_at_end(blocks, bool(tied)), let_go)
         groups = build_groups(self.ctx, model, blocks, spec, self.replaced, self.experts)
         self.dropped = self._keep_held_experts(blocks)
@@ -67,19 +71,20 @@ class Runtime:
         self.stashes: dict[int, HostStash] = {}  # offload_hidden: where each block's saved activations wait
         self._handles: list[RemovableHandle] = []
         self.backward: BackwardPass | None = None
-        self.take_plan(groups, plan, transient_grads)
+        self.closed = False
+        self.take_plan(groups, plan)
         for use in tied:  # a tied weight's other uses send their gradients on at once where the plan allows
             give_own_leaf(use, lambda i, leaf: self.groups[-1].tied_grad_arrived(i, leaf),
                           lambda: self.backward.tied_early)
 
     # -- a plan taking effect --------------------------------------------------------------
-    def take_plan(self, groups: list[BlockGroup], plan: Plan, transient_grads: bool) -> None:
+    def take_plan(self, groups: list[BlockGroup], plan: Plan) -> None:
         """Run the groups (built for ``plan`` by ``build_groups``, or by a replan from the chunks it
         moved) under ``plan``: its device cache, state moves, update mode, backward pass and read-ahead,
         the groups' hooks, and each block's activation switches."""
         for h in self._handles:
             h.remove()
-        self.groups, self.plan, self.transient_grads = groups, plan, transient_grads
+        self.groups, self.plan, self.bounded_grads = groups, plan, plan.resolved.bounded
         ctx = self.ctx
         ctx.moves = StateMoves(self.mem, plan.read_ahead)
         ctx.cache = DeviceCache([g for g in groups if g.plan.stream], _ring(groups), plan.prefetch)
@@ -88,7 +93,7 @@ class Runtime:
                                                      self._settle, self.options.max_grad_norm, self.waits_for_norm,
                                                      plan))
         late = self.backward.late_flushes if self.backward is not None else None
-        ctx.backward = self.backward = BackwardPass(groups, self.clock, self.mode, self.mem, transient_grads,
+        ctx.backward = self.backward = BackwardPass(groups, self.clock, self.mode, self.mem, self.bounded_grads,
                                                     plan.update_workers, self._tied_grads_early(), late)
         ctx.ahead = self.reads = ReadAhead(groups, plan, self.clock, self.mode, ctx.moves, self.backward,
                                            self._token_dependent())
@@ -147,7 +152,7 @@ class Runtime:
         rest = self.groups[-1]
         if self.plan.compute_dtype != "fp32" or (self.mem.device.type != "cpu" and grad_tier(rest.plan) is Tier.HOST):
             return False  # autograd sums the uses in the compute dtype, and on the device
-        if not (self.transient_grads and updated_away(rest.plan)):
+        if not (self.bounded_grads and updated_away(rest.plan)):
             return True
         tier = grad_tier(rest.plan)
         return has_own_place(rest.state_numel * F32.itemsize, [
@@ -213,6 +218,10 @@ class Runtime:
         self.clock.micro = 0
 
     def close(self) -> None:
+        """Every update landed and the workers and collectives stopped (once; again does nothing)."""
+        if self.closed:
+            return
+        self.closed = True
         self.wait_updates()
         self.mode.close()
         self.comm.close()

@@ -13,7 +13,7 @@ import torch
 from tiertrain.errors import ConfigError
 from tiertrain.optim import AdamWHyper
 from tiertrain.plan import Plan, Tier
-from tiertrain.plan.bytes import steps_per_disk_pass
+from tiertrain.plan.update_modes import steps_per_disk_pass
 from tiertrain.runtime.modes.base import ModeContext, UpdatableGroup, UpdateMode
 
 

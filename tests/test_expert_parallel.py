@@ -307,12 +307,12 @@ def test_expert_parallel_needs_moe_layers_that_ep_divides_and_more_than_one_proc
     import tiertrain
     from tiertrain.models import build
     from tiertrain.parallel import LocalCollectives
-    from tiertrain.parallel.experts import expert_parallel
+    from tiertrain.parallel.experts import apply_expert_parallel
 
     with pytest.raises(ConfigError, match="ep=2 does not divide the model's 3 experts; choose ep among 1, 3"):
-        expert_parallel(LocalCollectives(), 6, 2, build({**MOE, "n_experts": 3}))
-    with pytest.raises(ConfigError, match="has no tiertrain MoE layer"):
-        expert_parallel(LocalCollectives(), 2, 2, build({**MOE, "n_experts": 0}))
+        apply_expert_parallel(LocalCollectives(), 6, 2, build({**MOE, "n_experts": 3}))
+    with pytest.raises(ConfigError, match="has no mixture-of-experts layer"):
+        apply_expert_parallel(LocalCollectives(), 2, 2, build({**MOE, "n_experts": 0}))
     model, opt = _fresh(MOE)
     with pytest.raises(ConfigError, match="ep=2 .* this run has one process: launch it under torchrun"):
         tiertrain.setup(model, opt, Budgets(64 << 20, 64 << 20), plan="resident", ep=2)

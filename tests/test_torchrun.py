@@ -89,7 +89,7 @@ def test_a_layout_the_ranks_would_refuse_is_one_message_before_torchrun_starts(t
         err = capsys.readouterr().err
         assert says in err and err.count("error:") == 1 and not out.exists(), err
     assert main(["train", *TINY, "--plan", "stream", "--ep", "2", "--out", str(tmp_path / "dense")]) == 2
-    assert "this model has no tiertrain MoE layer" in capsys.readouterr().err
+    assert "this model has no mixture-of-experts layer" in capsys.readouterr().err
 
 
 def test_an_error_inside_the_ranks_under_nproc_is_one_line_without_torchruns_report(tmp_path):

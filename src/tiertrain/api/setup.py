@@ -39,7 +39,7 @@ from tiertrain.memory.heap import release_free_heap
 from tiertrain.memory.system import compute_device
 from tiertrain.optim.hparams import KEYS
 from tiertrain.parallel import world_from_env
-from tiertrain.parallel.experts import moe_layers_for
+from tiertrain.parallel.experts import expert_layers_for
 from tiertrain.plan import (DEFAULT_MAX_STALENESS, ParallelLayout, Plan, RunOptions, check_update_mode, data_parallel,
                             load_plan)
 from tiertrain.plan.fit import PlanDoesNotFit, page_for_states, resolve
@@ -104,7 +104,7 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, memo
     check_budgets(memory, device, freed=weights_in_ram(model))
     groups, group_of = _groups_from(optimizer, model) if opts.train else ([], {})
     found = find_blocks(model, opts.blocks)
-    moe_layers_for(model, opts.ep or 1)  # a dense model is refused before anything is laid out
+    expert_layers_for(model, opts.ep or 1)  # a dense model is refused before anything is laid out
     if isinstance(plan, str) and plan == "auto" and profile_step is None:
         _check_first_step_auto(opts)  # before anything is measured
     page = page_size_for(opts.page_size, memory.disk_dir if memory.disk else None, device)

@@ -30,7 +30,6 @@ import torch
 from tiertrain import typed
 from tiertrain.errors import CheckpointError
 from tiertrain.optim.hparams import MOMENTS
-from tiertrain.parallel.experts import moe_layers
 from tiertrain.tensor_file import LazyTensors, TensorSpec, TensorStream, write_streamed
 from tiertrain.typed import at_least
 
@@ -101,7 +100,7 @@ def shard_map(rt: Any) -> ShardMap:
         if id(g) not in held:
             blocks.append(b)
             continue
-        per = moe_layers(rt.model)[0].n_experts // rt.experts.ep
+        per = rt.experts.n_experts // rt.experts.ep
         blocks += [dataclasses.replace(b, name=f"{b.name}@{j}", rank=j,
                                        params=tuple((_expert_of(n, j * per), o, sh) for n, o, sh in b.params))
                    for j in range(rt.experts.ep)]

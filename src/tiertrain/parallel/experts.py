@@ -21,8 +21,8 @@ import torch
 import torch.nn as nn
 
 from tiertrain.errors import ConfigError
-from tiertrain.models.moe import MoEFeedForward
 from tiertrain.parallel.collectives import Collectives
+from tiertrain.parallel.expert_layer import ExpertLayer, expert_layers
 from tiertrain.parallel.local import LocalCollectives
 
 
@@ -30,8 +30,8 @@ class ExpertParallel:
     """This rank's part: which experts it holds, and the ranks it exchanges tokens with (``a2a``) and
     sums its experts' gradients with (``replicas``; a world of one when ``ep`` is every rank)."""
 
-    def __init__(self, a2a: Collectives, replicas: Collectives, dp: int) -> None:
-        self.a2a, self.replicas, self.dp = a2a, replicas, dp
+    def __init__(self, a2a: Collectives, replicas: Collectives, dp: int, n_experts: int) -> None:
+        self.a2a, self.replicas, self.dp, self.n_experts = a2a, replicas, dp, n_experts
         self.ep, self.ep_rank = a2a.world_size, a2a.rank
         self.sent = 0  # bytes of tokens (and their gradients) this rank sent to other ranks
 
@@ -39,7 +39,16 @@ class ExpertParallel:
         per = n_experts // self.ep
         return range(self.ep_rank * per, (self.ep_rank + 1) * per)
 
-    def __call__(self, moe: MoEFeedForward, tokens: torch.Tensor,
+    def hold_own(self, model: nn.Module, params: list[nn.Parameter], replaced: dict[int, nn.Parameter]) -> set[int]:
+        """Each of the model's expert layers keeps the experts this rank holds and exchanges tokens for the
+        rest. The ids of ``params`` (the model's, as they were) this rank does not hold: the other ranks'
+        experts, let go of (``replaced``: the originals this rank's build took the place of)."""
+        for m in expert_layers(model):
+            m.keep_experts(self.owned(m.n_experts), self)
+        held = {id(p) for p in model.parameters()} | set(replaced)
+        return {id(p) for p in params if id(p) not in held}
+
+    def __call__(self, moe: ExpertLayer, tokens: torch.Tensor,
                  rows: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """The ``ExpertExchange`` of ``moe``: each expert's outputs on ``tokens[rows[e]]``."""
         per = moe.n_experts // self.ep
@@ -56,7 +65,7 @@ class ExpertParallel:
         pieces = iter(back.split([r.numel() for r in rows if r.numel()]))
         return [_Fresh.apply(next(pieces)) if r.numel() else None for r in rows]
 
-    def _run_held(self, moe: MoEFeedForward, recv: torch.Tensor, got: list[int]) -> list[torch.Tensor]:
+    def _run_held(self, moe: ExpertLayer, recv: torch.Tensor, got: list[int]) -> list[torch.Tensor]:
         """The held experts on what each rank sent them, one run per (rank, expert), in arrival order."""
         segments, outs = recv.split(got), []
         for k, seg in enumerate(segments):
@@ -107,34 +116,36 @@ class _Fresh(torch.autograd.Function):
         return grad.clone(memory_format=torch.contiguous_format)
 
 
-def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
-    return [m for m in model.modules() if isinstance(m, MoEFeedForward)]
-
-
-def moe_layers_for(model: nn.Module, ep: int) -> list[MoEFeedForward]:
+def expert_layers_for(model: nn.Module, ep: int) -> list[ExpertLayer]:
     """The model's mixture-of-experts layers, which expert parallel (``ep`` > 1) needs; one message if none."""
-    layers = moe_layers(model)
+    layers = expert_layers(model)
     if ep > 1 and not layers:
         raise ConfigError(f"expert parallel (ep={ep}) divides a mixture of experts' experts over ranks, but this "
-                          "model has no tiertrain MoE layer; use a model with n_experts > 0, or leave ep at 1")
+                          "model has no mixture-of-experts layer (parallel.expert_layer.ExpertLayer); use a model "
+                          "with n_experts > 0, or leave ep at 1")
     return layers
 
 
-def expert_parallel(world: Collectives, dp: int, ep: int, model: nn.Module) -> ExpertParallel | None:
-    """The expert-parallel groups of a run laid out with ``ep`` (None for ``ep`` = 1), checked against
-    the model: it must have mixture-of-experts layers whose expert count ``ep`` divides."""
+def apply_expert_parallel(world: Collectives, dp: int, ep: int, model: nn.Module) -> ExpertParallel | None:
+    """Expert parallel applied to a run laid out with ``ep`` (None for ``ep`` = 1): its groups of ranks,
+    checked against the model: it must have mixture-of-experts layers, alike, whose expert count ``ep``
+    divides. The layers keep their experts once the run is built (``ExpertParallel.hold_own``)."""
     if ep == 1:
         return None
-    n = moe_layers_for(model, ep)[0].n_experts
+    layers = expert_layers_for(model, ep)
+    n = layers[0].n_experts
+    if any(m.n_experts != n for m in layers):
+        raise ConfigError(f"expert parallel divides every layer's experts alike, but the model's layers hold "
+                          f"{sorted({m.n_experts for m in layers})} experts; give each layer as many")
     if n % ep:
         raise ConfigError(f"ep={ep} does not divide the model's {n} experts; choose ep among "
                           f"{', '.join(str(k) for k in range(1, n + 1) if n % k == 0 and dp % k == 0)}")
     if world.world_size != dp:
         raise ConfigError(f"the plan is laid out for {dp} ranks but this run has {world.world_size}")
     if ep == dp:
-        return ExpertParallel(world, LocalCollectives(), dp)
+        return ExpertParallel(world, LocalCollectives(), dp, n)
     a2a, replicas = _subgroups(world, dp, ep)
-    return ExpertParallel(a2a, replicas, dp)
+    return ExpertParallel(a2a, replicas, dp, n)
 
 
 def _subgroups(world: Collectives, dp: int, ep: int) -> tuple[Collectives, Collectives]:

@@ -20,7 +20,7 @@ import torch.nn as nn
 from tiertrain.errors import ConfigError
 from tiertrain.memory.layout import ChunkLayout
 from tiertrain.plan.fit import Sizes
-from tiertrain.models.moe import MoEFeedForward
+from tiertrain.parallel.expert_layer import ExpertLayer, expert_layers, expert_params
 
 
 @dataclass
@@ -105,17 +105,17 @@ class HeldExperts:
     every: list[tuple[str, nn.Parameter]]
 
 
-def split_experts(blocks: list[Block], owned: Callable[[MoEFeedForward], range]) -> tuple[list[Block], dict[int, HeldExperts]]:
+def split_experts(blocks: list[Block], owned: Callable[[ExpertLayer], range]) -> tuple[list[Block], dict[int, HeldExperts]]:
     """The blocks without their experts' parameters, and per block with mixture-of-experts layers (by
     index) the experts this rank holds (``owned`` of each layer)."""
     out, held = [], {}
     for i, b in enumerate(blocks):
-        layers = [m for m in b.module.modules() if isinstance(m, MoEFeedForward)] if b.module is not None else []
+        layers = expert_layers(b.module) if b.module is not None else []
         if not layers:
             out.append(b)
             continue
-        expert = {id(p) for m in layers for p in m.experts.parameters()}
-        mine = {id(p) for m in layers for e in owned(m) for p in m.expert(e).parameters()}
+        expert = {id(p) for m in layers for p in expert_params(m)}
+        mine = {id(p) for m in layers for p in expert_params(m, owned(m))}
         every = [(n, p) for n, p in b.params if id(p) in expert]
         out.append(Block(b.name, b.module, [(n, p) for n, p in b.params if id(p) not in expert]))
         held[i] = HeldExperts(Block(f"{b.name}.experts", None, [(n, p) for n, p in every if id(p) in mine]), every)

@@ -18,7 +18,8 @@ from torch.utils.hooks import RemovableHandle
 from tiertrain.memory import MemorySystem, Tier
 from tiertrain.optim import AdamWHyper
 from tiertrain.parallel import Collectives, collectives_for
-from tiertrain.parallel.experts import expert_parallel, moe_layers
+from tiertrain.parallel.expert_layer import expert_layers
+from tiertrain.parallel.experts import apply_expert_parallel
 from tiertrain.plan import Plan, RunOptions
 from tiertrain.plan.bytes import grad_tier, updated_away
 from tiertrain.plan.fit import has_own_place
@@ -57,13 +58,14 @@ class Runtime:
         self.ctx = RunContext(mem, self.comm, self.clock, self.hypers)
         blocks = find_blocks(model, options.blocks)
         self.sizes = block_sizes(blocks, plan.parallel.ep)  # what plan.fit counts (a replan counts the same)
-        self.experts = expert_parallel(self.comm, plan.parallel.dp, plan.parallel.ep, model)
+        self.experts = apply_expert_parallel(self.comm, plan.parallel.dp, plan.parallel.ep, model)
         self.replaced: dict[int, nn.Parameter] = {}  # the user's parameter (id) -> the one now in its place
         tied = extra_uses(model, [p for _, p in blocks[-1].params]) if options.train else []
         spec = BuildSpec(plan, options, group_of_param, plan.resolved.bounded,
                          self._reduced_at_end(blocks, bool(tied)), let_go)
         groups = build_groups(self.ctx, model, blocks, spec, self.replaced, self.experts)
-        self.dropped = self._keep_held_experts(blocks)
+        self.dropped = self.experts.hold_own(model, [p for b in blocks for _, p in b.params], self.replaced) \
+            if self.experts is not None else set()
         self.scaler = LossScaler() if options.train and plan.compute_dtype == "fp16" else None
         # the step needs the global norm (clipping) or the fp16 overflow check before any update
         self.waits_for_norm = options.clips or self.scaler is not None
@@ -129,7 +131,7 @@ class Runtime:
         tied weight's other uses give gradients not among those counted to flush it early."""
         names = set()
         if self.comm.world_size > 1 and self.experts is None:
-            names |= {b.name for b in blocks if b.module is not None and moe_layers(b.module)}
+            names |= {b.name for b in blocks if b.module is not None and expert_layers(b.module)}
         if tied:
             names.add(blocks[-1].name)
         return frozenset(names)
@@ -137,7 +139,7 @@ class Runtime:
     def _token_dependent(self) -> set[int]:
         """Groups whose gradients depend on the tokens a step routes: experts, and blocks holding them."""
         return {g.index for g in self.groups
-                if g.experts is not None or (g.block.module is not None and moe_layers(g.block.module))}
+                if g.experts is not None or (g.block.module is not None and expert_layers(g.block.module))}
 
     def _tied_grads_early(self) -> bool:
         """Whether a tied weight's other uses (``runtime.tied``) put their gradients into the rest's
@@ -157,16 +159,6 @@ class Runtime:
         tier = grad_tier(rest.plan)
         return has_own_place(rest.state_numel * F32.itemsize, [
             g.state_numel * F32.itemsize for g in self.groups[:-1] if updated_away(g.plan) and grad_tier(g.plan) is tier])
-
-    def _keep_held_experts(self, blocks: list[Block]) -> set[int]:
-        """Expert parallel: each MoE layer keeps the experts this rank holds and exchanges tokens for
-        the rest. The ids of the model's parameters this rank does not hold (the other ranks' experts)."""
-        if self.experts is None:
-            return set()
-        for m in moe_layers(self.model):
-            m.keep_experts(self.experts.owned(m.n_experts), self.experts)
-        held = {id(p) for p in self.model.parameters()} | set(self.replaced)
-        return {id(p) for b in blocks for _, p in b.params if id(p) not in held}
 
     def _model_order(self) -> list[tuple[BlockGroup, int]]:
         """(group, index) of every parameter in ``model.parameters()`` order, as clip_grad_norm_ sees them."""

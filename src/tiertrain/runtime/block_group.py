@@ -36,13 +36,12 @@ from tiertrain.memory import ChunkLayout, Kind, Tier
 from tiertrain.memory.chunk import Chunk
 from tiertrain.memory.heap import release_free_heap
 from tiertrain.memory.movement import Handle
-from tiertrain.optim import AdamWHyper
+from tiertrain.optim import AdamWHyper, adamw_step
 from tiertrain.parallel.collectives import Waitable
 from tiertrain.plan import BlockPlan
 from tiertrain.plan.bytes import grad_tier, in_pieces, master_home, state_homes, updated_away
 from tiertrain.runtime.blocks import Block
-from tiertrain.runtime.grads import GradBuffer
-from tiertrain.runtime.group_adamw import F32, adamw_block
+from tiertrain.runtime.grads import GradBuffer, TakenGrads
 from tiertrain.runtime.group_state import GRAD_MOVES, PASS_MOVES, SLOT_MOVES, Grads, Pass, Slot, moved
 from tiertrain.runtime.pieces import update_in_pieces
 from tiertrain.runtime.reduction import Copy, Reduction
@@ -51,6 +50,7 @@ from tiertrain.runtime.slots import DeviceSlot, point_at
 if TYPE_CHECKING:
     from tiertrain.runtime.context import RunContext
 
+F32 = torch.float32
 TRIM_AFTER = 8 << 20  # a reduction of this many bytes or more gives its freed buffers back to the OS
 
 
@@ -587,3 +587,15 @@ def _state_cuts(layout: ChunkLayout, shard: tuple[int, int] | None) -> tuple[lis
             owners.append(i)
             cuts.append((lo - start, hi - start))
     return owners, cuts
+
+
+def adamw_block(group: BlockGroup, hypers: list[AdamWHyper], coef: torch.Tensor | None, taken: TakenGrads) -> None:
+    """One AdamW step of the block's master and moments (this rank's pieces) with the gradients it took."""
+    owners = group.view_params
+    views = group.views if group.shard is None else group.state_views
+    masters = views(group.master)
+    if masters:  # a shard may hold no piece of this block
+        group.steps_on(masters[0].device)
+    adamw_step(masters, views(taken.chunk), views(group.exp_avg), views(group.exp_avg_sq),
+               [group.steps[i] for i in owners], [taken.has_grad[i] for i in owners],
+               [group.group_of[i] for i in owners], hypers, coef)

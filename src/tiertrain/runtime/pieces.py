@@ -14,7 +14,7 @@ piece (the kernel advances the copy each piece is given).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
@@ -22,12 +22,32 @@ from tiertrain.memory import MemorySystem, Tier
 from tiertrain.memory.chunk import Chunk
 from tiertrain.memory.movement import Handle
 from tiertrain.optim import AdamWHyper, adamw_step
+from tiertrain.plan import BlockPlan
 from tiertrain.plan.bytes import PIECE_BUFFERS, piece_bytes
-from tiertrain.runtime.group_adamw import F32
 from tiertrain.runtime.grads import TakenGrads
 
-if TYPE_CHECKING:
-    from tiertrain.runtime.block_group import BlockGroup
+F32 = torch.float32
+
+
+class PiecewiseGroup(Protocol):
+    """What an update in pieces reads of a block group (``runtime.block_group``, which calls it)."""
+
+    block: Any
+    plan: BlockPlan
+    mem: MemorySystem
+    compute: torch.dtype
+    master: Chunk
+    param_home: Chunk | None
+    slot: Any
+    steps: list[torch.Tensor]
+    group_of: list[int]
+    view_params: list[int]
+    state_cuts: list[tuple[int, int]]
+    state_numel: int
+    states: tuple[Chunk, Chunk, Chunk]
+    on_disk: list[Chunk]
+
+    def steps_on(self, device: torch.device) -> None: ...
 
 
 class _Buffers:
@@ -35,7 +55,7 @@ class _Buffers:
     counts them), each starting on a page boundary (O_DIRECT reads straight into them). A state
     on the host (a ``host_master`` block's master) is updated where it lies: its piece is a view."""
 
-    def __init__(self, g: "BlockGroup", nbytes: int) -> None:
+    def __init__(self, g: PiecewiseGroup, nbytes: int) -> None:
         self.held: list[tuple[Chunk, Chunk]] = []  # (a disk state, its host buffer)
         self.bytes: list[torch.Tensor] = []        # per state (master, exp_avg, exp_avg_sq): this piece's bytes
         self.io: list[Handle] = []                 # its reads or its write-back in flight
@@ -47,7 +67,7 @@ class _Buffers:
             self.release(g.mem)  # a refusal frees the buffers already made
             raise
 
-    def at(self, g: "BlockGroup", first: int, count: int) -> None:
+    def at(self, g: PiecewiseGroup, first: int, count: int) -> None:
         """Point the buffers at pages ``[first, first + count)``: a host state's bytes are its own."""
         page, mine = self.held[0][0].pool.page_size, {id(c): b.merge() for c, b in self.held}
 
@@ -55,7 +75,7 @@ class _Buffers:
             return mine[id(c)] if id(c) in mine else c.merge()[first * page : (first + count) * page]
         self.bytes = [piece(c) for c in g.states]
 
-    def on_disk(self, g: "BlockGroup") -> list[tuple[Chunk, torch.Tensor]]:
+    def on_disk(self, g: PiecewiseGroup) -> list[tuple[Chunk, torch.Tensor]]:
         """(disk state, this piece's bytes of it) for each state on disk."""
         mine = {id(c) for c, _ in self.held}
         return [(c, b) for c, b in zip(g.states, self.bytes) if id(c) in mine]
@@ -71,7 +91,7 @@ class _Buffers:
         self.held = []
 
 
-def update_in_pieces(g: "BlockGroup", taken: TakenGrads, hypers: list[AdamWHyper], coef: torch.Tensor | None) -> None:
+def update_in_pieces(g: PiecewiseGroup, taken: TakenGrads, hypers: list[AdamWHyper], coef: torch.Tensor | None) -> None:
     """The AdamW step of a block whose states stay on disk (``plan.bytes.in_pieces``) with the gradients
     it took, its new params published a piece at a time (the group notes the step they include)."""
     hypers = taken.hypers or hypers  # lockfree keeps each step's own with its gradients
@@ -110,7 +130,7 @@ def update_in_pieces(g: "BlockGroup", taken: TakenGrads, hypers: list[AdamWHyper
             s.copy_(before[i] + 1)
 
 
-def _read(g: "BlockGroup", buf: _Buffers, first: int, count: int) -> None:
+def _read(g: PiecewiseGroup, buf: _Buffers, first: int, count: int) -> None:
     buf.at(g, first, count)
     buf.io = [g.mem.mover.read_pages(c, first, count, b) for c, b in buf.on_disk(g)]
 
@@ -124,7 +144,7 @@ def _drain(buf: _Buffers) -> None:
             pass
 
 
-def _cut(g: "BlockGroup", lo: int, hi: int) -> list[tuple[int, int, int]]:
+def _cut(g: PiecewiseGroup, lo: int, hi: int) -> list[tuple[int, int, int]]:
     """(parameter, start, end) of each parameter part inside state elements ``[lo, hi)``."""
     out = []
     for owner, (a, b) in zip(g.view_params, g.state_cuts):
@@ -134,7 +154,7 @@ def _cut(g: "BlockGroup", lo: int, hi: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def _adamw_piece(g: "BlockGroup", buf: _Buffers, lo: int, hypers: list[AdamWHyper], coef: torch.Tensor | None,
+def _adamw_piece(g: PiecewiseGroup, buf: _Buffers, lo: int, hypers: list[AdamWHyper], coef: torch.Tensor | None,
                  taken: TakenGrads, before: list[torch.Tensor]) -> None:
     """AdamW on the parameter parts inside this piece, each from its step count before the update."""
     n = buf.bytes[0].numel() // F32.itemsize
@@ -149,7 +169,7 @@ def _adamw_piece(g: "BlockGroup", buf: _Buffers, lo: int, hypers: list[AdamWHype
                [g.group_of[i] for i, _, _ in parts], hypers, coef)
 
 
-def _publish_piece(g: "BlockGroup", buf: _Buffers, lo: int) -> None:
+def _publish_piece(g: PiecewiseGroup, buf: _Buffers, lo: int) -> None:
     """The piece's new params into the compute copy the next forward reads; where that copy is the
     fp32 master itself (on disk), its write-back publishes it."""
     target: Chunk = g.param_home if g.param_home is not None else g.slot.chunk

@@ -86,6 +86,57 @@ def test_a_resume_that_moves_the_lr_schedule_says_so_and_how_to_keep_it(tmp_path
     assert "--lr 0.003 -> 0.001" in resumed(steps=8, lr=1e-3)
 
 
+def test_a_finished_runs_hint_to_keep_its_lr_is_a_command_that_works(tmp_path):
+    """A run that finished its schedule, resumed to train on: its own --steps would leave nothing to do,
+    so the hint names the flags that go on at the lr it ended with; given, they move nothing, and the
+    command line has each of them."""
+    import io
+    import re
+
+    from conftest import run_cli
+    from tiertrain.train.metrics import Reporter
+
+    def resumed(**kw) -> str:
+        text = io.StringIO()
+        cfg = tiny_config(tmp_path, resume=str(tmp_path), **kw)
+        with Trainer(cfg, Reporter(cfg.steps, 1, stream=text)):
+            return text.getvalue()
+
+    train(tiny_config(tmp_path, steps=4))
+    said = resumed(steps=8)
+    hint = re.search(r"resume with --lr (\S+) --min-lr (\S+) --warmup-steps 0 to go on at the lr it ended with", said)
+    assert hint, said
+    lr, floor = float(hint.group(1)), float(hint.group(2))
+    assert lr == floor == pytest.approx(tiny_config(tmp_path).final_lr, rel=1e-6)  # where the cosine ended
+    assert "schedule" not in resumed(steps=8, lr=lr, min_lr=floor, warmup_steps=0)
+    r = run_cli("train", "--resume", str(tmp_path), "--steps", "5", "--lr", hint.group(1), "--min-lr", hint.group(2),
+                "--warmup-steps", "0")
+    assert r.returncode == 0 and "resumed from" in r.stdout and "schedule" not in r.stdout + r.stderr, r.stderr
+    assert read_metrics(tmp_path)[-1]["lr"] == pytest.approx(lr, rel=1e-6)
+
+
+def test_a_closed_output_stops_the_run_as_sigterm_does_with_a_checkpoint_and_one_line(tmp_path):
+    """``tiertrain train ... | head -2``: once the reader is gone the run finishes its step, saves and says
+    so on stderr (a write to the closed pipe had ended it with exit 1, no message and no checkpoint)."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-m", "tiertrain.cli.main", "train", "--model", "tiny", "--steps", "400",
+                          "--log-every", "1", "--out", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    assert p.stdout.readline().startswith("training tiny") and p.stdout.readline().startswith("step")
+    p.stdout.close()
+    err = p.stderr.read()
+    assert p.wait(timeout=120) == 0, err
+    stopped = int((tmp_path / "checkpoints" / "latest").read_text().split("-")[1])
+    assert 1 <= stopped < 400 and len(read_metrics(tmp_path)) == stopped
+    line = (f"tiertrain: the output was closed (its reader went away) at step {stopped}; stopped as on SIGTERM, "
+            f"checkpoint {tmp_path / 'checkpoints' / f'step-{stopped:08d}'}; resume with tiertrain train --resume {tmp_path}")
+    assert err.strip().splitlines() == [line], err
+    train(tiny_config(tmp_path, model="tiny", steps=stopped + 1, resume=str(tmp_path)))
+    assert [r["step"] for r in read_metrics(tmp_path)][-1] == stopped + 1
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_trains_and_fp16_resumes_its_loss_scale(tmp_path, precision):
     kw = dict(steps=6, precision=precision, save_every=3, keep_checkpoints=5, lr=1e-2)

@@ -82,6 +82,8 @@ def cli() -> None:
 @click.option("--seq-len", type=int, help="Tokens per sequence (default 128, or the model's maximum where shorter).")
 @click.option("--grad-accum", type=int, help="Micro-batches per optimizer step (default 1).")
 @click.option("--lr", type=float, help="Peak learning rate, after warm-up (default 2e-3).")
+@click.option("--min-lr", type=float, help="The cosine schedule's floor, reached at --steps (default lr / 10).")
+@click.option("--warmup-steps", type=int, help="Linear warm-up steps (default 10% of --steps, at most 100).")
 @click.option("--precision", type=click.Choice(PRECISIONS), help="Compute precision (default: bf16 on GPU, fp32 on CPU).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), help="Where to compute (default auto).")
 @click.option("--seed", type=int, help="Seed for weights, data order and masking (default 0).")

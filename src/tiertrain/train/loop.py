@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -324,6 +325,10 @@ class Trainer:
                 checkpoint = self._loop(stop, losses, tokens_s, tflops)
             if self.step > start_step or not checkpoint_root(self.out).exists():
                 checkpoint = self.save()
+            if self.reporter.output_closed:  # said where it can still be read
+                print(f"tiertrain: the output was closed (its reader went away) at step {self.step}; stopped as "
+                      f"on SIGTERM, checkpoint {checkpoint}; resume with tiertrain train --resume {self.out}",
+                      file=sys.stderr, flush=True)
         finally:
             self.metrics.close()
             self.reporter.close()
@@ -370,7 +375,7 @@ class Trainer:
 
     def _loop(self, stop: StopFlag, losses: list[float], tokens_s: list[float], tflops: list[float]) -> Path | None:
         cfg, checkpoint = self.cfg, None
-        while self.step < cfg.steps and not self._any_rank(stop.requested):
+        while self.step < cfg.steps and not self._any_rank(stop.requested or self.reporter.output_closed):
             timer = StepTimer(self.device)
             loss, norm = self.train_step()
             row = self._row(loss, norm, timer.elapsed())

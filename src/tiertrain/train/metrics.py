@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
 import statistics
 import sys
@@ -145,7 +146,9 @@ def _row(line: str) -> dict[str, Any] | None:
 
 @dataclass
 class Reporter:
-    """A progress bar on a terminal; plain lines every ``log_every`` steps otherwise."""
+    """A progress bar on a terminal; plain lines every ``log_every`` steps otherwise. Output whose reader
+    went away (``tiertrain train ... | head``) is noted (``output_closed``): the loop stops there as on
+    SIGTERM, with a checkpoint, where a write would otherwise have raised out of the run."""
 
     total_steps: int
     log_every: int
@@ -153,6 +156,7 @@ class Reporter:
     quiet: bool = False
 
     def __post_init__(self) -> None:
+        self.output_closed = False
         self._progress = None
         if not self.quiet and self.stream.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -170,7 +174,7 @@ class Reporter:
         if self._progress is not None:
             self._progress.console.print(text)
         else:
-            print(text, file=self.stream, flush=True)
+            self._print(text)
 
     def step(self, row: dict[str, Any]) -> None:
         status = (f"loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s  "
@@ -178,8 +182,25 @@ class Reporter:
         if self._progress is not None:
             self._progress.update(self._task, completed=row["step"], status=status)
         elif not self.quiet and (row["step"] % self.log_every == 0 or row["step"] in (1, self.total_steps)):
-            print(f"step {row['step']:>6}/{self.total_steps}  {status}  {step_memory(row)}", file=self.stream,
-                  flush=True)
+            self._print(f"step {row['step']:>6}/{self.total_steps}  {status}  {step_memory(row)}")
+
+    def _print(self, text: str) -> None:
+        if self.output_closed:
+            return
+        try:
+            print(text, file=self.stream, flush=True)
+        except BrokenPipeError:
+            self._output_went_away()
+
+    def _output_went_away(self) -> None:
+        """Later writes (and the interpreter's flush as it exits) go to /dev/null instead of raising."""
+        self.output_closed = True
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):  # a stream with no file of its own: nothing to redirect
+            pass
 
     def close(self) -> None:
         if self._progress is not None:

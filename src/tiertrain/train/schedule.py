@@ -32,6 +32,11 @@ def schedule_moved(saved: dict[str, Any], cfg: TrainConfig, step: int) -> str | 
         return None
     changed = [k for k in before if before[k] != getattr(cfg, k)]
     flags = ", ".join(f"--{k.replace('_', '-')} {before[k]} -> {getattr(cfg, k)}" for k in changed)
-    keep = " ".join(f"--{k.replace('_', '-')} {before[k]}" for k in changed if before[k] is not None)
+    if step >= old.steps:  # the run's schedule ended: its own --steps would leave nothing to do
+        keep = f"--lr {was:.6g} --min-lr {was:.6g} --warmup-steps 0"
+        how = f"; resume with {keep} to go on at the lr it ended with"
+    else:
+        keep = " ".join(f"--{k.replace('_', '-')} {before[k]}" for k in changed if before[k] is not None)
+        how = f"; resume with {keep} to keep it" if keep else ""
     return (f"the learning-rate schedule moved ({flags}): step {step + 1} runs at lr {now:.3g} where the run's own "
-            f"schedule had {was:.3g}" + (f"; resume with {keep} to keep it" if keep else ""))
+            f"schedule had {was:.3g}" + how)

@@ -39,11 +39,18 @@ def test_nproc_trains_data_parallel_writes_sharded_checkpoints_and_resumes_at_ot
     trainer = json.loads((ckpt / "trainer.json").read_text())
     assert trainer["shards"]["world"] == 2 and trainer["data_position"] == 4  # two ranks, two batches a step
     dp2 = _losses(out)
+    kept = tmp_path / "kept"  # no --nproc: the resume trains on the checkpoint's two ranks, as the run did
+    r = _train("--resume", str(ckpt), "--steps", "4", "--out", str(kept))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming on the checkpoint's 2 ranks (--nproc 2)" in r.stderr and "tokens a step" not in r.stdout
+    assert _losses(kept) == dp2[2:]
     for world in (1, 4):  # the same state, read at another world size
         other = tmp_path / f"at{world}"
         r = _train("--resume", str(ckpt), "--steps", "4", "--out", str(other), "--nproc", str(world),
                    "--save-every", "1")
         assert r.returncode == 0, r.stderr[-3000:]
+        assert (f"this run takes {128 * world:,} tokens a step where the checkpoint's took 256 (2 ranks -> "
+                f"{world}): its losses part from the uninterrupted run's; resume with --nproc 2 to keep them") in r.stdout
         resumed = _losses(other)
         # step 3 is computed on the state of step 2 and the run's batch number 4, which rank 0 of every
         # world size draws first: the state read back at this size is the state the two ranks saved

@@ -83,6 +83,7 @@ class TrainerState:
     data_position: int
     scaler: dict[str, Any]
     run_config: dict[str, Any]
+    world: int = 1  # the ranks the run trained on when it saved
 
 
 @dataclass(frozen=True)
@@ -423,6 +424,12 @@ def saved_run_options(path: Path) -> dict[str, Any]:
     return {k: v for k, v in run.items() if k not in NOT_FROM_CHECKPOINT}
 
 
+def saved_world(path: Path) -> int:
+    """The ranks the run of the checkpoint at ``path`` trained on: a resume keeps them unless told otherwise."""
+    shards = read_trainer(find_checkpoint(path)).shards
+    return int(shards["world"]) if shards is not None else 1
+
+
 # ---------------------------------------------------------------- checking what a checkpoint says
 
 
@@ -621,7 +628,8 @@ def load_checkpoint(ckpt: Path, ts: TrainState) -> TrainerState:
     ts.load(weights, optim, groups)
     _restore_rng(rng, trainer.rng)
     return TrainerState(step=trainer.step, data_position=trainer.data_position,
-                        scaler=dict(trainer.scaler), run_config=dict(trainer.run_config))
+                        scaler=dict(trainer.scaler), run_config=dict(trainer.run_config),
+                        world=smap.world if trainer.shards is not None else 1)
 
 
 # ---------------------------------------------------------------- messages

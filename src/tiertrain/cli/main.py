@@ -107,10 +107,11 @@ def cli() -> None:
 @click.option("--ep", type=int, help="With --plan under --nproc N: divide each mixture-of-experts layer's experts "
                                     "over groups of this many ranks (expert parallel; default 1).")
 @click.option("--quiet", is_flag=True, help="Print only the summary.")
-@click.option("--nproc", type=POSITIVE, default=1, show_default=True,
+@click.option("--nproc", type=POSITIVE, default=None,
               help="Data-parallel processes on this machine (runs torchrun --nproc-per-node N for you; several "
-                   "machines: launch torchrun yourself, see the README).")
-def train(config_file: str | None, quiet: bool, nproc: int, **flags: Any) -> None:
+                   "machines: launch torchrun yourself, see docs/distributed.md). Default 1; a resume keeps the "
+                   "checkpoint's.")
+def train(config_file: str | None, quiet: bool, nproc: int | None, **flags: Any) -> None:
     """Train a model. With no arguments: a small GPT on the built-in corpus, about a minute on CPU.
 
     Ctrl-C (or SIGTERM) finishes the current step, saves a checkpoint and stops;
@@ -119,7 +120,7 @@ def train(config_file: str | None, quiet: bool, nproc: int, **flags: Any) -> Non
     from pathlib import Path
 
     from tiertrain.cli.summary import print_summary
-    from tiertrain.checkpoint.run import saved_run_options
+    from tiertrain.checkpoint.run import saved_run_options, saved_world
     from tiertrain.train.config import make_config, read_config_file
     from tiertrain.train.loop import Trainer
     from tiertrain.train.metrics import Reporter
@@ -135,6 +136,9 @@ def train(config_file: str | None, quiet: bool, nproc: int, **flags: Any) -> Non
         if saved.get("plan") and not (flags.get("disk") or file_values.get("disk")):
             _refuse_resume_without_disk(Path(flags["resume"]))
         file_values = {**saved, **file_values}
+        if nproc is None and "LOCAL_RANK" not in os.environ:
+            nproc = _resumed_world(saved_world(Path(flags["resume"])))
+    nproc = nproc or 1
     cfg = make_config(file_values, flags)  # checked here first: a bad value is one message, not one per rank
     if nproc > 1 and "LOCAL_RANK" not in os.environ:
         _check_layout(cfg, nproc)
@@ -148,6 +152,15 @@ def train(config_file: str | None, quiet: bool, nproc: int, **flags: Any) -> Non
     if trainer.rank == 0:
         print_summary(summary, console)
     end_process_group()  # only after a run that ended well: after a lost rank a group's teardown may hang
+
+
+def _resumed_world(world: int) -> int:
+    """A resume without --nproc trains on as many ranks as its checkpoint's run did (one process would
+    halve the global batch, and the losses would part from the uninterrupted run's without a word)."""
+    if world > 1:
+        click.echo(f"tiertrain: resuming on the checkpoint's {world} ranks (--nproc {world}); give --nproc to "
+                   "train on another number (the tokens a step takes change with it)", err=True)
+    return world
 
 
 def _check_layout(cfg: Any, nproc: int) -> None:

@@ -35,7 +35,7 @@ from tiertrain.train.objective import causal_lm_pair, is_encoder, lm_loss, maske
 from tiertrain.train.optimizer import make_adamw
 from tiertrain.runtime.precision import Precision, choose_device, choose_precision
 from tiertrain.train.run_dir import METRICS_FILE, PLAN_FILE, RunDir
-from tiertrain.train.schedule import lr_at, schedule_moved
+from tiertrain.train.schedule import batch_moved, lr_at, schedule_moved
 from tiertrain.train.stop import StopFlag
 from tiertrain.train.tiered import default_budgets, setup_tiered
 from tiertrain.checkpoint.train_state import PlainState, TieredState, TrainState
@@ -236,9 +236,10 @@ class Trainer:
         if state.scaler and self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(state.scaler)
         self.reporter.message(f"resumed from {ckpt} at step {self.step}")
-        moved = schedule_moved(state.run_config, self.cfg, self.step)
-        if moved:
-            self.reporter.message(moved)
+        for said in (batch_moved(state.run_config, state.world, self.cfg, self.world),
+                     schedule_moved(state.run_config, self.cfg, self.step)):
+            if said:
+                self.reporter.message(said)
 
     def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         k = self.sampler.position + self.sampler.rank  # the batch's number in the run's sequence

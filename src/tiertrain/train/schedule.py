@@ -40,3 +40,24 @@ def schedule_moved(saved: dict[str, Any], cfg: TrainConfig, step: int) -> str | 
         how = f"; resume with {keep} to keep it" if keep else ""
     return (f"the learning-rate schedule moved ({flags}): step {step + 1} runs at lr {now:.3g} where the run's own "
             f"schedule had {was:.3g}" + how)
+
+
+def batch_moved(saved: dict[str, Any], saved_world: int, cfg: TrainConfig, world: int) -> str | None:
+    """What resuming with another world size, accumulation, batch or sequence length than the checkpoint's
+    run does: each step takes another number of tokens, so the losses part from the uninterrupted run's.
+    Said once as the run resumes; None where a step takes what it took."""
+    def tokens(c: dict[str, Any], ranks: int) -> int:
+        return c["batch_size"] * c["seq_len"] * c["grad_accum"] * ranks
+    keys = ("batch_size", "seq_len", "grad_accum")
+    if any(saved.get(k) is None for k in keys):
+        return None
+    now = {k: getattr(cfg, k) for k in keys}
+    before, after = tokens(saved, saved_world), tokens(now, world)
+    if before == after and saved_world == world and all(saved[k] == now[k] for k in keys):
+        return None
+    changed = ([f"{saved_world} ranks -> {world}"] if saved_world != world else []) + [
+        f"--{k.replace('_', '-')} {saved[k]} -> {now[k]}" for k in keys if saved[k] != now[k]]
+    keep = " ".join(([f"--nproc {saved_world}"] if saved_world != world else [])
+                    + [f"--{k.replace('_', '-')} {saved[k]}" for k in keys if saved[k] != now[k]])
+    return (f"this run takes {after:,} tokens a step where the checkpoint's took {before:,} ({', '.join(changed)}): "
+            f"its losses part from the uninterrupted run's; resume with {keep} to keep them")

@@ -187,3 +187,59 @@ def test_a_run_ends_its_process_group_before_the_interpreter_does(tmp_path):
         assert not dist.is_initialized()
     finally:
         end_process_group()  # a failed run must not leave the group to later tests in this process
+
+
+DDP_REFERENCE = """
+import json, sys
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tiertrain.data import BatchSampler, load_tokens
+from tiertrain.models import build, resolve_config
+from tiertrain.train.config import SEQ_LEN, TrainConfig
+from tiertrain.train.loop import model_vocab_and_len, seed_everything
+from tiertrain.train.objective import causal_lm_pair, lm_loss
+from tiertrain.train.optimizer import make_adamw
+from tiertrain.train.schedule import lr_at
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+cfg = TrainConfig(steps=int(sys.argv[1]))  # the built-in default, as tiertrain train runs it
+seed_everything(cfg.seed)
+model = build(resolve_config(cfg.model))
+vocab, max_len = model_vocab_and_len(model)
+sampler = BatchSampler(load_tokens(cfg.data, vocab, cfg.tokenizer), cfg.batch_size, min(SEQ_LEN, max_len), cfg.seed,
+                       rank=rank, world=world)
+opt, _ = make_adamw(model, cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay)
+ddp, losses = DDP(model), []
+for step in range(cfg.steps):
+    for group in opt.param_groups:
+        group["lr"] = lr_at(step, cfg.lr, cfg.final_lr, cfg.warmup, cfg.steps)
+    x, y = causal_lm_pair(sampler.next())
+    loss = lm_loss(ddp, x, y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(ddp.parameters(), cfg.grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    losses.append(loss.item())
+if rank == 0:
+    print(json.dumps(losses))
+dist.destroy_process_group()
+"""
+
+
+def test_torchrun_with_the_defaults_trains_plain_data_parallel_with_ddps_losses(tmp_path):
+    """``torchrun --nproc-per-node 2 -m tiertrain train`` with no plan: the default run laid out over the
+    ranks as plain data parallel (every block resident and replicated, gradients averaged, clipped by
+    torch's own norm), where it was refused. Its losses are DDP's, bit for bit, on the same model, data
+    and seed (the built-in default's clipping included)."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([*torchrun, "-m", "tiertrain", "train", "--steps", "5", "--out", str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "data parallel over 2 ranks, every block replicated on each rank (DDP)" in r.stderr
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP_REFERENCE)
+    ddp = subprocess.run([*torchrun, str(script), "5"], capture_output=True, text=True, timeout=300, env=env)
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    assert _losses(tmp_path / "run") == json.loads(ddp.stdout.strip().splitlines()[-1])

@@ -265,9 +265,9 @@ def _options(options: RunOptions | None, fields: dict[str, Any]) -> RunOptions:
 
 def _laid_out(plan: Plan, opts: RunOptions) -> Plan:
     """The plan over the ranks this process runs among (torchrun's, or the user's process group): a
-    plan for one process is laid out over all of them, sharded (it is never trained as one
-    independent model per rank); a plan made for another number of ranks is refused. ``opts.ep``
-    (expert parallel) overrides the plan's."""
+    plan for one process is laid out over all of them, sharded unless ``opts.shard`` is False (it is
+    never trained as one independent model per rank); a plan made for another number of ranks is
+    refused. ``opts.ep`` (expert parallel) overrides the plan's."""
     world, ep = world_from_env(), opts.ep or plan.parallel.ep
     if ep > 1 and world == 1:
         raise ConfigError(f"expert parallel ep={ep} divides the experts over {ep} ranks, but this run has one "
@@ -278,11 +278,12 @@ def _laid_out(plan: Plan, opts: RunOptions) -> Plan:
         raise ConfigError(f"the plan is laid out for {plan.parallel.dp} ranks but this run has {world}: run it on "
                           f"{plan.parallel.dp} ranks, make it for {world} (tiertrain plan --nproc {world} ...), or "
                           "remove its \"parallel\" field (tiertrain then lays the plan out over the ranks)")
-    laid = data_parallel(plan, world, ep=ep)
+    shard = opts.shard is not False
+    laid = data_parallel(plan, world, shard=shard, ep=ep)
     if int(os.environ.get("RANK", "0")) == 0:
         experts = f"; each MoE layer's experts divided over {ep} ranks" if ep > 1 else ""
-        print(f"tiertrain: data parallel over {world} ranks, every block's states and gradients sharded{experts}",
-              file=sys.stderr)
+        how = "every block's states and gradients sharded" if shard else "every block replicated on each rank (DDP)"
+        print(f"tiertrain: data parallel over {world} ranks, {how}{experts}", file=sys.stderr)
     return laid
 
 

@@ -4,8 +4,8 @@ The training loop's contract, which the plan does not say but the runtime must k
 micro-batches make a step, whether the loop clips (and so needs every gradient before any update),
 whether it trains at all, whether the states are written from the model or left for a checkpoint
 to fill, which module list holds the blocks. And what overrides a given plan's own choices: its
-update mode, staleness and compute dtype, its expert-parallel ranks, and the page size (None: the plan's,
-or measured).
+update mode, staleness and compute dtype, its expert-parallel ranks, how it is laid out over the ranks,
+and the page size (None: the plan's, or measured).
 ``tiertrain.setup`` takes it (or its fields as keywords); the runtime and the planner read it;
 nothing passes these as loose arguments.
 """
@@ -32,6 +32,8 @@ class RunOptions:
     compute_dtype: str | None = field(default=None, metadata=one_of(*COMPUTE_DTYPES))  # None: the plan's
     page_size: int | None = field(default=None, metadata=at_least(4096))        # None: measured for the machine
     ep: int | None = field(default=None, metadata=at_least(1))  # None: the plan's expert-parallel ranks (1 if none)
+    shard: bool | None = None       # a plan for one process laid out over the ranks: sharded (ZeRO-2/3 like, the
+    #                                 default, None) or replicated (False: every rank holds every block, as DDP)
 
     def __post_init__(self) -> None:
         typed.check(self, "run options")

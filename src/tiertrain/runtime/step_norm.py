@@ -1,10 +1,11 @@
 """A step's global gradient norm, its clip coefficient and the fp16 overflow check: what the update
 mode multiplies every gradient by, computed over the groups' gradient chunks.
 
-In one process the norm is plain PyTorch's (``clip_grad_norm_``'s own kernel over views of the chunks,
-in ``model.parameters()`` order: the same bits). With data parallel, sharded blocks' pieces are summed
-over the ranks (another order than torch's per-parameter norms: equal within rounding, not bit for
-bit), and expert parallel's held experts' over the ranks of their expert group.
+In one process, and over ranks that each hold every gradient (replicated blocks: DDP's layout), the norm
+is plain PyTorch's (``clip_grad_norm_``'s own kernel over views of the chunks, in ``model.parameters()``
+order: the same bits). With sharded blocks, their pieces are summed over the ranks (another order than
+torch's per-parameter norms: equal within rounding, not bit for bit), and expert parallel's held
+experts' over the ranks of their expert group.
 """
 
 from __future__ import annotations
@@ -65,10 +66,10 @@ class StepNorm:
         self.clip_coef = None
 
     def _total(self, norm_type: float = 2.0) -> torch.Tensor:
-        if self._comm.world_size == 1:
-            return total_norm(_grad_views(self._order), norm_type)
         expert = {id(g.experts) for g in self._groups if g.experts is not None}
         mine = [(g, i) for g, i in self._order if g.shard is not None]
+        if self._comm.world_size == 1 or not mine and self._experts is None:  # every rank holds every gradient:
+            return total_norm(_grad_views(self._order), norm_type)            # torch's own norm, as DDP clips
         held = [(g, i) for g, i in self._order if id(g) in expert]
         whole = [(g, i) for g, i in self._order if g.shard is None and id(g) not in expert]
         parts = [(self._comm, _shard_views(mine))]

@@ -129,15 +129,12 @@ class Trainer:
             raise
 
     def _start(self, cfg: TrainConfig, reporter: Reporter | None) -> None:
-        if self.world > 1 and cfg.plan is None:
-            raise ConfigError(f"this run has {self.world} ranks (torchrun): give --plan (resident, stream, "
-                              "max-offload, auto or a file) and tiertrain lays it out over them, or launch one process")
         if not cfg.resume and self.rank == 0:
             self.run_dir.claim_for_new_run(cfg.overwrite)
         self.device = choose_device(cfg.device)
         self.precision: Precision = choose_precision(cfg.precision, self.device)
         model_cfg = resolve_config(cfg.model)
-        self.tiered = cfg.plan is not None
+        self.tiered = cfg.plan is not None or self.world > 1  # over several ranks, plain is DDP-like (resident)
         self.reporter = reporter if reporter is not None and self.rank == 0 else Reporter(cfg.steps, cfg.log_every,
                                                                                           quiet=True)
         self.model = self._build(model_cfg)

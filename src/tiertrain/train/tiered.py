@@ -30,7 +30,9 @@ def default_budgets(cfg: TrainConfig, device: torch.device) -> TakenBudgets:
 def setup_tiered(model: nn.Module, opt: torch.optim.Optimizer, cfg: TrainConfig, precision: Precision,
                  device: torch.device, budgets: Budgets,
                  profile_step: Callable[[], None] | None = None) -> tuple[nn.Module, object]:
-    """``profile_step``: one plain forward+backward at the run's batch shape, for ``--plan auto``."""
+    """``profile_step``: one plain forward+backward at the run's batch shape, for ``--plan auto``. A run
+    with no plan over several ranks (torchrun) is plain data parallel: every block resident on each rank's
+    device and replicated, its gradients averaged over the ranks, as DDP trains."""
     from tiertrain.api.setup import setup
     from tiertrain.memory.system import compute_device
 
@@ -38,7 +40,8 @@ def setup_tiered(model: nn.Module, opt: torch.optim.Optimizer, cfg: TrainConfig,
         raise ConfigError(f"with --plan, tiertrain computes on {compute_device().type} (the device it sees), not "
                           f"--device {device.type}; drop --device, or hide the GPU (CUDA_VISIBLE_DEVICES=) to train on the CPU")
 
-    return setup(model, opt, budgets, plan=cfg.plan, grad_accum=cfg.grad_accum,
+    return setup(model, opt, budgets, plan=cfg.plan or "resident", shard=None if cfg.plan else False,
+                 grad_accum=cfg.grad_accum,
                  max_grad_norm=cfg.grad_clip if cfg.grad_clip > 0 else None, update=cfg.update,
                  page_size=parse_size(cfg.page_size) if cfg.page_size else None, max_staleness=cfg.max_staleness,
                  compute_dtype=precision.name, profile_step=profile_step, ep=cfg.ep if cfg.ep > 1 else None,

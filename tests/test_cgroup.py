@@ -251,3 +251,39 @@ def test_a_transformers_model_built_in_ram_trains_under_a_cap_its_weights_and_th
     assert plain.returncode == 0, plain.stderr[-2000:]
     assert got["losses"] == json.loads(plain.stdout.strip().splitlines()[-1])["losses"]
     assert not list(tmp_path.iterdir())  # the disk tier's files removed as the interpreter exited
+
+
+FIRST_AUTO_MODEL = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 4,
+                    "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 512,
+                    "max_position_embeddings": 256, "tie_word_embeddings": False}
+FIRST_AUTO_DEVICE, FIRST_AUTO_HOST = 16 << 20, 64 << 20
+FIRST_AUTO_CAP = FIRST_AUTO_DEVICE + FIRST_AUTO_HOST + (400 << 20)
+
+
+def test_a_small_models_first_plan_auto_measures_within_its_budgets_and_the_stated_overhead(tmp_path):
+    """A 4-layer, hidden-128 transformers Llama's first ``--plan auto`` (nothing cached yet) at 16 MiB of
+    device, 64 MiB of host and a disk, in a memory cgroup capped at those budgets plus the 400 MiB a
+    process may hold beside them: the machine probe allocates what the run's budgets allow (a whole
+    probe's 512 MiB of AdamW states put such a run at 1.1 GiB of RSS), and nothing is measured that the
+    run cannot use (its chunks take pages below the smallest size a page measurement tries; its states
+    are too small for the disk's depth to matter: that measurement took 12-30 s at its small pages)."""
+    pytest.importorskip("transformers")
+    (tmp_path / "llama.json").write_text(json.dumps(FIRST_AUTO_MODEL))
+    (tmp_path / "disk").mkdir()
+    group = _make_cgroup("first-auto")
+    try:
+        (group / "memory.limit_in_bytes").write_text(str(FIRST_AUTO_CAP))
+        cmd = (f'echo $$ > {group}/cgroup.procs && exec env TIERTRAIN_CACHE_DIR={tmp_path / "cache"} '
+               f'"{sys.executable}" -m tiertrain.cli.main train --model {tmp_path / "llama.json"} --plan auto '
+               f'--device-memory {FIRST_AUTO_DEVICE >> 20}MiB --host-memory {FIRST_AUTO_HOST >> 20}MiB '
+               f'--disk {tmp_path / "disk"}:1GiB --steps 3 --batch-size 2 --seq-len 64 --out {tmp_path / "run"}')
+        r = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, timeout=400)
+        used = int((group / "memory.max_usage_in_bytes").read_text())
+    finally:
+        group.rmdir()
+    print(f"cgroup peak {used / 2**20:.0f} MiB beside the cap {FIRST_AUTO_CAP / 2**20:.0f} MiB")
+    assert r.returncode == 0, f"exit {r.returncode} (-9: killed for memory)\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
+    assert used <= FIRST_AUTO_CAP
+    assert "auto plan from the" in r.stdout and len(read_metrics(tmp_path / "run")) == 3
+    measured = sorted(p.name for p in (tmp_path / "cache" / "tiertrain").iterdir())
+    assert "page_size" not in measured and "disk_depth" not in measured, measured  # neither was measured

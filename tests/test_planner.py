@@ -609,7 +609,7 @@ def test_a_plan_that_does_not_fit_is_refused_before_the_disk_is_measured(tmp_pat
     from tiertrain.memory import Budgets
     from tiertrain.plan.fit import PlanDoesNotFit
 
-    monkeypatch.setattr(setup_module, "page_size_for", lambda *a: 64 << 10)
+    monkeypatch.setattr(setup_module, "page_size_for", lambda *a, **k: 64 << 10)
     monkeypatch.setattr(setup_module, "disk_io_for", lambda *a: pytest.fail("measured the disk for a refused plan"))
     model = _tiny_gpt(2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

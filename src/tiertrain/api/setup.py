@@ -27,8 +27,8 @@ import torch.nn as nn
 
 from tiertrain.api.machine_budgets import machine_budgets
 from tiertrain.autoplan.first_step import FIRST_PLAN, FirstStepAuto, first_plan, first_step_auto
-from tiertrain.measure.disk_depth import DiskIO, disk_io_for
-from tiertrain.measure.page_size import page_size_for
+from tiertrain.measure.disk_depth import STATE_BYTES, DiskIO, disk_io_for
+from tiertrain.measure.page_size import CANDIDATES, page_size_for
 from tiertrain.api.tiered_module import TieredModule, tiered_in_place
 from tiertrain.api.tiered_optimizer import TieredOptimizer
 from tiertrain.api.torch_clip import install_clip_redirect, tag
@@ -47,6 +47,8 @@ from tiertrain.runtime.blocks import block_numel, block_sizes, find_blocks
 from tiertrain.runtime.build import LetGo
 from tiertrain.runtime.modes import mode_of
 from tiertrain.runtime.runtime import Runtime
+
+MAX_PAGE = CANDIDATES[-1]
 
 if TYPE_CHECKING:
     from tiertrain.autoplan.auto_plan import AutoPlan
@@ -107,10 +109,13 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, memo
     expert_layers_for(model, opts.ep or 1)  # a dense model is refused before anything is laid out
     if isinstance(plan, str) and plan == "auto" and profile_step is None:
         _check_first_step_auto(opts)  # before anything is measured
-    page = page_size_for(opts.page_size, memory.disk_dir if memory.disk else None, device)
+    numels = [block_numel(b) for b in found]
+    page = page_size_for(opts.page_size, memory.disk_dir if memory.disk else None, device,
+                         largest=page_for_states(numels, MAX_PAGE))
     if opts.page_size is None:  # a measured size: no larger than small models' chunks allow
-        page = page_for_states([block_numel(b) for b in found], page)
-    disk_io = functools.cache(lambda: _disk_io(opts, memory, page))  # measured once, where it is needed first
+        page = page_for_states(numels, page)
+    # measured once, where it is needed first
+    disk_io = functools.cache(lambda: _disk_io(opts, memory, page, STATE_BYTES * sum(numels)))
     chosen, auto, first = _planned(plan, model, found, memory, page, opts, device, profile_step, disk_io)
     io = disk_io()
     mem = MemorySystem(memory, page_size=page, check_machine=False, io_workers=io.depth, write_share=io.write_share,
@@ -228,8 +233,8 @@ def _swapper(optimizer: torch.optim.Optimizer) -> LetGo:
     return swap
 
 
-def _disk_io(opts: RunOptions, memory: Budgets, page: int) -> DiskIO:
-    return disk_io_for(opts.page_size is None, memory.disk_dir if memory.disk else None, page)
+def _disk_io(opts: RunOptions, memory: Budgets, page: int, states_bytes: int) -> DiskIO:
+    return disk_io_for(opts.page_size is None, memory.disk_dir if memory.disk else None, page, states_bytes)
 
 
 def _check_first_step_auto(opts: RunOptions) -> None:

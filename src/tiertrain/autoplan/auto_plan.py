@@ -26,7 +26,7 @@ from tiertrain.measure import cache
 from tiertrain.measure.analytic import analytic_profile
 from tiertrain.measure.bounds import MeasureBounds, RunCost
 from tiertrain.measure.machine import forget as forget_probe
-from tiertrain.measure.machine import probe
+from tiertrain.measure.machine import probe, run_scratch
 from tiertrain.measure.model import cached_profile, measure_profile, profile_key
 from tiertrain.errors import ConfigError
 from tiertrain.memory import Budgets
@@ -119,8 +119,8 @@ def _measured(model: nn.Module, step: Callable[[], None], budgets: Budgets, page
     """The model's profile at this machine's rates (measured, estimated or cached), and whether it was cached."""
     found = find_blocks(model, blocks)
     disk = budgets.disk_dir if budgets.disk else None
-    here = probe(disk)
     device = compute_device()
+    here = probe(disk, scratch=run_scratch(budgets.host + (budgets.device if device.type == "cpu" else 0)))
     bounds = bounds or MeasureBounds.default(device)
     shape = getattr(step, "shape", None)
     key = profile_key(model, shape or (), precision, device)

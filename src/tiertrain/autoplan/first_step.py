@@ -129,7 +129,7 @@ class FirstStepAuto:
     def _plan(self) -> "AutoPlan | None":
         from tiertrain.autoplan.auto_plan import solved
         from tiertrain.measure.analytic import analytic_profile
-        from tiertrain.measure.machine import probe
+        from tiertrain.measure.machine import probe, run_scratch
         from tiertrain.measure.model import cached_profile
         from tiertrain.measure.one_block import BeyondBounds, BlockInputsUnknown, profile_one_block
         from tiertrain.memory.system import compute_device
@@ -138,7 +138,9 @@ class FirstStepAuto:
 
         opts, tokens = self.options, self.tokens
         assert tokens is not None
-        here = probe(self.budgets.disk_dir if self.budgets.disk else None)
+        b = self.budgets
+        here = probe(b.disk_dir if b.disk else None,
+                     scratch=run_scratch(b.host + (b.device if compute_device().type == "cpu" else 0)))
         ours = isinstance(self.config, ModelConfig)
         key = f"{self.key}/{tokens[0]}x{tokens[1]}/{self.precision}/first-step"
 

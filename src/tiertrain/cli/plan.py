@@ -199,7 +199,7 @@ def _model_profile(req: PlanRequest, here: Machine, disk_dir: str | None) -> Pro
 
 def run_plan(req: PlanRequest, console: Console) -> Candidate:
     """Plan ``req``'s model (or profile) for ``req.machine`` (default: this one); print it; return the choice."""
-    from tiertrain.measure.machine import probe, with_disk_gain
+    from tiertrain.measure.machine import probe
     from tiertrain.plan import check_update_mode
     from tiertrain.planner.auto import choose_layout, run_profile
     from tiertrain.planner.datasheets import find_machine
@@ -210,15 +210,12 @@ def run_plan(req: PlanRequest, console: Console) -> Candidate:
     if target is not None:
         target.matmul(req.precision)  # a machine without this precision is refused before anything is measured
     sizes, disk_dir = sizes_for(req, target)
-    # the disk's gain for reads and writes at once as `tiertrain probe` describes it (at its page size);
-    # none where the run names its page size: it measures no depth and keeps reads first (``disk_io_for``)
     here = probe(disk_dir)
-    here = dataclasses.replace(here, disk_together_gain=1.0) if req.page_size else with_disk_gain(here, disk_dir)
-    if target is not None and req.page_size:
-        target = dataclasses.replace(target, disk_together_gain=1.0)
     target = target or here
     profile = plan_profile(req, here, target, disk_dir)
     profile = dataclasses.replace(profile, page=_page(req, profile, target, disk_dir))
+    profile = dataclasses.replace(profile, machine=dataclasses.replace(
+        profile.machine, disk_together_gain=_disk_gain(req, profile, here, target, disk_dir)))
     profile = run_profile(profile, req.update, req.max_staleness, req.needs_all_grads)
     if req.nproc > 1:
         profile = dataclasses.replace(profile, network=_network(req, target, here, profile))
@@ -231,6 +228,20 @@ def run_plan(req: PlanRequest, console: Console) -> Candidate:
         console.print(f"{req.nproc} ranks, each with these budgets; network: {profile.network.source}")
     print_plan(chosen, cands, profile, console)
     return chosen
+
+
+def _disk_gain(req: PlanRequest, profile: Profile, here: Machine, target: Machine, disk_dir: str | None) -> float:
+    """The disk's gain for reads and writes at once as the run will take it: as `tiertrain probe` describes
+    it (at its page size), or the described machine's; none where the run measures no depth and keeps
+    reads first (``measure.disk_depth.disk_io_for``): it names its page size, or its states are too small
+    to be worth measuring."""
+    from tiertrain.measure.disk_depth import STATE_BYTES, depth_worth_measuring
+    from tiertrain.measure.machine import with_disk_gain
+
+    params = sum(b.params for b in (*profile.blocks, profile.rest))
+    if req.page_size or not depth_worth_measuring(STATE_BYTES * params):
+        return 1.0
+    return target.disk_together_gain if target is not here else with_disk_gain(here, disk_dir).disk_together_gain
 
 
 def _network(req: PlanRequest, target: Machine, here: Machine, profile: Profile) -> "Network":

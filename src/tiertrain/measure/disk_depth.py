@@ -184,13 +184,23 @@ class DiskIO:
 
 
 DEFAULT_IO = DiskIO(8)  # BENCHMARKS.md: deeper queues than ~8 were no faster on these disks; reads first
+DEPTH_WORTH = 32 << 20  # states below this move in well under a second at any depth: not worth 12-20 s measuring
+STATE_BYTES = 12  # fp32 master and two moments a parameter: what a disk tier moves
 
 
-def disk_io_for(measured_page: bool, disk_dir: str | None, page: int) -> DiskIO:
+def depth_worth_measuring(states_bytes: int) -> bool:
+    """Whether a run whose states (master and moments) take ``states_bytes`` measures its disk's depth, or
+    keeps the defaults (``DEFAULT_IO``: no gain for reads and writes at once); ``tiertrain plan`` asks the same."""
+    return states_bytes >= DEPTH_WORTH
+
+
+def disk_io_for(measured_page: bool, disk_dir: str | None, page: int, states_bytes: int = DEPTH_WORTH) -> DiskIO:
     """A run's disk I/O: measured for its disk where its page size was measured too (a run that names
-    its page size, as the tests do, measures neither), else the defaults. Over several ranks, rank
-    0's, decided there: measured once, not by every rank of a host at once on one disk (each would
-    find it slower than it is); the ranks of other hosts take it as they take its page size."""
+    its page size, as the tests do, measures neither) and its states are worth it (``depth_worth_measuring``),
+    else the defaults. Over several ranks, rank 0's, decided there: measured once, not by every rank of a
+    host at once on one disk (each would find it slower than it is); the ranks of other hosts take it as
+    they take its page size."""
+    measured_page = measured_page and depth_worth_measuring(states_bytes)
     return from_rank0("the disk's depth", lambda: _local_io(measured_page, disk_dir, page),
                       lambda io: json.dumps(dataclasses.asdict(io)), lambda text: DiskIO(**json.loads(text)))
 

@@ -18,7 +18,7 @@ import socket
 import statistics
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 
@@ -27,11 +27,13 @@ from tiertrain.measure import cache
 from tiertrain.measure.disk import measure_disk
 from tiertrain.measure.load import LoadMeter
 from tiertrain.errors import ConfigError
+from tiertrain.memory.heap import release_free_heap
 from tiertrain.planner.machine import Machine, PerDtype
 from tiertrain.planner.profile import MachineProfile
 from tiertrain.precisions import PRECISIONS, torch_dtype
 
 MiB = 1 << 20
+T = TypeVar("T")
 log = logging.getLogger("tiertrain")
 
 
@@ -52,6 +54,14 @@ def probe_key(disk_dir: str | None) -> str:
 
 
 PROBE_SCRATCH = 512 * MiB  # the most a probe allocates at once (its AdamW's states): beyond any cache
+RUN_SCRATCH = 64 * MiB     # the least a run's own probe may allocate: within the overhead a run is allowed
+
+
+def run_scratch(host_side_budgets: int) -> int:
+    """What a run's probe may allocate at once: no more than the budgets the run holds in host memory
+    (at least ``RUN_SCRATCH``), up to a whole probe's. A small model's first ``plan auto`` probed with a
+    whole probe's 512 MiB of AdamW states and peaked at 1.1 GiB of RSS beside 80 MiB of budgets."""
+    return max(RUN_SCRATCH, min(PROBE_SCRATCH, host_side_budgets))
 
 
 def probe(disk_dir: str | None = None, use_cache: bool = True, scratch: int = PROBE_SCRATCH) -> Machine:
@@ -100,23 +110,36 @@ def probe_machine(disk_dir: str | None = None, use_cache: bool = True) -> tuple[
 
 
 def _measure(disk_dir: str | None, scratch: int) -> Machine:
+    """A whole probe measures this machine's page size too (what ``tiertrain plan`` takes for it); one
+    sized to a run takes the cached one, or none (the run measured or named its own). Each measurement's
+    freed buffers go back to the OS before the next (``memory.heap``): glibc kept a matrix product's, and
+    the next measurement's peak stood on top of them."""
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    h2d, d2h = _copies(dev, sync, min(64 * MiB, scratch // 2))
+    h2d, d2h = _trimmed(lambda: _copies(dev, sync, min(64 * MiB, scratch // 2)))
     read, write, disk_cpu = _disk_rates(Path(disk_dir)) if disk_dir else (1e9, 1e9, 0.0)
-    from tiertrain.measure.page_size import measured_page_size
+    from tiertrain.measure.page_size import known_page_size, measured_page_size
 
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Machine(name=_name(dev), device=dev.type,
                    device_memory=torch.cuda.get_device_properties(dev).total_memory if cuda else ram,
-                   host_memory=ram, peak_flops=PerDtype(0.0, 0.0, 0.0), matmul_flops=_matmuls(dev, sync),
-                   memory_bps=_memory_bps(dev, sync, min(32 * MiB, scratch // 12)), h2d_bps=h2d, d2h_bps=d2h,
-                   disk_read_bps=read, disk_write_bps=write, adam_params_per_s=_adam(scratch // 16),
-                   disk_cpu_s_per_byte=disk_cpu,
+                   host_memory=ram, peak_flops=PerDtype(0.0, 0.0, 0.0), matmul_flops=_trimmed(lambda: _matmuls(dev, sync)),
+                   memory_bps=_trimmed(lambda: _memory_bps(dev, sync, min(32 * MiB, scratch // 12))), h2d_bps=h2d,
+                   d2h_bps=d2h, disk_read_bps=read, disk_write_bps=write,
+                   adam_params_per_s=_trimmed(lambda: _adam(scratch // 16)), disk_cpu_s_per_byte=disk_cpu,
                    disk_bytes=shutil.disk_usage(disk_dir).free if disk_dir else 0,
-                   page_size=measured_page_size(disk_dir, dev),
+                   page_size=measured_page_size(disk_dir, dev) if scratch >= PROBE_SCRATCH else
+                   known_page_size(disk_dir, dev) or 0,
                    source=f"measured by tiertrain probe on {time.strftime('%Y-%m-%d %H:%M')}")
+
+
+def _trimmed(measure: Callable[[], T]) -> T:
+    """A measurement, its freed buffers given back to the OS afterwards."""
+    try:
+        return measure()
+    finally:
+        release_free_heap()
 
 
 DISK_ROUNDS = 5

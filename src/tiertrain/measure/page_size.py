@@ -77,8 +77,7 @@ def memory_curve(device: torch.device, total: int = 256 * MiB) -> dict[int, floa
     return curve
 
 
-def measured_page_size(disk_dir: str | None, device: torch.device) -> int:
-    """The cached page size for this machine's slowest link in use, measuring it if needed."""
+def _page_key(disk_dir: str | None, device: torch.device) -> str:
     if disk_dir:
         try:
             make_disk_dir(Path(disk_dir))
@@ -87,7 +86,18 @@ def measured_page_size(disk_dir: str | None, device: torch.device) -> int:
         link = f"disk:{os.stat(disk_dir).st_dev}"
     else:
         link = "h2d:cuda" if device.type == "cuda" else "memcpy"
-    key = f"v3/{socket.gethostname()}/{link}"
+    return f"v3/{socket.gethostname()}/{link}"
+
+
+def known_page_size(disk_dir: str | None, device: torch.device) -> int | None:
+    """The page size measured for this machine's slowest link in use, if it was; never measures."""
+    known = cache.load("page_size", _page_key(disk_dir, device))
+    return known["page_size"] if isinstance(known, dict) and isinstance(known.get("page_size"), int) else None
+
+
+def measured_page_size(disk_dir: str | None, device: torch.device) -> int:
+    """The cached page size for this machine's slowest link in use, measuring it if needed."""
+    key = _page_key(disk_dir, device)
     known = cache.load("page_size", key)
     if isinstance(known, dict) and isinstance(known.get("page_size"), int):
         return known["page_size"]
@@ -99,9 +109,17 @@ def measured_page_size(disk_dir: str | None, device: torch.device) -> int:
     return size
 
 
-def page_size_for(size: int | None, disk_dir: str | None, device: torch.device) -> int:
+def page_size_for(size: int | None, disk_dir: str | None, device: torch.device, largest: int | None = None) -> int:
     """The page size a run uses: the one asked for (checked), else the one measured for its slowest
     link; over several ranks, rank 0's, given or measured (``parallel.agree``: every rank lays its chunks
-    out alike, and ranks that measured one disk together would each have measured it disturbed)."""
-    return from_rank0("the page size", lambda: check_page_size(size) if size else measured_page_size(disk_dir, device),
-                      str, int)
+    out alike, and ranks that measured one disk together would each have measured it disturbed).
+    ``largest``: the largest page the run's chunks can take (``plan.fit.page_for_states``); below the
+    smallest size measured, that is the page, and nothing is measured (a small model's first run spent
+    seconds measuring sizes its chunks could never use)."""
+    def local() -> int:
+        if size:
+            return check_page_size(size)
+        if largest is not None and largest < CANDIDATES[0]:
+            return largest
+        return measured_page_size(disk_dir, device)
+    return from_rank0("the page size", local, str, int)

@@ -34,8 +34,9 @@ def _scaled(b: BlockProfile, k: float) -> BlockProfile:
 
 
 def for_machine(p: Profile, here: Machine, there: Machine) -> Profile:
-    """``p`` (measured or estimated at ``here``'s rates) as it would run on ``there``."""
-    if here == there:
+    """``p`` (measured or estimated at ``here``'s rates) as it would run on ``there`` (the same machine
+    whatever either says of its disk's gain for reads and writes at once: no block's compute depends on it)."""
+    if dataclasses.replace(here, disk_together_gain=there.disk_together_gain) == there:
         return dataclasses.replace(p, machine=there.rates())
     dtype = p.compute_dtype
     blocks = tuple(_scaled(b, block_ratio(b, dtype, here, there)) for b in p.blocks)

@@ -217,7 +217,8 @@ def agreed_auto_setup(rank: int, disk: Path) -> dict:
             return value(*args, **kwargs) if callable(value) else value
         return measure
 
-    saved = page_size.measured_page_size, disk_depth.measured_depth, auto_plan._measured
+    saved = page_size.measured_page_size, disk_depth.measured_depth, auto_plan._measured, disk_depth.DEPTH_WORTH
+    disk_depth.DEPTH_WORTH = 0  # this model's states are small, but the ranks' agreement is what is tested
     page_size.measured_page_size = only_rank0(128 << 10)
     disk_depth.measured_depth = only_rank0(disk_depth.DiskDepth(3, 1, {2: 1.0, 4: 1.0, 8: 1.0}, 1.0, 1.0))
     auto_plan._measured = only_rank0(saved[2])
@@ -235,7 +236,7 @@ def agreed_auto_setup(rank: int, disk: Path) -> dict:
             tm.runtime.close()
             tm.runtime.mem.close()
     finally:
-        page_size.measured_page_size, disk_depth.measured_depth, auto_plan._measured = saved
+        page_size.measured_page_size, disk_depth.measured_depth, auto_plan._measured, disk_depth.DEPTH_WORTH = saved
 
 
 def agreed_budgets(rank: int) -> list[tuple[int, int]]:
@@ -278,7 +279,7 @@ def recheck_on_rank0(rank: int) -> dict:
 
     ran, saved = [], auto_plan.recheck
 
-    def slow_recheck(auto, measured, peaks, plan, wait):
+    def slow_recheck(auto, measured, peaks, plan, wait, load=None):
         time.sleep(1.0)
         ran.append(time.time())
         return "corrected", "recheck: 40% off, corrected"

@@ -1149,3 +1149,62 @@ def test_a_transformers_block_with_eager_attention_scales_its_s_by_s_scores_exac
     assert "one block measured at 1 x 64 tokens (of 1 x 256" in reduced.source
     assert reduced.blocks[0].act_bytes == full.blocks[0].act_bytes
     assert reduced.blocks[0].act_bytes > 256 * 256 * 2 * 4  # the scores of 2 heads are in it
+
+
+def test_a_recheck_on_a_busy_cpu_takes_the_blocks_compute_as_long_as_the_cores_left_allow(tmp_path, monkeypatch):
+    """The steps ran while another process took one of two cores: the profile was measured on a quieter
+    machine, and a new probe reads the links and the optimizer slow but no block, so its prediction alone
+    still missed by half (299 ms predicted, 605 ms measured). The recheck takes the blocks' compute as
+    twice as long and says why; on a quiet machine it does not."""
+    from tiertrain.autoplan import auto_plan as ap
+    from tiertrain.measure import machine as probing
+    from tiertrain.planner.machine import Load
+
+    monkeypatch.setenv("TIERTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    model = _tiny_gpt(2)
+    step = lambda: lm_step(model)  # noqa: E731
+    auto = ap.auto_plan(model, step, Budgets(64 * MiB, 256 * MiB), 64 << 10, "fp32", "sync", needs_all_grads=True)
+    quiet = probing.probe(None)
+    monkeypatch.setattr(ap, "probe", lambda *a, **k: quiet)
+    monkeypatch.setattr(ap, "forget_probe", lambda *a: None)
+    measured = [2 * auto.prediction.step_s] * 3
+    calm, said_calm = ap.recheck(auto, measured, {}, auto.plan, load=Load(others_cores=0.0, cores=2))
+    busy, said_busy = ap.recheck(auto, measured, {}, auto.plan, load=Load(others_cores=1.0, cores=2))
+    assert "other processes took 1.0 of 2 cores while the steps ran" in said_busy and "other processes" not in said_calm
+    compute = sum(b.forward_s + b.backward_s for b in (*calm.profile.blocks, calm.profile.rest))
+    assert sum(b.forward_s + b.backward_s for b in (*busy.profile.blocks, busy.profile.rest)) == pytest.approx(2 * compute)
+    assert busy.prediction.step_s > 1.5 * calm.prediction.step_s  # a CPU run's step is mostly its compute
+
+
+def lm_step(model):
+    import torch
+
+    from tiertrain.train.objective import lm_loss
+
+    x = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+    lm_loss(model, x[:, :-1], x[:, 1:]).backward()
+    model.zero_grad(set_to_none=True)
+
+
+def test_tiertrain_plan_sets_its_prediction_beside_the_compute_alone_and_names_a_busy_profile(monkeypatch):
+    """The predicted step beside the blocks' own matrix products and attention at the machine's matrix
+    rate (the rough 6 x params x tokens / FLOP/s estimate: a 32-minute prediction stood 5x above it with
+    nothing said), and a profile measured while other processes took cores named as such (every block
+    reads slow), and not cached."""
+    import dataclasses
+
+    from tiertrain.cli.plan import explain_step
+    from tiertrain.measure import model as measuring
+    from tiertrain.measure.load import LoadMeter
+    from tiertrain.planner.machine import Load
+
+    p = synthetic(4)
+    p = dataclasses.replace(p, blocks=tuple(dataclasses.replace(b, flops=1e9) for b in p.blocks),
+                            rest=dataclasses.replace(p.rest, flops=2e9))
+    lines = explain_step(0.3, p, 1e11)
+    assert p.step_flops == 3 * 6e9 and "0.02 TFLOP a step" in lines[0] and "180.0 ms" in lines[0]
+    assert "the predicted step is 1.67x that" in lines[0] and len(lines) == 1
+    monkeypatch.setattr(LoadMeter, "__exit__", lambda self, *e: setattr(self, "load", Load(1.2, 2)))
+    profile, cached = measuring.cached_profile("busy-key", lambda: p)
+    assert profile.busy == 1.2 and not cached and measuring.cache.load("profiles", "busy-key") is None
+    assert "other processes took 1.2 cores" in explain_step(0.3, profile, 1e11)[-1]

@@ -35,7 +35,8 @@ from tiertrain.models.config import ModelConfig
 from tiertrain.parallel.agree import from_rank0
 from tiertrain.plan import DEFAULT_MAX_STALENESS, Plan
 from tiertrain.planner.auto import choose, run_profile
-from tiertrain.planner.machine import Machine
+from tiertrain.planner.machine import Load, Machine
+from tiertrain.planner.retarget import slowed
 from tiertrain.planner.profile import MachineProfile, Profile
 from tiertrain.planner.simulator import Simulation, simulate
 from tiertrain.planner.solvers import Problem
@@ -45,6 +46,7 @@ from tiertrain.units import format_bytes
 log = logging.getLogger("tiertrain")
 RECHECK_SCRATCH = 64 << 20  # what a running plan's probe may allocate at once: within the stated overhead
 MISPREDICT = 0.25   # a prediction further than this from the measured step sends its measurements back
+MAX_SLOWDOWN = 4.0  # the most a recheck stretches the blocks' compute for other processes' load
 CHECK_AFTER = 3     # measured steps (after warm-up) the prediction is checked against
 
 
@@ -240,7 +242,7 @@ def _estimate(model: nn.Module, found: list, shape: tuple | None, precision: str
 
 
 def recheck(auto: AutoPlan, measured_s: list[float], measured_peaks: dict[str, int], plan: Plan,
-            settle: Callable[[], None] = lambda: None) -> tuple[AutoPlan, str]:
+            settle: Callable[[], None] = lambda: None, load: Load | None = None) -> tuple[AutoPlan, str]:
     """The prediction against the steps that ran; where it is off by more than ``MISPREDICT``, the
     cached machine probe and profile are dropped (the next run measures both again), the machine is
     probed again now and the running ``plan`` simulated on it: the corrected prediction is returned.
@@ -249,7 +251,12 @@ def recheck(auto: AutoPlan, measured_s: list[float], measured_peaks: dict[str, i
     allocates at most ``RECHECK_SCRATCH`` (a whole one raised a 57M run's RSS from 650 MiB to 1.27 GiB
     beside its 288 MiB of budgets: under a cap sized to them it could be killed) and is not kept: the
     next run probes in full. Its AdamW may then read up to a quarter fast where 64 MiB sit half in a
-    large cache: the corrected prediction says what the run will do; the running plan stays."""
+    large cache: the corrected prediction says what the run will do; the running plan stays.
+    ``load``: what other processes took while the steps ran. Where the compute device is the host's cores
+    and others took a quarter of them or more, the blocks compute as much longer as the cores left to us
+    are fewer (at most 4x): the profile was measured on a quieter machine, and a probe taken now reads the
+    links and the optimizer slow but measures no block (a disk plan predicted 299 ms and ran 605 ms beside
+    another process; its re-probe alone still missed by half)."""
     med = statistics.median(measured_s)
     sim = auto.prediction
     off = sim.step_s / med - 1
@@ -265,11 +272,18 @@ def recheck(auto: AutoPlan, measured_s: list[float], measured_peaks: dict[str, i
     fresh = probe(auto.disk_dir, use_cache=False, scratch=RECHECK_SCRATCH)
     rates = dataclasses.replace(fresh.rates(), disk_together_gain=auto.profile.machine.disk_together_gain)
     profile = dataclasses.replace(auto.profile, machine=rates)
+    shared = ""
+    if load is not None and load.busy and rates.device_is_host:
+        k = load.cores / max(load.cores - load.others_cores, load.cores / MAX_SLOWDOWN)
+        profile = slowed(profile, k)
+        shared = (f"; other processes took {load.others_cores:.1f} of {load.cores} cores while the steps ran, so "
+                  f"the blocks' compute is taken as {k:.2f}x as long")
     again = simulate(plan, profile, auto.needs_all_grads)
     fixed = dataclasses.replace(auto, prediction=again, profile=profile, corrected=True)
     return fixed, (f"{line}; more than {MISPREDICT:.0%} off, so this machine was probed again "
                    f"({_changes(auto.profile.machine, fresh.rates())}) and its cached profile dropped (the next run "
-                   f"measures it): corrected prediction {again.step_s * 1e3:.1f} ms ({(again.step_s / med - 1) * 100:+.0f}%)")
+                   f"measures it){shared}: corrected prediction {again.step_s * 1e3:.1f} ms "
+                   f"({(again.step_s / med - 1) * 100:+.0f}%)")
 
 
 def _changes(old: MachineProfile, new: MachineProfile) -> str:

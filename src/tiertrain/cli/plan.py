@@ -88,7 +88,10 @@ def _home(bp: BlockPlan) -> str:
     return bp.home.value + (f" ({', '.join(notes)})" if notes else "")
 
 
-def print_plan(chosen: Candidate, cands: list[Candidate], profile: Profile, console: Console) -> None:
+def print_plan(chosen: Candidate, cands: list[Candidate], profile: Profile, console: Console,
+               matmul_flops: float = 0.0) -> None:
+    """The plan, its prediction beside what its compute alone takes (``matmul_flops``: the machine's rate
+    in the plan's precision), and every solver's."""
     plan, sim = chosen.plan, chosen.sim
     table = Table(title=f"plan {plan.name}: window {plan.window}, cache {plan.cache}, prefetch {plan.prefetch}, "
                         f"update {plan.update}")
@@ -103,6 +106,8 @@ def print_plan(chosen: Candidate, cands: list[Candidate], profile: Profile, cons
         console.print(f"profile: {profile.source}")
     console.print(f"predicted step {sim.step_s * 1e3:.1f} ms; bottleneck {sim.bottleneck}; peaks "
                   + ", ".join(f"{t} {format_bytes(v)}" for t, v in sim.peaks.items()))
+    for line in explain_step(sim.step_s, profile, matmul_flops):
+        console.print(line)
     if dp > 1:
         net = sim.timeline.busy("net")
         console.print(f"per rank: collectives {net * 1e3:.1f} ms a step on the network "
@@ -113,6 +118,23 @@ def print_plan(chosen: Candidate, cands: list[Candidate], profile: Profile, cons
             console.print(f"  {name:24s} found no plan that fits")
         else:
             console.print(f"  {name:24s} {c.sim.step_s * 1e3:9.1f} ms  (+{(c.sim.step_s / sim.step_s - 1) * 100:.1f}%)")
+
+
+def explain_step(step_s: float, p: Profile, matmul_flops: float) -> list[str]:
+    """What a predicted step stands against: the blocks' matrix products and attention alone at the
+    machine's matrix-product rate (the rough 6 x params x tokens / FLOP/s estimate, from the blocks' own
+    work), and a profile measured while other processes took cores (it reads every block slow)."""
+    out = []
+    if p.step_flops and matmul_flops:
+        alone = p.step_flops / matmul_flops
+        out.append(f"compute alone: {p.step_flops / 1e12:.2f} TFLOP a step (matrix products and attention, "
+                   f"backward twice forward) at {matmul_flops / 1e9:.0f} GFLOP/s is {alone * 1e3:.1f} ms; the "
+                   f"predicted step is {step_s / alone:.2f}x that (recompute, element-wise traffic, and copies, "
+                   "the optimizer and the disk where they do not overlap it)")
+    if p.busy:
+        out.append(f"the profile was measured while other processes took {p.busy:.1f} cores: every block reads slow "
+                   "by about as much as they took (it is used once, not cached); plan again on a quiet machine")
+    return out
 
 
 def print_largest(found: "Largest", machine: Machine, console: Console) -> None:
@@ -226,7 +248,7 @@ def run_plan(req: PlanRequest, console: Console) -> Candidate:
         console.print(f"planned for {target.name} ({target.source or 'described'})")
     if req.nproc > 1:
         console.print(f"{req.nproc} ranks, each with these budgets; network: {profile.network.source}")
-    print_plan(chosen, cands, profile, console)
+    print_plan(chosen, cands, profile, console, target.matmul(req.precision))
     return chosen
 
 

@@ -212,6 +212,7 @@ def cached_profile(key: str, measure: Callable[[], Profile], use_cache: bool = T
     if meter.load is not None and meter.load.busy:
         log.warning("the machine was busy while the model was profiled (others used %.1f of %d cores): the "
                     "profile is used once and not cached", meter.load.others_cores, meter.load.cores)
+        profile = dataclasses.replace(profile, busy=meter.load.others_cores)
     elif not profile.source.startswith("FLOP estimate"):  # an estimate costs nothing to make again
         cache.store("profiles", key, dataclasses.asdict(profile))
     return profile, False

@@ -87,6 +87,14 @@ class Profile:
     network: Network = Network()       # the ranks planned for (per-rank budgets) and their collectives' rates
     piece: int = field(default=0, metadata=at_least(0))  # disk-homed blocks updated through host in pieces of
     #                                  this many bytes per state, their gradients waiting on the device (0: whole)
+    busy: float = field(default=0.0, metadata=at_least(0))  # cores others took while its blocks were measured
+    #                                  (such a profile is used once, not cached: it reads every block slow)
+
+    @property
+    def step_flops(self) -> float:
+        """One training step's matrix products and attention without recompute (forward, and backward
+        twice it), as the blocks record them; 0 where they do not."""
+        return 3 * sum(b.flops for b in (*self.blocks, self.rest))
 
     @property
     def compute_bytes(self) -> int:

@@ -33,6 +33,11 @@ def _scaled(b: BlockProfile, k: float) -> BlockProfile:
     return dataclasses.replace(b, forward_s=b.forward_s * k, backward_s=b.backward_s * k, recompute_s=rec)
 
 
+def slowed(p: Profile, k: float) -> Profile:
+    """``p`` with every block computing ``k`` times as long (other processes taking the cores it computes on)."""
+    return dataclasses.replace(p, blocks=tuple(_scaled(b, k) for b in p.blocks), rest=_scaled(p.rest, k))
+
+
 def for_machine(p: Profile, here: Machine, there: Machine) -> Profile:
     """``p`` (measured or estimated at ``here``'s rates) as it would run on ``there`` (the same machine
     whatever either says of its disk's gain for reads and writes at once: no block's compute depends on it)."""

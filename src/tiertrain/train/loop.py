@@ -28,6 +28,8 @@ from tiertrain.api.machine_budgets import meta_build_reason
 from tiertrain.train.config import SEQ_LEN, TrainConfig
 from tiertrain.train.cpu_watch import CpuWatch, usable_cores
 from tiertrain.train.disk_watch import BACKWARD, BETWEEN, FORWARD, PHASES, STEP, DiskWatch
+from tiertrain.measure.load import LoadMeter
+from tiertrain.planner.machine import Load
 from tiertrain.train.metrics import (MetricsFile, NoMetrics, Reporter, StepMedians, StepTimer,
                                       device_peak_with_activations, peak_bytes, process_rss, restart_rss_peak)
 from tiertrain.parallel import rank_from_env, world_from_env
@@ -439,12 +441,14 @@ class Trainer:
         staleness = self.model.runtime.pop_staleness()
         if staleness is not None:  # lockfree: the params a forward used may lag
             row["staleness"] = staleness
+        if self.auto is not None and self.step == WARMUP_STEPS:  # what else runs while the measured steps do
+            self._steps_load = LoadMeter().__enter__()
         if self.auto is not None and self.step > WARMUP_STEPS:  # beside the measured step_s and tier peaks
             from tiertrain.autoplan.auto_plan import CHECK_AFTER
 
             measured = self.step_seconds[WARMUP_STEPS:] + [row["step_s"]]
             if len(measured) == CHECK_AFTER:  # held against the first steps; remeasured where far off
-                self.auto, line = self._recheck(measured, row["peak_bytes"])
+                self.auto, line = self._recheck(measured, row["peak_bytes"], self._steps_load_now())
                 if self.disk_watch is not None:  # a recheck may probe the disk: that is no step's busy time
                     self.disk_watch.skip_device()
                 self.cpu_watch.reset()  # nor its CPU
@@ -452,7 +456,16 @@ class Trainer:
                     self.reporter.message(line)
             row["predicted"] = self.auto.predicted_row()
 
-    def _recheck(self, measured: list[float], peaks: dict[str, int]) -> tuple[AutoPlan, str]:
+    def _steps_load_now(self) -> "Load | None":
+        """What other processes took while the measured steps ran (None where it was not watched)."""
+        meter = getattr(self, "_steps_load", None)
+        if meter is None:
+            return None
+        meter.__exit__(None, None, None)
+        return meter.load
+
+    def _recheck(self, measured: list[float], peaks: dict[str, int], load: "Load | None" = None
+                 ) -> tuple[AutoPlan, str]:
         """Rank 0 rechecks (it measured the profile; over several ranks the others would probe one disk
         beside it) while the others wait for it, under the measuring timeout rather than the
         collectives': a probe may take longer than a collective is allowed to."""
@@ -462,7 +475,8 @@ class Trainer:
         auto = self.auto
         assert auto is not None
         return from_rank0("the prediction's recheck",
-                          lambda: recheck(auto, measured, peaks, self.model.runtime.plan, self.model.runtime.wait_updates),
+                          lambda: recheck(auto, measured, peaks, self.model.runtime.plan, self.model.runtime.wait_updates,
+                                          load),
                           lambda _: "", lambda _: (auto, ""))
 
 

@@ -63,15 +63,18 @@ def test_nproc_trains_data_parallel_writes_sharded_checkpoints_and_resumes_at_ot
 
 
 def test_nproc_with_plan_auto_measures_on_rank_0_alone_and_every_rank_plans_alike(tmp_path, monkeypatch):
-    """With nothing cached, rank 0 measures the page size, the disk's depth and the profile, and
-    rechecks the prediction after the first steps; rank 1 takes them and trains the same plan (a
-    plan it chose apart could issue other collectives and hang)."""
+    """With nothing cached, rank 0 measures the page size and the profile (a model this small keeps the
+    default disk depth) and rechecks the prediction after the first steps; rank 1 takes them and trains
+    the same plan (a plan it chose apart could issue other collectives and hang)."""
     monkeypatch.setenv("TIERTRAIN_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "auto"
     r = _train(*TINY, "--plan", "auto", "--update", "overlap", "--steps", "6", "--disk", f"{tmp_path / 'disk'}:256MiB",
                "--out", str(out), "--nproc", "2")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stderr.count("measuring how many requests the disk") == 1, r.stderr[-3000:]
+    said = r.stdout + r.stderr
+    assert said.count("plan auto: profiling the model") == 1, said[-3000:]
+    assert "rank 1 waiting for the model's profile" in r.stderr
+    assert len(list((tmp_path / "cache").rglob("page_size/*.json"))) == 1  # measured once and cached
     assert (r.stdout + r.stderr).count("auto plan after 3 steps") == 1  # rank 0's line (its reporter's)
     assert "rank 1 waiting for" in r.stderr  # what rank 1 waited for, said
     assert len(_losses(out)) == 6

@@ -232,6 +232,33 @@ def test_a_model_built_on_the_meta_device_is_initialised_block_by_block_and_trai
 
 
 @pytest.mark.parametrize("plan,update", [("resident", "sync"), ("max-offload", "overlap")])
+def test_each_gradient_leaves_autograds_tensor_for_the_pools_as_it_arrives(tmp_path, plan, update):
+    """Autograd's gradient tensors live outside every budget: each moves into the pools as it arrives,
+    so at any arrival no other parameter holds one (a block's whole 4 x params bytes would sit in
+    RSS until its last gradient came, an untied head's through all of backward). Training still
+    equals plain PyTorch (the bitwise tests above)."""
+    import tiertrain
+    from tiered_harness import _fresh, batches, lm_loss
+
+    model, opt = _fresh(TINY4)
+    tm, topt = tiertrain.setup(model, opt, budgets(tmp_path), plan=plan, update=update, page_size=64 * 1024)
+    params = list(tm.parameters())
+    held: list[int] = []
+    for p in params:  # after the runtime's own hook, which takes the gradient
+        p.register_post_accumulate_grad_hook(lambda _p: held.append(sum(q.grad is not None for q in params)))
+    try:
+        b = batches(1)[0]
+        for _ in range(2):
+            lm_loss(tm, b[:, :-1], b[:, 1:]).backward()
+            topt.step()
+            topt.zero_grad()
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()
+    assert len(held) == 2 * len(params) and max(held) == 0
+
+
+@pytest.mark.parametrize("plan,update", [("resident", "sync"), ("max-offload", "overlap")])
 def test_fp16_overflow_skips_the_step_and_backs_off_as_gradscaler_does(tmp_path, plan, update):
     """A scale of 2**24 overflows fp16 gradients: the step is skipped (weights and AdamW step
     counts untouched), the scale halves, and training resumes once it fits; plain PyTorch's

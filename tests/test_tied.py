@@ -9,6 +9,7 @@ import torch
 
 import tiertrain
 import tiertrain.runtime.block_group as updater
+from tiertrain.runtime import in_place_grads
 from tiered_harness import HF_GPT2, TINY4, _fresh, _loop, train_plain
 from tiertrain.memory import Budgets
 from tiertrain.plan import builtin_plan
@@ -69,6 +70,56 @@ def test_the_heads_gradient_of_a_tied_embedding_is_in_the_chunk_before_backward_
     assert seen == [True] * 3
     if bounded:
         assert grad_peak == reserved
+
+
+@pytest.mark.parametrize("spec", [WIDE, {**WIDE, "tie_embeddings": False}, WIDE_HF], ids=["gpt", "untied", "transformers"])
+@pytest.mark.parametrize("accum", [1, 2])
+def test_autograd_makes_no_gradient_of_the_head_or_the_embedding_they_are_written_into_the_rests_chunk(
+        spec, accum, monkeypatch):
+    """The head's and the embedding's gradients (vocab x d each) are made in the rest's grad chunk
+    (``runtime.in_place_grads``): each use's backward writes its gradient there and hands autograd none,
+    and the losses are plain PyTorch's bit for bit. Over two micro-batches autograd's path runs, as plain
+    PyTorch's."""
+    n = spec["n_layer"]
+    written = []
+    monkeypatch.setattr(in_place_grads.Target, "written", lambda self, w=in_place_grads.Target.written: (
+        written.append(self.index), w(self))[1])
+    model, opt = _fresh(spec)
+    tm, topt = tiertrain.setup(model, opt, Budgets(device=64 << 20, host=64 << 20), plan=builtin_plan("stream", n),
+                               grad_accum=accum, page_size=PAGE)
+    rt = tm.runtime
+    wide = [p for p in rt.groups[-1].params if p.shape[0] == 8192]
+    rest = {id(p) for p in rt.groups[-1].params}
+    uses = sum(isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) and id(m.weight) in rest for m in tm.modules())
+    try:
+        losses = _loop(tm, topt, None, 3, accum, None)
+    finally:
+        rt.close()
+        rt.mem.close()
+    assert losses == train_plain(spec, 3, accum, None)
+    assert len(wide) == (1 if spec.get("tie_embeddings", True) else 2)
+    assert uses >= 2 and len(written) == (uses * 3 if accum == 1 else 0)  # every use of a rest weight, each step
+
+
+def test_a_users_hook_on_the_head_weight_sees_autograds_gradient_and_may_change_it():
+    """A hook the user puts on the tied head's weight (``register_hook``) gets its gradient, not None,
+    and what it returns is what trains: the weight takes autograd's path, as in plain PyTorch."""
+    def train(tiered: bool) -> tuple[list[float], int]:
+        model, opt = _fresh(WIDE)
+        seen = []
+        if tiered:
+            model, opt = tiertrain.setup(model, opt, Budgets(device=64 << 20, host=64 << 20),
+                                         plan=builtin_plan("stream", WIDE["n_layer"]), page_size=PAGE)
+        _embedding(model).register_hook(lambda g: (seen.append(g.shape), g * 0.5)[1])
+        try:
+            return _loop(model, opt, None, 3, 1, None), len(seen)
+        finally:
+            if tiered:
+                model.runtime.close()
+                model.runtime.mem.close()
+
+    tiered, plain = train(True), train(False)
+    assert tiered == plain and plain[1] == 3  # once a step, the head's and the embedding's summed
 
 
 def test_with_several_micro_batches_the_tied_gradients_are_summed_by_autograd_as_before():

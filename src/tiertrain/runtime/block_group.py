@@ -161,9 +161,15 @@ class BlockGroup:
         if ctx.clock.final_micro() and ctx.mode.reads_ahead:
             ctx.moves.read_ahead(self, slot=self._slot if self.fills_slot_from_disk and self._shard is None else None)
 
-    def grad_arrived(self) -> None:
-        """A parameter's gradient is accumulated: once every one of them is in, the block flushes."""
+    def grad_arrived(self, i: int) -> None:
+        """Parameter ``i``'s gradient is accumulated: it moves into the pools at once (autograd's tensor of
+        it lived outside every budget until the whole block's had arrived: a 50M-parameter block's 200 MB,
+        and an untied head's through all of backward), except where an update loop may take the chunk at
+        any moment (a loop must see a block's gradients of a step whole). Once every one is in, the block
+        flushes."""
         self._ctx.backward.begin()
+        if not self._ctx.mode.takes_grads_any_time:
+            self._take_grad(i)
         self._grad_count += 1
         if self._grad_count == len(self._params) and not self.reduces_at_end:
             self._ctx.backward.flushed_early(self)
@@ -174,6 +180,27 @@ class BlockGroup:
         self._ctx.backward.begin()
         grad, leaf.grad = leaf.grad, None
         self._add_grads([(index, grad)], self._ctx.clock.steps_taken, self._ctx.mode.step_hypers())
+        if self._grad_state is Grads.NONE:
+            self._grads_to(Grads.SUMMING)
+
+    def in_place_target(self, index: int) -> tuple[torch.Tensor, bool] | None:
+        """Where parameter ``index``'s gradient of this backward may be written as it is made
+        (``runtime.in_place_grads``): its view in the grad chunk (made now, room made first where
+        gradients are bounded) and whether nothing of it is there yet. None where the rest's chunk is
+        not filled through backward (``Runtime._tied_grads_early``): autograd's gradient goes the usual way."""
+        if not self._ctx.backward.tied_early:
+            return None
+        if self._grads.chunk is None:
+            if updated_away(self._plan):
+                self._make_room()
+            self._grads.chunk = self._new_grad_chunk(self.nbytes)
+        return self.views(self._grads.chunk)[index], not self._grads.has_grad[index]
+
+    def grad_written(self, index: int) -> None:
+        """Parameter ``index``'s gradient was written into its ``in_place_target``. It does not count
+        towards an early flush: a group written so flushes when backward ends (``reduces_at_end``)."""
+        self._ctx.backward.begin()
+        self._grads.mark(index, self._ctx.clock.steps_taken, self._ctx.mode.step_hypers())
         if self._grad_state is Grads.NONE:
             self._grads_to(Grads.SUMMING)
 
@@ -310,24 +337,48 @@ class BlockGroup:
         if fresh is not None:
             self._mem.release(fresh)
 
+    def _take_grad(self, i: int) -> None:
+        """Parameter ``i``'s gradient out of autograd's tensor, into this rank's sum over micro-batches (data
+        parallel) or the grad chunk, summed as a whole block's flush sums it (the same additions, in order)."""
+        p = self._params[i]
+        grad, p.grad = p.grad, None
+        if grad is None:
+            return
+        if self._mean_over > 1:
+            if self._local is None and updated_away(self._plan):
+                self._make_room()  # transient gradients: the local sum is one more whole-block chunk
+            self._sum_one(i, grad)
+        else:
+            self._add_grads([(i, grad)], self._ctx.clock.steps_taken, self._ctx.mode.step_hypers())
+        if self._grad_state is Grads.NONE:
+            self._grads_to(Grads.SUMMING)
+
     def _make_room(self) -> None:
         self._ctx.backward.room_for_grads(grad_tier(self._plan))
 
     def _sum_locally(self) -> None:
-        """This rank's fresh gradients into its local sum over micro-batches, freed from the params."""
+        """This rank's fresh gradients into its local sum over micro-batches, freed from the params (the sum
+        exists afterwards even where none arrived: the ranks' reduction takes every rank's)."""
+        self._local_sum()
+        for i, p in enumerate(self._params):
+            if p.grad is not None:
+                grad, p.grad = p.grad, None
+                self._sum_one(i, grad)
+
+    def _sum_one(self, i: int, grad: torch.Tensor) -> None:
+        """One parameter's gradient into this rank's local sum over micro-batches."""
+        view = self.views(self._local_sum())[i]
+        if self._local_has[i]:
+            view.add_(grad.to(view.device))  # a GPU's gradient into a host chunk: copied first
+        else:
+            view.copy_(grad)
+            self._local_has[i] = True
+
+    def _local_sum(self) -> Chunk:
         if self._local is None:
             self._local = self._new_grad_chunk(self.nbytes)
             self._local.typed(F32).zero_()  # a parameter no rank's micro-batch reached contributes zeros
-        views = self.views(self._local)
-        for i, p in enumerate(self._params):
-            if p.grad is None:
-                continue
-            if self._local_has[i]:
-                views[i].add_(p.grad.to(views[i].device))  # a GPU's gradient into a host chunk: copied first
-            else:
-                views[i].copy_(p.grad)
-                self._local_has[i] = True
-            p.grad = None
+        return self._local
 
     def _reduce_over_ranks(self, step: int, hypers: list[AdamWHyper] | None) -> None:
         """Start averaging the local sum over the ranks into this rank's part (its shard, or all of it),

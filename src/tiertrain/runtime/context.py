@@ -33,6 +33,7 @@ class Updates(Protocol):
     """The update mode (``runtime.modes``): when params are final enough to use, what final gradients mean."""
 
     reads_ahead: bool
+    takes_grads_any_time: bool
 
     def params_ready(self, g: Group) -> None: ...
     def step_hypers(self) -> list[AdamWHyper] | None: ...

@@ -56,6 +56,12 @@ class GradBuffer:
                 self.has_grad[i] = True
         self.step, self.hypers = step, hypers
 
+    def mark(self, index: int, step: int, hypers: list[AdamWHyper] | None) -> None:
+        """Parameter ``index``'s gradient was written into the chunk in place (``runtime.in_place_grads``)."""
+        with self.lock:
+            self.has_grad[index] = True
+            self.step, self.hypers = step, hypers
+
     def clear(self) -> Chunk | None:
         """Forget the gradients (zero_grad, a skipped step); the chunk, if any, for the caller to free."""
         with self.lock:

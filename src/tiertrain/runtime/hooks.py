@@ -28,7 +28,7 @@ def install_block_hooks(g: BlockGroup) -> list[RemovableHandle]:
 
 
 def install_grad_hooks(g: BlockGroup) -> list[RemovableHandle]:
-    return [p.register_post_accumulate_grad_hook(lambda param: g.grad_arrived()) for p in g.params]
+    return [p.register_post_accumulate_grad_hook(lambda param, i=i: g.grad_arrived(i)) for i, p in enumerate(g.params)]
 
 
 def apply_switches(g: BlockGroup, mem: MemorySystem, own_forward: object) -> HostStash | None:

@@ -29,6 +29,7 @@ from tiertrain.runtime.blocks import Block, block_layout, block_sizes, find_bloc
 from tiertrain.runtime.build import BuildSpec, LetGo, build_groups
 from tiertrain.runtime.cache import DeviceCache
 from tiertrain.runtime.context import RunContext
+from tiertrain.runtime.in_place_grads import Target, handled, in_place_uses, write_in_place
 from tiertrain.runtime.hooks import apply_switches, install_block_hooks, install_grad_hooks
 from tiertrain.runtime.loss_scale import LossScaler
 from tiertrain.runtime.modes import ModeContext, make_mode
@@ -60,9 +61,11 @@ class Runtime:
         self.sizes = block_sizes(blocks, plan.parallel.ep)  # what plan.fit counts (a replan counts the same)
         self.experts = apply_expert_parallel(self.comm, plan.parallel.dp, plan.parallel.ep, model)
         self.replaced: dict[int, nn.Parameter] = {}  # the user's parameter (id) -> the one now in its place
-        tied = extra_uses(model, [p for _, p in blocks[-1].params]) if options.train else []
+        rest = [p for _, p in blocks[-1].params]
+        tied = extra_uses(model, rest) if options.train else []
+        in_place = in_place_uses(model, rest) if options.train else []
         spec = BuildSpec(plan, options, group_of_param, plan.resolved.bounded,
-                         self._reduced_at_end(blocks, bool(tied)), let_go)
+                         self._reduced_at_end(blocks, bool(tied or in_place)), let_go)
         groups = build_groups(self.ctx, model, blocks, spec, self.replaced, self.experts)
         self.dropped = self.experts.hold_own(model, [p for b in blocks for _, p in b.params], self.replaced) \
             if self.experts is not None else set()
@@ -75,9 +78,12 @@ class Runtime:
         self.backward: BackwardPass | None = None
         self.closed = False
         self.take_plan(groups, plan)
+        early = lambda: self.backward.tied_early  # noqa: E731
+        for module, index in in_place:  # the head's and the embedding's gradients made in the rest's chunk
+            write_in_place(module, Target(lambda: self.groups[-1], index), early)
         for use in tied:  # a tied weight's other uses send their gradients on at once where the plan allows
-            give_own_leaf(use, lambda i, leaf: self.groups[-1].tied_grad_arrived(i, leaf),
-                          lambda: self.backward.tied_early)
+            if not handled(use.module):
+                give_own_leaf(use, lambda i, leaf: self.groups[-1].tied_grad_arrived(i, leaf), early)
 
     # -- a plan taking effect --------------------------------------------------------------
     def take_plan(self, groups: list[BlockGroup], plan: Plan) -> None:
@@ -124,15 +130,16 @@ class Runtime:
         self.reads.restart()
 
     # -- what is decided once per run, from the blocks ------------------------------------------
-    def _reduced_at_end(self, blocks: list[Block], tied: bool) -> frozenset[str]:
+    def _reduced_at_end(self, blocks: list[Block], rest_at_end: bool) -> frozenset[str]:
         """Blocks whose gradients are reduced only when backward ends: over several ranks a mixture-of-
         experts block without expert parallel (an expert may get tokens on one rank and none on another,
         so whether the block's gradients are all in mid-backward differs by rank), and the rest where a
-        tied weight's other uses give gradients not among those counted to flush it early."""
+        tied weight's other uses, or gradients written in place (``runtime.in_place_grads``), give gradients not
+        among those counted to flush it early."""
         names = set()
         if self.comm.world_size > 1 and self.experts is None:
             names |= {b.name for b in blocks if b.module is not None and expert_layers(b.module)}
-        if tied:
+        if rest_at_end:
             names.add(blocks[-1].name)
         return frozenset(names)
 

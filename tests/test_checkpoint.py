@@ -643,7 +643,12 @@ def test_a_checkpoint_of_disk_homed_states_reads_one_parameter_at_a_time(tmp_pat
     from tiered_harness import TINY4, _fresh, _loop
     from tiertrain.memory import Budgets, system
     from tiertrain.plan import builtin_plan
-    from tiertrain.runtime.state_io import optimizer_stream, weight_stream
+    import torch
+    from safetensors.torch import load_file
+
+    from tiertrain.runtime import state_io
+    from tiertrain.runtime.state_io import export_state, optimizer_stream, weight_stream
+    from tiertrain.tensor_file import write_streamed
 
     wide = {**TINY4, "n_layer": 2, "d_model": 128, "d_ffn": 512}  # a block's chunk: 3x its largest parameter
     model, opt = _fresh(wide)
@@ -675,6 +680,16 @@ def test_a_checkpoint_of_disk_homed_states_reads_one_parameter_at_a_time(tmp_pat
                 del t
         assert yielded > 3 * len(list(tm.parameters())) and buffers
         assert max(n for _, n in buffers) <= largest
+        # the writer takes each parameter in pieces (one 1.7B embedding's state is 463 MB): the files hold
+        # exactly what the whole tensors hold, and no read is larger than a piece's pages
+        want = export_state(rt)
+        buffers.clear()
+        monkeypatch.setattr(state_io, "PIECE_BYTES", 16 << 10)
+        for name, stream, expect in (("w", weight_stream(rt), want[0]), ("o", optimizer_stream(rt), want[1])):
+            write_streamed(tmp_path / f"{name}.safetensors", stream)
+            back = load_file(tmp_path / f"{name}.safetensors")
+            assert back.keys() == expect.keys() and all(torch.equal(back[k], expect[k]) for k in expect)
+        assert buffers and max(n for _, n in buffers) <= (16 << 10) + 2 * (64 << 10) < largest // 2
     finally:
         rt.close()
         rt.mem.close()

@@ -21,6 +21,8 @@ from tiertrain.runtime.block_group import F32, BlockGroup
 from tiertrain.runtime.runtime import Runtime
 from tiertrain.tensor_file import TensorSpec, TensorStream
 
+PIECE_BYTES = 64 << 20  # what a checkpoint holds of one parameter's state at a time
+
 
 
 def _read(rt: Runtime, chunk: Chunk) -> torch.Tensor:
@@ -73,7 +75,13 @@ def weight_stream(rt: Runtime) -> TensorStream:
         for st in rt.groups:
             release_free_heap()  # the last block's buffer, freed, would stay in the heap (memory.heap)
             yield from (_param_of(rt, st, st.master, i) for i in range(len(st.layout.slots)))
-    return TensorStream(specs, tensors)
+
+    def pieces() -> Iterator[torch.Tensor]:
+        for st in rt.groups:
+            release_free_heap()
+            for i in range(len(st.layout.slots)):
+                yield from _param_pieces(rt, st, st.master, i)
+    return TensorStream(specs, tensors, pieces)
 
 
 def _param_of(rt: Runtime, st: BlockGroup, chunk: Chunk, i: int) -> torch.Tensor:
@@ -82,9 +90,24 @@ def _param_of(rt: Runtime, st: BlockGroup, chunk: Chunk, i: int) -> torch.Tensor
     embeddings and head are 210 MB a state; both moments of them read whole raised its RSS by 230 MB
     while it saved)."""
     s = st.layout.slots[i]
+    return _values(rt, chunk, s.offset, s.numel).view(s.shape)
+
+
+def _param_pieces(rt: Runtime, st: BlockGroup, chunk: Chunk, i: int, piece: int | None = None
+                  ) -> Iterator[torch.Tensor]:
+    """Parameter ``i``'s values in a state chunk, as ``_param_of`` gives them, in pieces of at most
+    ``piece`` bytes: one piece in memory at a time (flat fp32)."""
+    s = st.layout.slots[i]
+    step = (piece or PIECE_BYTES) // F32.itemsize
+    for lo in range(0, s.numel, step):
+        yield _values(rt, chunk, s.offset + lo, min(step, s.numel - lo))
+
+
+def _values(rt: Runtime, chunk: Chunk, offset: int, numel: int) -> torch.Tensor:
+    """Elements ``[offset, offset + numel)`` of a state chunk, flat fp32 on the CPU, of their own."""
     if chunk.tier is Tier.DISK:
-        return rt.mem.read_range(chunk, s.offset * F32.itemsize, s.numel * F32.itemsize).view(F32).view(s.shape)
-    return chunk.typed(F32)[s.offset : s.offset + s.numel].detach().cpu().clone().view(s.shape)
+        return rt.mem.read_range(chunk, offset * F32.itemsize, numel * F32.itemsize).view(F32)
+    return chunk.typed(F32)[offset : offset + numel].detach().cpu().clone()
 
 
 def optimizer_stream(rt: Runtime) -> TensorStream:
@@ -99,7 +122,15 @@ def optimizer_stream(rt: Runtime) -> TensorStream:
             for i in _stepped(st):
                 yield st.steps[i].detach().clone()
                 yield from (_param_of(rt, st, getattr(st, k), i) for k in MOMENTS)  # one read at a time
-    return TensorStream(specs, tensors)
+
+    def pieces() -> Iterator[torch.Tensor]:
+        for st in rt.groups:
+            release_free_heap()
+            for i in _stepped(st):
+                yield st.steps[i].detach().clone()
+                for k in MOMENTS:
+                    yield from _param_pieces(rt, st, getattr(st, k), i)
+    return TensorStream(specs, tensors, pieces)
 
 
 def export_state(rt: Runtime) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

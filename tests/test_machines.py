@@ -287,8 +287,9 @@ def test_max_model_agrees_with_the_budget_check(tmp_path):
     """On a small machine the answer's plan passes the runtime's budget check; the next larger models
     (one block deeper at its width, and the family's next) fit no plan: the DP finds none, and the
     runtime refuses even the most frugal plan (every block streamed through one slot, recomputed,
-    states on disk, one block read ahead)."""
-    from tiertrain.autoplan.largest_model import RunShape, gpt3_shape, largest_model, model_fits
+    states on disk, one block read ahead) in the device budget its activations leave the pools."""
+    from tiertrain.autoplan.largest_model import RunShape, gpt3_shape, largest_model, model_fits, profile_for
+    from tiertrain.planner.costs import activation_bytes
     from tiertrain.memory import Budgets
     from tiertrain.models import build, param_count
     from tiertrain.plan import builtin_plan
@@ -296,7 +297,10 @@ def test_max_model_agrees_with_the_budget_check(tmp_path):
     from tiertrain.runtime.blocks import block_sizes, find_blocks
 
     machine, page = small_machine(), 64 << 10
-    sizes = Budgets(device=128 * MiB, host=GiB, disk=8 * GiB)
+    # 256 MiB: the device holds the family's embedding, its gradient as autograd makes it and the logits
+    # (a 2-block width-256 member takes 130 MB of them); at 128 MiB only a 1-block width-128 member fits, and
+    # deepening that one plans models of a thousand blocks
+    sizes = Budgets(device=256 * MiB, host=GiB, disk=8 * GiB)
     run = RunShape(batch=1, seq=64, precision="fp32", update="sync", needs_all_grads=True, max_staleness=1, page=page)
     found = largest_model(machine, sizes, run)
     budgets = Budgets(sizes.device, sizes.host, sizes.disk, str(tmp_path))
@@ -312,8 +316,9 @@ def test_max_model_agrees_with_the_budget_check(tmp_path):
 
     for bigger in (gpt3_shape(found.cfg.n_layer + 1, found.cfg.d_model, 64), gpt3_shape(found.family.n_layer + 1, seq=64)):
         assert not model_fits(bigger, machine, sizes, run), bigger.name
-        assert not fits(block_sizes(find_blocks(build(bigger, device="meta"))), frugal(bigger.n_layer), budgets,
-                        page), bigger.name
+        plan = frugal(bigger.n_layer)  # its pools get the device budget less what the compute holds beside them
+        pools = dataclasses.replace(budgets, device=budgets.device - activation_bytes(plan, profile_for(bigger, machine, run)))
+        assert not fits(block_sizes(find_blocks(build(bigger, device="meta"))), plan, pools, page), bigger.name
 
 
 def test_max_model_from_the_command_line_prints_the_answer_beside_the_capacity_bound(tmp_path, capsys):

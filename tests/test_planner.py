@@ -51,14 +51,18 @@ def test_greedy_and_random_never_beat_dp_on_larger_models():
                 assert best is not None and other.seconds >= best.seconds - 1e-12
 
 
-BUDGETS = (60, 90, 120, 160, 250, 400, 600)  # MiB: from tight to loose
+BUDGETS = (60, 90, 120, 160, 250, 400, 600)  # MiB beside autograd's gradient of a block: from tight to loose
+
+
+def _budget(profile: Profile, mib: int) -> int:
+    return mib * MiB + profile.grad_transient_bytes
 
 
 def _counts(profile: Profile) -> list[tuple[int, int, int]]:
     """Per budget: (transfer switches: stream + offload_hidden, recompute, all switches) of the DP plan."""
     out = []
     for mib in BUDGETS:
-        s = dynamic_programming(problem(profile, mib * MiB))
+        s = dynamic_programming(problem(profile, _budget(profile, mib)))
         assert s is not None
         transfer = sum(c.stream + c.offload_hidden for c in s.choices)
         recompute = sum(c.recompute for c in s.choices)
@@ -74,7 +78,7 @@ def _link_bytes(profile: Profile) -> list[int]:
 
     out = []
     for mib in BUDGETS:
-        s = dynamic_programming(problem(profile, mib * MiB))
+        s = dynamic_programming(problem(profile, _budget(profile, mib)))
         total = 0
         for b, c in zip(profile.blocks, s.choices):
             total += 2 * b.params * 4 * c.stream + 2 * saved_bytes(b, c) * c.offload_hidden
@@ -280,6 +284,7 @@ def test_every_solver_plan_fits_the_runtime_check_and_runs_within_its_device_bud
     from tiertrain.train.optimizer import make_adamw
     from tiertrain.memory import Budgets, Tier
     from tiertrain.planner.auto import candidates
+    from tiertrain.planner.costs import working_bytes
     from tiertrain.planner.solvers import SOLVERS
     from tiertrain.runtime.blocks import find_blocks
     from conftest import needs
@@ -289,14 +294,17 @@ def test_every_solver_plan_fits_the_runtime_check_and_runs_within_its_device_bud
     prof, blocks = _measured(model, page=page), find_blocks(model)
     x = torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(2))
     block, rest = prof.blocks[0].params * 4, prof.rest.params * 4
+    # the least the compute holds beside the pool: every block recomputed (``costs.activation_bytes``)
+    acts = working_bytes(prof) + prof.rest.act_bytes + sum(b.hidden_bytes for b in prof.blocks)
     checked, ran = 0, 0
     for step in range(24):
-        device = block + rest + step * page
+        device = block + rest + acts + step * page
         pb = Problem(prof, Budgets(device=device, host=256 * MiB, disk=0))
         for cand in candidates(pb, update="sync", solvers=tuple(SOLVERS)):
             if cand.plan is None:
                 continue
-            assert needs(blocks, cand.plan, page)[Tier.DEVICE] <= device, (device, cand.solver)
+            assert needs(blocks, cand.plan, page)[Tier.DEVICE] + cand.plan.beside_pool <= device, (device, cand.solver)
+            assert cand.plan.beside_pool >= acts
             assert cand.sim.peaks["device"] <= device
             checked += 1
             if ran < 2 and any(b.stream for b in cand.plan.blocks):
@@ -328,6 +336,7 @@ def test_lockfree_plans_count_the_gradients_a_block_holds_while_its_update_lags(
     from tiertrain.memory import Tier
     from tiertrain.plan.update_modes import grad_copies
     from tiertrain.planner.auto import candidates
+    from tiertrain.planner.costs import working_bytes
     from tiertrain.planner.solvers import SOLVERS
     from tiertrain.runtime.blocks import find_blocks
     from conftest import needs
@@ -458,16 +467,19 @@ def test_the_planner_counts_transient_gradients_as_the_runtime_does_with_a_wide_
     prof = run_profile(dataclasses.replace(analytic_profile(cfg, 2, 32, "fp32", str(tmp_path)), page=page),
                        "overlap", 1, needs_all_grads=False)
     assert prof.rest.params > sum(b.params for b in prof.blocks)
-    chosen, _ = choose(Problem(prof, Budgets(device=16 * MiB, host=1 << 30, disk=1 << 30)))
+    device = 32 * MiB  # the rest's weights, their logits (8 MiB each) and a block in flight
+    chosen, _ = choose(Problem(prof, Budgets(device=device, host=1 << 30, disk=1 << 30)))
     need = needs(blocks, chosen.plan, page, transient_grads=True)[Tier.HOST]
-    again, _ = choose(Problem(prof, Budgets(device=16 * MiB, host=need, disk=1 << 30)))
+    again, _ = choose(Problem(prof, Budgets(device=device, host=need, disk=1 << 30)))
     assert needs(blocks, again.plan, page, transient_grads=True)[Tier.HOST] <= need
     # found with the same pipeline, not only after falling back to one worker and one block read ahead
     assert (again.plan.update_workers, again.plan.read_ahead) == (chosen.plan.update_workers, chosen.plan.read_ahead)
 
 
 def test_on_a_cpu_only_machine_the_lanes_share_the_cores():
-    """With the device in host RAM, copies, updates and compute add up; with an accelerator they overlap."""
+    """With the device in host RAM, copies, updates and compute add up; with an accelerator they overlap.
+    The device budget holds the activations on either machine (on a CPU-only one they are in the RAM
+    the budgets share out, as the pools are)."""
     import dataclasses
 
     from tiertrain.plan import builtin_plan
@@ -479,7 +491,8 @@ def test_on_a_cpu_only_machine_the_lanes_share_the_cores():
     cpu = simulate(plan, dataclasses.replace(prof, machine=dataclasses.replace(prof.machine, device_is_host=True)))
     total = sum(cpu.timeline.busy(r) for r in RESOURCES)
     assert cpu.step_s == pytest.approx(total) and gpu.step_s < 0.9 * total
-    assert cpu.peaks["device"] < gpu.peaks["device"]          # activations are not in the CPU device pool
+    assert cpu.peaks["device"] == gpu.peaks["device"] > simulate(plan, dataclasses.replace(
+        prof, blocks=tuple(dataclasses.replace(b, act_bytes=0) for b in prof.blocks))).peaks["device"]
 
 
 def test_the_simulator_reads_a_disk_master_from_disk_charges_disk_io_to_the_cores_and_publishes_updates():
@@ -819,10 +832,10 @@ def test_train_plan_auto_trains_like_plain_and_records_the_prediction(tmp_path):
     from conftest import read_metrics, run_cli
     from tiertrain.plan import Plan
 
-    common = ["--model", "tiny", "--steps", "5", "--batch-size", "4", "--seq-len", "32", "--quiet"]
+    common = ["--model", "tiny", "--steps", "5", "--batch-size", "1", "--seq-len", "8", "--quiet"]  # acts < params
     r = run_cli("train", *common, "--out", str(tmp_path / "plain"))
     assert r.returncode == 0, r.stderr
-    r = run_cli("train", *common, "--plan", "auto", "--device-memory", "160KiB", "--host-memory", "256MiB",
+    r = run_cli("train", *common, "--plan", "auto", "--device-memory", "200KiB", "--host-memory", "256MiB",
                 "--page-size", "4KiB", "--out", str(tmp_path / "auto"))
     assert r.returncode == 0, r.stderr
     plain, auto = read_metrics(tmp_path / "plain"), read_metrics(tmp_path / "auto")
@@ -832,8 +845,8 @@ def test_train_plan_auto_trains_like_plain_and_records_the_prediction(tmp_path):
     assert all("predicted" not in row for row in auto[:2])
     for row in auto[2:]:
         assert row["predicted"]["step_s"] > 0 and row["step_s"] > 0
-        assert 0 < row["peak_bytes"]["device"] <= 160 << 10
-        assert row["predicted"]["device_peak"] <= 160 << 10
+        assert 0 < row["peak_bytes"]["device"] <= plan.resolved.device <= (200 << 10) - plan.beside_pool
+        assert row["predicted"]["device_peak"] <= 200 << 10  # the pool and the activations beside it
 
 
 def test_the_device_memory_a_plan_leaves_becomes_cache_slots_that_save_fetches():
@@ -846,6 +859,7 @@ def test_the_device_memory_a_plan_leaves_becomes_cache_slots_that_save_fetches()
     from tiertrain.plan import builtin_plan
     from tiertrain.plan.fit import tier_bytes
     from tiertrain.planner.auto import size_cache
+    from tiertrain.planner.costs import activation_bytes
     from tiertrain.planner.simulator import simulate
 
     prof = synthetic(8)
@@ -857,10 +871,12 @@ def test_the_device_memory_a_plan_leaves_becomes_cache_slots_that_save_fetches()
         return sum(label.startswith("fetch") for _, _, _, label in sim.timeline.tasks)
 
     base = simulate(plan, prof)
-    room = max(device(3), simulate(dataclasses.replace(plan, cache=3), prof).peaks["device"])  # with activations
+    acts = activation_bytes(plan, prof)  # beside the pool: what the plan keeps for activations
+    room = max(device(3) + acts, simulate(dataclasses.replace(plan, cache=3), prof).peaks["device"])
     sized, sim = size_cache(plan, base, problem(prof, room + 10))
     assert sized.cache == 3 and sim.step_s <= base.step_s and fetches(sim) == fetches(base) - 3
-    assert size_cache(plan, base, problem(prof, device(0)))[0].cache == 0
+    assert size_cache(plan, base, problem(prof, device(3) + acts - 1))[0].cache == 2
+    assert size_cache(plan, base, problem(prof, device(0) + acts))[0].cache == 0
 
 
 def test_cache_slots_leave_room_for_the_gradients_of_device_homed_blocks():
@@ -873,6 +889,7 @@ def test_cache_slots_leave_room_for_the_gradients_of_device_homed_blocks():
     from tiertrain.plan import BlockPlan, Plan
     from tiertrain.plan.fit import tier_bytes
     from tiertrain.planner.auto import size_cache
+    from tiertrain.planner.costs import activation_bytes
     from tiertrain.planner.simulator import simulate
 
     prof = synthetic(6)
@@ -883,7 +900,8 @@ def test_cache_slots_leave_room_for_the_gradients_of_device_homed_blocks():
     need = lambda k, grads: tier_bytes(numels, dataclasses.replace(plan, cache=k), prof.page, grads=grads)[Tier.DEVICE]  # noqa: E731
     room = need(1, "all") + (need(2, "none") - need(1, "none")) // 2  # a slot's worth of room, the gradients' not
     assert need(2, "none") < room < need(2, "all")
-    sized, _ = size_cache(plan, simulate(plan, prof), problem(prof, room))
+    acts = activation_bytes(plan, prof)  # kept beside the pool
+    sized, _ = size_cache(plan, simulate(plan, prof), problem(prof, room + acts))
     assert sized.cache == 1
 
 
@@ -1043,7 +1061,7 @@ def test_a_wrong_cached_probe_is_measured_again_once_the_first_steps_disprove_it
                                 d2h_bps=real.d2h_bps / slow)
     cache.store("machine", probing.probe_key(None), dataclasses.asdict(wrong))
     said = io.StringIO()
-    cfg = tiny_config(tmp_path / "run", plan="auto", device_memory="160KiB", host_memory="256MiB", page_size="4KiB",
+    cfg = tiny_config(tmp_path / "run", plan="auto", device_memory="1200KiB", host_memory="256MiB", page_size="4KiB",
                       steps=WARMUP_STEPS + CHECK_AFTER + 1)
     from tiertrain.autoplan import auto_plan
     from tiertrain.runtime.runtime import Runtime
@@ -1208,3 +1226,24 @@ def test_tiertrain_plan_sets_its_prediction_beside_the_compute_alone_and_names_a
     profile, cached = measuring.cached_profile("busy-key", lambda: p)
     assert profile.busy == 1.2 and not cached and measuring.cache.load("profiles", "busy-key") is None
     assert "other processes took 1.2 cores" in explain_step(0.3, profile, 1e11)[-1]
+
+
+def test_resolve_leaves_what_a_plan_keeps_for_activations_out_of_the_pools():
+    """Plan auto records what the compute holds beside the device pool (``beside_pool``) and the host
+    its offloaded activations take (``stash``): resolve spends only the rest of each budget, so a plan
+    that fits its pools exactly is refused once it keeps a byte more, saying what it keeps."""
+    import dataclasses
+
+    from tiertrain.memory import Budgets, Tier
+    from tiertrain.plan import builtin_plan
+    from tiertrain.plan.fit import PlanDoesNotFit, resolve, tier_bytes
+
+    sizes, page = [50_000] * 4 + [20_000], 4096
+    plan = builtin_plan("stream", 4)
+    need = tier_bytes(sizes, plan, page)
+    exact = Budgets(device=need[Tier.DEVICE] + 300_000, host=need[Tier.HOST] + 200_000)
+    kept = dataclasses.replace(plan, beside_pool=300_000, stash=200_000)
+    assert resolve(kept, sizes, exact, page).resolved.device == need[Tier.DEVICE]
+    for more in ({"beside_pool": 300_001}, {"stash": 200_001}):
+        with pytest.raises(PlanDoesNotFit, match="keeps 29[0-9.]+ KiB of device and 19[0-9.]+ KiB of host"):
+            resolve(dataclasses.replace(kept, **more), sizes, exact, page)

@@ -158,6 +158,8 @@ def test_a_run_that_replans_after_its_first_step_keeps_the_whole_device_budget(t
 def test_plan_json_round_trips():
     for plan in PLANS[:5]:
         assert Plan.from_json(plan.to_json()) == plan
+    kept = dataclasses.replace(PLANS[0], beside_pool=3 << 20, stash=1 << 20)  # what plan auto keeps for activations
+    assert Plan.from_json(kept.to_json()) == kept != PLANS[0]
 
 
 def test_a_plan_that_cannot_fit_is_refused_with_the_smallest_budgets(tmp_path):

@@ -20,11 +20,12 @@ The rest block (embeddings, head) costs its head's matrix product.
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 from dataclasses import dataclass
 
 from tiertrain.measure.machine import probe
-from tiertrain.models.accounting import block_params, embedding_params
+from tiertrain.models.accounting import block_params, embedding_params, largest_params
 from tiertrain.models.config import ModelConfig
 from tiertrain.planner.machine import Machine, compute_seconds
 from tiertrain.planner.profile import BlockProfile, Profile
@@ -79,13 +80,14 @@ def analytic_blocks(cfg: ModelConfig, batch: int, seq: int, precision: str,
                     machine: Machine) -> tuple[list[BlockProfile], BlockProfile]:
     """One of our models' blocks and rest block, their times at ``machine``'s rates."""
     act, hidden = saved_bytes(cfg, batch, seq, precision), batch * seq * cfg.d_model * HIDDEN_BYTES
+    largest, largest_rest = largest_params(cfg)
     one = _profile("", block_work(cfg, batch, seq, precision), machine, precision, block_params(cfg), act, hidden)
     blocks = [BlockProfile(f"blocks.{i}", one.forward_s, one.backward_s, one.params, act, hidden, flops=one.flops,
-                           traffic_bytes=one.traffic_bytes) for i in range(cfg.n_layer)]
+                           traffic_bytes=one.traffic_bytes, largest=largest) for i in range(cfg.n_layer)]
     logits = 2 * batch * seq * cfg.vocab_size * BYTES[precision]
     rest = _profile("rest", rest_work(cfg, batch, seq, precision), machine, precision, embedding_params(cfg),
                     logits, hidden)
-    return blocks, rest
+    return blocks, dataclasses.replace(rest, largest=largest_rest)
 
 
 def analytic_profile(cfg: ModelConfig, batch: int, seq: int, precision: str = "fp32", disk_dir: str | None = None,
@@ -118,5 +120,6 @@ def generic_rest(blocks: list[Block], shape: tuple[int, int], d: int, precision:
     params = sum(p.numel() for _, p in blocks[-1].params)
     work = Work(2 * head * b * s, head * BYTES[precision], 3 * b * s * vocab * 4)
     rest = BlockProfile("rest", 0.0, 0.0, params, 2 * b * s * vocab * BYTES[precision], b * s * d * HIDDEN_BYTES,
-                        flops=work.flops, traffic_bytes=work.traffic_bytes)
+                        flops=work.flops, traffic_bytes=work.traffic_bytes,
+                        largest=max((p.numel() for _, p in blocks[-1].params), default=0))
     return work, rest

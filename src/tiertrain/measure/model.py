@@ -33,10 +33,11 @@ log = logging.getLogger("tiertrain")
 
 
 def profile_key(model: nn.Module, shape: tuple[int, ...], precision: str, device: torch.device) -> str:
-    """Which cached profile a run may reuse: same host, device kind, model structure, batch shape, dtype."""
+    """Which cached profile a run may reuse: same host, device kind, model structure, batch shape, dtype
+    (v4: profiles record each block's largest parameter)."""
     structure = hashlib.sha256(repr([(n, tuple(p.shape)) for n, p in model.named_parameters()]).encode()).hexdigest()
     name = getattr(getattr(model, "config", None), "name", "") or type(model).__name__
-    return f"v3/{socket.gethostname()}/{device.type}/{name}-{structure[:12]}/{'x'.join(map(str, shape))}/{precision}"
+    return f"v4/{socket.gethostname()}/{device.type}/{name}-{structure[:12]}/{'x'.join(map(str, shape))}/{precision}"
 
 
 class _SavedBytes:
@@ -179,11 +180,12 @@ def measure_profile(model: nn.Module, blocks: list[Block], step: Callable[[], No
             h.remove()
         model.zero_grad(set_to_none=True)
     numel = [block_numel(b) for b in blocks]
-    out = tuple(BlockProfile(b.name, fwd[i], bwd[i], numel[i], timer.saved[i], timer.hidden[i], recompute[i])
-                for i, b in enumerate(repeated))
+    largest = [max((p.numel() for _, p in b.params), default=0) for b in blocks]
+    out = tuple(BlockProfile(b.name, fwd[i], bwd[i], numel[i], timer.saved[i], timer.hidden[i], recompute[i],
+                             largest=largest[i]) for i, b in enumerate(repeated))
     calls = [timer.order.count(i) for i in range(len(repeated))]
     left = max(med(totals) - sum(c * (b.forward_s + b.backward_s) for c, b in zip(calls, out)), 0.0)
-    rest_profile = BlockProfile(rest.name, left / 3, 2 * left / 3, numel[-1], outside.bytes, 0)
+    rest_profile = BlockProfile(rest.name, left / 3, 2 * left / 3, numel[-1], outside.bytes, 0, largest=largest[-1])
     return Profile(out, rest_profile, machine, compute_dtype=precision, key=key, page=page,
                    order=tuple(timer.order))
 

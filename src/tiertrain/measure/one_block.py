@@ -28,7 +28,7 @@ from tiertrain.measure.analytic import (HIDDEN_BYTES, Work, block_work, generic_
 from tiertrain.measure.bounds import MIN_TOKENS, UNBOUNDED, MeasureBounds, RunCost, pick_shape, run_cost
 from tiertrain.measure.model import _SavedBytes, measure_profile
 from tiertrain.runtime.precision import Precision
-from tiertrain.models.accounting import embedding_params
+from tiertrain.models.accounting import embedding_params, largest_params
 from tiertrain.models.config import ModelConfig
 from tiertrain.models.init import init_in_place
 from tiertrain.planner.machine import Machine
@@ -145,7 +145,7 @@ def _shape_model(model: nn.Module, blocks: list[Block], cfg: ModelConfig | None,
             w = rest_work(cfg, b, s, precision)
             logits = 2 * b * s * cfg.vocab_size * BYTES[precision]
             return w, BlockProfile("rest", 0.0, 0.0, embedding_params(cfg), logits, b * s * cfg.d_model * HIDDEN_BYTES,
-                                   flops=w.flops, traffic_bytes=w.traffic_bytes)
+                                   flops=w.flops, traffic_bytes=w.traffic_bytes, largest=largest_params(cfg)[1])
 
         return _Shape(lambda b, s: block_work(cfg, b, s, precision), lambda b, s: saved_bytes(cfg, b, s, precision),
                       rest)

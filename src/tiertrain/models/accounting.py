@@ -33,6 +33,12 @@ def embedding_params(cfg: ModelConfig) -> int:
     return cfg.vocab_size * d + cfg.max_seq_len * d + d + int(cfg.bias) * d + head
 
 
+def largest_params(cfg: ModelConfig) -> tuple[int, int]:
+    """Elements of the largest parameter of a block and of the rest (the embedding or the head)."""
+    d = cfg.d_model
+    return max(3 * d * d, d * cfg.d_ffn, d * cfg.n_experts), max(cfg.vocab_size, cfg.max_seq_len) * d
+
+
 def param_count(cfg: ModelConfig) -> int:
     return cfg.n_layer * block_params(cfg) + embedding_params(cfg)
 

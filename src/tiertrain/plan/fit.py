@@ -363,7 +363,24 @@ def resolve(plan: Plan, sizes: "Sizes | Sequence[int]", budgets: Budgets, page: 
     backward waits for updates to free their chunks (``bounds_grads``: ``Resolved.grads`` is "bounded");
     and what the plan holds per tier, as the runtime holds it, is counted (the device pool maps that).
     A resolved plan resolves to itself: the planner resolves every plan it simulates, and setup resolves
-    the plan it is given, so the plan that runs is the plan that was simulated."""
+    the plan it is given, so the plan that runs is the plan that was simulated. The pool's device budget
+    is the budget less what the plan keeps beside the pool (``Plan.beside_pool``), the host's less its
+    offloaded activations (``Plan.stash``)."""
+    if not (plan.beside_pool or plan.stash):
+        return _resolve(plan, sizes, budgets, page, train, needs_all_grads)
+    kept = f"{format_bytes(plan.beside_pool)} of device and {format_bytes(plan.stash)} of host for activations"
+    if plan.beside_pool > budgets.device or plan.stash > budgets.host:
+        raise PlanDoesNotFit(f"plan {plan.name!r} keeps {kept}, more than the budgets (device "
+                             f"{format_bytes(budgets.device)}, host {format_bytes(budgets.host)})")
+    pools = dataclasses.replace(budgets, device=budgets.device - plan.beside_pool, host=budgets.host - plan.stash)
+    try:
+        return _resolve(plan, sizes, pools, page, train, needs_all_grads)
+    except PlanDoesNotFit as exc:
+        raise PlanDoesNotFit(f"{exc} (these budgets are the pools': the plan keeps {kept})") from None
+
+
+def _resolve(plan: Plan, sizes: "Sizes | Sequence[int]", budgets: Budgets, page: int, train: bool,
+             needs_all_grads: bool) -> Plan:
     transient_grads = transient(plan.update, needs_all_grads)
     if train:
         plan = pieces_to_fit(sizes, plan, page, budgets, "transient" if transient_grads else "all")

@@ -99,6 +99,11 @@ class Plan:
     compute_dtype: str = field(default="fp32", metadata=one_of(*COMPUTE_DTYPES))  # fp32 | bf16 | fp16: the dtype of
     #                                        device params (master stays fp32; fp16 brings dynamic loss scaling)
     parallel: ParallelLayout = ParallelLayout()  # processes the run spans, and how experts are divided over them
+    beside_pool: int = field(default=0, metadata=at_least(0))  # device bytes the compute holds beside the pool
+    #                          (activations, autograd's gradients), as plan auto counts them: the pool gets the
+    #                          rest of the device budget (0: none kept, as in a plan written by hand)
+    stash: int = field(default=0, metadata=at_least(0))  # host bytes the offloaded activations wait in (its
+    #                          offload_hidden blocks'), as plan auto counts them: kept out of what resolve spends
     resolved: Resolved | None = None  # what ``plan.fit.resolve`` decided for a run (None: not resolved yet)
 
     def validate(self, n_blocks: int) -> "Plan":
@@ -138,6 +143,7 @@ class Plan:
                            "update": self.update, "read_ahead": self.read_ahead, "max_staleness": self.max_staleness,
                            "compute_dtype": self.compute_dtype,
                            "update_workers": self.update_workers, "parallel": self.parallel.to_dict(),
+                           **{k: getattr(self, k) for k in ("beside_pool", "stash") if getattr(self, k)},
                            **({"resolved": self.resolved.to_dict()} if self.resolved is not None else {}),
                            "rest": self.rest.to_dict(),
                            "blocks": [b.to_dict() for b in self.blocks]}, indent=1)

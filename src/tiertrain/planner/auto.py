@@ -13,6 +13,7 @@ from tiertrain.plan.fit import (MAX_PIECE, TRANSIENT_HINT, PlanDoesNotFit, Sizes
                                 peak_fits, resolve)
 from tiertrain.plan.fit import fits as plan_fits
 from tiertrain.plan.update_modes import disk_passes_per_step, grad_copies, rules, transient
+from tiertrain.planner.costs import activation_bytes, stash_bytes
 from tiertrain.planner.profile import Profile
 from tiertrain.planner.simulator import Simulation, simulate
 from tiertrain.planner.solvers import SOLVERS, Problem, Solution, dynamic_programming, feasible
@@ -118,7 +119,10 @@ def profile_sizes(p: Profile) -> Sizes:
 
 
 def resolved(plan: Plan, pb: Problem, needs_all_grads: bool) -> Plan | None:
-    """``plan.fit.resolve`` of the plan under the problem's budgets (None where it does not fit)."""
+    """``plan.fit.resolve`` of the plan under the problem's budgets, its device budget less what the
+    compute holds beside the pool (``costs.activation_bytes``): the run's pool maps what the plan counts,
+    and activations come on top of it. None where it does not fit."""
+    plan = dataclasses.replace(plan, beside_pool=activation_bytes(plan, pb.profile), stash=stash_bytes(plan, pb.profile))
     try:
         return resolve(plan, profile_sizes(pb.profile), pb.budgets, pb.profile.page, needs_all_grads=needs_all_grads)
     except PlanDoesNotFit:
@@ -304,8 +308,8 @@ def _transient_hint(pb: Problem) -> str:
     """Where the run counts every gradient on the host and a run that updates them away would fit, say how."""
     if pb.profile.transient_grads:
         return ""
-    away = run_profile(pb.profile, "overlap", DEFAULT_MAX_STALENESS, needs_all_grads=False)
-    pipelines = (away, dataclasses.replace(away, read_ahead=1, update_workers=1))  # as choose falls back
-    if any(dynamic_programming(dataclasses.replace(pb, profile=p)) for p in pipelines):
+    away = dataclasses.replace(pb, profile=run_profile(pb.profile, "overlap", DEFAULT_MAX_STALENESS,
+                                                       needs_all_grads=False))
+    if any(dynamic_programming(tried) for tried in [away, *_fallbacks(away)]):  # as choose falls back
         return f"; or plan for a run where {TRANSIENT_HINT}"
     return ""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from tiertrain.plan import Plan
 from tiertrain.plan.bytes import pages
 from tiertrain.plan.fit import alive_grad_bytes, piece_buffer_bytes
 from tiertrain.planner.network import Network
@@ -35,22 +36,28 @@ class Choice:
 CHOICES: tuple[Choice, ...] = tuple(Choice(*bits) for bits in itertools.product((False, True), repeat=4))
 
 
+def choices_for(p: Profile) -> tuple[Choice, ...]:
+    """The switches worth planning on the profile's machine: on a CPU-only one the device is the host's
+    RAM, so a stash of activations (``offload_hidden``) copies them within it and frees nothing."""
+    return tuple(c for c in CHOICES if not (c.offload_hidden and p.machine.device_is_host))
+
+
 def saved_bytes(b: BlockProfile, c: Choice) -> int:
     """What the block keeps for backward between its forward and its backward."""
-    return b.hidden_bytes if c.recompute else b.act_bytes
+    return saved_bytes_of(b, c.recompute)
 
 
 def device_bytes(p: Profile, b: BlockProfile, c: Choice) -> int:
-    """A block's own device bytes, in whole pages. Saved activations count only where they
-    take device memory: on a CPU-only machine the device tier's pool holds params and states,
-    and torch allocates activations outside it. A device-homed block keeps its gradients there
-    too (``plan_bytes.grad_tier``), and a resident fp32 one's slot is its master
-    (``plan_bytes.master_in_slot``)."""
+    """A block's own device bytes, in whole pages, and its saved activations unless they wait on the
+    host: the device budget holds the compute's memory, pool and activations, on a CPU-only machine
+    too (there the device is the host's RAM, and a process holds its budgets and an overhead, no more).
+    A device-homed block keeps its gradients there too (``plan_bytes.grad_tier``), and a resident fp32
+    one's slot is its master (``plan_bytes.master_in_slot``)."""
     own = 0 if c.stream else pages(b.params * p.compute_bytes, p.page)
     states = _states(p, b) + _grads(p, b) if c.device_home else 0
     if c.device_home and not c.stream and p.compute_bytes == GRAD_BYTES:
         own = 0
-    acts = saved_bytes(b, c) if p.acts_on_device and not c.offload_hidden else 0
+    acts = 0 if c.offload_hidden else saved_bytes(b, c)
     return own + states + acts
 
 
@@ -112,12 +119,37 @@ def block_seconds(b: BlockProfile, c: Choice, m: MachineProfile, compute_bytes: 
 
 
 def fixed_device_bytes(p: Profile, window: int, any_stream: bool) -> int:
-    """Device bytes no switch removes: the rest block, the streaming slots, and one block's
-    activations in flight (a recomputed block rebuilds all of them during its backward)."""
+    """Device bytes no switch removes: the rest block and what it saves (the logits), the streaming
+    slots, one block's activations in flight (a recomputed block rebuilds all of them during its
+    backward) and autograd's gradient of a parameter before it moves into the pools."""
     biggest = pages(max(b.params for b in p.blocks) * p.compute_bytes, p.page)
-    working = max(b.act_bytes for b in p.blocks) if p.acts_on_device else 0
+    working = working_bytes(p) + p.rest.act_bytes
     pieced = _grads_of(p, [*p.blocks, p.rest]) if p.piece else 0  # any block may go to disk: counted as if all do
     return pages(p.rest.params * p.compute_bytes, p.page) + (window * biggest if any_stream else 0) + working + pieced
+
+
+def working_bytes(p: Profile) -> int:
+    """What the compute holds beside the saved activations at once: one block's activations being
+    rebuilt or used, and one gradient autograd made (``Profile.grad_transient_bytes``)."""
+    return max(b.act_bytes for b in p.blocks) + p.grad_transient_bytes
+
+
+def activation_bytes(plan: Plan, p: Profile) -> int:
+    """The most the compute holds beside the device pool in one step: every block's saved activations
+    that stay on the device (recomputed ones keep their input), the rest's, and ``working_bytes``. A
+    run's pool maps what its plan counts (``Plan.resolved``), so plan auto leaves it this much less."""
+    saved = sum(saved_bytes_of(b, bp.recompute) for b, bp in zip(p.blocks, plan.blocks) if not bp.offload_hidden)
+    return saved + p.rest.act_bytes + working_bytes(p)
+
+
+def stash_bytes(plan: Plan, p: Profile) -> int:
+    """Host bytes the plan's offloaded activations take at once, in whole pages (``runtime.switches``)."""
+    return sum(pages(saved_bytes_of(b, bp.recompute), p.page)
+               for b, bp in zip(p.blocks, plan.blocks) if bp.offload_hidden)
+
+
+def saved_bytes_of(b: BlockProfile, recompute: bool) -> int:
+    return b.hidden_bytes if recompute else b.act_bytes
 
 
 def switch_host_bytes(p: Profile, b: BlockProfile, c: Choice) -> int:

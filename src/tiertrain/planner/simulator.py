@@ -33,7 +33,7 @@ from tiertrain.plan import Budgets, Plan
 from tiertrain.plan.bytes import grad_tier, pages, sharded, updated_away
 from tiertrain.plan.fit import bounded_grads, bounds_grads, tier_bytes
 from tiertrain.plan.update_modes import grad_copies, rules, updates_during_backward
-from tiertrain.planner.costs import GRAD_BYTES, grads_out_s
+from tiertrain.planner.costs import GRAD_BYTES, grads_out_s, working_bytes
 from tiertrain.planner.profile import MachineProfile, Profile
 from tiertrain.planner.timeline import RESOURCES, Timeline
 from tiertrain.planner.updates import UpdatePipeline, fills_slot_from_disk, network, own
@@ -101,7 +101,7 @@ def _replay_step(plan: Plan, p: Profile, needs_all_grads: bool, budgets: dict[Ti
 
     during = updates_during_backward(plan.update, needs_all_grads)  # each block updated as its gradients are in
     pipe = UpdatePipeline.of(plan, p, tl, change, bounded=bool(caps), follows_backward=during)
-    replay = _Replay(plan, p, tl, pipe, change, acts=int(p.acts_on_device))
+    replay = _Replay(plan, p, tl, pipe, change)
     needed, last_done = replay.forward()
     device_end = replay.backward(last_done, during)
     n = len(p.blocks)
@@ -111,7 +111,7 @@ def _replay_step(plan: Plan, p: Profile, needs_all_grads: bool, budgets: dict[Ti
     chain = pipe.chain(needed) if mode.updates_as_final and not mode.loops else 0.0
     step = _step_time(plan, tl, device_end, needs_all_grads, m, chain)
     peaks = {t: max(v for _, tier, v in curve if tier == t) for t in ("device", "host", "disk")}
-    peaks["device"] += max(b.act_bytes for b in p.blocks) * replay.acts   # one block's activations while it computes
+    peaks["device"] += working_bytes(p)   # one block's activations while it computes, a gradient autograd made
     bottleneck = max(RESOURCES, key=tl.busy)
     return Simulation(step, peaks, bottleneck, tl, curve)
 
@@ -125,7 +125,6 @@ class _Replay:
     tl: Timeline
     pipe: UpdatePipeline
     change: Callable[..., None]
-    acts: int    # 1 where activations take device memory (on CPU they are outside the device tier's pool)
 
     @property
     def slots(self) -> int:
@@ -155,10 +154,10 @@ class _Replay:
             ends.append(e)
             last_done = e
             saved = b.hidden_bytes if bp.recompute else b.act_bytes
-            change(e, "device", saved * self.acts)
+            change(e, "device", saved)
             if bp.offload_hidden:
                 _, off = tl.run("d2h", e, saved / m.d2h_bps, f"stash {b.name}")
-                change(off, "device", -saved * self.acts)
+                change(off, "device", -saved)
                 change(off, "host", saved)
         return needed, tl.run("compute", last_done, p.rest.forward_s / 2 + p.rest.backward_s / 2, "head")[1]
 
@@ -185,14 +184,14 @@ class _Replay:
                 if bp.offload_hidden:
                     arrived = tl.run("h2d", arrived, saved / m.h2d_bps, f"unstash {b.name}")[1]
                     change(arrived, "host", -saved)
-                    change(arrived, "device", saved * self.acts)
+                    change(arrived, "device", saved)
                 ready = max(ready, arrived)
             pipe.read(i, filled, from_slot=fills_slot_from_disk(bp, plan) and not sharded(bp, plan))
             work = b.backward_s + (b.recompute_seconds if bp.recompute else 0.0)
             s, e = tl.run("compute", ready, work, f"bwd {b.name}")
             bstarts.append(s)
             bends.append(e)
-            change(e, "device", -saved * self.acts)
+            change(e, "device", -saved)
             landed.append(_reduce(tl, plan, bp, p, e, b.params, b.name))
             room = pipe.room_for_grads() if pipe.bounded and updated_away(bp) else 0.0  # backward waits for it
             last_done = max(e, room)

@@ -19,7 +19,7 @@ import numpy as np
 
 from tiertrain.plan.budgets import Budgets
 from tiertrain.planner import costs
-from tiertrain.planner.costs import CHOICES, Choice
+from tiertrain.planner.costs import Choice, choices_for
 from tiertrain.planner.profile import Profile
 
 
@@ -66,7 +66,12 @@ class Problem:
 
     @property
     def unit(self) -> float:
-        return self.device / self.levels
+        """The device bytes of one level: the room the blocks compete for (the budget less the bytes no
+        switch removes, at their fewest) over ``levels``, not the whole budget: a 2 GiB budget that a
+        1.7B's fixed bytes leave 246 MiB of gave its 24 recomputed blocks 16 MiB levels for 0.6 MB each
+        (24 levels of 15), and no plan fit."""
+        free = self.device - costs.fixed_device_bytes(self.profile, 1, False)
+        return max(free if free > 0 else self.device, 1) / self.levels
 
     def capacity(self, window: int, any_stream: bool) -> int:
         """Whole units left for the blocks once the fixed bytes are placed (negative: none)."""
@@ -137,7 +142,7 @@ def _variants(pb: Problem):
 def _options(pb: Problem, i: int, window: int, stream_ok: bool) -> list[tuple[int, int, float, Choice]]:
     """A block's (device levels, host levels, seconds, choice), without those another choice beats
     on all three (H3T's first pruning)."""
-    opts = [(pb.level(i, c), pb.host_level(i, c), pb.seconds(i, c, window), c) for c in CHOICES
+    opts = [(pb.level(i, c), pb.host_level(i, c), pb.seconds(i, c, window), c) for c in choices_for(pb.profile)
             if stream_ok or not c.stream]
     return [o for o in opts if not any(q[0] <= o[0] and q[1] <= o[1] and q[2] <= o[2] and q[:3] != o[:3] for q in opts)]
 
@@ -239,7 +244,8 @@ def random_search(pb: Problem, samples: int = 256, seed: int = 0) -> Solution | 
     """H3T's random solver: the best of ``samples`` uniformly drawn assignments."""
     rng = random.Random(seed)
     n = len(pb.profile.blocks)
-    return _best(evaluate(pb, tuple(rng.choice(CHOICES) for _ in range(n)), rng.choice(pb.windows), "random")
+    choices = choices_for(pb.profile)
+    return _best(evaluate(pb, tuple(rng.choice(choices) for _ in range(n)), rng.choice(pb.windows), "random")
                  for _ in range(samples))
 
 
@@ -261,7 +267,7 @@ def exhaustive(pb: Problem) -> Solution | None:
     """Every assignment and window: the reference the tests hold the DP to (tiny models only)."""
     n = len(pb.profile.blocks)
     return _best(evaluate(pb, combo, w, "exhaustive") for w in pb.windows
-                 for combo in itertools.product(CHOICES, repeat=n))
+                 for combo in itertools.product(choices_for(pb.profile), repeat=n))
 
 
 SOLVERS = {"dp": dynamic_programming, "greedy": greedy, "random": random_search, "stronghold": stronghold}

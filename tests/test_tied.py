@@ -10,7 +10,8 @@ import torch
 import tiertrain
 import tiertrain.runtime.block_group as updater
 from tiertrain.runtime import in_place_grads
-from tiered_harness import HF_GPT2, TINY4, _fresh, _loop, train_plain
+from tiered_harness import HF_GPT2, TINY4, _fresh, _loop, batches, train_plain
+from tiertrain.train.objective import lm_loss
 from tiertrain.memory import Budgets
 from tiertrain.plan import builtin_plan
 from tiertrain.plan.fit import alive_grad_bytes
@@ -206,3 +207,43 @@ def test_a_head_registered_before_the_embedding_leaves_the_embeddings_use_its_ow
         tm.runtime.close()
         tm.runtime.mem.close()
     assert losses == train_plain(WIDE, 4, 1, None)
+
+
+def _penalised(tiered: bool, autocast: bool = False) -> list[tuple[float, float]]:
+    """Three steps whose every loss is first differentiated by ``torch.autograd.grad`` with respect to a
+    block's weight (a gradient penalty's call: through the head, accumulating nothing), then backward,
+    under the CPU's autocast where asked."""
+    model, opt = _fresh(WIDE)
+    if tiered:
+        model, opt = tiertrain.setup(model, opt, Budgets(device=64 << 20, host=64 << 20),
+                                     plan=builtin_plan("resident", WIDE["n_layer"]), page_size=PAGE)
+    weight = dict(model.named_parameters())["blocks.0.ffn.fc.weight"]
+    out = []
+    try:
+        for b in batches(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = lm_loss(model, b[:, :-1], b[:, 1:])
+            (g,) = torch.autograd.grad(loss, [weight], retain_graph=True)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append((loss.item(), g.norm().item()))
+        return out
+    finally:
+        if tiered:
+            model.runtime.close()
+            model.runtime.mem.close()
+
+
+def test_autograd_grad_through_the_head_writes_no_gradient_and_a_step_after_it_trains_as_plain_pytorchs():
+    """``torch.autograd.grad`` adds nothing to any ``.grad`` in plain PyTorch: the head's and the
+    embedding's functions write nothing into the rest's chunk there (the chunk would hold a gradient
+    plain PyTorch never adds, and backward would count a micro-batch too many)."""
+    assert _penalised(True) == _penalised(False)
+
+
+def test_under_the_users_autocast_the_head_and_embedding_take_autograds_path():
+    """An fp32 plan in a loop under ``torch.autocast`` (a transformers Trainer with bf16=True): the head's
+    product comes in bf16, so its gradient is not written into the fp32 chunk; the run trains as plain
+    PyTorch under the same autocast."""
+    assert _penalised(True, autocast=True) == _penalised(False, autocast=True)

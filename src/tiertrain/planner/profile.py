@@ -109,10 +109,13 @@ class Profile:
         matrix, 85 MB. A lockfree block keeps its whole set there until it flushes; a block that did not
         record its largest parameter counts all of its own. The rest's head and embedding make theirs
         in its grad chunk (``runtime.in_place_grads``) where updates take gradients away as backward
-        makes them in one fp32 process (the runtime writes them so in more runs; the profile cannot
-        tell them apart); elsewhere the head's counts, 463 MB for the 1.7B."""
+        makes them in one fp32 process on a CPU-only machine (the runtime writes them so in more runs,
+        on a GPU where the rest's gradients stay on it too; the profile cannot tell them apart); elsewhere
+        the head's counts, 463 MB for the 1.7B. Where gradients are bounded and the rest's chunk has no
+        place of its own (it is no larger than a block's), the head's waits in autograd uncounted: at most
+        a block's chunk."""
         in_place = self.transient_grads and not self.master_moves and not self.network.parallel \
-            and self.compute_dtype == "fp32"
+            and self.compute_dtype == "fp32" and self.machine.device_is_host
         blocks = self.blocks if in_place else (*self.blocks, self.rest)
         one = max(b.params if self.master_moves or not b.largest else b.largest for b in blocks)
         return one * self.compute_bytes

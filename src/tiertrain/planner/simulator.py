@@ -111,7 +111,8 @@ def _replay_step(plan: Plan, p: Profile, needs_all_grads: bool, budgets: dict[Ti
     chain = pipe.chain(needed) if mode.updates_as_final and not mode.loops else 0.0
     step = _step_time(plan, tl, device_end, needs_all_grads, m, chain)
     peaks = {t: max(v for _, tier, v in curve if tier == t) for t in ("device", "host", "disk")}
-    peaks["device"] += working_bytes(p)   # one block's activations while it computes, a gradient autograd made
+    # one block's activations while it computes, a gradient autograd made, and the logits the rest saves
+    peaks["device"] += working_bytes(p) + p.rest.act_bytes
     bottleneck = max(RESOURCES, key=tl.busy)
     return Simulation(step, peaks, bottleneck, tl, curve)
 

@@ -162,13 +162,11 @@ class BlockGroup:
             ctx.moves.read_ahead(self, slot=self._slot if self.fills_slot_from_disk and self._shard is None else None)
 
     def grad_arrived(self, i: int) -> None:
-        """Parameter ``i``'s gradient is accumulated: it moves into the pools at once (autograd's tensor of
-        it lived outside every budget until the whole block's had arrived: a 50M-parameter block's 200 MB,
-        and an untied head's through all of backward), except where an update loop may take the chunk at
-        any moment (a loop must see a block's gradients of a step whole). Once every one is in, the block
-        flushes."""
+        """Parameter ``i``'s gradient is accumulated: it moves into the pools at once where
+        ``_takes_each_grad`` (autograd's tensor of it lived outside every budget until the whole block's
+        had arrived: a 50M-parameter block's 200 MB). Once every one is in, the block flushes."""
         self._ctx.backward.begin()
-        if not self._ctx.mode.takes_grads_any_time:
+        if self._takes_each_grad():
             self._take_grad(i)
         self._grad_count += 1
         if self._grad_count == len(self._params) and not self.reduces_at_end:
@@ -336,6 +334,16 @@ class BlockGroup:
             fresh = self._new_grad_chunk(self.nbytes)
         if fresh is not None:
             self._mem.release(fresh)
+
+    def _takes_each_grad(self) -> bool:
+        """Not where an update loop may take the chunk at any moment (lockfree: a loop must see a block's
+        gradients of a step whole), nor the rest's where backward does not fill its chunk
+        (``tied_early``): its first gradient (the head's) comes as backward starts and its last as it
+        ends, so a chunk made at the first would be held through backward and take a block's place
+        (bounded gradients, a rank's local sum); there the head's waits in autograd, as the planner counts."""
+        if self._ctx.mode.takes_grads_any_time:
+            return False
+        return self._block.name != "rest" or self._ctx.backward.tied_early
 
     def _take_grad(self, i: int) -> None:
         """Parameter ``i``'s gradient out of autograd's tensor, into this rank's sum over micro-batches (data

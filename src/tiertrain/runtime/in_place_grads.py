@@ -58,28 +58,26 @@ class Target:
 
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,  # noqa: ANN001
-                target: Target) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, target: Target) -> torch.Tensor:  # noqa: ANN001
         ctx.save_for_backward(x, weight)
-        ctx.target, ctx.has_bias = target, bias is not None
-        return F.linear(x, weight, bias)
+        ctx.target = target
+        return F.linear(x, weight)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
         x, weight = ctx.saved_tensors
         g = grad.reshape(-1, grad.shape[-1])
         grad_x = g.mm(weight).view(x.shape) if ctx.needs_input_grad[0] else None
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            flat = x.reshape(-1, x.shape[-1])
-            where = ctx.target.where(weight)
-            if where is not None and where[1]:  # the first gradient of it: the product is its value
-                torch.mm(g.t(), flat, out=where[0])
-                ctx.target.written()
-            else:
-                grad_w = g.t().mm(flat)
-        grad_b = grad.sum(dim=tuple(range(grad.dim() - 1))) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b, None
+        if not _accumulates(ctx, 1):
+            return grad_x, None, None
+        flat, grad_w = x.reshape(-1, x.shape[-1]), None
+        where = ctx.target.where(weight)
+        if where is not None and where[1]:  # the first gradient of it: the product is its value
+            torch.mm(g.t(), flat, out=where[0])
+            ctx.target.written()
+        else:
+            grad_w = g.t().mm(flat)
+        return grad_x, grad_w, None
 
 
 class _Embedding(torch.autograd.Function):
@@ -93,7 +91,7 @@ class _Embedding(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
         (ids,) = ctx.saved_tensors
-        if not ctx.needs_input_grad[1]:
+        if not _accumulates(ctx, 1):
             return None, None, None, None
         where = ctx.target.where(ctx.weight)
         if where is None:
@@ -114,6 +112,14 @@ class _Embedding(torch.autograd.Function):
         return None, None, None, None
 
 
+def _accumulates(ctx, i: int) -> bool:  # noqa: ANN001
+    """Whether this backward accumulates input ``i``'s gradient into its parameter: not under
+    ``torch.autograd.grad`` or ``backward(inputs=...)`` without it (``needs_input_grad`` says only
+    that it requires grad), where plain PyTorch adds nothing to ``.grad`` either."""
+    node = ctx.next_functions[i][0]
+    return ctx.needs_input_grad[i] and node is not None and torch._C._will_engine_execute_node(node)
+
+
 def in_place_uses(model: nn.Module, params: list[nn.Parameter]) -> list[tuple[nn.Module, int]]:
     """(module, index in ``params``) of every ``handled`` module whose weight is one of ``params``."""
     index = {id(p): i for i, p in enumerate(params)}
@@ -121,10 +127,10 @@ def in_place_uses(model: nn.Module, params: list[nn.Parameter]) -> list[tuple[nn
 
 
 def handled(module: nn.Module) -> bool:
-    """Whether its gradient can be written in place: a plain ``nn.Linear``, or a plain ``nn.Embedding``
-    without ``max_norm``, ``scale_grad_by_freq`` or sparse gradients."""
+    """Whether its gradient can be written in place: a plain ``nn.Linear`` without a bias (a head's), or a
+    plain ``nn.Embedding`` without ``max_norm``, ``scale_grad_by_freq`` or sparse gradients."""
     if type(module) is nn.Linear:
-        return True
+        return module.bias is None
     return type(module) is nn.Embedding and module.max_norm is None and not module.scale_grad_by_freq \
         and not module.sparse
 
@@ -139,13 +145,18 @@ def write_in_place(module: nn.Module, target: Target, enabled: Callable[[], bool
     """Run ``module`` (``handled``) through the functions above while ``enabled()`` and autograd records."""
     forward = module.forward
 
+    def applies(x: torch.Tensor) -> bool:
+        """Not where autocast casts the product (its gradient comes in another dtype than the chunk's)."""
+        return (enabled() and torch.is_grad_enabled() and module.weight.requires_grad and not hooked(module.weight)
+                and not torch.is_autocast_enabled(x.device.type))
+
     def linear(x: torch.Tensor) -> torch.Tensor:
-        if not (enabled() and torch.is_grad_enabled() and module.weight.requires_grad) or hooked(module.weight):
+        if not (applies(x) and x.dim() >= 2 and x.is_contiguous()):  # as F.linear folds it into one mm
             return forward(x)
-        return _Linear.apply(x, module.weight, module.bias, target)
+        return _Linear.apply(x, module.weight, target)
 
     def embedding(ids: torch.Tensor) -> torch.Tensor:
-        if not (enabled() and torch.is_grad_enabled() and module.weight.requires_grad) or hooked(module.weight):
+        if not applies(ids):
             return forward(ids)
         pad = -1 if module.padding_idx is None else module.padding_idx
         return _Embedding.apply(ids, module.weight, pad, target)

@@ -5,6 +5,7 @@ DistributedDataParallel with the same per-rank batches and the same fused AdamW.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import traceback
 from pathlib import Path
@@ -292,3 +293,47 @@ def recheck_on_rank0(rank: int) -> dict:
     finally:
         auto_plan.recheck = saved
     return {"ran": ran, "returned": time.time(), "got": list(got)}
+
+
+def mismatched_setup(rank: int, what: str) -> str:
+    """What setup raises on this rank where rank 1 was started with another accumulation or plan."""
+    import tiertrain
+    from tiertrain.errors import ConfigError
+    from tiertrain.memory import Budgets
+    from tiertrain.plan import builtin_plan
+
+    model, opt = _fresh()
+    plan = builtin_plan("resident", TINY4["n_layer"])
+    if what == "plan" and rank == 1:  # one block recomputed: the plans differ in their blocks alone
+        plan = dataclasses.replace(plan, blocks=(dataclasses.replace(plan.blocks[0], recompute=True), *plan.blocks[1:]))
+    accum = 1 + rank if what == "accumulation" else 1
+    try:
+        tm, _ = tiertrain.setup(model, opt, Budgets(64 << 20, 64 << 20), plan=plan, grad_accum=accum,
+                                page_size=64 << 10)
+    except ConfigError as exc:
+        return str(exc)
+    tm.runtime.close()
+    tm.runtime.mem.close()
+    return "set up"
+
+
+def mismatched_collective(rank: int) -> str:
+    """What an all-reduce of 10 floats on rank 0 and 12 on rank 1 raises on each, under torch's
+    collective checks (``TORCH_DISTRIBUTED_DEBUG=DETAIL``; without them gloo aborts the process)."""
+    from tiertrain.parallel.distributed import ProcessGroupCollectives
+
+    before = dist.get_debug_level()
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    try:
+        comm = ProcessGroupCollectives(dist.new_group(backend="gloo"))
+        try:
+            comm.all_reduce(torch.zeros(10 + 2 * rank))
+        except Exception as exc:  # noqa: BLE001 - what it is, is the result
+            return f"{type(exc).__name__}: {exc}"
+        finally:
+            comm.close()
+        return "nothing raised"
+    finally:
+        dist.set_debug_level(before)
+        del os.environ["TORCH_DISTRIBUTED_DEBUG"]

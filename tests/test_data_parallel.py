@@ -9,7 +9,8 @@ import functools
 import pytest
 
 from dp_harness import (TINY4, agreed_auto_setup, agreed_budgets, ddp_losses, failure_on_rank0, gather_events,
-                        recheck_on_rank0, reduction_events, run_ranks, sent_per_step, tiered_losses)
+                        mismatched_collective, mismatched_setup, recheck_on_rank0, reduction_events, run_ranks,
+                        sent_per_step, tiered_losses)
 from tiertrain.parallel import ring_bytes
 from tiertrain.memory import Tier
 from tiertrain.plan import BlockPlan, Plan, builtin_plan, data_parallel
@@ -48,6 +49,8 @@ def dp2(tmp_path_factory):
     jobs += [(("gathers",), functools.partial(gather_events, plan=PLANS["resident"]))]
     jobs += [(("agreed auto",), functools.partial(agreed_auto_setup, disk=tmp / "agreed")), (("budgets",), agreed_budgets),
              (("rank 0 fails",), failure_on_rank0), (("recheck",), recheck_on_rank0)]
+    jobs += [(("mismatch", what), functools.partial(mismatched_setup, what=what)) for what in ("accumulation", "plan")]
+    jobs += [(("mismatched collective",), mismatched_collective)]
     return run_ranks(2, tmp, jobs)
 
 
@@ -154,6 +157,25 @@ def test_a_measurement_that_fails_on_rank_0_fails_on_every_rank(dp2):
     assert dp2[(("rank 0 fails",), 0)] == "the disk under /nowhere cannot be read"
     assert dp2[(("rank 0 fails",), 1)] == ("rank 0 failed while finding the page size for every rank: "
                                            "ConfigError: the disk under /nowhere cannot be read")
+
+
+def test_ranks_started_with_another_accumulation_or_plan_are_refused_at_setup_naming_the_field(dp2):
+    """Such ranks would issue other collectives (a hang, or a mismatch read as a lost rank): every rank
+    refuses in one message naming what differs and each rank's value."""
+    for rank in (0, 1):
+        said = dp2[(("mismatch", "accumulation"), rank)]
+        assert said.startswith("the ranks disagree on gradient accumulation (rank 0: 1; rank 1: 2): start every rank"), said
+        said = dp2[(("mismatch", "plan"), rank)]
+        assert said.startswith("the ranks disagree on the plan's blocks (rank 0 holds one value, rank 1 holds another)"), said
+
+
+def test_collectives_that_differ_between_ranks_surface_as_that_error_not_as_a_lost_rank(dp2):
+    for rank in (0, 1):
+        said = dp2[(("mismatched collective",), rank)]
+        assert said.startswith(f"CollectiveFailed: all_reduce failed on rank {rank} while every rank is alive: "
+                               "Detected mismatch between collectives"), said
+        assert "Tensor shapes: 10vs 12" in said or "Tensor shapes: 12vs 10" in said
+        assert "TensorOptions" not in said and "stopped" not in said
 
 
 def test_the_recheck_runs_on_rank_0_alone_and_every_other_rank_waits_for_it(dp2):

@@ -73,3 +73,30 @@ def test_collectives_over_torch_distributed_sum_and_gather_as_promised(tmp_path)
         summed = [sum(i + r for r in range(world)) for i in range(2 * world)]  # sum over ranks of arange + rank
         assert mine == summed[2 * rank : 2 * rank + 2]
         assert total == sum(range(world)) and a2a == [float(r) for r in range(world)]
+
+
+def test_a_failed_collective_is_a_lost_rank_only_where_a_heartbeat_stopped(monkeypatch):
+    """``parallel.health.failure``: a rank whose heartbeat stopped is named as lost; where every rank
+    beats on, the collective's own error is reported, in the backend's words (the source path it starts
+    with dropped), with the switch that makes torch compare collectives across ranks."""
+    from tiertrain.parallel.health import CollectiveFailed, RankLost, failure
+
+    class Beats:
+        rank, world = 0, 4
+
+        def __init__(self, lost):
+            self._lost = lost
+
+        def lost(self):
+            return self._lost
+
+    exc = RuntimeError("[/pytorch/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:5555")
+    lost = failure(Beats([2, 3]), exc, "all_gather")
+    assert isinstance(lost, RankLost) and str(lost).startswith("ranks 2, 3 of 4 stopped (its process is gone")
+    monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG", raising=False)
+    own = failure(Beats([]), RuntimeError("Timed out waiting 60000ms for recv operation"), "reduce_scatter")
+    assert isinstance(own, CollectiveFailed) and own.exit_code == 1
+    assert str(own).startswith("reduce_scatter failed on rank 0 while every rank is alive: Timed out waiting 60000ms")
+    assert "rerun with TORCH_DISTRIBUTED_DEBUG=DETAIL" in str(own)
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+    assert "TORCH_DISTRIBUTED_DEBUG" not in str(failure(Beats([]), exc, "all_gather"))

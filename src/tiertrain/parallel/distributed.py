@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from tiertrain.parallel.collectives import Waitable, ring_bytes, split_bytes
-from tiertrain.parallel.health import Heartbeat, RankLost, lost_message
+from tiertrain.parallel.health import Heartbeat, failure
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
@@ -25,7 +25,8 @@ def _flat_call(*names: str):
 
 
 class ProcessGroupCollectives:
-    """Every call turns a peer's loss into one ``RankLost`` that names it (``parallel.health``)."""
+    """Every call turns a peer's loss into one ``RankLost`` that names it, and any other failure into
+    ``CollectiveFailed`` in the backend's words (``parallel.health.failure``)."""
 
     def __init__(self, group: dist.ProcessGroup | None = None, heartbeat: Heartbeat | None = None) -> None:
         """``group``: None for the whole run's ranks; a subgroup (expert parallel's) shares the run's
@@ -43,11 +44,12 @@ class ProcessGroupCollectives:
     def _count(self, kind: str, t: torch.Tensor) -> None:
         self.sent += ring_bytes(kind, t.numel() * t.element_size(), self.world_size)
 
-    def _guarded(self, call, *args, **kwargs):
+    def _guarded(self, name: str, call, *args, **kwargs):
+        """``call(*args, **kwargs)``, the collective ``name``, its failure reported as ``failure`` says."""
         try:
             return call(*args, **kwargs)
         except RuntimeError as exc:  # gloo and NCCL report a lost peer as RuntimeError (DistBackendError is one)
-            raise RankLost(lost_message(self.heartbeat, exc)) from None
+            raise failure(self.heartbeat, exc, name) from None
 
     def close(self) -> None:
         if self._own_heartbeat:
@@ -55,8 +57,8 @@ class ProcessGroupCollectives:
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Waitable | None:
         self._count("all_gather", out)
-        work = self._guarded(self._gather, out.view(-1), shard.view(-1), group=self.group, async_op=async_op)
-        return _Guarded(work, self) if async_op else None
+        work = self._guarded("all_gather", self._gather, out.view(-1), shard.view(-1), group=self.group, async_op=async_op)
+        return _Guarded(work, self, "all_gather") if async_op else None
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> Waitable | None:
         self._count("reduce_scatter", full)
@@ -64,34 +66,34 @@ class ProcessGroupCollectives:
             # gloo has no reduce-scatter: all-reduce in place (``full`` is the caller's to give up), then
             # keep this rank's slice (the sum is the same: what is sent differs, and ``sent`` counts the
             # reduce-scatter the algorithm stands for)
-            work = self._guarded(dist.all_reduce, full.view(-1), group=self.group, async_op=async_op)
+            work = self._guarded("reduce_scatter", dist.all_reduce, full.view(-1), group=self.group, async_op=async_op)
             n = out.numel()
             keep = _Then(lambda: out.view(-1).copy_(full.view(-1)[self.rank * n : (self.rank + 1) * n]))
             if not async_op:
                 keep.wait()
                 return None
-            return _Guarded(work, self, keep)
-        work = self._guarded(self._scatter, out.view(-1), full.view(-1), group=self.group, async_op=async_op)
-        return _Guarded(work, self) if async_op else None
+            return _Guarded(work, self, "reduce_scatter", keep)
+        work = self._guarded("reduce_scatter", self._scatter, out.view(-1), full.view(-1), group=self.group, async_op=async_op)
+        return _Guarded(work, self, "reduce_scatter") if async_op else None
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum", async_op: bool = False) -> Waitable | None:
         self._count("all_reduce", t)
-        work = self._guarded(dist.all_reduce, t, op=_OPS[op], group=self.group, async_op=async_op)
-        return _Guarded(work, self) if async_op else None
+        work = self._guarded("all_reduce", dist.all_reduce, t, op=_OPS[op], group=self.group, async_op=async_op)
+        return _Guarded(work, self, "all_reduce") if async_op else None
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None = None,
                    in_splits: list[int] | None = None) -> None:
         if in_splits is None:
             self._count("all_to_all", inp)
-            self._guarded(dist.all_to_all_single, out.view(-1), inp.view(-1), group=self.group)
+            self._guarded("all_to_all", dist.all_to_all_single, out.view(-1), inp.view(-1), group=self.group)
             return
         self.sent += split_bytes(inp, in_splits, self.rank)
-        self._guarded(dist.all_to_all_single, out, inp, out_splits, in_splits, group=self.group)
+        self._guarded("all_to_all", dist.all_to_all_single, out, inp, out_splits, in_splits, group=self.group)
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
         self._count("broadcast", t)
         root = src if self.group is None else dist.get_global_rank(self.group, src)  # torch names roots globally
-        self._guarded(dist.broadcast, t, src=root, group=self.group)
+        self._guarded("broadcast", dist.broadcast, t, src=root, group=self.group)
 
 
 class _Then:
@@ -110,10 +112,10 @@ class _Guarded:
     """An asynchronous collective whose ``wait`` names a lost peer as the call itself would, then
     does what is left (``then``)."""
 
-    def __init__(self, work, comm: ProcessGroupCollectives, then: _Then | None = None) -> None:
-        self.work, self.comm, self.then = work, comm, then
+    def __init__(self, work, comm: ProcessGroupCollectives, name: str, then: _Then | None = None) -> None:
+        self.work, self.comm, self.name, self.then = work, comm, name, then
 
     def wait(self) -> None:
-        self.comm._guarded(self.work.wait)
+        self.comm._guarded(self.name, self.work.wait)
         if self.then is not None:
             self.then.wait()

@@ -1,13 +1,20 @@
-"""Which rank was lost, when a collective fails: every rank keeps a heartbeat in the process group's
-store (torchrun's agent hosts it, so it outlives the workers), and a rank whose collective fails
-names the ranks whose heartbeat stopped, instead of hanging or printing a socket error.
+"""What a failed collective means: every rank keeps a heartbeat in the process group's store
+(torchrun's agent hosts it, so it outlives the workers), and a rank whose collective fails names the
+ranks whose heartbeat stopped, instead of hanging or printing a socket error. Where every heartbeat
+goes on, no rank was lost: the failure is the collective's own (ranks that issued different
+collectives, a timeout, a backend error), and it is reported as that, on the rank that saw it.
 
 A dead peer closes its sockets, so gloo fails the collective at once; a peer that stops without
 closing them (a frozen machine) is found by the collective timeout (``parallel.group.TIMEOUT``).
+Ranks that issue collectives of different shapes are caught by torch itself under
+``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (it compares each collective's fingerprint across ranks first);
+without it gloo aborts the process on such a mismatch, and NCCL may hang.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import threading
 import time
 
@@ -19,6 +26,12 @@ STALE_S = 4 * BEAT_S
 
 class RankLost(UserError):
     """Another rank of the run stopped: this one cannot go on alone."""
+
+    exit_code = 1
+
+
+class CollectiveFailed(UserError):
+    """A collective failed while every rank of the run is alive: the failure is the call's own."""
 
     exit_code = 1
 
@@ -59,15 +72,26 @@ class Heartbeat:
         self._stop.set()
 
 
-def lost_message(heartbeat: Heartbeat | None, exc: BaseException) -> str:
+def failure(heartbeat: Heartbeat | None, exc: BaseException, call: str) -> UserError:
+    """What the failure of ``call`` (a collective's name) on this rank is: ``RankLost`` naming the ranks
+    whose heartbeat stopped, or, where none did (or nothing beats: a lost rank cannot be told), the
+    collective's own failure in the backend's words."""
     lost = heartbeat.lost() if heartbeat is not None else []
-    who = (f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} of {heartbeat.world}" if lost
-           else "another rank")
-    return (f"{who} stopped (its process is gone or frozen), so this rank stops too: "
-            f"{_reason(exc)}; restart the run with --resume from its last checkpoint")
+    if lost:
+        who = f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} of {heartbeat.world}"
+        return RankLost(f"{who} stopped (its process is gone or frozen), so this rank stops too: "
+                        f"{_reason(exc, 120)}; restart the run with --resume from its last checkpoint")
+    rank = f" on rank {heartbeat.rank}" if heartbeat is not None else ""
+    hint = ("" if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL" else
+            "; if the ranks may have issued different collectives (started with different settings, or a bug), "
+            "rerun with TORCH_DISTRIBUTED_DEBUG=DETAIL: torch then compares each collective across the ranks")
+    return CollectiveFailed(f"{call} failed{rank} while every rank is alive: {_reason(exc, 600)}{hint}")
 
 
-def _reason(exc: BaseException) -> str:
-    """The transport's words, without its source paths: 'Connection reset by peer', a timeout."""
+def _reason(exc: BaseException, limit: int) -> str:
+    """The backend's words, without its source paths ('Connection reset by peer', a timeout) or the
+    tensor options torch prints for each side of a mismatch (the shapes and dtypes are kept)."""
     text = " ".join(str(exc).split())
-    return (text.split("] ", 1)[-1] if text.startswith("[") else text)[:120]
+    text = text.split("] ", 1)[-1] if text.startswith("[") else text
+    text = re.sub(r", TensorDeviceTypes=TensorOptions\((?:[^()]|\([^()]*\))*\)", "", text)
+    return text[:limit]

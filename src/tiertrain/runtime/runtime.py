@@ -17,7 +17,7 @@ from torch.utils.hooks import RemovableHandle
 
 from tiertrain.memory import MemorySystem, Tier
 from tiertrain.optim import AdamWHyper
-from tiertrain.parallel import Collectives, collectives_for
+from tiertrain.parallel import Collectives
 from tiertrain.parallel.expert_layer import expert_layers
 from tiertrain.parallel.experts import apply_expert_parallel
 from tiertrain.plan import Plan, RunOptions
@@ -29,10 +29,11 @@ from tiertrain.runtime.blocks import Block, block_layout, block_sizes, find_bloc
 from tiertrain.runtime.build import BuildSpec, LetGo, build_groups
 from tiertrain.runtime.cache import DeviceCache
 from tiertrain.runtime.context import RunContext
-from tiertrain.runtime.in_place_grads import Target, handled, in_place_uses, write_in_place
 from tiertrain.runtime.hooks import apply_switches, install_block_hooks, install_grad_hooks
+from tiertrain.runtime.in_place_grads import Target, handled, in_place_uses, write_in_place
 from tiertrain.runtime.loss_scale import LossScaler
 from tiertrain.runtime.modes import ModeContext, make_mode
+from tiertrain.runtime.rank_agreement import agreed_collectives
 from tiertrain.runtime.read_ahead import ReadAhead
 from tiertrain.runtime.slots import DeviceSlot
 from tiertrain.runtime.state_moves import StateMoves
@@ -54,7 +55,7 @@ class Runtime:
             raise ValueError("internal: the runtime runs a resolved plan (tiertrain.plan.fit.resolve)")
         self.model, self.mem, self.options = model, mem, options
         self.param_groups = param_groups
-        self.comm = comm or collectives_for(plan.parallel.world_size)
+        self.comm = comm or agreed_collectives(model, plan, options)
         self.clock = StepClock(options.grad_accum)
         self.ctx = RunContext(mem, self.comm, self.clock, self.hypers)
         blocks = find_blocks(model, options.blocks)

@@ -168,7 +168,7 @@ def _read_small(path: Path, limit: int) -> bytes:
     return data
 
 
-def _read_json(path: Path) -> Any:
+def read_json(path: Path) -> Any:
     try:
         return json.loads(_read_small(path, MAX_JSON_BYTES))
     except (ValueError, RecursionError) as exc:
@@ -355,7 +355,7 @@ def _written_order(ckpt: Path) -> tuple[int, int, int]:
     counts as older than any with one, and these are ordered by step."""
     step = int(ckpt.name.removeprefix("step-"))
     try:
-        stamp = _read_json(ckpt / "trainer.json").get("saved_at_ns")
+        stamp = read_json(ckpt / "trainer.json").get("saved_at_ns")
     except (CheckpointError, AttributeError):
         stamp = None
     if isinstance(stamp, int) and not isinstance(stamp, bool):
@@ -437,7 +437,7 @@ def read_trainer(ckpt: Path) -> TrainerFile:
     """``trainer.json``, every field checked (typed loader), its manifest names and digests, its
     RNG states and its loss scaler; one ``CheckpointError`` for anything wrong inside."""
     path = ckpt / "trainer.json"
-    data = _read_json(path)
+    data = read_json(path)
     if isinstance(data, dict) and data.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {ckpt} has format {_short(data.get('format_version'))}, "
                               f"this tiertrain reads {FORMAT_VERSION}; {_FIX}")
@@ -505,7 +505,7 @@ def _numpy_state(rng: SavedRng) -> tuple:
     return (name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached)
 
 
-def _verify_files(ckpt: Path, manifest: dict[str, str]) -> None:
+def verify_files(ckpt: Path, manifest: dict[str, str]) -> None:
     for name, digest in manifest.items():
         path = ckpt / name
         if not _digest_matches(path, digest):
@@ -517,10 +517,10 @@ def _verify_files(ckpt: Path, manifest: dict[str, str]) -> None:
 
 def check_same_model(ckpt: Path, model: nn.Module) -> None:
     path = ckpt / "config.json"
-    saved = _read_json(path)
+    saved = read_json(path)
     if not isinstance(saved, dict) or not isinstance(saved.get("tiertrain_model", saved), dict):
         raise CheckpointError(f"checkpoint file {path} does not describe a model (not a mapping); {_FIX}")
-    current = model_config_dict(model)
+    current = json.loads(json.dumps(model_config_dict(model)))  # as saved: JSON makes int keys (id2label's) text
     drop = {"transformers_version", "_name_or_path", "torch_dtype", "dtype", "name"}
     strip = (lambda d: {k: v for k, v in d.items() if k not in drop})
     a = strip(saved.get("tiertrain_model", saved))
@@ -613,7 +613,7 @@ def load_checkpoint(ckpt: Path, ts: TrainState) -> TrainerState:
     Everything is checked before anything is changed: trainer.json, every file's checksum, the
     model's config, the parameter groups, and each file's tensor names, dtypes and shapes."""
     trainer = read_trainer(ckpt)
-    _verify_files(ckpt, trainer.files)
+    verify_files(ckpt, trainer.files)
     check_same_model(ckpt, ts.module)
     groups = checked_groups(trainer.param_groups, ts.group_hparams(), f"checkpoint {ckpt}")
     if trainer.shards is not None:

@@ -173,18 +173,23 @@ class ShardedTensors(Mapping):
         return len(self.places)
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        b_index, b, offset, shape, p_index = self.places[key]
-        kind = key.partition("::")[2] or "master"
-        if kind == "step":
+        b_index, b, _, shape, p_index = self.places[key]
+        if key.endswith("::step"):
             return self.files[b.rank].read_range(f"{b_index}::steps", p_index, p_index + 1).reshape(())
-        n = _numel(shape)
+        return self.read_range(key, 0, _numel(shape)).view(shape)
+
+    def read_range(self, key: str, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of weight or moment ``key``, flattened, read from the rank files they span
+        (``tiertrain export`` reads a large parameter in pieces so)."""
+        b_index, b, offset, _, _ = self.places[key]
+        kind, lo, hi = key.partition("::")[2] or "master", offset + lo, offset + hi
         if not b.sharded:
-            return self.files[b.rank].read_range(f"{b_index}::{kind}", offset, offset + n).view(shape)
+            return self.files[b.rank].read_range(f"{b_index}::{kind}", lo, hi)
         size, pieces = b.numel // self.smap.world, []
-        for r in range(offset // size, (offset + n - 1) // size + 1 if n else offset // size):
-            lo, hi = max(offset, r * size), min(offset + n, (r + 1) * size)
-            pieces.append(self.files[r].read_range(f"{b_index}::{kind}", lo - r * size, hi - r * size))
-        return (torch.cat(pieces) if pieces else torch.zeros(0)).view(shape)
+        for r in range(lo // size, (hi - 1) // size + 1 if hi > lo else lo // size):
+            a, z = max(lo, r * size), min(hi, (r + 1) * size)
+            pieces.append(self.files[r].read_range(f"{b_index}::{kind}", a - r * size, z - r * size))
+        return torch.cat(pieces) if pieces else torch.zeros(0)
 
 
 def check_shard_files(ckpt: Path, smap: ShardMap, expected: Mapping[str, TensorSpec],

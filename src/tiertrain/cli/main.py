@@ -612,6 +612,22 @@ def plan_cmd(out: str, png: str | None, **flags: Any) -> None:
         click.echo(f"timelines written to {png}")
 
 
+@cli.command("export", context_settings=CONTEXT)
+@click.argument("checkpoint", type=click.Path(file_okay=False))
+@click.option("--out", required=True, type=click.Path(file_okay=True), help="A new directory for the exported model.")
+@click.option("--dtype", default="fp32", show_default=True, type=click.Choice(["fp32", "bf16", "fp16"]),
+              help="The dtype the weights are written in (a checkpoint holds fp32 masters).")
+def export_cmd(checkpoint: str, out: str, dtype: str) -> None:
+    """Write a checkpoint (a run's --out: its newest; or a checkpoints/step-* directory), sharded or not,
+    as one safetensors state dict with its config: for a transformers model a directory from_pretrained
+    loads. Streamed: a bounded part of the weights in memory, whatever the model's size."""
+    from pathlib import Path
+
+    from tiertrain.checkpoint.export import export_checkpoint
+
+    export_checkpoint(Path(checkpoint), Path(out), dtype, say=click.echo)
+
+
 @cli.command("probe", context_settings=CONTEXT)
 @click.option("--disk", "disk_dir", type=click.Path(file_okay=False), help="Directory on the disk the disk tier will use.")
 @click.option("--out", type=click.Path(dir_okay=False), help="Write the description JSON here (for plan --machine).")

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +16,9 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 # Measured page sizes are cached per machine; tests must not write into the user's cache.
 import tempfile  # noqa: E402
 
-os.environ.setdefault("TIERTRAIN_CACHE_DIR", tempfile.mkdtemp(prefix="tiertrain-test-cache-"))
+if "TIERTRAIN_CACHE_DIR" not in os.environ:  # this run's own cache, removed as it ends (ranks it starts inherit it)
+    os.environ["TIERTRAIN_CACHE_DIR"] = tempfile.mkdtemp(prefix="tiertrain-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["TIERTRAIN_CACHE_DIR"], ignore_errors=True)
 
 REPO = Path(__file__).resolve().parents[1]
 

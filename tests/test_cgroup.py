@@ -118,8 +118,8 @@ def test_two_ranks_each_under_its_own_cap_train_a_model_4x_both_caps_with_states
     sharded over the ranks, homed on disk."""
     n = param_count(MODEL)
     assert n * STATE_BYTES_PER_PARAM >= 4 * 2 * CAP
-    if shutil.disk_usage(tmp_path).free < 10 << 30:
-        pytest.skip("needs 10 GiB of free disk: each rank's disk tier")
+    if shutil.disk_usage(tmp_path).free < 16 << 30:  # 10 GiB were too few once: the save ran out of space
+        pytest.skip("needs 16 GiB of free disk: each rank's disk tier (2.9 GB) and the checkpoint (5.8 GB)")
     (tmp_path / "model.json").write_text(json.dumps(MODEL.to_dict()))
     (tmp_path / "plan.json").write_text(PLAN.to_json())
     out = tmp_path / "run"

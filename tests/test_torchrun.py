@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import read_metrics
+from conftest import made, read_metrics
 
 TINY = ["--model", "tiny", "--batch-size", "4", "--seq-len", "32", "--grad-clip", "0", "--log-every", "1"]
 
@@ -67,6 +67,7 @@ def test_nproc_with_plan_auto_measures_on_rank_0_alone_and_every_rank_plans_alik
     default disk depth) and rechecks the prediction after the first steps; rank 1 takes them and trains
     the same plan (a plan it chose apart could issue other collectives and hang)."""
     monkeypatch.setenv("TIERTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TMPDIR", str(made(tmp_path / "tmp")))  # where torchrun would leave its logs
     out = tmp_path / "auto"
     r = _train(*TINY, "--plan", "auto", "--update", "overlap", "--steps", "6", "--disk", f"{tmp_path / 'disk'}:256MiB",
                "--out", str(out), "--nproc", "2")
@@ -78,6 +79,8 @@ def test_nproc_with_plan_auto_measures_on_rank_0_alone_and_every_rank_plans_alik
     assert (r.stdout + r.stderr).count("auto plan after 3 steps") == 1  # rank 0's line (its reporter's)
     assert "rank 1 waiting for" in r.stderr  # what rank 1 waited for, said
     assert len(_losses(out)) == 6
+    left = [p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith(("torchelastic_", "tiertrain-"))]
+    assert not left  # torchrun's agent logs removed (torch's inductor cache, shared by design, may stay)
 
 
 def test_a_bad_value_under_nproc_is_one_message_before_anything_starts(tmp_path):

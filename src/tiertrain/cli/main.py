@@ -181,7 +181,9 @@ def _check_layout(cfg: Any, nproc: int) -> None:
 
 def _torchrun(nproc: int) -> int:
     """``tiertrain train ... --nproc N``: the same command under torchrun, N processes on this machine."""
+    import shutil
     import subprocess
+    import tempfile
 
     args = sys.argv[1:]
     for i, a in enumerate(args):
@@ -191,11 +193,17 @@ def _torchrun(nproc: int) -> int:
         if a.startswith("--nproc="):
             del args[i]
             break
+    # torchrun keeps its agent's logs in a temporary directory it never removes (one per launch, left in
+    # TMPDIR): given one of ours, it is removed when the ranks are done
+    logs = tempfile.mkdtemp(prefix="tiertrain-torchrun-")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "tiertrain", *args]
+           f"--log-dir={logs}", "-m", "tiertrain", *args]
     threads = str(max(1, len(os.sched_getaffinity(0)) // nproc))
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={"OMP_NUM_THREADS": threads, **os.environ})
-    return _relay_ranks(proc)
+    try:
+        proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={"OMP_NUM_THREADS": threads, **os.environ})
+        return _relay_ranks(proc)
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
 
 
 _LAUNCHER = re.compile(r"^[WEI]\d{4} .*torch/distributed/elastic/.*")

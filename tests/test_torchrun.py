@@ -238,7 +238,8 @@ def test_torchrun_with_the_defaults_trains_plain_data_parallel_with_ddps_losses(
     ranks as plain data parallel (every block resident and replicated, gradients averaged, clipped by
     torch's own norm), where it was refused. Its losses are DDP's, bit for bit, on the same model, data
     and seed (the built-in default's clipping included)."""
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                f"--log-dir={tmp_path / 'torchrun-logs'}"]  # torchrun would leave its own in TMPDIR
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     r = subprocess.run([*torchrun, "-m", "tiertrain", "train", "--steps", "5", "--out", str(tmp_path / "run")],
                        capture_output=True, text=True, timeout=300, env=env)

@@ -25,6 +25,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -158,11 +159,12 @@ def worker(layout: str, b: ParallelBench) -> dict[str, Any]:
 
 
 def _launch(layout: str, world: int, b: ParallelBench) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           "-m", "tiertrain.bench.parallel", "--worker", "--layout", layout,
-           "--config", json.dumps(dataclasses.asdict(b))]
     env = {**os.environ, "OMP_NUM_THREADS": str(b.threads), "PYTHONUNBUFFERED": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    with tempfile.TemporaryDirectory(prefix="tiertrain-torchrun-") as logs:  # torchrun leaves its own otherwise
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+               f"--log-dir={logs}", "-m", "tiertrain.bench.parallel", "--worker", "--layout", layout,
+               "--config", json.dumps(dataclasses.asdict(b))]
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith(RESULT)]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"dp={world} {layout} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")

@@ -253,6 +253,14 @@ def test_a_transformers_model_built_in_ram_trains_under_a_cap_its_weights_and_th
     assert not list(tmp_path.iterdir())  # the disk tier's files removed as the interpreter exited
 
 
+def _first_auto_run(tmp_path: Path, model: str, device: int, host: int, disk: str, flags: str) -> str:
+    """``tiertrain train --plan auto`` of ``tmp_path/model`` with nothing cached (its own cache), states
+    on ``tmp_path/disk``, out in ``tmp_path/run``: a shell command for ``_run_capped``."""
+    return (f'env TIERTRAIN_CACHE_DIR={tmp_path / "cache"} "{sys.executable}" -m tiertrain.cli.main train '
+            f'--model {tmp_path / model} --plan auto --device-memory {device >> 20}MiB --host-memory '
+            f'{host >> 20}MiB --disk {tmp_path / "disk"}:{disk} {flags} --out {tmp_path / "run"}')
+
+
 FIRST_AUTO_MODEL = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 4,
                     "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 512,
                     "max_position_embeddings": 256, "tie_word_embeddings": False}
@@ -270,11 +278,8 @@ def test_a_small_models_first_plan_auto_measures_within_its_budgets_and_the_stat
     pytest.importorskip("transformers")
     (tmp_path / "llama.json").write_text(json.dumps(FIRST_AUTO_MODEL))
     (tmp_path / "disk").mkdir()
-    r, used = _run_capped("first-auto", FIRST_AUTO_CAP, (
-        f'env TIERTRAIN_CACHE_DIR={tmp_path / "cache"} "{sys.executable}" -m tiertrain.cli.main train --model '
-        f'{tmp_path / "llama.json"} --plan auto --device-memory {FIRST_AUTO_DEVICE >> 20}MiB --host-memory '
-        f'{FIRST_AUTO_HOST >> 20}MiB --disk {tmp_path / "disk"}:1GiB --steps 3 --batch-size 2 --seq-len 64 '
-        f'--out {tmp_path / "run"}'))
+    r, used = _run_capped("first-auto", FIRST_AUTO_CAP, _first_auto_run(
+        tmp_path, "llama.json", FIRST_AUTO_DEVICE, FIRST_AUTO_HOST, "1GiB", "--steps 3 --batch-size 2 --seq-len 64"))
     print(f"cgroup peak {used / 2**20:.0f} MiB beside the cap {FIRST_AUTO_CAP / 2**20:.0f} MiB")
     assert r.returncode == 0, f"exit {r.returncode} (-9: killed for memory)\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
     assert used <= FIRST_AUTO_CAP
@@ -302,11 +307,9 @@ def test_plan_auto_with_states_on_disk_trains_within_its_budgets_and_the_stated_
     assert n * STATE_BYTES_PER_PARAM >= 4 * (AUTO_DISK_DEVICE + AUTO_DISK_HOST)
     (tmp_path / "model.json").write_text(json.dumps(AUTO_DISK_MODEL.to_dict()))
     (tmp_path / "disk").mkdir()
-    r, used = _run_capped("auto-disk", AUTO_DISK_CAP, (
-        f'env TIERTRAIN_CACHE_DIR={tmp_path / "cache"} "{sys.executable}" -m tiertrain.cli.main train --model '
-        f'{tmp_path / "model.json"} --plan auto --update overlap --grad-clip 0 --device-memory '
-        f'{AUTO_DISK_DEVICE >> 20}MiB --host-memory {AUTO_DISK_HOST >> 20}MiB --disk {tmp_path / "disk"}:4GiB '
-        f'--steps 2 --batch-size 1 --seq-len 64 --out {tmp_path / "run"}'))
+    r, used = _run_capped("auto-disk", AUTO_DISK_CAP, _first_auto_run(
+        tmp_path, "model.json", AUTO_DISK_DEVICE, AUTO_DISK_HOST, "4GiB",
+        "--update overlap --grad-clip 0 --steps 2 --batch-size 1 --seq-len 64"))
     print(f"cgroup peak {used / 2**20:.0f} MiB beside the cap {AUTO_DISK_CAP / 2**20:.0f} MiB; model states "
           f"{n * STATE_BYTES_PER_PARAM / 2**30:.2f} GiB")
     assert r.returncode == 0, f"exit {r.returncode} (-9: killed for memory)\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"

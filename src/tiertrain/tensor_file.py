@@ -44,6 +44,9 @@ class TensorSpec:
         return n
 
 
+PIECE_BYTES = 64 << 20  # what a streamed write holds of one tensor at a time (``TensorStream.pieces``)
+
+
 @dataclass(frozen=True)
 class TensorStream:
     """Tensors named up front, produced in that order only when written (``tensors`` may read them

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import shutil
 import time
@@ -27,10 +28,9 @@ from tiertrain.checkpoint.atomic import fsync_path
 from tiertrain.checkpoint.run import find_checkpoint, read_json, read_trainer, verify_files
 from tiertrain.checkpoint.sharded import ShardedTensors, ShardMap, check_shard_files
 from tiertrain.errors import CheckpointError, OutputError
-from tiertrain.tensor_file import LazyTensors, TensorSpec, TensorStream, write_streamed
+from tiertrain.tensor_file import PIECE_BYTES, LazyTensors, TensorSpec, TensorStream, write_streamed
 from tiertrain.units import format_bytes
 
-PIECE_BYTES = 64 << 20
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _F32 = torch.float32
 
@@ -44,7 +44,7 @@ class Weights:
 
     @property
     def nbytes(self) -> int:
-        return sum(_numel(s) for s in self.shapes.values()) * _F32.itemsize
+        return sum(math.prod(s) for s in self.shapes.values()) * _F32.itemsize
 
 
 def export_checkpoint(path: Path, out: Path, dtype: str = "fp32", say: Callable[[str], None] = print) -> Path:
@@ -143,7 +143,7 @@ def _plain(ckpt: Path) -> Weights:
         if len(shape) == 0:
             yield tensors[name].reshape(-1)
             return
-        rows = max(1, PIECE_BYTES // max(1, _numel(shape[1:]) * _F32.itemsize))
+        rows = max(1, PIECE_BYTES // max(1, math.prod(shape[1:]) * _F32.itemsize))
         for lo in range(0, shape[0], rows):
             yield tensors.read_range(name, lo, min(shape[0], lo + rows)).reshape(-1)
 
@@ -158,7 +158,7 @@ def _sharded(ckpt: Path, smap: ShardMap) -> Weights:
     step = PIECE_BYTES // _F32.itemsize
 
     def pieces(name: str) -> Iterator[torch.Tensor]:
-        n = _numel(shapes[name])
+        n = math.prod(shapes[name])
         for lo in range(0, n, step):
             yield tensors.read_range(name, lo, min(n, lo + step))
 
@@ -172,10 +172,3 @@ def _config(ckpt: Path, dtype: torch.dtype) -> dict:
     if not isinstance(config, dict):
         raise CheckpointError(f"{ckpt / 'config.json'} does not describe a model (not a mapping); it is damaged")
     return {**config, "torch_dtype": str(dtype).removeprefix("torch.")}
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -10,6 +10,7 @@ solver accepts fits. Host and disk are checked after the device search (``costs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import random
@@ -64,13 +65,13 @@ class Problem:
     def disk(self) -> int:
         return self.budgets.disk
 
-    @property
+    @functools.cached_property
     def unit(self) -> float:
         """The device bytes of one level: the room the blocks compete for (the budget less the bytes no
         switch removes, at their fewest) over ``levels``, not the whole budget: a 2 GiB budget that a
         1.7B's fixed bytes leave 246 MiB of gave its 24 recomputed blocks 16 MiB levels for 0.6 MB each
         (24 levels of 15), and no plan fit."""
-        free = self.device - costs.fixed_device_bytes(self.profile, 1, False)
+        free = self.device - costs.fixed_device_bytes(self.profile, 1, False)  # once: every level() divides by it
         return max(free if free > 0 else self.device, 1) / self.levels
 
     def capacity(self, window: int, any_stream: bool) -> int:

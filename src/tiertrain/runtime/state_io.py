@@ -8,7 +8,7 @@ checkpoint resumes into a tiered run and back.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
@@ -19,9 +19,8 @@ from tiertrain.optim.hparams import MOMENTS
 from tiertrain.plan.bytes import in_pieces
 from tiertrain.runtime.block_group import F32, BlockGroup
 from tiertrain.runtime.runtime import Runtime
-from tiertrain.tensor_file import TensorSpec, TensorStream
+from tiertrain.tensor_file import PIECE_BYTES, TensorSpec, TensorStream
 
-PIECE_BYTES = 64 << 20  # what a checkpoint holds of one parameter's state at a time
 
 
 
@@ -66,21 +65,34 @@ def _stepped(st: BlockGroup) -> list[int]:
     return [i for i in range(len(st.params)) if float(st.steps[i]) > 0]
 
 
+# what a stream writes: a tensor as it is, or parameter i's values in a group's state chunk
+_Item = torch.Tensor | tuple[BlockGroup, Chunk, int]
+
+
 def weight_stream(rt: Runtime) -> TensorStream:
     """The fp32 masters, one parameter in memory at a time (read from disk where they live)."""
     rt.wait_updates()
     specs = [TensorSpec(n, F32, tuple(p.shape)) for st in rt.groups for n, p in st.block.params]
 
-    def tensors() -> Iterator[torch.Tensor]:
+    def items() -> Iterator[_Item]:
         for st in rt.groups:
             release_free_heap()  # the last block's buffer, freed, would stay in the heap (memory.heap)
-            yield from (_param_of(rt, st, st.master, i) for i in range(len(st.layout.slots)))
+            yield from ((st, st.master, i) for i in range(len(st.layout.slots)))
+    return _stream(rt, specs, items)
+
+
+def _stream(rt: Runtime, specs: list[TensorSpec], items: Callable[[], Iterator[_Item]]) -> TensorStream:
+    """``items`` as whole tensors (``TensorStream.tensors``) and in pieces (what a checkpoint writes)."""
+    def tensors() -> Iterator[torch.Tensor]:
+        for it in items():
+            yield it if isinstance(it, torch.Tensor) else _param_of(rt, *it)
 
     def pieces() -> Iterator[torch.Tensor]:
-        for st in rt.groups:
-            release_free_heap()
-            for i in range(len(st.layout.slots)):
-                yield from _param_pieces(rt, st, st.master, i)
+        for it in items():
+            if isinstance(it, torch.Tensor):
+                yield it
+            else:
+                yield from _param_pieces(rt, *it)
     return TensorStream(specs, tensors, pieces)
 
 
@@ -93,12 +105,11 @@ def _param_of(rt: Runtime, st: BlockGroup, chunk: Chunk, i: int) -> torch.Tensor
     return _values(rt, chunk, s.offset, s.numel).view(s.shape)
 
 
-def _param_pieces(rt: Runtime, st: BlockGroup, chunk: Chunk, i: int, piece: int | None = None
-                  ) -> Iterator[torch.Tensor]:
+def _param_pieces(rt: Runtime, st: BlockGroup, chunk: Chunk, i: int) -> Iterator[torch.Tensor]:
     """Parameter ``i``'s values in a state chunk, as ``_param_of`` gives them, in pieces of at most
-    ``piece`` bytes: one piece in memory at a time (flat fp32)."""
+    ``PIECE_BYTES``: one piece in memory at a time (flat fp32)."""
     s = st.layout.slots[i]
-    step = (piece or PIECE_BYTES) // F32.itemsize
+    step = PIECE_BYTES // F32.itemsize
     for lo in range(0, s.numel, step):
         yield _values(rt, chunk, s.offset + lo, min(step, s.numel - lo))
 
@@ -116,21 +127,13 @@ def optimizer_stream(rt: Runtime) -> TensorStream:
     specs = [TensorSpec(f"{st.block.params[i][0]}::{k}", F32, () if k == "step" else tuple(st.params[i].shape))
              for st in rt.groups for i in _stepped(st) for k in ("step", *MOMENTS)]
 
-    def tensors() -> Iterator[torch.Tensor]:
+    def items() -> Iterator[_Item]:
         for st in rt.groups:
             release_free_heap()
             for i in _stepped(st):
                 yield st.steps[i].detach().clone()
-                yield from (_param_of(rt, st, getattr(st, k), i) for k in MOMENTS)  # one read at a time
-
-    def pieces() -> Iterator[torch.Tensor]:
-        for st in rt.groups:
-            release_free_heap()
-            for i in _stepped(st):
-                yield st.steps[i].detach().clone()
-                for k in MOMENTS:
-                    yield from _param_pieces(rt, st, getattr(st, k), i)
-    return TensorStream(specs, tensors, pieces)
+                yield from ((st, getattr(st, k), i) for k in MOMENTS)  # one read at a time
+    return _stream(rt, specs, items)
 
 
 def export_state(rt: Runtime) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -20,6 +20,10 @@ if "TIERTRAIN_CACHE_DIR" not in os.environ:  # this run's own cache, removed as 
     os.environ["TIERTRAIN_CACHE_DIR"] = tempfile.mkdtemp(prefix="tiertrain-test-cache-")
     atexit.register(shutil.rmtree, os.environ["TIERTRAIN_CACHE_DIR"], ignore_errors=True)
 
+# Every collective is held to its side (device-tier tensors to the device group, host memory to the CPU
+# group: ``tiertrain.parallel.placement``), in this process and in every rank it starts.
+os.environ["TIERTRAIN_CHECK_COLLECTIVES"] = "1"
+
 REPO = Path(__file__).resolve().parents[1]
 
 

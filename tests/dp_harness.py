@@ -72,6 +72,36 @@ def ddp_losses(rank: int, accum: int, clip: float | None) -> list[float]:
                  ddp.no_sync)
 
 
+def per_micro_losses(rank: int, accum: int) -> list[float]:
+    """Plain PyTorch where each micro-batch's gradients are all-reduced and averaged as its backward
+    ends and the averages summed over the micro-batches: what FSDP2 and ZeRO-3 do with accumulation by
+    default, and what tiertrain's data parallel does (no rank keeps a whole block's gradients across
+    micro-batches). DDP's ``no_sync`` sums the micro-batches first, another order of the same sum."""
+    from tiertrain.train.objective import lm_loss
+
+    model, opt = _fresh()
+    world = dist.get_world_size()
+    data, losses = rank_batches(rank, STEPS * accum), []
+    for s in range(STEPS):
+        total, summed = 0.0, {}
+        for a in range(accum):
+            b = data[s * accum + a]
+            loss = lm_loss(model, b[:, :-1], b[:, 1:]) / accum
+            loss.backward()
+            total += loss.item()
+            for p in model.parameters():
+                grad, p.grad = p.grad, None
+                dist.all_reduce(grad)
+                grad.div_(world)
+                summed[p] = summed[p].add_(grad) if p in summed else grad
+        for p, grad in summed.items():
+            p.grad = grad
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses
+
+
 def tiered_losses(rank: int, plan, update: str, accum: int, clip: float | None, disk: Path) -> tuple[list[float], int]:
     import tiertrain
     from tiertrain.memory import Budgets, Tier
@@ -83,6 +113,7 @@ def tiered_losses(rank: int, plan, update: str, accum: int, clip: float | None, 
     try:  # over several ranks too the device pool maps what the plan counts (a count short of what the run
         # allocates fails the run: "the plan's count is short, a bug in tiertrain")
         assert tm.runtime.mem.pool(Tier.DEVICE).capacity == tm.runtime.plan.resolved.device < budgets.device
+        assert type(tm.runtime.comm).__name__ == "PlacementChecked"  # every call below held to its side
         before = tm.runtime.comm.sent
         losses = _loop(tm, topt, rank, accum, clip, lambda c: torch.nn.utils.clip_grad_norm_(tm.parameters(), c))
         return losses, tm.runtime.comm.sent - before

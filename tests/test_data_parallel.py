@@ -9,7 +9,7 @@ import functools
 import pytest
 
 from dp_harness import (TINY4, agreed_auto_setup, agreed_budgets, ddp_losses, failure_on_rank0, gather_events,
-                        mismatched_collective, mismatched_setup, recheck_on_rank0, reduction_events, run_ranks,
+                        mismatched_collective, mismatched_setup, per_micro_losses, recheck_on_rank0, reduction_events, run_ranks,
                         sent_per_step, tiered_losses)
 from tiertrain.parallel import ring_bytes
 from tiertrain.memory import Tier
@@ -33,6 +33,7 @@ def dp2(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dp2")
     jobs = [(("ddp", accum, clip), functools.partial(ddp_losses, accum=accum, clip=clip))
             for accum in (1, 2) for clip in (None, 0.5)]
+    jobs += [(("per micro-batch", 2), functools.partial(per_micro_losses, accum=2))]
     jobs += [((plan, update, accum, None), functools.partial(tiered_losses, plan=PLANS[plan], update=update,
                                                              accum=accum, clip=None, disk=tmp / f"{plan}{update}{accum}"))
              for plan, update, accum in CASES]
@@ -91,7 +92,8 @@ def test_lockfree_at_staleness_zero_keeps_its_meaning_per_shard_and_equals_ddp(d
 @pytest.fixture(scope="module")
 def dp4(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dp4")
-    jobs = [(("ddp", accum), functools.partial(ddp_losses, accum=accum, clip=None)) for accum in (1, 2)]
+    jobs = [(("ddp", 1), functools.partial(ddp_losses, accum=1, clip=None)),
+            (("ddp", 2), functools.partial(per_micro_losses, accum=2))]  # reduced per micro-batch, as tiertrain
     jobs += [((plan, accum), functools.partial(tiered_losses, plan=PLANS[plan], update="sync", accum=accum, clip=None,
                                                disk=tmp / f"{plan}{accum}")) for plan in ("resident", "stream")
              for accum in (1, 2)]
@@ -114,9 +116,15 @@ def test_at_dp4_sharded_plans_equal_ddp_within_the_rounding_of_a_four_way_sum(dp
 
 @pytest.mark.parametrize("plan, update, accum", CASES)
 def test_sharded_plans_equal_ddp_bitwise_at_dp2(dp2, plan, update, accum):
+    """With accumulation each micro-batch's gradients are reduced as its backward ends (the shards are
+    what a rank keeps): bitwise the plain loop that does so, and not DDP's ``no_sync`` order, which
+    sums the micro-batches first (checked to differ on some rank, so the comparison tells them apart)."""
+    want = ("ddp", 1, None) if accum == 1 else ("per micro-batch", 2)
     for rank in (0, 1):
         losses, _ = dp2[((plan, update, accum, None), rank)]
-        assert losses == dp2[(("ddp", accum, None), rank)]
+        assert losses == dp2[(want, rank)]
+    if accum == 2:
+        assert any(dp2[((plan, update, 2, None), r)][0] != dp2[(("ddp", 2, None), r)] for r in (0, 1))
 
 
 def test_a_replicated_layout_equals_ddp_bitwise_too(dp2):

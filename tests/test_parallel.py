@@ -100,3 +100,33 @@ def test_a_failed_collective_is_a_lost_rank_only_where_a_heartbeat_stopped(monke
     assert "rerun with TORCH_DISTRIBUTED_DEBUG=DETAIL" in str(own)
     monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
     assert "TORCH_DISTRIBUTED_DEBUG" not in str(failure(Beats([]), exc, "all_gather"))
+
+
+def test_the_placement_check_holds_each_side_to_its_memory_on_a_cpu_machine_too():
+    """Every tier is host memory here, yet the memory system knows which pool a tensor lies in: the
+    device group takes views of the device pool (an all-to-all's rows, activations, anything but a host
+    pool's), the CPU group anything but the device pool. Each refusal names the call and the tier."""
+    from tiertrain.memory import Budgets, Kind, MemorySystem, Tier
+    from tiertrain.parallel.placement import MisplacedTensor, PlacementChecked, checked
+
+    with MemorySystem(Budgets(1 << 20, 1 << 20, 0), page_size=4096) as mem:
+        on_device = mem.allocate("d", 4096, Tier.DEVICE, Kind.GRAD, contiguous=True).typed(torch.float32)
+        on_host = mem.allocate("h", 4096, Tier.HOST, Kind.GRAD, contiguous=True).typed(torch.float32)
+        plain = torch.zeros(8)
+        assert [mem.tier_of(t) for t in (on_device[3:], on_host, plain)] == [Tier.DEVICE, Tier.HOST, None]
+        comm = PlacementChecked(LocalCollectives(), mem.tier_of)
+        comm.all_reduce(on_device)
+        comm.reduce_scatter(on_device, on_device)
+        comm.host.all_reduce(plain)
+        comm.host.broadcast(on_host)
+        comm.all_to_all(plain, plain, [8], [8])  # rows: activations beside the pools
+        for call in (lambda: comm.all_reduce(on_host), lambda: comm.broadcast(plain),
+                     lambda: comm.all_gather(on_device, on_host[:1024]), lambda: comm.host.all_reduce(on_device),
+                     lambda: comm.all_to_all(on_host[:8], plain, [8], [8])):
+            with pytest.raises(MisplacedTensor, match="internal: (all_reduce|broadcast|all_gather|all_to_all) on the "
+                                                      "(device|host) group was given a tensor of"):
+                call()
+        with pytest.raises(MisplacedTensor, match="host tier; the device group takes device-tier memory only"):
+            comm.all_reduce(on_host)
+        assert checked(comm, mem.tier_of) is comm and comm.host.host is comm.host  # wrapped once
+        assert os.environ["TIERTRAIN_CHECK_COLLECTIVES"] == "1"  # on for the suite and the ranks it starts

@@ -194,7 +194,7 @@ def test_bounded_gradients_of_mixed_sizes_always_find_their_run_in_what_the_budg
     page, workers = 4096, 1
     blocks, rest = [243 * page] * 8, 456 * page  # the 24-layer d=2304 GPT's proportions: embeddings = 1.9 blocks
     sizes = blocks[::-1] + [rest]  # backward order: the blocks, then the embeddings and head
-    need = alive_grad_bytes(sizes, sizes, workers, 1, page, bound=False)
+    need = alive_grad_bytes(sizes, workers, 1, page, bound=False)
     _churn(PageTable(need // page, page, share_pages=True), sizes, workers + 1, 3, top=rest)
     before = sum(sorted(sizes, reverse=True)[: workers + 1])
     with pytest.raises(PagesExhausted):

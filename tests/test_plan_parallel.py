@@ -21,6 +21,8 @@ from tiertrain.planner.solvers import Problem
 
 MiB = 1 << 20
 N_BLOCKS, PARAMS, REST = 4, 2_000_000, 1_000_000
+# the device holds every block resident and, with data parallel, two blocks' gradients being reduced
+# (``plan.bytes.reduce_staging``): 72 MiB holds both layouts resident
 RATE = 1e9
 
 
@@ -40,7 +42,7 @@ def _states_bytes() -> int:
 def test_where_the_cpu_updates_dominate_sharding_is_chosen_each_rank_updates_half():
     """With states in host, each rank of a sharded plan updates half of them: where the CPU updates
     take longer than what the extra all-gathers cost, sharding wins."""
-    pb = Problem.sized(_profile(2, adam=1e8), Budgets(device=40 * MiB, host=4 * _states_bytes()))
+    pb = Problem.sized(_profile(2, adam=1e8), Budgets(device=72 * MiB, host=4 * _states_bytes()))
     chosen, cands = choose_layout(pb, ("dp",), "sync", True, 1)
     plan = chosen.plan
     assert plan.parallel.dp == 2 and all(b.shard for b in (*plan.blocks, plan.rest))
@@ -49,12 +51,23 @@ def test_where_the_cpu_updates_dominate_sharding_is_chosen_each_rank_updates_hal
     assert ddp.sim.timeline.busy("cpu") == pytest.approx(2 * chosen.sim.timeline.busy("cpu"), rel=0.01)
 
 
+def test_a_device_that_holds_sharded_states_keeps_the_sharded_layout_among_the_candidates():
+    """A resident sharded block's slot holds the whole block beside its master's shard (no
+    ``master_in_slot``): the solver counted no slot for it, homed the states on the device where they
+    did not fit, and the sharded layout vanished from plan auto's candidates at 72 MiB and above."""
+    for device in (72, 128):
+        pb = Problem.sized(_profile(2, adam=1e8), Budgets(device=device * MiB, host=4 * _states_bytes()))
+        chosen, cands = choose_layout(pb, ("dp",), "sync", True, 1)
+        assert "auto/dp/sharded x2" in {c.plan.name for c in cands if c.plan is not None}, device
+        assert chosen.plan.name == "auto/dp/sharded x2"
+
+
 def test_where_updates_are_quick_and_reduce_scatter_is_an_all_reduce_as_over_gloo_ddp_is_chosen():
     """DDP's all-reduce runs under the next block's backward; ZeRO-2's all-gather of the new params
     follows the update: where updates are quick, replicating is faster."""
     gloo = Network(2, True, all_gather_bps=RATE, reduce_scatter_bps=RATE / 2, all_reduce_bps=RATE,
                    all_to_all_bps=RATE, source="as gloo measures")
-    pb = Problem.sized(_profile(2, network=gloo), Budgets(device=40 * MiB, host=4 * _states_bytes()))
+    pb = Problem.sized(_profile(2, network=gloo), Budgets(device=72 * MiB, host=4 * _states_bytes()))
     chosen, _ = choose_layout(pb, ("dp",), "sync", True, 1)
     assert chosen.plan.name == "auto/dp/replicated x2"
     assert not any(b.shard for b in (*chosen.plan.blocks, chosen.plan.rest))

@@ -561,7 +561,7 @@ def test_overlap_bounds_the_gradients_in_host_only_where_the_host_budget_needs_i
             stats = tm.runtime.mem.stats()["host"]
             assert stats["pages_peak_bytes"] <= host
             own = [st.nbytes for st in tm.runtime.groups]
-            reserved = alive_grad_bytes(own, own, plan.update_workers, 1, 0)
+            reserved = alive_grad_bytes(own, plan.update_workers, 1, 0)
             # bounded: never more grad chunks than the budget reserved (the blocks' and the rest's, whose chunk a
             # tied weight's head gradient fills from backward's start: runtime.tied), counting those an update
             # holds; else all at once

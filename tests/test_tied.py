@@ -47,7 +47,7 @@ def _run(spec, update: str, bounded: bool, accum: int = 1):
         assert rt.bounded_grads is bounded
         losses = _loop(tm, topt, tm.clip_grad_norm_, 3, accum, None)
         stats = rt.mem.stats()["host"]
-        reserved = alive_grad_bytes([g.nbytes for g in rt.groups], [], plan.update_workers, 1, 0)
+        reserved = alive_grad_bytes([g.nbytes for g in rt.groups], plan.update_workers, 1, 0)
     finally:
         rt.close()
         rt.mem.close()
@@ -178,7 +178,7 @@ def test_a_tied_embedding_updated_in_pieces_has_its_head_gradient_in_the_device_
         rt.close()
         rt.mem.close()
     assert losses == train_plain(spec, 3, 1, None)
-    reserved = alive_grad_bytes([g.nbytes for g in rt.groups], [], plan.update_workers, 1, 0)
+    reserved = alive_grad_bytes([g.nbytes for g in rt.groups], plan.update_workers, 1, 0)
     assert seen == [True] * 3 and peak == reserved <= bounded_grads(numels, plan, 4096)[Tier.DEVICE]
 
 

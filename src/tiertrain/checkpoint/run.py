@@ -265,7 +265,7 @@ def _save_sharded(out: Path, ts: TrainState, state: TrainerState, keep: int, com
         except (OSError, SafetensorError) as exc:
             error = exc
         flag = torch.tensor([1.0 if error is not None else 0.0])
-        comm.all_reduce(flag, op="max")
+        comm.host.all_reduce(flag, op="max")
         if flag.item():
             if rank0:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -285,7 +285,7 @@ def _save_sharded(out: Path, ts: TrainState, state: TrainerState, keep: int, com
     stage(prepare)
     stage(lambda: crc.__setitem__(0, write_rank_file(tmp, ts.rt)))
     crcs = torch.zeros(comm.world_size, dtype=torch.int64)
-    comm.all_gather(crcs, torch.tensor([crc[0]], dtype=torch.int64))
+    comm.host.all_gather(crcs, torch.tensor([crc[0]], dtype=torch.int64))
     stage(lambda: _publish_sharded(root, tmp, final, ts, state, crcs.tolist()) if rank0 else None)
     if rank0:
         _prune(root, keep, final.name)

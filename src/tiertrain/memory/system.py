@@ -76,6 +76,18 @@ class MemorySystem:
         self.accounting.add(tier, kind, nbytes)
         return chunk
 
+    def tier_of(self, t: torch.Tensor) -> Tier | None:
+        """The memory pool ``t`` lies in (None: outside the device and host pools): what
+        ``parallel.placement`` holds each collective's tensors to, on a CPU machine too."""
+        if t.numel() == 0:
+            return None
+        ptr = t.data_ptr()
+        for tier in (Tier.DEVICE, Tier.HOST):
+            buf = self.pools[tier].buffer
+            if buf.device == t.device and buf.numel() and buf.data_ptr() <= ptr < buf.data_ptr() + buf.numel():
+                return tier
+        return None
+
     def from_tensor(self, name: str, tensor: torch.Tensor, tier: Tier, kind: Kind = Kind.OTHER) -> Chunk:
         """A chunk holding ``tensor``'s bytes, on any tier (disk is written and waited for)."""
         data = _bytes_of(tensor)

@@ -7,6 +7,12 @@ every collective is the identity; ``distributed`` runs them over a ``torch.distr
 group (gloo on CPU, NCCL on GPUs). Every rank must issue the same collectives in the same order:
 the runtime issues them from the thread that runs the step (never from optimizer workers).
 
+Two sides, the same ranks: the collectives themselves take device-tier tensors (chunks in the memory
+system's device pool, and activations), what NCCL moves on a GPU machine; their ``host`` takes host
+memory (flags, counts, norms, setup's and checkpoints' transfers), over a CPU group (gloo), since NCCL
+refuses a host tensor. On a CPU machine both may be one gloo group: ``parallel.placement`` checks,
+in the test suite, that each call still gets a tensor of its side.
+
 ``sent`` counts the bytes this rank puts on the wire, by the ring algorithms' formulas (an
 all-gather or reduce-scatter of B bytes sends (N-1)/N x B, an all-reduce twice that): what
 ``bench`` and the tests hold against the per-step formulas of DDP, ZeRO-2 and ZeRO-3. An
@@ -28,6 +34,7 @@ class Collectives(Protocol):
     rank: int
     world_size: int
     sent: int
+    host: Collectives  # the same ranks, for host-memory tensors (itself where one group serves both)
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Waitable | None:
         """``out`` (world_size x shard's numel) receives every rank's ``shard``, in rank order."""

@@ -28,9 +28,12 @@ class ProcessGroupCollectives:
     """Every call turns a peer's loss into one ``RankLost`` that names it, and any other failure into
     ``CollectiveFailed`` in the backend's words (``parallel.health.failure``)."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None, heartbeat: Heartbeat | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, heartbeat: Heartbeat | None = None,
+                 host_group: dist.ProcessGroup | None = None) -> None:
         """``group``: None for the whole run's ranks; a subgroup (expert parallel's) shares the run's
-        ``heartbeat``, which names the run's ranks."""
+        ``heartbeat``, which names the run's ranks. ``host_group``: a gloo group of the same ranks for
+        host tensors, where ``group`` is not gloo (a subgroup's, made by every rank as ``new_group``
+        requires); None for the whole run makes one here (every rank constructs the run's alike)."""
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -40,6 +43,16 @@ class ProcessGroupCollectives:
         self._gather = _flat_call("all_gather_single", "all_gather_into_tensor")
         self._scatter = _flat_call("reduce_scatter_single", "reduce_scatter_tensor")
         self._gloo = dist.get_backend(group) == "gloo"
+        self.host = self if self._gloo else self._host_side(host_group)
+
+    def _host_side(self, host_group: dist.ProcessGroup | None) -> ProcessGroupCollectives:
+        """The same ranks over gloo: NCCL refuses host tensors (flags, counts, norms, setup's and
+        checkpoints' transfers go there)."""
+        if host_group is None:
+            if self.group is not None:
+                raise ValueError("internal: a subgroup's host group is made with it, by every rank")
+            host_group = dist.new_group(backend="gloo")
+        return ProcessGroupCollectives(host_group, heartbeat=self.heartbeat)
 
     def _count(self, kind: str, t: torch.Tensor) -> None:
         self.sent += ring_bytes(kind, t.numel() * t.element_size(), self.world_size)

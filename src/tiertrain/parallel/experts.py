@@ -24,6 +24,7 @@ from tiertrain.errors import ConfigError
 from tiertrain.parallel.collectives import Collectives
 from tiertrain.parallel.expert_layer import ExpertLayer, expert_layers
 from tiertrain.parallel.local import LocalCollectives
+from tiertrain.parallel.placement import checked_like
 
 
 class ExpertParallel:
@@ -54,7 +55,7 @@ class ExpertParallel:
         per = moe.n_experts // self.ep
         counts = torch.tensor([r.numel() for r in rows], dtype=torch.int64)
         got = torch.empty_like(counts)  # got[src * per + j]: rows rank src sends to this rank's expert j
-        self.a2a.all_to_all(got, counts)
+        self.a2a.host.all_to_all(got, counts)  # host memory: the splits are Python ints on every backend
         sends = counts.view(self.ep, per).sum(1).tolist()
         recvs = got.view(self.ep, per).sum(1).tolist()
         picked = [tokens.index_select(0, r) for r in rows if r.numel()]
@@ -155,15 +156,18 @@ def _subgroups(world: Collectives, dp: int, ep: int) -> tuple[Collectives, Colle
 
     from tiertrain.parallel.distributed import ProcessGroupCollectives
 
+    gloo = dist.get_backend() == "gloo"  # else each group has a gloo twin for its host tensors (token counts)
     rank, mine = world.rank, {}
     for k in range(dp // ep):
-        group = dist.new_group(list(range(k * ep, (k + 1) * ep)))
+        ranks = list(range(k * ep, (k + 1) * ep))
+        groups = (dist.new_group(ranks), None if gloo else dist.new_group(ranks, backend="gloo"))
         if k == rank // ep:
-            mine["a2a"] = group
+            mine["a2a"] = groups
     for j in range(ep):
-        group = dist.new_group(list(range(j, dp, ep)))
+        ranks = list(range(j, dp, ep))
+        groups = (dist.new_group(ranks), None if gloo else dist.new_group(ranks, backend="gloo"))
         if j == rank % ep:
-            mine["replicas"] = group
+            mine["replicas"] = groups
     beat = getattr(world, "heartbeat", None)
-    return (ProcessGroupCollectives(mine["a2a"], heartbeat=beat),
-            ProcessGroupCollectives(mine["replicas"], heartbeat=beat))
+    made = [ProcessGroupCollectives(g, heartbeat=beat, host_group=h) for g, h in (mine["a2a"], mine["replicas"])]
+    return checked_like(world, made[0]), checked_like(world, made[1])

@@ -19,6 +19,7 @@ class LocalCollectives:
 
     def __init__(self) -> None:
         self.sent = 0
+        self.host = self
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Done | None:
         _copy_unless_same(out, shard)

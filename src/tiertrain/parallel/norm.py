@@ -24,9 +24,9 @@ def sharded_norm(parts: list[tuple[Collectives, list[torch.Tensor]]], whole: lis
     total = norms(whole).max() if inf else norms(whole).pow(norm_type).sum()
     combined = []
     for comm, pieces in parts:
-        mine = (norms(pieces).max() if inf else norms(pieces).pow(norm_type).sum()).reshape(1).float()
-        comm.all_reduce(mine, op="max" if inf else "sum")
-        combined.append(mine[0])
+        mine = (norms(pieces).max() if inf else norms(pieces).pow(norm_type).sum()).reshape(1).float().cpu()
+        comm.host.all_reduce(mine, op="max" if inf else "sum")  # one number: over the CPU group
+        combined.append(mine[0].to(total.device))
     if inf:
         return torch.stack([*combined, total]).max()
     for c in combined:

@@ -86,6 +86,20 @@ def updated_away(bp: BlockPlan) -> bool:
     return bp.home is not Tier.DEVICE
 
 
+REDUCTIONS_IN_FLIGHT = 1  # data parallel: a block's reduction runs under the next block's backward (runtime.reduction)
+
+
+def reduce_staging(full: list[int], parts: list[int], dp: int, page: int, bound: bool = True) -> int:
+    """Device bytes data parallel's gradient reductions take at once (``dp`` > 1): the stage of the
+    block whose backward runs and of each reduction in flight, each a whole block's fp32 gradients
+    (``full``), and beside a sharded one the shard it is reduce-scattered into (``parts``, 0: all-reduced
+    in place), for the largest block."""
+    if dp == 1 or not full:
+        return 0
+    return (REDUCTIONS_IN_FLIGHT + 1) * max(pages(f, page, bound) + (pages(s, page, bound) if s else 0)
+                                            for f, s in zip(full, parts))
+
+
 PIECE_BUFFERS = 3  # per update worker: the piece being read, the one being updated, the one being written
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from tiertrain.errors import ConfigError, UserError
 from tiertrain.plan.budgets import Budgets
-from tiertrain.plan.bytes import (F32_BYTES, MIN_PAGE, PIECE_BUFFERS, disk_states, experts_plan, grad_tier,
+from tiertrain.plan.bytes import (F32_BYTES, MIN_PAGE, PIECE_BUFFERS, reduce_staging, disk_states, experts_plan, grad_tier,
                                   in_pieces, master_in_slot, pages, piece_bytes, separate_param_home, sharded,
                                   state_homes, updated_away)
 from tiertrain.plan.plan import BlockPlan, Plan, Resolved, builtin_plan
@@ -113,33 +113,32 @@ def bounded_grads(sizes: "Sizes | Sequence[int]", plan: Plan, page: int, bound: 
         away = [(n * F32_BYTES, p) for n, p in zip(numels, plans) if updated_away(p) and grad_tier(p) is tier]
         if away:
             own = [-(-f // dp) if sharded(p, plan) else f for f, p in away]
-            out[tier] = alive_grad_bytes(own, [f for f, _ in away], plan.update_workers, dp, page, bound)
+            out[tier] = alive_grad_bytes(own, plan.update_workers, dp, page, bound)
     return out
 
 
-def grad_floors(own: Sequence[int], whole: Sequence[int], dp: int) -> tuple[int, int, int]:
-    """The layout of one tier's bounded grad chunks (``own``: this rank's bytes of each, ``whole``: each
-    block's before reduction): (the size a chunk takes, a whole block's sum, the size kept at the pool's
-    far end). Chunks of mixed sizes (a wide embedding's beside the blocks') fragment a pool until a
-    contiguous one no longer fits a budget that holds its bytes: so in one process the largest size
-    goes to the far end of the pool and every other chunk is as large as the largest of the others;
-    over several ranks every chunk is as large as the largest, beside the largest whole block being
-    reduced. The runtime lays them out so (``Runtime.wire``), ``alive_grad_bytes`` counts them so."""
+def grad_floors(own: Sequence[int], dp: int) -> tuple[int, int]:
+    """The layout of one tier's bounded grad chunks (``own``: this rank's bytes of each): (the size a
+    chunk takes, the size kept at the pool's far end). Chunks of mixed sizes (a wide embedding's beside
+    the blocks') fragment a pool until a contiguous one no longer fits a budget that holds its bytes:
+    so in one process the largest size goes to the far end of the pool and every other chunk is as
+    large as the largest of the others; over several ranks every chunk is as large as the largest (a
+    micro-batch's part lands in a fresh chunk beside the block's sum). The runtime lays them out so
+    (``Runtime.wire``), ``alive_grad_bytes`` counts them so."""
     top = max(own)
     if dp > 1:
-        return top, max(whole), 0
-    return max((n for n in own if n < top), default=0), 0, top
+        return top, 0
+    return max((n for n in own if n < top), default=0), top
 
 
-def alive_grad_bytes(own: Sequence[int], whole: Sequence[int], workers: int, dp: int, page: int,
-                     bound: bool = True) -> int:
+def alive_grad_bytes(own: Sequence[int], workers: int, dp: int, page: int, bound: bool = True) -> int:
     """What ``workers + 1`` bounded grad chunks take at most, laid out as ``grad_floors`` says: in one
     process a slot at the far end for each chunk of the largest size that may be alive, the others each
-    as large as the largest of them; over several ranks that many of the largest, and the whole sum."""
+    as large as the largest of them; over several ranks that many of the largest."""
     alive = workers + 1
-    mine, summed, top = grad_floors(own, whole, dp)
+    mine, top = grad_floors(own, dp)
     if dp > 1:
-        return alive * pages(mine, page, bound) + pages(summed, page, bound)
+        return alive * pages(mine, page, bound)
     rest = sum(1 for n in own if n < top)
     return min(alive, len(own) - rest) * pages(top, page, bound) + min(alive, rest) * pages(mine, page, bound)
 
@@ -186,12 +185,13 @@ def tier_bytes(sizes: "Sizes | Sequence[int]", plan: Plan, page: int, train: boo
         if train:
             if grads == "all" or (grads == "transient" and not updated_away(bp)):
                 need[grad_tier(bp)] += copies * chunk(size)
-                if dp > 1:
-                    need[grad_tier(bp)] += chunk(f)  # this rank's gradients, summed over micro-batches, until reduced
             for tier in state_homes(bp):      # master (the slot, where master_in_slot), exp_avg, exp_avg_sq
                 need[tier] += chunk(size)
     if not train:
         return need
+    if grads != "none":  # a micro-batch's gradients reduced over the ranks on the device, before their part leaves
+        parts = [s if sharded(p, plan) else 0 for s, p in zip(state, plans)]
+        need[Tier.DEVICE] += reduce_staging(full, parts, dp, page, bound)
     if grads == "transient":
         for tier, nbytes in bounded_grads(sizes, plan, page, bound).items():
             need[tier] += nbytes

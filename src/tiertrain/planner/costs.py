@@ -15,7 +15,7 @@ import itertools
 from dataclasses import dataclass
 
 from tiertrain.plan import Plan
-from tiertrain.plan.bytes import pages
+from tiertrain.plan.bytes import pages, reduce_staging
 from tiertrain.plan.fit import alive_grad_bytes, piece_buffer_bytes
 from tiertrain.planner.network import Network
 from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
@@ -52,10 +52,12 @@ def device_bytes(p: Profile, b: BlockProfile, c: Choice) -> int:
     host: the device budget holds the compute's memory, pool and activations, on a CPU-only machine
     too (there the device is the host's RAM, and a process holds its budgets and an overhead, no more).
     A device-homed block keeps its gradients there too (``plan_bytes.grad_tier``), and a resident fp32
-    one's slot is its master (``plan_bytes.master_in_slot``)."""
+    one's slot is its master (``plan_bytes.master_in_slot``), unless its states are sharded: the slot
+    holds the whole block, the master this rank's shard."""
     own = 0 if c.stream else pages(b.params * p.compute_bytes, p.page)
     states = _states(p, b) + _grads(p, b) if c.device_home else 0
-    if c.device_home and not c.stream and p.compute_bytes == GRAD_BYTES:
+    sharded = p.network.parallel and p.network.shard
+    if c.device_home and not c.stream and p.compute_bytes == GRAD_BYTES and not sharded:
         own = 0
     acts = 0 if c.offload_hidden else saved_bytes(b, c)
     return own + states + acts
@@ -121,11 +123,16 @@ def block_seconds(b: BlockProfile, c: Choice, m: MachineProfile, compute_bytes: 
 def fixed_device_bytes(p: Profile, window: int, any_stream: bool) -> int:
     """Device bytes no switch removes: the rest block and what it saves (the logits), the streaming
     slots, one block's activations in flight (a recomputed block rebuilds all of them during its
-    backward) and autograd's gradient of a parameter before it moves into the pools."""
+    backward), autograd's gradient of a parameter before it moves into the pools, and over several
+    ranks the gradients being reduced there (``plan.bytes.reduce_staging``)."""
     biggest = pages(max(b.params for b in p.blocks) * p.compute_bytes, p.page)
     working = working_bytes(p) + p.rest.act_bytes
     pieced = _grads_of(p, [*p.blocks, p.rest]) if p.piece else 0  # any block may go to disk: counted as if all do
-    return pages(p.rest.params * p.compute_bytes, p.page) + (window * biggest if any_stream else 0) + working + pieced
+    every = [*p.blocks, p.rest]
+    parts = [p.network.per_rank(b.params) * GRAD_BYTES if p.network.shard else 0 for b in every]
+    staged = reduce_staging([b.params * GRAD_BYTES for b in every], parts, p.network.dp, p.page)
+    return (pages(p.rest.params * p.compute_bytes, p.page) + (window * biggest if any_stream else 0) + working
+            + pieced + staged)
 
 
 def working_bytes(p: Profile) -> int:
@@ -165,10 +172,9 @@ def _states(p: Profile, b: BlockProfile) -> int:
 
 
 def _grads(p: Profile, b: BlockProfile) -> int:
-    """A rank's gradient chunks of the block; over several ranks also its own whole gradients,
-    summed over micro-batches until they are reduced (``plan.bytes.tier_bytes``' rule)."""
-    own = pages(b.params * GRAD_BYTES, p.page) if p.network.parallel and not p.transient_grads else 0
-    return p.grad_copies * pages(p.network.per_rank(b.params) * GRAD_BYTES, p.page) + own
+    """A rank's gradient chunks of the block (its part: over several ranks each micro-batch's are
+    reduced on the device first, ``reduce_staging``)."""
+    return p.grad_copies * pages(p.network.per_rank(b.params) * GRAD_BYTES, p.page)
 
 
 def base_host_bytes(p: Profile, disk_budget: int) -> int:
@@ -220,7 +226,7 @@ def _grads_of(p: Profile, blocks: list[BlockProfile]) -> int:
     if not blocks:
         return 0
     own = [p.network.per_rank(b.params) * GRAD_BYTES for b in blocks]
-    return alive_grad_bytes(own, [b.params * GRAD_BYTES for b in blocks], p.update_workers, p.network.dp, p.page)
+    return alive_grad_bytes(own, p.update_workers, p.network.dp, p.page)
 
 
 def homes(p: Profile, choices: tuple[Choice, ...], host_budget: int, disk_budget: int) -> tuple[bool, ...] | None:

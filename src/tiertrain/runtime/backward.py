@@ -17,14 +17,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from tiertrain.memory import Kind, MemorySystem, Tier
-from tiertrain.plan.bytes import grad_tier, in_pieces
+from tiertrain.plan.bytes import REDUCTIONS_IN_FLIGHT, grad_tier, in_pieces
 from tiertrain.runtime.step_clock import StepClock
 
 if TYPE_CHECKING:
     from tiertrain.runtime.block_group import BlockGroup
     from tiertrain.runtime.modes.base import UpdateMode
 
-REDUCTIONS_IN_FLIGHT = 1  # a block's reduction runs under the next block's backward (runtime.reduction)
 
 
 class BackwardPass:

@@ -9,8 +9,13 @@ Chunks per block (one layout, in parameter order):
   ``param_home``  the compute params between uses (a streamed block's, or a sharded block's shard of
                   them): on the host, or the fp32 master itself wherever that lives; fetched (a
                   sharded one: all-gathered) into a device slot before use;
-  grads           the gradients gathered since the last update (``grads.GradBuffer``), reduced over
-                  the ranks (this rank's own sum over micro-batches until then).
+  grads           the gradients gathered since the last update (``grads.GradBuffer``): with data
+                  parallel, this rank's part of each micro-batch's gradients once reduced over the
+                  ranks, summed over the micro-batches (FSDP2's and ZeRO's default), so no rank keeps a
+                  whole block's gradients past the micro-batch that made them;
+  stage           data parallel: one micro-batch's gradients of the whole block in the device tier, where
+                  backward made them, which the device group reduces (reduce-scatters, for a sharded
+                  block) before only this rank's part crosses to the grad chunk.
 With expert parallel a mixture-of-experts block has two groups, one per parallel pattern: the block's
 own (laid out over every rank, as any block) and its held experts' (``experts``, fetched with it:
 this rank's experts, whose gradients already hold every rank's tokens, so they are only averaged, and
@@ -75,8 +80,8 @@ class GroupLayout:
     reduces_at_end: bool = False           # reduced when backward ends, never before (expert replicas: a rank's
     #                                        held experts may get no gradient where a replica's do; a tied weight's
     #                                        other uses, whose gradients are not among those counted to flush early)
-    grad_floors: tuple[int, int, int] = (0, 0, 0)  # bounded gradients: bytes a grad chunk takes at least, this
-    #                                        rank's part and a whole block's sum, and the size kept at the pool's far end
+    grad_floors: tuple[int, int] = (0, 0)  # bounded gradients: bytes a grad chunk takes at least, and the size
+    #                                        kept at the pool's far end
 
 
 class BlockGroup:
@@ -99,8 +104,8 @@ class BlockGroup:
         self._experts = experts
         self._grads = GradBuffer(len(params))
         self._grad_count = 0                          # parameters whose gradient arrived in the current backward
-        self._local: Chunk | None = None              # data parallel: this rank's gradients, summed over micro-batches
-        self._local_has = [False] * len(params)
+        self._stage: Chunk | None = None              # data parallel: this micro-batch's gradients, on the device
+        self._stage_has = [False] * len(params)
         self._reduction: Reduction | None = None      # data parallel: its gradients' reduction in flight
         self._update: Future | None = None            # its update in flight
         self._version = version                       # the params include the updates of steps < version
@@ -251,15 +256,17 @@ class BlockGroup:
         self._slot_state = moved(SLOT_MOVES, self.name, self._slot_state, Slot.GATHERING)
 
     def gather_into(self, dst: Chunk, async_op: bool = False) -> Waitable | None:
-        """The block's compute params, whole, into ``dst`` (a device slot): every rank's shard of them."""
+        """The block's compute params, whole, into ``dst`` (a device slot): every rank's shard of them. This
+        rank's shard is first put in its place in the slot (read from disk, or copied from the host), so
+        the device group gathers in place, device memory only (NCCL refuses a host shard)."""
         dtype = F32 if self._param_home is self._master else self._compute
         out = dst.typed(self._compute)[: self._layout.numel]
-        if self._param_home.tier is Tier.DISK:  # an fp32 master on disk: this rank's shard read into its place
-            n = self._layout.shard_numel
-            src = out[self._shard[0] : self._shard[0] + n]
+        n = self._layout.shard_numel
+        src = out[self._shard[0] : self._shard[0] + n]
+        if self._param_home.tier is Tier.DISK:  # an fp32 master on disk
             self._mem.read_into(self._param_home, src.view(torch.uint8))
-        else:
-            src = self._param_home.typed(dtype)[: self._layout.shard_numel]
+        elif self._param_home.tier is not Tier.DEVICE or src.data_ptr() != self._param_home.merge().data_ptr():
+            src.copy_(self._param_home.typed(dtype)[:n])  # fp32 master into a compute slot: rounded here
         return self._comm.all_gather(out, src, async_op=async_op)
 
     def fill(self, slot: DeviceSlot) -> Handle | Waitable:
@@ -281,12 +288,12 @@ class BlockGroup:
     def release(self) -> None:
         """Drop the gradients gathered for a step that will not update (zero_grad, a skipped fp16 step,
         a backward that raised: a reduction it left in flight is waited for first, since it still
-        writes into its local sum and its fresh chunk)."""
+        writes into its stage and its fresh chunk)."""
         self.abandon_reduction()
-        for chunk in (self._grads.clear(), self._local):
+        for chunk in (self._grads.clear(), self._stage):
             if chunk is not None:
                 self._mem.release(chunk)
-        self._local, self._local_has = None, [False] * len(self._params)
+        self._stage, self._stage_has = None, [False] * len(self._params)
         self._grad_count = 0
         self._grads_to(Grads.NONE)
 
@@ -298,17 +305,14 @@ class BlockGroup:
 
     def _reduce_grads(self, step: int, hypers: list[AdamWHyper] | None, final: bool) -> None:
         """Move the parameters' fresh gradients into the block's grad chunk (accumulating) and free
-        them. With data parallel they first sum over the micro-batches in its local sum, and on the
-        ``final`` one are averaged over the ranks (reduce-scattered to the shards, or all-reduced)
-        before they join the grad chunk. The chunk lives where the block's update runs
-        (``plan.bytes.grad_tier``). ``hypers``: lockfree keeps the step's own with its gradients."""
+        them. With data parallel each micro-batch's are averaged over the ranks from its stage on the
+        device (reduce-scattered to the shards, or all-reduced) before this rank's part joins the grad
+        chunk. The chunk lives where the block's update runs (``plan.bytes.grad_tier``). ``hypers``:
+        lockfree keeps the step's own with its gradients."""
         if self._mean_over > 1:
-            if self._local is None and updated_away(self._plan):
-                self._make_room()  # transient gradients: the local sum is one more whole-block chunk
-            self._sum_locally()
+            self._stage_rest()
             self._grads_to(Grads.SUMMING)
-            if final:
-                self._reduce_over_ranks(step, hypers)
+            self._reduce_over_ranks(step, hypers, final)
             self._grad_count = 0
             return
         fresh = [(i, p.grad) for i, p in enumerate(self._params) if p.grad is not None]
@@ -353,9 +357,7 @@ class BlockGroup:
         if grad is None:
             return
         if self._mean_over > 1:
-            if self._local is None and updated_away(self._plan):
-                self._make_room()  # transient gradients: the local sum is one more whole-block chunk
-            self._sum_one(i, grad)
+            self._stage_one(i, grad)
         else:
             self._add_grads([(i, grad)], self._ctx.clock.steps_taken, self._ctx.mode.step_hypers())
         if self._grad_state is Grads.NONE:
@@ -364,47 +366,56 @@ class BlockGroup:
     def _make_room(self) -> None:
         self._ctx.backward.room_for_grads(grad_tier(self._plan))
 
-    def _sum_locally(self) -> None:
-        """This rank's fresh gradients into its local sum over micro-batches, freed from the params (the sum
+    def _stage_rest(self) -> None:
+        """This micro-batch's gradients not staged yet into the stage, freed from the params (the stage
         exists afterwards even where none arrived: the ranks' reduction takes every rank's)."""
-        self._local_sum()
+        self._staged()
         for i, p in enumerate(self._params):
             if p.grad is not None:
                 grad, p.grad = p.grad, None
-                self._sum_one(i, grad)
+                self._stage_one(i, grad)
 
-    def _sum_one(self, i: int, grad: torch.Tensor) -> None:
-        """One parameter's gradient into this rank's local sum over micro-batches."""
-        view = self.views(self._local_sum())[i]
-        if self._local_has[i]:
-            view.add_(grad.to(view.device))  # a GPU's gradient into a host chunk: copied first
+    def _stage_one(self, i: int, grad: torch.Tensor) -> None:
+        """One parameter's gradient of this micro-batch into the stage (a shared weight's second use adds)."""
+        view = self.views(self._staged())[i]
+        if self._stage_has[i]:
+            view.add_(grad)
         else:
             view.copy_(grad)
-            self._local_has[i] = True
+            self._stage_has[i] = True
 
-    def _local_sum(self) -> Chunk:
-        if self._local is None:
-            self._local = self._new_grad_chunk(self.nbytes)
-            self._local.typed(F32).zero_()  # a parameter no rank's micro-batch reached contributes zeros
-        return self._local
+    def _staged(self) -> Chunk:
+        if self._stage is None:
+            self._stage = self._mem.allocate(f"{self._block.name}.stage", self.nbytes, Tier.DEVICE, Kind.GRAD,
+                                             contiguous=True)
+            self._stage.typed(F32).zero_()  # a parameter no micro-batch of this rank reached contributes zeros
+        return self._stage
 
-    def _reduce_over_ranks(self, step: int, hypers: list[AdamWHyper] | None) -> None:
-        """Start averaging the local sum over the ranks into this rank's part (its shard, or all of it),
-        reduced straight into a fresh grad chunk (no temporary); ``finish_reduction`` adds it to the grad
-        chunk once it has landed. A parameter has a gradient where any rank's micro-batches gave it one."""
+    def _reduce_over_ranks(self, step: int, hypers: list[AdamWHyper] | None, final: bool) -> None:
+        """Start averaging the stage over the ranks on the device group, into this rank's part (its shard
+        reduce-scattered into a device chunk of that size, or the whole block all-reduced in place), which
+        is then copied into a fresh grad chunk; ``finish_reduction`` adds that to the grad chunk once it
+        has landed. A parameter has a gradient where any rank's micro-batch gave it one (flags: host)."""
         if updated_away(self._plan):
             self._make_room()
         fresh = self._new_grad_chunk(self.state_numel * F32.itemsize)  # before any collective: if this
         mine = fresh.typed(F32)[: self.state_numel]                    # raises, no rank has issued one
-        has = torch.tensor(self._local_has, dtype=torch.uint8)
-        works = [self._comm.all_reduce(has, op="max", async_op=True)]
-        full = self._local.typed(F32)[: self._layout.numel]
+        stage, self._stage = self._staged(), None
+        has = torch.tensor(self._stage_has, dtype=torch.uint8)
+        self._stage_has = [False] * len(self._params)
+        works: list[Waitable] = [self._comm.host.all_reduce(has, op="max", async_op=True)]
+        full, staged = stage.typed(F32)[: self._layout.numel], [stage]
         if self._shard is None:
             works.append(self._comm.all_reduce(full, async_op=True))
             works.append(Copy(mine, full))
         else:
-            works.append(self._comm.reduce_scatter(mine, full, async_op=True))
-        self._reduction = Reduction(works, fresh, mine, has, step, hypers)
+            part = self._mem.allocate(f"{self._block.name}.reduced", self.state_numel * F32.itemsize, Tier.DEVICE,
+                                      Kind.GRAD, contiguous=True)
+            staged.append(part)
+            out = part.typed(F32)[: self.state_numel]
+            works.append(self._comm.reduce_scatter(out, full, async_op=True))
+            works.append(Copy(mine, out))  # the shard alone crosses to the grad chunk's tier
+        self._reduction = Reduction(works, fresh, mine, has, step, hypers, final, staged)
         self._grads_to(Grads.REDUCING)
 
     def abandon_reduction(self) -> None:
@@ -418,11 +429,13 @@ class BlockGroup:
                 w.wait()
         except Exception:  # noqa: BLE001 - the error that matters was raised where backward stopped
             pass
-        self._mem.release(r.fresh)
+        for chunk in (r.fresh, *r.staged):
+            self._mem.release(chunk)
 
     def finish_reduction(self) -> None:
         """Wait for the reduction ``_reduce_over_ranks`` started and add this rank's part, averaged, to
-        the grad chunk; the block's gradients are then final. Nothing to do if none is in flight."""
+        the grad chunk; after the step's last micro-batch the block's gradients are then final. Nothing
+        to do if none is in flight."""
         r, self._reduction = self._reduction, None
         if r is None:
             return
@@ -437,19 +450,18 @@ class BlockGroup:
                 self._grads.chunk.typed(F32)[: self.state_numel].add_(r.mine)
             self._grads.has_grad = [a or bool(b) for a, b in zip(self._grads.has_grad, r.has.tolist())]
             self._grads.step, self._grads.hypers = r.step, r.hypers
-        for chunk in (fresh, self._local):
+        for chunk in (fresh, *r.staged):
             if chunk is not None:
                 self._mem.release(chunk)
-        self._local, self._local_has = None, [False] * len(self._params)
-        self._grads_to(Grads.FINAL)
+        self._grads_to(Grads.FINAL if r.final else Grads.SUMMING)
         if self.nbytes >= TRIM_AFTER:
             release_free_heap()  # the transport's buffers for a large chunk, freed, would stay in its threads' heaps
 
     def _new_grad_chunk(self, nbytes: int) -> Chunk:
-        mine, whole, top = self._floors  # bounded gradients: sizes that never fragment (``plan.bytes.grad_floors``)
+        mine, top = self._floors  # bounded gradients: sizes that never fragment (``plan.bytes.grad_floors``)
         at_top = nbytes == top
         if not at_top:
-            nbytes = max(nbytes, whole if nbytes > self.state_numel * F32.itemsize else mine)
+            nbytes = max(nbytes, mine)
         return self._mem.allocate(f"{self._block.name}.grad", nbytes, grad_tier(self._plan), Kind.GRAD,
                                   contiguous=True, top=at_top)
 
@@ -473,8 +485,8 @@ class BlockGroup:
         return [v for v, i in zip(self.state_views(chunk), self._view_params) if self._grads.has_grad[i]]
 
     def holds_grads(self) -> bool:
-        """Whether any gradient chunk of its is alive (this rank's sum, the grad chunk) or its update runs."""
-        return self._grads.chunk is not None or self._local is not None or not self.update_idle()
+        """Whether any gradient chunk of its is alive (its stage, the grad chunk) or its update runs."""
+        return self._grads.chunk is not None or self._stage is not None or not self.update_idle()
 
     def holds_grad_chunk(self) -> bool:
         return self._grads.chunk is not None

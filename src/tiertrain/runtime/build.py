@@ -105,20 +105,19 @@ def build_groups(ctx: RunContext, model: nn.Module, blocks: list[Block], spec: B
     return groups
 
 
-def grad_floors_for(chunks: list[tuple[ChunkLayout, BlockPlan, bool]], world: int) -> dict[Tier, tuple[int, int, int]]:
+def grad_floors_for(chunks: list[tuple[ChunkLayout, BlockPlan, bool]], world: int) -> dict[Tier, tuple[int, int]]:
     """With gradients bounded, per tier: ``plan.bytes.grad_floors`` of the chunks updates take away there,
-    from each group's (layout, plan, sharded): this rank's part of each, and the whole block's."""
-    away: dict[Tier, list[tuple[int, int]]] = {}
+    from each group's (layout, plan, sharded): this rank's part of each."""
+    away: dict[Tier, list[int]] = {}
     for lay, bp, split in chunks:
         if updated_away(bp):
-            mine = lay.shard_numel if split else lay.numel
-            away.setdefault(grad_tier(bp), []).append((mine * F32.itemsize, lay.numel * F32.itemsize))
-    return {tier: grad_floors([m for m, _ in gs], [w for _, w in gs], world) for tier, gs in away.items()}
+            away.setdefault(grad_tier(bp), []).append((lay.shard_numel if split else lay.numel) * F32.itemsize)
+    return {tier: grad_floors(own, world) for tier, own in away.items()}
 
 
-def floors_of(floors: dict[Tier, tuple[int, int, int]], bplan: BlockPlan) -> tuple[int, int, int]:
+def floors_of(floors: dict[Tier, tuple[int, int]], bplan: BlockPlan) -> tuple[int, int]:
     """A block's bounded grad chunk sizes: those of its gradients' tier, where its updates take them away."""
-    return floors.get(grad_tier(bplan), (0, 0, 0)) if updated_away(bplan) else (0, 0, 0)
+    return floors.get(grad_tier(bplan), (0, 0)) if updated_away(bplan) else (0, 0)
 
 
 def _made(ctx: RunContext, model: nn.Module, index: int, block: Block, bplan: BlockPlan, layout: ChunkLayout,
@@ -142,7 +141,7 @@ def _made(ctx: RunContext, model: nn.Module, index: int, block: Block, bplan: Bl
 
 def _build_experts(ctx: RunContext, model: nn.Module, experts: ExpertParallel, index: int, held: HeldExperts,
                    parent: BlockPlan, spec: BuildSpec, compute: torch.dtype, replaced: dict[int, nn.Parameter],
-                   floors: dict[Tier, tuple[int, int, int]]) -> BlockGroup:
+                   floors: dict[Tier, tuple[int, int]]) -> BlockGroup:
     """A block's held experts: their states at the block's home, their compute params in a device slot
     of their own (they do not stream: the window holds blocks), replicated over their replicas, and
     averaged over every rank (their gradients hold every rank's tokens). Rank 0's initial weights are
@@ -164,8 +163,8 @@ def _rank0_values(world: Collectives, held: HeldExperts) -> Block:
     where they live instead (their replicas then take one replica's)."""
     if any(p.is_meta for _, p in held.every):
         return held.block
-    flat = torch.cat([p.detach().reshape(-1) for _, p in held.every])
-    world.broadcast(flat)
+    flat = torch.cat([p.detach().reshape(-1) for _, p in held.every]).cpu()
+    world.host.broadcast(flat)  # the model's own tensors: host memory
     value = dict(zip((n for n, _ in held.every), flat.split([p.numel() for _, p in held.every])))
     return Block(held.block.name, None, [(n, value[n].view(p.shape)) for n, p in held.block.params])
 
@@ -206,8 +205,8 @@ def _states(mem: MemorySystem, comm: Collectives, block: Block, bplan: BlockPlan
     chunks = _optimizer_chunks if options.init_states else _unwritten_chunks
     in_slot = slot.chunk if master_in_slot(bplan, plan, options.train) else None
     master, exp_avg, exp_avg_sq = chunks(mem, block, layout, state_homes(bplan), in_slot)
-    if options.init_states and comm.world_size > 1:
-        comm.broadcast(master.typed(F32))
+    if options.init_states and comm.world_size > 1:  # rank 0's weights, over the group of the master's side
+        (comm if master.tier is Tier.DEVICE else comm.host).broadcast(master.typed(F32))
     if master is not slot.chunk and master.tier is Tier.DISK:  # unwritten: nothing to publish yet
         slot.chunk.typed(compute).zero_()
     elif master is not slot.chunk:
@@ -230,7 +229,7 @@ def _build_sharded(mem: MemorySystem, comm: Collectives, index: int, block: Bloc
     full.zero_()
     if options.init_states:
         _fill_tensor(full, block.params, layout)
-        comm.broadcast(full)
+        (comm if fp32_slot else comm.host).broadcast(full)  # the device slot, or host memory of its own
     states = _shard_states(mem, block, bplan, nbytes, full[lo:hi]) if options.train else [None, None, None]
     if not fp32_slot:
         slot.chunk.typed(compute)[: layout.numel].copy_(full)
@@ -297,7 +296,7 @@ def _disk_chunks(mem: MemorySystem, comm: Collectives, block: Block, layout: Chu
             else:
                 value.copy_(p.detach().reshape(-1))
             if comm.world_size > 1:
-                comm.broadcast(value)
+                comm.host.broadcast(value)
             flat[s.offset : s.offset + s.numel].copy_(value)
             yield s.offset * F32.itemsize, value
     mem.write_parts(chunks[0], weights())

@@ -7,9 +7,9 @@ forward or backward that raised are all moves the table allows; anything else is
 Staying where one is is always allowed.
 
 ``Grads``: what its gradients of the current step are. They are summed over the micro-batches (in
-its grad chunk, or over several ranks in this rank's own sum), averaged over the ranks as the last
-micro-batch's backward leaves the block (``REDUCING``), and final once they are in the grad chunk the
-update takes. An update taking them, or ``zero_grad`` dropping them, brings the block back to ``NONE``.
+its grad chunk; over several ranks each micro-batch's are averaged over the ranks as its backward
+leaves the block, ``REDUCING``, and their part summed there), and final once the last micro-batch's
+are in the grad chunk the update takes. An update taking them, or ``zero_grad`` dropping them, brings the block back to ``NONE``.
 Lockfree's loop takes them when it comes round (at once, or once enough steps have gathered), so
 there a block's ``FINAL`` gradients are summed with the next step's until it does.
 
@@ -31,7 +31,7 @@ class Pass(Enum):
 class Grads(Enum):
     NONE = "none"            # no gradient of this step
     SUMMING = "summing"      # some micro-batches' gradients held, more to come
-    REDUCING = "reducing"    # the last micro-batch's: averaging over the ranks in flight
+    REDUCING = "reducing"    # a micro-batch's: averaging over the ranks in flight
     FINAL = "final"          # in the grad chunk, final: the update may take them
 
 
@@ -52,7 +52,7 @@ PASS_MOVES: dict[Pass, frozenset[Pass]] = {
 GRAD_MOVES: dict[Grads, frozenset[Grads]] = {
     Grads.NONE: frozenset({Grads.SUMMING, Grads.REDUCING, Grads.FINAL}),
     Grads.SUMMING: frozenset({Grads.REDUCING, Grads.FINAL, Grads.NONE}),
-    Grads.REDUCING: frozenset({Grads.FINAL, Grads.NONE}),
+    Grads.REDUCING: frozenset({Grads.FINAL, Grads.SUMMING, Grads.NONE}),  # SUMMING: a micro-batch before the last
     Grads.FINAL: frozenset({Grads.NONE, Grads.SUMMING}),  # SUMMING: lockfree, the next step's beside what waits
 }
 

@@ -1,6 +1,6 @@
 """A block's gradients on their way over the data-parallel ranks.
 
-The reduction of a block's gradients is started when its backward ends and finished (waited for,
+The reduction of a block's gradients of a micro-batch is started when its backward ends and finished (waited for,
 added to the grad chunk) when the next block's backward ends, or when backward ends: the runtime
 keeps one in flight, so the network carries it while the next block computes instead of the loop
 waiting for it (``Runtime._flush``). The collectives are the same calls, on the same buffers, in the
@@ -20,9 +20,10 @@ from tiertrain.parallel.collectives import Waitable
 
 @dataclass
 class Reduction:
-    """A block's gradients on their way over the ranks: the collectives in flight (waited in order),
-    the grad chunk this rank's part lands in, which parameters any rank had a gradient for, and the
-    step (and lockfree's hyperparameters) they belong to."""
+    """A block's gradients of one micro-batch on their way over the ranks: the collectives in flight
+    (waited in order), the grad chunk this rank's part lands in, which parameters any rank had a
+    gradient for, the step (and lockfree's hyperparameters) they belong to, whether the micro-batch is
+    the step's last, and the device-tier chunks the collectives use (freed once they have landed)."""
 
     works: list[Waitable]
     fresh: Chunk
@@ -30,10 +31,12 @@ class Reduction:
     has: torch.Tensor
     step: int
     hypers: list[AdamWHyper] | None
+    final: bool
+    staged: list[Chunk]
 
 
 class Copy:
-    """A replicated block's all-reduced gradients into its grad chunk, once they have landed."""
+    """Reduced gradients (a device chunk) into the grad chunk, once they have landed."""
 
     def __init__(self, out: torch.Tensor, full: torch.Tensor) -> None:
         self.out, self.full = out, full

@@ -20,6 +20,7 @@ from tiertrain.optim import AdamWHyper
 from tiertrain.parallel import Collectives
 from tiertrain.parallel.expert_layer import expert_layers
 from tiertrain.parallel.experts import apply_expert_parallel
+from tiertrain.parallel.placement import checked
 from tiertrain.plan import Plan, RunOptions
 from tiertrain.plan.bytes import grad_tier, updated_away
 from tiertrain.plan.fit import has_own_place
@@ -55,7 +56,7 @@ class Runtime:
             raise ValueError("internal: the runtime runs a resolved plan (tiertrain.plan.fit.resolve)")
         self.model, self.mem, self.options = model, mem, options
         self.param_groups = param_groups
-        self.comm = comm or agreed_collectives(model, plan, options)
+        self.comm = checked(comm or agreed_collectives(model, plan, options), mem.tier_of)
         self.clock = StepClock(options.grad_accum)
         self.ctx = RunContext(mem, self.comm, self.clock, self.hypers)
         blocks = find_blocks(model, options.blocks)

@@ -43,7 +43,7 @@ def _whole(rt: Runtime, g: BlockGroup, chunk: Chunk) -> torch.Tensor:
     if g.shard is None:
         return mine
     whole = torch.empty(g.layout.numel, dtype=F32)
-    g.comm.all_gather(whole, mine)
+    g.comm.host.all_gather(whole, mine)  # host copies: a checkpoint's values
     return whole
 
 
@@ -52,7 +52,7 @@ def logical_steps(g: BlockGroup) -> torch.Tensor:
     count is the most any rank has (all ranks must ask together)."""
     steps = torch.stack([s.detach().float().cpu() for s in g.steps]) if g.steps else torch.zeros(0)  # GPU-homed too
     if g.shard is not None:
-        g.comm.all_reduce(steps, op="max")
+        g.comm.host.all_reduce(steps, op="max")
     return steps
 
 

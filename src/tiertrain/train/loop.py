@@ -287,7 +287,7 @@ class Trainer:
         if self.world == 1:
             return flag
         t = torch.tensor([1.0 if flag else 0.0])
-        self.model.runtime.comm.all_reduce(t, op="max")
+        self.model.runtime.comm.host.all_reduce(t, op="max")
         return bool(t.item())
 
     def _stop_if_not_finite(self, what: str, value: torch.Tensor) -> None:

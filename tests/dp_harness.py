@@ -122,6 +122,27 @@ def tiered_losses(rank: int, plan, update: str, accum: int, clip: float | None, 
         tm.runtime.mem.close()
 
 
+def pool_peaks(rank: int, plan, disk: Path, accum: int = 2) -> dict[str, int]:
+    """What this rank's pools held at most over a run with accumulation (the memory layer's own count,
+    not the planner's): host bytes of gradients and of each state, disk bytes; and the largest part of a
+    block a rank's grad chunk holds, and how many groups there are (the bounds' padding)."""
+    import tiertrain
+    from tiertrain.memory import Budgets, Kind, Tier
+
+    model, opt = _fresh()
+    tm, topt = tiertrain.setup(model, opt, Budgets(64 << 20, 64 << 20, 64 << 20, rank_disk(disk, rank)), plan=plan,
+                               update="sync", grad_accum=accum, page_size=64 << 10)
+    try:
+        _loop(tm, topt, rank, accum, None, None)
+        acc, groups = tm.runtime.mem.accounting, tm.runtime.groups
+        peaks = {k.value: acc.peak(Tier.HOST, k) for k in (Kind.GRAD, Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)}
+        return peaks | {"disk": acc.peak(Tier.DISK), "largest": max(g.state_numel for g in groups) * 4,
+                        "groups": len(groups)}
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()
+
+
 def _rank_main(rank: int, world: int, store: str, jobs: list, results, errors) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)

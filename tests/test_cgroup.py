@@ -115,7 +115,8 @@ def test_model_states_8x_the_memory_cap_train_with_optimizer_states_on_disk(tmp_
 def test_two_ranks_each_under_its_own_cap_train_a_model_4x_both_caps_with_states_on_disk(tmp_path, two_cgroups):
     """Data parallel, each rank a process in its own memory cgroup (as torchrun's environment would set
     them up, by hand so that each can join its group): the states of a GPT 4x the two caps together,
-    sharded over the ranks, homed on disk."""
+    sharded over the ranks, homed on disk; the device too small for on-device reduction, the gradients are
+    staged and reduced in host memory (``Plan.reduce_on``), which the host budget holds."""
     n = param_count(MODEL)
     assert n * STATE_BYTES_PER_PARAM >= 4 * 2 * CAP
     if shutil.disk_usage(tmp_path).free < 16 << 30:  # 10 GiB were too few once: the save ran out of space
@@ -126,7 +127,7 @@ def test_two_ranks_each_under_its_own_cap_train_a_model_4x_both_caps_with_states
     env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29400 + os.getpid() % 500),
            "PYTHONUNBUFFERED": "1"}
     args = ["train", "--model", str(tmp_path / "model.json"), "--plan", str(tmp_path / "plan.json"), "--update",
-            "overlap", "--grad-clip", "0", "--device-memory", "80MiB", "--host-memory", "200MiB", "--page-size",
+            "overlap", "--grad-clip", "0", "--device-memory", "80MiB", "--host-memory", "256MiB", "--page-size",
             "1MiB", "--batch-size", "1", "--seq-len", "32", "--steps", "2", "--out", str(out)]
     procs = []
     for rank, group in enumerate(two_cgroups):
@@ -137,6 +138,8 @@ def test_two_ranks_each_under_its_own_cap_train_a_model_4x_both_caps_with_states
     results = [p.communicate(timeout=600) for p in procs]
     for p, (stdout, stderr) in zip(procs, results):
         assert p.returncode == 0, f"exit {p.returncode} (-9: killed for memory)\n{stdout[-2000:]}\n{stderr[-2000:]}"
+    # 80 MiB of device cannot hold two blocks' fp32 gradients (28 MB each): they are reduced in host memory
+    assert "gradients reduced in host memory over the CPU group" in results[0][1]
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
     for group in two_cgroups:

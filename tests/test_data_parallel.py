@@ -9,7 +9,7 @@ import functools
 import pytest
 
 from dp_harness import (TINY4, agreed_auto_setup, agreed_budgets, ddp_losses, failure_on_rank0, gather_events,
-                        mismatched_collective, mismatched_setup, per_micro_losses, recheck_on_rank0, reduction_events, run_ranks,
+                        mismatched_collective, mismatched_setup, per_micro_losses, pool_peaks, recheck_on_rank0, reduction_events, run_ranks,
                         sent_per_step, tiered_losses)
 from tiertrain.parallel import ring_bytes
 from tiertrain.memory import Tier
@@ -25,6 +25,8 @@ HOST_MASTER = dataclasses.replace(DISK, blocks=tuple(dataclasses.replace(b, host
 PLANS = {"resident": builtin_plan("resident", N), "stream": builtin_plan("stream", N), "disk": DISK,
          "disk-pieces": PIECES,  # pieces: each rank's shard updated through host in pieces, the rest resident
          "disk-host-master": HOST_MASTER}  # masters on the host, moments on disk (the rest's in pieces)
+PEAK_PLANS = {"zero-3": builtin_plan("stream", N),  # streamed and sharded: ZeRO-3-like, states on the host
+              "max-offload": builtin_plan("max-offload", N, disk=True)}
 CASES = [(plan, update, accum) for plan in PLANS for update in ("sync", "overlap") for accum in (1, 2)]
 
 
@@ -52,6 +54,8 @@ def dp2(tmp_path_factory):
              (("rank 0 fails",), failure_on_rank0), (("recheck",), recheck_on_rank0)]
     jobs += [(("mismatch", what), functools.partial(mismatched_setup, what=what)) for what in ("accumulation", "plan")]
     jobs += [(("mismatched collective",), mismatched_collective)]
+    jobs += [(("peaks", name), functools.partial(pool_peaks, plan=plan, disk=tmp / f"peaks-{name}"))
+             for name, plan in PEAK_PLANS.items()]
     return run_ranks(2, tmp, jobs)
 
 
@@ -97,6 +101,8 @@ def dp4(tmp_path_factory):
     jobs += [((plan, accum), functools.partial(tiered_losses, plan=PLANS[plan], update="sync", accum=accum, clip=None,
                                                disk=tmp / f"{plan}{accum}")) for plan in ("resident", "stream")
              for accum in (1, 2)]
+    jobs += [(("peaks", name), functools.partial(pool_peaks, plan=plan, disk=tmp / f"peaks-{name}"))
+             for name, plan in PEAK_PLANS.items()]
     return run_ranks(4, tmp, jobs)
 
 
@@ -251,3 +257,24 @@ def test_lockfree_with_lag_over_sharded_blocks_is_refused_where_ranks_could_issu
         with pytest.raises(ConfigError, match=f"max staleness {staleness} over 2 ranks need replicated blocks"):
             tiertrain.setup(model, opt, Budgets(64 << 20, 64 << 20), plan=layout, update="lockfree",
                             max_staleness=staleness, page_size=64 << 10)
+
+
+@pytest.mark.parametrize("plan", list(PEAK_PLANS))
+def test_per_rank_pool_peaks_of_gradients_and_states_fall_as_one_over_the_ranks(dp2, dp4, tmp_path, plan):
+    """The pools' own peaks per rank, with accumulation 2, at dp = 1 (here), 2 and 4: the host bytes of
+    gradients and of each state, and the disk's, are at most 1/N of one process's (less where fewer
+    states wait in the host for their updates at once: max-offload), up to each chunk's padding
+    (a chunk is padded to N x 64 elements, not 64) and, for gradients, the parts of two micro-batch
+    reductions landing beside the blocks' sums (each 1/N of a block). No rank keeps a whole block's
+    gradients."""
+    one = pool_peaks(0, PEAK_PLANS[plan], tmp_path)
+    assert one["grad"] > 0 and (one["disk"] > 0) == (plan == "max-offload")
+    for n, runs in ((2, dp2), (4, dp4)):
+        for rank in range(n):
+            got = runs[(("peaks", plan), rank)]
+            pad = got["groups"] * n * 64 * 4  # bytes of padding per state a rank's chunks may add up to, times n
+            for kind, states in (("master", 1), ("exp_avg", 1), ("exp_avg_sq", 1), ("disk", 3)):
+                assert (got[kind] > 0) == (one[kind] > 0) and n * got[kind] <= one[kind] + states * pad, \
+                    (n, rank, kind, one, got)
+            landing = 2 * n * got["largest"]  # the parts of the reduction in flight and of the one starting
+            assert 0 < n * got["grad"] <= one["grad"] + pad + landing, (n, rank, one, got)

@@ -180,8 +180,13 @@ def _planned(plan: "str | Plan", model: nn.Module, found: list, memory: Budgets,
     mode_of(chosen).check(chosen)  # what the update mode cannot run, refused before anything is allocated
     sizes = block_sizes(found, chosen.parallel.ep)
     try:
-        return resolve(chosen, sizes, memory, page, train=opts.train,
-                       needs_all_grads=opts.needs_all_grads(chosen.compute_dtype)), auto, first
+        resolved = resolve(chosen, sizes, memory, page, train=opts.train,
+                           needs_all_grads=opts.needs_all_grads(chosen.compute_dtype))
+        if resolved.reduce_on != chosen.reduce_on and int(os.environ.get("RANK", "0")) == 0:
+            print("tiertrain: gradients reduced in host memory over the CPU group: the device budget cannot also hold "
+                  "two blocks' fp32 gradients for on-device reduction (raise --device-memory to reduce there)",
+                  file=sys.stderr)
+        return resolved, auto, first
     except PlanDoesNotFit as exc:
         if first is None:
             raise

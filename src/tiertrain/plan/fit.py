@@ -17,14 +17,14 @@ Imports nothing from the runtime or the planner.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tiertrain.errors import ConfigError, UserError
 from tiertrain.plan.budgets import Budgets
-from tiertrain.plan.bytes import (F32_BYTES, MIN_PAGE, PIECE_BUFFERS, reduce_staging, disk_states, experts_plan, grad_tier,
-                                  in_pieces, master_in_slot, pages, piece_bytes, separate_param_home, sharded,
-                                  state_homes, updated_away)
+from tiertrain.plan.bytes import (F32_BYTES, MIN_PAGE, PIECE_BUFFERS, REDUCTIONS_IN_FLIGHT, disk_states, experts_plan,
+                                  grad_tier, in_pieces, master_in_slot, pages, piece_bytes, reduce_staging,
+                                  separate_param_home, sharded, state_homes, updated_away)
 from tiertrain.plan.plan import BlockPlan, Plan, Resolved, builtin_plan
 from tiertrain.plan.tiers import Tier
 from tiertrain.plan.update_modes import grad_copies, transient
@@ -189,9 +189,11 @@ def tier_bytes(sizes: "Sizes | Sequence[int]", plan: Plan, page: int, train: boo
                 need[tier] += chunk(size)
     if not train:
         return need
-    if grads != "none":  # a micro-batch's gradients reduced over the ranks on the device, before their part leaves
-        parts = [s if sharded(p, plan) else 0 for s, p in zip(state, plans)]
-        need[Tier.DEVICE] += reduce_staging(full, parts, dp, page, bound)
+    if grads != "none":  # a micro-batch's gradients reduced over the ranks where they are staged (``reduce_on``)
+        parts = [s if sharded(p, plan) and plan.reduce_on == "device" else 0 for s, p in zip(state, plans)]
+        need[Tier(plan.reduce_on)] += reduce_staging(full, parts, dp, page, bound)
+        for tier, largest in _landing(state, plans, dp, chunk).items():
+            need[tier] += (REDUCTIONS_IN_FLIGHT + 1) * largest
     if grads == "transient":
         for tier, nbytes in bounded_grads(sizes, plan, page, bound).items():
             need[tier] += nbytes
@@ -202,6 +204,16 @@ def tier_bytes(sizes: "Sizes | Sequence[int]", plan: Plan, page: int, train: boo
     need[Tier.HOST] += sum(on_disk[:held])
     need[Tier.HOST] += staging_bytes(state, plans, plan.update_workers, page, bound)
     return need
+
+
+def _landing(state: list[int], plans: list[BlockPlan], dp: int, chunk: Callable[[int], int]) -> dict[Tier, int]:
+    """Data parallel: per gradient tier, the largest part of a block a reduction lands in a fresh chunk
+    beside the block's sum (one per reduction in flight, and the one starting)."""
+    out: dict[Tier, int] = {}
+    if dp > 1:
+        for size, bp in zip(state, plans):
+            out[grad_tier(bp)] = max(out.get(grad_tier(bp), 0), chunk(size))
+    return out
 
 
 def fits_budgets(sizes: "Sizes | Sequence[int]", plan: Plan, page: int, budgets: Budgets, grads: str = "all") -> bool:
@@ -383,6 +395,7 @@ def _resolve(plan: Plan, sizes: "Sizes | Sequence[int]", budgets: Budgets, page:
              needs_all_grads: bool) -> Plan:
     transient_grads = transient(plan.update, needs_all_grads)
     if train:
+        plan = _reduce_where_it_fits(sizes, plan, page, budgets, "transient" if transient_grads else "all")
         plan = pieces_to_fit(sizes, plan, page, budgets, "transient" if transient_grads else "all")
     check_fits(sizes, plan, budgets, page, train, transient_grads)
     if train:
@@ -393,6 +406,20 @@ def _resolve(plan: Plan, sizes: "Sizes | Sequence[int]", budgets: Budgets, page:
     held = sizes_of(sizes).experts
     return dataclasses.replace(plan, resolved=Resolved(grads, page, need[Tier.DEVICE], need[Tier.HOST],
                                                        need[Tier.DISK], held))
+
+
+def _reduce_where_it_fits(sizes: "Sizes | Sequence[int]", plan: Plan, page: int, budgets: Budgets,
+                          grads: str) -> Plan:
+    """Data parallel reduces each micro-batch's gradients where backward made them, on the device; where
+    the device cannot hold the two blocks' stages that takes (a wide embedding's fp32 gradients twice, under
+    a small device budget) but can without them, they are staged in host memory and reduced over the CPU
+    group instead (the device-to-host traffic is then the whole block's, not the shard's)."""
+    if plan.parallel.dp == 1 or plan.reduce_on == "host":
+        return plan
+    if tier_bytes(sizes, plan, page, grads=grads)[Tier.DEVICE] <= budgets.device:
+        return plan
+    on_host = dataclasses.replace(plan, reduce_on="host")
+    return on_host if tier_bytes(sizes, on_host, page, grads=grads)[Tier.DEVICE] <= budgets.device else plan
 
 
 def check_device_room(sizes: "Sizes | Sequence[int]", plan: Plan, page: int, mapped: int, bounded: bool) -> None:

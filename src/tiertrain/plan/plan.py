@@ -99,6 +99,9 @@ class Plan:
     compute_dtype: str = field(default="fp32", metadata=one_of(*COMPUTE_DTYPES))  # fp32 | bf16 | fp16: the dtype of
     #                                        device params (master stays fp32; fp16 brings dynamic loss scaling)
     parallel: ParallelLayout = ParallelLayout()  # processes the run spans, and how experts are divided over them
+    reduce_on: str = field(default="device", metadata=one_of("device", "host"))  # data parallel: where a
+    #                          micro-batch's gradients are staged and reduced (over the device group, or the CPU
+    #                          group where the device cannot hold two blocks' gradients: ``plan.fit.resolve``)
     beside_pool: int = field(default=0, metadata=at_least(0))  # device bytes the compute holds beside the pool
     #                          (activations, autograd's gradients), as plan auto counts them: the pool gets the
     #                          rest of the device budget (0: none kept, as in a plan written by hand)

@@ -82,6 +82,7 @@ class GroupLayout:
     #                                        other uses, whose gradients are not among those counted to flush early)
     grad_floors: tuple[int, int] = (0, 0)  # bounded gradients: bytes a grad chunk takes at least, and the size
     #                                        kept at the pool's far end
+    reduce_on: Tier = Tier.DEVICE          # where a micro-batch's gradients are staged and reduced (``Plan.reduce_on``)
 
 
 class BlockGroup:
@@ -100,6 +101,7 @@ class BlockGroup:
         self._ctx, self._mem = ctx, ctx.mem
         self._comm = comm if comm is not None else ctx.comm
         self._shard, self._reduces_at_end, self._floors = laid.shard, laid.reduces_at_end, laid.grad_floors
+        self._reduce_on = laid.reduce_on
         self._mean_over = laid.mean_over or self._comm.world_size
         self._experts = experts
         self._grads = GradBuffer(len(params))
@@ -134,6 +136,7 @@ class BlockGroup:
     mem = property(lambda self: self._mem)
     version: int = property(lambda self: self._version)  # type: ignore[assignment]
     reduces_at_end: bool = property(lambda self: self._reduces_at_end)  # type: ignore[assignment]
+    reduce_on: Tier = property(lambda self: self._reduce_on)  # type: ignore[assignment]
     mean_over: int = property(lambda self: self._mean_over)  # type: ignore[assignment]
     state = property(lambda self: (self._pass, self._grad_state, self._slot_state))
     view_params: list[int] = property(lambda self: self._view_params)  # type: ignore[assignment]
@@ -386,16 +389,17 @@ class BlockGroup:
 
     def _staged(self) -> Chunk:
         if self._stage is None:
-            self._stage = self._mem.allocate(f"{self._block.name}.stage", self.nbytes, Tier.DEVICE, Kind.GRAD,
+            self._stage = self._mem.allocate(f"{self._block.name}.stage", self.nbytes, self._reduce_on, Kind.GRAD,
                                              contiguous=True)
             self._stage.typed(F32).zero_()  # a parameter no micro-batch of this rank reached contributes zeros
         return self._stage
 
     def _reduce_over_ranks(self, step: int, hypers: list[AdamWHyper] | None, final: bool) -> None:
-        """Start averaging the stage over the ranks on the device group, into this rank's part (its shard
-        reduce-scattered into a device chunk of that size, or the whole block all-reduced in place), which
-        is then copied into a fresh grad chunk; ``finish_reduction`` adds that to the grad chunk once it
-        has landed. A parameter has a gradient where any rank's micro-batch gave it one (flags: host)."""
+        """Start averaging the stage over the ranks, on the device group (or the CPU group, for a stage in
+        host memory), into this rank's part (its shard reduce-scattered into a device chunk of that size,
+        or the whole block all-reduced in place), which is then copied into a fresh grad chunk;
+        ``finish_reduction`` adds that to the grad chunk once it has landed. A parameter has a gradient
+        where any rank's micro-batch gave it one (flags: host)."""
         if updated_away(self._plan):
             self._make_room()
         fresh = self._new_grad_chunk(self.state_numel * F32.itemsize)  # before any collective: if this
@@ -405,7 +409,12 @@ class BlockGroup:
         self._stage_has = [False] * len(self._params)
         works: list[Waitable] = [self._comm.host.all_reduce(has, op="max", async_op=True)]
         full, staged = stage.typed(F32)[: self._layout.numel], [stage]
-        if self._shard is None:
+        if self._reduce_on is Tier.HOST:
+            if self._shard is None:
+                works += [self._comm.host.all_reduce(full, async_op=True), Copy(mine, full)]
+            else:
+                works.append(self._comm.host.reduce_scatter(mine, full, async_op=True))
+        elif self._shard is None:
             works.append(self._comm.all_reduce(full, async_op=True))
             works.append(Copy(mine, full))
         else:

@@ -59,7 +59,7 @@ def replan(rt: "Runtime", plan: Plan) -> None:
     for g in reversed(old):  # a block's held experts come after it: made first, so the block is made with them
         slot, param_home = copies[g.index]
         bp = plans[g.index]
-        laid = GroupLayout(g.shard, g.mean_over, g.reduces_at_end, floors_of(floors, bp))
+        laid = GroupLayout(g.shard, g.mean_over, g.reduces_at_end, floors_of(floors, bp), Tier(plan.reduce_on))
         made[g.index] = BlockGroup(g.index, g.block, bp, g.layout, g.params, GroupChunks(*g.states, param_home, slot),
                                    g.steps, g.group_of, g.compute, rt.ctx, laid,
                                    made[g.experts.index] if g.experts is not None else None, g.comm, g.version)

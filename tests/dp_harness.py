@@ -389,3 +389,154 @@ def mismatched_collective(rank: int) -> str:
     finally:
         dist.set_debug_level(before)
         del os.environ["TORCH_DISTRIBUTED_DEBUG"]
+
+
+WIDE = {"n_layer": 4, "n_head": 2, "d_model": 64, "d_ffn": 256, "vocab_size": 256, "max_seq_len": 64}
+GLOBAL_ROWS = 4  # each step's batch, split over the ranks: 2 rows each at dp = 2, 1 at dp = 4
+
+
+def _global_batch(step: int) -> torch.Tensor:
+    return torch.randint(0, 256, (GLOBAL_ROWS, 17), generator=torch.Generator().manual_seed(1000 + step))
+
+
+def _wide_run(plan, rank: int, disk: Path):
+    import tiertrain
+    from tiertrain.memory import Budgets
+    from tiertrain.models import build
+    from tiertrain.train.optimizer import make_adamw
+
+    torch.manual_seed(0)
+    model = build(WIDE)
+    opt, _ = make_adamw(model, 1e-2, (0.9, 0.95), 1e-8, 0.1)
+    return tiertrain.setup(model, opt, Budgets(64 << 20, 64 << 20, 64 << 20, rank_disk(disk, rank)), plan=plan,
+                           page_size=64 << 10)
+
+
+def _global_losses(tm, topt, rank: int, steps: range) -> list[float]:
+    """Each step's loss over the whole batch (the ranks' means averaged), this rank training on its rows."""
+    from tiertrain.train.objective import lm_loss
+
+    world, out = dist.get_world_size(), []
+    for s in steps:
+        rows = _global_batch(s).chunk(world)[rank]
+        loss = lm_loss(tm, rows[:, :-1], rows[:, 1:])
+        loss.backward()
+        topt.step()
+        topt.zero_grad()
+        mean = loss.detach().reshape(1).clone()
+        dist.all_reduce(mean)
+        out.append(mean.item() / world)
+    return out
+
+
+def saved_then_uninterrupted(rank: int, plan, tmp: Path) -> tuple[str, list[float]]:
+    """Steps 1-2, a sharded checkpoint, then steps 3-5 uninterrupted: (the checkpoint, losses of 3-5)."""
+    from tiertrain.checkpoint.run import TrainerState, save_checkpoint
+    from tiertrain.checkpoint.train_state import TieredState
+
+    tm, topt = _wide_run(plan, rank, tmp / "disk-saved")
+    try:
+        _global_losses(tm, topt, rank, range(1, 3))
+        ckpt = save_checkpoint(tmp / "saved", TieredState(tm), TrainerState(2, 2, {}, {}, dist.get_world_size()), 2)
+        return str(ckpt), _global_losses(tm, topt, rank, range(3, 6))
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()
+
+
+def resumed_by_parts(rank: int, plan, ckpt: str, tmp: Path) -> dict:
+    """The checkpoint loaded at this world size and steps 3-5 trained: their losses, the bytes this rank
+    read from the rank files (``checkpoint.pieces.READ``), its share of the states and the bound on
+    what reading by pieces adds (two pieces per range read, and the headers)."""
+    from tiertrain.checkpoint.pieces import READ, piece_size
+    from tiertrain.checkpoint.run import load_checkpoint
+    from tiertrain.checkpoint.train_state import TieredState
+
+    tm, topt = _wide_run(plan, rank, tmp / "disk-resumed")
+    try:
+        before = READ.bytes
+        load_checkpoint(Path(ckpt), TieredState(tm))
+        read = READ.bytes - before
+        groups = tm.runtime.groups
+        files = sorted(Path(ckpt).glob("shard-*.safetensors"))
+        piece = max(piece_size(f.stat().st_size) for f in files)
+        ranges = 4 * len(groups) * 2  # per group: master, two moments and the steps, each from at most two files
+        return {"losses": _global_losses(tm, topt, rank, range(3, 6)), "read": read,
+                "share": sum(3 * g.state_numel * 4 for g in groups), "slack": 2 * piece * ranges + 64 * 1024 * len(files),
+                "total": sum(f.stat().st_size for f in files)}
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()
+
+
+def unshared_save(rank: int, tmp: Path) -> str:
+    """Each rank saves into an output directory of its own, as ranks on nodes without a shared filesystem
+    would: what each raises."""
+    from tiertrain.checkpoint.run import TrainerState, save_checkpoint
+    from tiertrain.checkpoint.train_state import TieredState
+    from tiertrain.errors import OutputError
+
+    tm, _ = _wide_run(builtin_plan_for_harness(), rank, tmp / "disk-unshared")
+    try:
+        save_checkpoint(tmp / f"unshared-{rank}", TieredState(tm), TrainerState(1, 1, {}, {}, 2), 2)
+    except OutputError as exc:
+        return str(exc)
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()
+    return "saved"
+
+
+def builtin_plan_for_harness():
+    from tiertrain.plan import builtin_plan
+
+    return builtin_plan("stream", WIDE["n_layer"])
+
+
+def killed_in_second_save(rank: int, world: int, store: str, tmp: str, errors) -> None:
+    """A rank process: step 1, a checkpoint, step 2, and a second checkpoint during which rank 1 is
+    SIGKILLed halfway through writing its rank file; rank 0's error is kept in ``errors``."""
+    import signal
+
+    from tiertrain.checkpoint import run as ckpt_run
+    from tiertrain.checkpoint.run import TrainerState, save_checkpoint
+    from tiertrain.checkpoint.train_state import TieredState
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    tm, topt = _wide_run(builtin_plan_for_harness(), rank, Path(tmp) / "disk-killed")
+    try:
+        _global_losses(tm, topt, rank, range(1, 2))
+        save_checkpoint(Path(tmp) / "killed", TieredState(tm), TrainerState(1, 1, {}, {}, world), 2)
+        _global_losses(tm, topt, rank, range(2, 3))
+        if rank == 1:
+            def dies(at: Path, rt, steps) -> int:
+                from tiertrain.checkpoint.sharded import shard_file
+
+                (at / shard_file(1, world)).write_bytes(b"\0" * 4096)  # half a file, then gone
+                os.kill(os.getpid(), signal.SIGKILL)
+                return 0
+            ckpt_run.write_rank_file = dies
+        save_checkpoint(Path(tmp) / "killed", TieredState(tm), TrainerState(2, 2, {}, {}, world), 2)
+    except BaseException as exc:  # noqa: BLE001 - rank 0's error is what the test reads
+        errors[rank] = f"{type(exc).__name__}: {exc}"
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()
+
+
+def run_ranks_one_dies(world: int, tmp: Path) -> tuple[dict, list[int | None]]:
+    """``killed_in_second_save`` on ``world`` ranks: each rank's error, and each process's exit code."""
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        errors = manager.dict()
+        procs = [ctx.Process(target=killed_in_second_save, args=(r, world, str(tmp / "store-killed"), str(tmp), errors))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=180)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        return dict(errors), [p.exitcode for p in procs]

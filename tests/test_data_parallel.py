@@ -9,7 +9,8 @@ import functools
 import pytest
 
 from dp_harness import (TINY4, agreed_auto_setup, agreed_budgets, ddp_losses, failure_on_rank0, gather_events,
-                        mismatched_collective, mismatched_setup, per_micro_losses, pool_peaks, recheck_on_rank0, reduction_events, run_ranks,
+                        mismatched_collective, mismatched_setup, per_micro_losses, pool_peaks, recheck_on_rank0,
+                        resumed_by_parts, run_ranks_one_dies, saved_then_uninterrupted, unshared_save, reduction_events, run_ranks,
                         sent_per_step, tiered_losses)
 from tiertrain.parallel import ring_bytes
 from tiertrain.memory import Tier
@@ -56,6 +57,8 @@ def dp2(tmp_path_factory):
     jobs += [(("mismatched collective",), mismatched_collective)]
     jobs += [(("peaks", name), functools.partial(pool_peaks, plan=plan, disk=tmp / f"peaks-{name}"))
              for name, plan in PEAK_PLANS.items()]
+    jobs += [(("saved",), functools.partial(saved_then_uninterrupted, plan=PLANS["stream"], tmp=tmp)),
+             (("unshared",), functools.partial(unshared_save, tmp=tmp))]
     return run_ranks(2, tmp, jobs)
 
 
@@ -94,7 +97,7 @@ def test_lockfree_at_staleness_zero_keeps_its_meaning_per_shard_and_equals_ddp(d
 
 
 @pytest.fixture(scope="module")
-def dp4(tmp_path_factory):
+def dp4(tmp_path_factory, dp2):
     tmp = tmp_path_factory.mktemp("dp4")
     jobs = [(("ddp", 1), functools.partial(ddp_losses, accum=1, clip=None)),
             (("ddp", 2), functools.partial(per_micro_losses, accum=2))]  # reduced per micro-batch, as tiertrain
@@ -103,6 +106,8 @@ def dp4(tmp_path_factory):
              for accum in (1, 2)]
     jobs += [(("peaks", name), functools.partial(pool_peaks, plan=plan, disk=tmp / f"peaks-{name}"))
              for name, plan in PEAK_PLANS.items()]
+    jobs += [(("resumed",), functools.partial(resumed_by_parts, plan=PLANS["stream"], ckpt=dp2[(("saved",), 0)][0],
+                                              tmp=tmp))]
     return run_ranks(4, tmp, jobs)
 
 
@@ -278,3 +283,96 @@ def test_per_rank_pool_peaks_of_gradients_and_states_fall_as_one_over_the_ranks(
                     (n, rank, kind, one, got)
             landing = 2 * n * got["largest"]  # the parts of the reduction in flight and of the one starting
             assert 0 < n * got["grad"] <= one["grad"] + pad + landing, (n, rank, one, got)
+
+
+def test_a_dp4_resume_of_a_dp2_checkpoint_reads_each_ranks_share_and_trains_on_as_the_run_did(dp2, dp4):
+    """Each of the four ranks reads the bytes of its own shards (checked piece by piece as they are read,
+    ``checkpoint.pieces``), at most two pieces more per range and the headers: not the whole checkpoint
+    to verify it, nor whole parameters to cut its part out. Steps 3-5 after the resume, on the same global
+    batches split over four ranks instead of two, give the uninterrupted run's losses (another order of
+    the same sums: relative 1e-5)."""
+    saved = dp2[(("saved",), 0)][1]
+    for rank in range(4):
+        got = dp4[(("resumed",), rank)]
+        print(f"rank {rank}: read {got['read']:,} B of the rank files; its share {got['share']:,} B, "
+              f"the checkpoint's rank files {got['total']:,} B")
+        assert 0 < got["read"] <= got["share"] + got["slack"] and got["read"] < got["total"] / 3, got
+        assert got["losses"] == pytest.approx(saved, rel=1e-5, abs=0), (got["losses"], saved)
+
+
+def test_a_damaged_piece_of_a_rank_file_is_refused_naming_it(dp2, tmp_path):
+    """The rank files are no longer verified whole before loading: a flipped byte is found by the piece
+    that holds it, as it is read (here by one process reading every rank's shards), in one message."""
+    import shutil
+    from pathlib import Path
+
+    from dp_harness import WIDE
+    import tiertrain
+    from tiertrain.checkpoint.run import load_checkpoint
+    from tiertrain.checkpoint.train_state import TieredState
+    from tiertrain.errors import CheckpointError
+    from tiertrain.memory import Budgets
+    from tiertrain.models import build
+    from tiertrain.train.optimizer import make_adamw
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(Path(dp2[(("saved",), 0)][0]), ckpt)
+    shard = ckpt / "shard-00001-of-00002.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+    model = build(WIDE)
+    opt, _ = make_adamw(model, 1e-2, (0.9, 0.95), 1e-8, 0.1)
+    tm, _ = tiertrain.setup(model, opt, Budgets(64 << 20, 64 << 20, 0), plan="stream", page_size=64 << 10)
+    try:
+        with pytest.raises(CheckpointError, match=r"shard-00001-of-00002.safetensors is damaged \(piece [0-9]+ of "
+                                                  r"[0-9]+: checksum mismatch\); resume from an earlier checkpoint"):
+            load_checkpoint(ckpt, TieredState(tm))
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()
+
+
+def test_ranks_saving_into_directories_they_do_not_share_fail_the_save_saying_so(dp2):
+    """Every rank writes into the temporary directory rank 0 made: a rank that does not see it (another
+    node's filesystem) fails the save with that reason, and every rank with it."""
+    assert dp2[(("unshared",), 1)].startswith("cannot save checkpoint step-00000001")
+    assert dp2[(("unshared",), 1)].endswith("which rank 0 made, is not there as rank 1 sees it: every rank must save "
+                                            "into one filesystem they share (--out on NFS, Lustre...) (the previous "
+                                            "checkpoint is intact)")
+    said = dp2[(("unshared",), 0)]
+    assert said.startswith("cannot save checkpoint step-00000001 in ") and said.endswith(
+        ": another rank could not write its shards (its error says why; the previous checkpoint is intact)")
+
+
+def test_a_rank_killed_halfway_through_a_sharded_save_leaves_the_previous_checkpoint_intact_and_resumable(tmp_path):
+    """Rank 1 is SIGKILLed after writing half its rank file of the second checkpoint: rank 0 stops naming
+    it, ``latest`` still names the first checkpoint, which loads (here in one process), and the next
+    save removes what the killed one left."""
+    import json
+
+    from dp_harness import WIDE
+    import tiertrain
+    from tiertrain.checkpoint.run import TrainerState, load_checkpoint, save_checkpoint
+    from tiertrain.checkpoint.train_state import TieredState
+    from tiertrain.memory import Budgets
+    from tiertrain.models import build
+    from tiertrain.train.optimizer import make_adamw
+
+    errors, codes = run_ranks_one_dies(2, tmp_path)
+    assert codes[1] == -9 and "rank 1" in errors.get(0, ""), (errors, codes)
+    root = tmp_path / "killed" / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step-00000001" and (root / ".step-00000002.tmp-ranks").is_dir()
+    assert not (root / "step-00000002").exists()
+    model = build(WIDE)
+    opt, _ = make_adamw(model, 1e-2, (0.9, 0.95), 1e-8, 0.1)
+    tm, _ = tiertrain.setup(model, opt, Budgets(64 << 20, 64 << 20, 0), plan="stream", page_size=64 << 10)
+    try:
+        state = load_checkpoint(root / "step-00000001", TieredState(tm))
+        assert (state.step, state.world) == (1, 2)
+        save_checkpoint(tmp_path / "killed", TieredState(tm), TrainerState(3, 3, {}, {}), 2)
+        assert not (root / ".step-00000002.tmp-ranks").exists()  # the killed save's leftovers, removed
+        assert json.loads((root / "step-00000003" / "trainer.json").read_text())["step"] == 3
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()

@@ -35,7 +35,8 @@ def test_nproc_trains_data_parallel_writes_sharded_checkpoints_and_resumes_at_ot
     ckpt = out / "checkpoints" / "step-00000002"
     names = sorted(p.name for p in ckpt.iterdir())
     assert names == ["config.json", "rng.safetensors", "shard-00000-of-00002.safetensors",
-                     "shard-00001-of-00002.safetensors", "trainer.json"]
+                     "shard-00000-of-00002.safetensors.pieces", "shard-00001-of-00002.safetensors",
+                     "shard-00001-of-00002.safetensors.pieces", "trainer.json"]
     trainer = json.loads((ckpt / "trainer.json").read_text())
     assert trainer["shards"]["world"] == 2 and trainer["data_position"] == 4  # two ranks, two batches a step
     dp2 = _losses(out)

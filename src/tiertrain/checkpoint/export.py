@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from tiertrain.checkpoint.atomic import fsync_path
-from tiertrain.checkpoint.run import find_checkpoint, read_json, read_trainer, verify_files
+from tiertrain.checkpoint.pieces import SUFFIX as PIECES
+from tiertrain.checkpoint.run import checked_whole, find_checkpoint, read_json, read_trainer, verify_files
 from tiertrain.checkpoint.sharded import ShardedTensors, ShardMap, check_shard_files
 from tiertrain.errors import CheckpointError, OutputError
 from tiertrain.tensor_file import PIECE_BYTES, LazyTensors, TensorSpec, TensorStream, write_streamed
@@ -56,7 +57,8 @@ def export_checkpoint(path: Path, out: Path, dtype: str = "fp32", say: Callable[
     trainer = read_trainer(ckpt)
     smap = ShardMap.read(trainer.shards, f"checkpoint file {ckpt / 'trainer.json'}: shards") if trainer.shards else None
     read = ("config.json", *(smap.files() if smap is not None else ["model.safetensors"]))
-    verify_files(ckpt, {k: v for k, v in trainer.files.items() if k in read})  # read_trainer: all of them listed
+    listed = {k: v for k, v in trainer.files.items() if k in read or k.removesuffix(PIECES) in read}
+    verify_files(ckpt, checked_whole(listed))  # read_trainer: all of them listed; rank files checked as read
     weights = _sharded(ckpt, smap) if smap is not None else _plain(ckpt)
     config = _config(ckpt, DTYPES[dtype])
     made = _claim(out)

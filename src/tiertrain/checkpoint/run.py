@@ -51,8 +51,11 @@ from safetensors.torch import save_file
 
 from tiertrain import typed
 from tiertrain.checkpoint.atomic import publish_dir, write_atomic
+from tiertrain.checkpoint.pieces import SUFFIX as PIECES
+from tiertrain.checkpoint.regular_file import open_regular, read_small
 from tiertrain.checkpoint.sharded import (SHARD_FILE, ShardedTensors, ShardMap, check_shard_files,
-                                                experts_held_elsewhere, shard_file, shard_map, write_rank_file)
+                                                agreed_steps, experts_held_elsewhere, shard_file, shard_map,
+                                                write_rank_file)
 from tiertrain.checkpoint.train_state import TrainState, checked_groups
 from tiertrain.errors import CheckpointError, OutputError, one_line
 from tiertrain.optim.hparams import MOMENTS
@@ -137,40 +140,14 @@ def model_config_dict(model: nn.Module) -> dict[str, Any]:
 # ---------------------------------------------------------------- reading files, confined
 
 
-def _open_regular(path: Path) -> int:
-    """A read-only descriptor of ``path`` if it is a regular file itself: never opened through a
-    symlink (O_NOFOLLOW; a checkpoint's files must not lead out of it), never a FIFO or device
-    that would block or stream forever (O_NONBLOCK, then fstat)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        why = {errno.ENOENT: "not found", errno.ELOOP: "a symbolic link, which is never followed"}.get(
-            exc.errno, exc.strerror or str(exc))
-        raise CheckpointError(f"checkpoint file {path} is missing or damaged ({why}); {_FIX}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise CheckpointError(f"checkpoint file {path} is missing or damaged (not a regular file); {_FIX}")
-    return fd
-
-
 def _file_blocks(path: Path) -> Iterator[bytes]:
-    with open(_open_regular(path), "rb") as f:
+    with open(open_regular(path), "rb") as f:
         yield from iter(lambda: f.read(1 << 24), b"")
-
-
-def _read_small(path: Path, limit: int) -> bytes:
-    """A small file's bytes, refused (not read on) when it is larger than ``limit``."""
-    with open(_open_regular(path), "rb") as f:
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise CheckpointError(f"checkpoint file {path} is larger than {format_bytes(limit)}, "
-                              f"far beyond what tiertrain writes there; the file is damaged: {_FIX}")
-    return data
 
 
 def read_json(path: Path) -> Any:
     try:
-        return json.loads(_read_small(path, MAX_JSON_BYTES))
+        return json.loads(read_small(path, MAX_JSON_BYTES))
     except (ValueError, RecursionError) as exc:
         raise CheckpointError(f"checkpoint file {path} is not valid JSON ({one_line(exc)}); {_FIX}") from None
 
@@ -283,7 +260,14 @@ def _save_sharded(out: Path, ts: TrainState, state: TrainerState, keep: int, com
 
     crc = [0]
     stage(prepare)
-    stage(lambda: crc.__setitem__(0, write_rank_file(tmp, ts.rt)))
+    def sees_it() -> None:
+        if not tmp.is_dir():  # rank 0 made it: this rank saves on another filesystem
+            raise UnsharedDirectory(errno.ENOENT, f"{tmp}, which rank 0 made, is not there as rank {comm.rank} sees "
+                                    "it: every rank must save into one filesystem they share (--out on NFS, Lustre...)")
+
+    stage(sees_it)
+    steps = agreed_steps(ts.rt)  # the last collective before the ranks write: a failed write leaves none waiting
+    stage(lambda: crc.__setitem__(0, write_rank_file(tmp, ts.rt, steps)))
     crcs = torch.zeros(comm.world_size, dtype=torch.int64)
     comm.host.all_gather(crcs, torch.tensor([crc[0]], dtype=torch.int64))
     stage(lambda: _publish_sharded(root, tmp, final, ts, state, crcs.tolist()) if rank0 else None)
@@ -297,6 +281,12 @@ def _publish_sharded(root: Path, tmp: Path, final: Path, ts: TrainState, state: 
     save_file(rng_tensors, tmp / "rng.safetensors")
     (tmp / "config.json").write_text(json.dumps(model_config_dict(ts.module), indent=2))
     smap = shard_map(ts.rt)
+    missing = [name for r in range(len(crcs)) for name in (shard_file(r, len(crcs)), shard_file(r, len(crcs)) + PIECES)
+               if not (tmp / name).is_file()]
+    if missing:  # the ranks wrote into a directory rank 0 does not see: not one filesystem
+        raise UnsharedDirectory(errno.ENOENT, f"{', '.join(missing[:2])} written by the other ranks are not in {tmp} as "
+                                "rank 0 sees it: every rank must save into one filesystem they share (--out on NFS, "
+                                "Lustre...)")
     manifest = {p.name: file_digest(p) for p in sorted(tmp.iterdir()) if not SHARD_FILE.fullmatch(p.name)}
     manifest.update({shard_file(r, len(crcs)): _CRC + f"{c:08x}" for r, c in enumerate(crcs)})
     trainer = {"format_version": FORMAT_VERSION, "step": state.step, "data_position": state.data_position,
@@ -313,8 +303,15 @@ def _write_stamp() -> int:
     return time.time_ns()
 
 
+class UnsharedDirectory(OSError):
+    """The ranks of a sharded save do not see one directory (they run on nodes without a shared filesystem)."""
+
+
 def _save_failed(root: Path, name: str, exc: BaseException) -> OutputError:
     """The one-line error of a save that could not be written (most often: the disk is full)."""
+    if isinstance(exc, UnsharedDirectory):
+        return OutputError(f"cannot save checkpoint {name} in {root}: {exc.strerror} (the previous checkpoint is "
+                           "intact)")
     try:
         free = f"{format_bytes(shutil.disk_usage(root).free)} free there"
     except OSError:
@@ -394,7 +391,7 @@ def _latest_checkpoint(root: Path) -> Path:
         raise CheckpointError(f"{latest} is a symbolic link, which is never followed; "
                               "give --resume a checkpoints/step-* directory")
     try:
-        name = _read_small(latest, 256).decode("ascii").strip()
+        name = read_small(latest, 256).decode("ascii").strip()
     except (CheckpointError, UnicodeDecodeError):
         name = None
     if name is None or not _STEP_DIR.fullmatch(name):
@@ -505,6 +502,12 @@ def _numpy_state(rng: SavedRng) -> tuple:
     return (name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached)
 
 
+def checked_whole(files: dict[str, str]) -> dict[str, str]:
+    """The manifest's files that are verified whole before anything is read: all but the rank files
+    checked piece by piece as they are read (``checkpoint.pieces``; their piece lists are verified whole)."""
+    return {name: digest for name, digest in files.items() if not (SHARD_FILE.fullmatch(name) and name + PIECES in files)}
+
+
 def verify_files(ckpt: Path, manifest: dict[str, str]) -> None:
     for name, digest in manifest.items():
         path = ckpt / name
@@ -613,7 +616,7 @@ def load_checkpoint(ckpt: Path, ts: TrainState) -> TrainerState:
     Everything is checked before anything is changed: trainer.json, every file's checksum, the
     model's config, the parameter groups, and each file's tensor names, dtypes and shapes."""
     trainer = read_trainer(ckpt)
-    verify_files(ckpt, trainer.files)
+    verify_files(ckpt, checked_whole(trainer.files))
     check_same_model(ckpt, ts.module)
     groups = checked_groups(trainer.param_groups, ts.group_hparams(), f"checkpoint {ckpt}")
     if trainer.shards is not None:

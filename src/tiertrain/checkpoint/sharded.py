@@ -28,9 +28,10 @@ from typing import Any
 import torch
 
 from tiertrain import typed
+from tiertrain.checkpoint.pieces import SUFFIX, CheckedRanges, piece_size, write_pieces
 from tiertrain.errors import CheckpointError
 from tiertrain.optim.hparams import MOMENTS
-from tiertrain.tensor_file import LazyTensors, TensorSpec, TensorStream, write_streamed
+from tiertrain.tensor_file import LazyTensors, PieceCrcs, TensorSpec, TensorStream, streamed_bytes, write_streamed
 from tiertrain.typed import at_least
 
 F32 = torch.float32
@@ -63,7 +64,7 @@ class ShardMap:
     blocks: tuple[BlockMap, ...]
 
     @classmethod
-    def read(cls, data: Any, where: str) -> "ShardMap":
+    def read(cls, data: Any, where: str) -> ShardMap:
         found = typed.load(cls, data, where, error=CheckpointError)
         for b in found.blocks:
             if b.rank >= found.world:
@@ -121,18 +122,25 @@ def experts_held_elsewhere(smap: ShardMap, expected: Mapping[str, TensorSpec]) -
     return frozenset(n for b in smap.blocks for n, _, _ in b.params if n not in expected and _EXPERT.search(n))
 
 
-def write_rank_file(tmp: Path, rt: Any) -> int:
-    """This rank's file (its shards; rank 0 also the whole blocks and the step counts); its CRC-32C.
-    Collective: every rank calls it together (the step counts are agreed over the ranks)."""
+def agreed_steps(rt: Any) -> list[torch.Tensor]:
+    """Every group's per-parameter step counts, agreed over the ranks (collective: every rank calls it
+    together, before any rank writes, so that a rank whose write fails leaves no other in a collective)."""
+    from tiertrain.runtime.state_io import logical_steps
+
+    rt.wait_updates()
+    return [logical_steps(g) for g in rt.groups]
+
+
+def write_rank_file(tmp: Path, rt: Any, agreed: list[torch.Tensor]) -> int:
+    """This rank's file (its shards; rank 0 also the whole blocks and the step counts, ``agreed_steps``);
+    its CRC-32C. Local: no collective."""
     from tiertrain.memory.heap import release_free_heap
-    from tiertrain.runtime.state_io import logical_steps, read_state
+    from tiertrain.runtime.state_io import read_state
 
     rank, world = rt.comm.rank, rt.comm.world_size
-    rt.wait_updates()
     held = {id(g.experts) for g in rt.groups if g.experts is not None}
     specs, parts = [], []
-    for i, g in enumerate(rt.groups):
-        steps = logical_steps(g)
+    for i, (g, steps) in enumerate(zip(rt.groups, agreed)):
         mine = rank < rt.experts.ep if id(g) in held else rank == 0  # whole blocks: one file holds each
         if g.shard is None and not mine:
             continue
@@ -148,7 +156,11 @@ def write_rank_file(tmp: Path, rt: Any) -> int:
             release_free_heap()  # the last block's buffer, freed, would stay in the heap (memory.heap)
             yield what if isinstance(what, torch.Tensor) else read_state(rt, g, getattr(g, what))
 
-    return write_streamed(tmp / shard_file(rank, world), TensorStream(specs, tensors))
+    path, stream = tmp / shard_file(rank, world), TensorStream(specs, tensors)
+    pieces = PieceCrcs(piece_size(streamed_bytes(stream)))
+    crc = write_streamed(path, stream, pieces=pieces)
+    write_pieces(path, pieces)
+    return crc
 
 
 class ShardedTensors(Mapping):
@@ -157,14 +169,27 @@ class ShardedTensors(Mapping):
     it spans when it is read."""
 
     def __init__(self, ckpt: Path, smap: ShardMap, moments: bool) -> None:
-        self.smap, self.moments = smap, moments
-        self.files = [LazyTensors(ckpt / f) for f in smap.files()]
+        self.smap, self.moments, self.ckpt = smap, moments, ckpt
+        self._files: dict[int, CheckedRanges | LazyTensors] = {}
         self.places: dict[str, tuple[int, BlockMap, int, tuple[int, ...], int]] = {}
         for place, b in enumerate(smap.blocks):
             for p_index, (name, offset, shape) in enumerate(b.params):
                 for kind in (("exp_avg", "exp_avg_sq", "step") if moments else ("master",)):
                     key = name if kind == "master" else f"{name}::{kind}"
                     self.places[key] = (b.key(place), b, offset, tuple(shape), p_index)
+
+    def file(self, rank: int) -> CheckedRanges | LazyTensors:
+        """Rank file ``rank``, opened at its first read: read by ranges, each piece checked as it is first
+        read (``checkpoint.pieces``), or where it has no piece checksums (an older checkpoint, verified
+        whole before loading), through safetensors."""
+        if rank not in self._files:
+            path = self.ckpt / self.smap.files()[rank]
+            has_pieces = path.with_name(path.name + SUFFIX).exists()
+            self._files[rank] = CheckedRanges(path) if has_pieces else LazyTensors(path)
+        return self._files[rank]
+
+    def __contains__(self, key: object) -> bool:  # without reading the tensor, as Mapping's default would
+        return key in self.places
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.places)
@@ -175,7 +200,7 @@ class ShardedTensors(Mapping):
     def __getitem__(self, key: str) -> torch.Tensor:
         b_index, b, _, shape, p_index = self.places[key]
         if key.endswith("::step"):
-            return self.files[b.rank].read_range(f"{b_index}::steps", p_index, p_index + 1).reshape(())
+            return self.file(b.rank).read_range(f"{b_index}::steps", p_index, p_index + 1).reshape(())
         return self.read_range(key, 0, _numel(shape)).view(shape)
 
     def read_range(self, key: str, lo: int, hi: int) -> torch.Tensor:
@@ -184,11 +209,11 @@ class ShardedTensors(Mapping):
         b_index, b, offset, _, _ = self.places[key]
         kind, lo, hi = key.partition("::")[2] or "master", offset + lo, offset + hi
         if not b.sharded:
-            return self.files[b.rank].read_range(f"{b_index}::{kind}", lo, hi)
+            return self.file(b.rank).read_range(f"{b_index}::{kind}", lo, hi)
         size, pieces = b.numel // self.smap.world, []
         for r in range(lo // size, (hi - 1) // size + 1 if hi > lo else lo // size):
             a, z = max(lo, r * size), min(hi, (r + 1) * size)
-            pieces.append(self.files[r].read_range(f"{b_index}::{kind}", a - r * size, z - r * size))
+            pieces.append(self.file(r).read_range(f"{b_index}::{kind}", a - r * size, z - r * size))
         return torch.cat(pieces) if pieces else torch.zeros(0)
 
 

@@ -559,6 +559,11 @@ class BlockGroup:
         """Its params were written from outside a step (a checkpoint loaded): the next use reads them anew."""
         self._ctx.cache.invalidate(self)
 
+    def shard_written(self) -> None:
+        """Its shard alone was written from outside a step (a sharded checkpoint read by parts): a resident
+        block's slot gathers every rank's at its next use, a streamed one's at its next fetch."""
+        self._mark_written()
+
     def update_now(self, hypers: list[AdamWHyper], coef: torch.Tensor | None) -> None:
         """The step's update of the block in this (the step's) thread: its gradients are handed over."""
         self._handed_over()

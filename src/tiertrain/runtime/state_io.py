@@ -235,6 +235,34 @@ def _write_parts(rt: Runtime, g: BlockGroup, chunk: Chunk, tensors: list[torch.T
                                for s, t in zip(g.layout.slots, tensors) if t is not None))
 
 
+def _shard_of(g: BlockGroup, source: Mapping[str, torch.Tensor], key: Callable[[str], str]) -> torch.Tensor:
+    """This rank's elements of a sharded block's flat chunk, read from ``source`` by ranges of the
+    parameters its shard spans (``ShardedTensors.read_range``): nothing outside the shard is read; what
+    no parameter covers (padding, a moment never saved) is zero."""
+    lo, hi = g.shard
+    out = torch.zeros(hi - lo, dtype=F32)
+    for (name, _), s in zip(g.block.params, g.layout.slots):
+        a, z = max(lo, s.offset), min(hi, s.offset + s.numel)
+        if a < z and key(name) in source:
+            out[a - lo : z - lo] = source.read_range(key(name), a - s.offset, z - s.offset)  # type: ignore[attr-defined]
+    return out
+
+
+def _import_shard(rt: Runtime, g: BlockGroup, weights: Mapping[str, torch.Tensor], optim: Mapping[str, torch.Tensor],
+                  names: list[str]) -> None:
+    """A sharded block's master, moments and step counts from a sharded checkpoint, its shard alone; its
+    compute params gather from the shards at their next use (``BlockGroup.shard_written``)."""
+    mine = _shard_of(g, weights, str)
+    _write(rt, g.master, mine)
+    if g.param_home is not None and g.param_home is not g.master:
+        _write(rt, g.param_home, mine, g.compute)
+    g.shard_written()
+    for k in MOMENTS:
+        _write(rt, getattr(g, k), _shard_of(g, optim, lambda n: f"{n}::{k}"))  # noqa: B023 - used at once
+    for i, n in enumerate(names):
+        g.steps[i].copy_(optim.get(f"{n}::step", torch.zeros((), dtype=F32)))
+
+
 def import_state(rt: Runtime, weights: Mapping[str, torch.Tensor], optim: Mapping[str, torch.Tensor]) -> None:
     """Write saved tensors into the block chunks, block by block (``LazyTensors`` reads each only
     when its block is written, so a model larger than memory resumes)."""
@@ -242,7 +270,10 @@ def import_state(rt: Runtime, weights: Mapping[str, torch.Tensor], optim: Mappin
     rt.cache.settle()
     for g in rt.groups:
         names = [n for n, _ in g.block.params]
-        write_weights(rt, g, [weights[n] for n in names])
-        write_moments(rt, g, optim, names)
+        if g.shard is not None and hasattr(weights, "read_range") and g.master is not None:
+            _import_shard(rt, g, weights, optim, names)  # a sharded checkpoint: this rank's part alone is read
+        else:
+            write_weights(rt, g, [weights[n] for n in names])
+            write_moments(rt, g, optim, names)
         g.release()  # gradients gathered before the load belong to no step now
         release_free_heap()

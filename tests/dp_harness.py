@@ -102,14 +102,15 @@ def per_micro_losses(rank: int, accum: int) -> list[float]:
     return losses
 
 
-def tiered_losses(rank: int, plan, update: str, accum: int, clip: float | None, disk: Path) -> tuple[list[float], int]:
+def tiered_losses(rank: int, plan, update: str, accum: int, clip: float | None, disk: Path,
+                  reduce_dtype: str | None = None) -> tuple[list[float], int]:
     import tiertrain
     from tiertrain.memory import Budgets, Tier
 
     model, opt = _fresh()
     budgets = Budgets(64 << 20, 64 << 20, 64 << 20, rank_disk(disk, rank))
     tm, topt = tiertrain.setup(model, opt, budgets, plan=plan, update=update, grad_accum=accum, max_grad_norm=clip,
-                               page_size=64 << 10)
+                               page_size=64 << 10, reduce_dtype=reduce_dtype)
     try:  # over several ranks too the device pool maps what the plan counts (a count short of what the run
         # allocates fails the run: "the plan's count is short, a bug in tiertrain")
         assert tm.runtime.mem.pool(Tier.DEVICE).capacity == tm.runtime.plan.resolved.device < budgets.device
@@ -168,14 +169,15 @@ def run_ranks(world: int, tmp: Path, jobs: list) -> dict:
         return dict(results)
 
 
-def sent_per_step(rank: int, plan, steps: int = 3) -> dict:
+def sent_per_step(rank: int, plan, steps: int = 3, reduce_dtype: str = "fp32") -> dict:
     """Bytes this rank sent in each step, the slot fetches of each, and what the formulas need."""
     import tiertrain
     from tiertrain.train.objective import lm_loss
     from tiertrain.memory import Budgets
 
     model, opt = _fresh()
-    tm, topt = tiertrain.setup(model, opt, Budgets(64 << 20, 64 << 20), plan=plan, page_size=64 << 10)
+    tm, topt = tiertrain.setup(model, opt, Budgets(64 << 20, 64 << 20), plan=plan, page_size=64 << 10,
+                               reduce_dtype=reduce_dtype)
     rt, data, out = tm.runtime, rank_batches(rank, steps), {"sent": [], "fetches": []}
     try:
         for b in data:
@@ -187,6 +189,7 @@ def sent_per_step(rank: int, plan, steps: int = 3) -> dict:
             out["fetches"].append(rt.cache.pop_fetches())
         out["groups"] = [(g.layout.numel, len(g.params), g.shard is not None, g.plan.stream) for g in rt.groups]
         out["compute_bytes"] = rt.groups[0].compute.itemsize
+        out["reduce_bytes"] = 2 if reduce_dtype == "bf16" else 4
         return out
     finally:
         rt.close()

@@ -59,6 +59,10 @@ def dp2(tmp_path_factory):
              for name, plan in PEAK_PLANS.items()]
     jobs += [(("saved",), functools.partial(saved_then_uninterrupted, plan=PLANS["stream"], tmp=tmp)),
              (("unshared",), functools.partial(unshared_save, tmp=tmp))]
+    jobs += [(("bf16", name), functools.partial(tiered_losses, plan=plan, update="sync", accum=1, clip=None,
+                                                disk=tmp / f"bf16-{name}", reduce_dtype="bf16"))
+             for name, plan in (("ddp-like", data_parallel(PLANS["resident"], 2, shard=False)),
+                                ("zero3-like", PLANS["stream"]))]
     return run_ranks(2, tmp, jobs)
 
 
@@ -215,7 +219,10 @@ LAYOUTS = {"ddp-like": data_parallel(PLANS["resident"], 2, shard=False),
 @pytest.fixture(scope="module")
 def sent(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sent")
-    return run_ranks(2, tmp, [(name, functools.partial(sent_per_step, plan=plan)) for name, plan in LAYOUTS.items()])
+    jobs = [(name, functools.partial(sent_per_step, plan=plan)) for name, plan in LAYOUTS.items()]
+    jobs += [(f"{name} bf16", functools.partial(sent_per_step, plan=LAYOUTS[name], reduce_dtype="bf16"))
+             for name in ("ddp-like", "zero3-like")]
+    return run_ranks(2, tmp, jobs)
 
 
 def _formula(run: dict, step: int, world: int = 2) -> int:
@@ -227,7 +234,7 @@ def _formula(run: dict, step: int, world: int = 2) -> int:
     streamed_blocks = sum(1 for g in run["groups"] if g[3])
     for numel, n_params, sharded, streamed in run["groups"]:
         total += ring_bytes("all_reduce", n_params, world)
-        total += ring_bytes("reduce_scatter" if sharded else "all_reduce", 4 * numel, world)
+        total += ring_bytes("reduce_scatter" if sharded else "all_reduce", run["reduce_bytes"] * numel, world)
         if sharded and not streamed and step > 0:
             total += ring_bytes("all_gather", cb * numel, world)
     if streamed_blocks:
@@ -248,6 +255,20 @@ def test_each_rank_sends_what_the_layouts_formula_says(sent, layout):
     # again for backward) and 2x for the rest, which stays on the device (one block is kept between them)
     want = 2 + streamed / params
     assert want - 0.25 < ratio <= want + 0.01, (layout, ratio, want)
+
+
+@pytest.mark.parametrize("layout", ["ddp-like", "zero3-like"])
+def test_gradients_reduced_in_bf16_send_half_the_gradient_bytes_and_train_as_fp32_within_bf16_rounding(
+        sent, dp2, layout):
+    """``reduce_dtype="bf16"``: each micro-batch's gradients are staged and summed over the ranks in bf16,
+    then averaged into the fp32 grad chunk: the bytes sent follow the formula with 2 bytes a gradient, and
+    the losses stay within bf16's rounding of fp32's (and are not fp32's: the sum really was in bf16)."""
+    for rank in (0, 1):
+        run, fp32 = sent[(f"{layout} bf16", rank)], sent[(layout, rank)]
+        assert run["sent"] == [_formula(run, k) for k in range(len(run["sent"]))]
+        assert all(a < b for a, b in zip(run["sent"], fp32["sent"]))
+        got, want = dp2[(("bf16", layout), rank)][0], dp2[(("ddp", 1, None), rank)]
+        assert got != want and got == pytest.approx(want, rel=2e-3), (got, want)
 
 
 def test_lockfree_with_lag_over_sharded_blocks_is_refused_where_ranks_could_issue_different_collectives(monkeypatch):

@@ -305,6 +305,8 @@ def _chosen(plan: "str | Plan", found: list, memory: Budgets, opts: RunOptions) 
         chosen = dataclasses.replace(chosen, max_staleness=opts.max_staleness).validate(n)
     if opts.compute_dtype is not None:
         chosen = dataclasses.replace(chosen, compute_dtype=opts.compute_dtype).validate(n)
+    if opts.reduce_dtype is not None:
+        chosen = dataclasses.replace(chosen, reduce_dtype=opts.reduce_dtype)
     check_update_mode(chosen.update, chosen.compute_dtype, opts.grad_accum, opts.clips)
     if chosen.uses_disk and not memory.disk:
         raise ConfigError("this plan homes states on disk; give a disk budget: Budgets(..., disk=SIZE, disk_dir=DIR)")

@@ -104,6 +104,9 @@ def cli() -> None:
 @click.option("--host-memory", help='With --plan: host budget, e.g. "16GiB" (default half the RAM).')
 @click.option("--disk", help='With --plan: disk tier "DIR:SIZE", e.g. /nvme/tt:200GiB.')
 @click.option("--page-size", help='With --plan: memory page size, e.g. "4MiB" (default: measured and cached per machine).')
+@click.option("--reduce-dtype", type=click.Choice(["fp32", "bf16"]),
+              help="With --plan under --nproc N: the dtype gradients are summed over the ranks in (default fp32; bf16 "
+                   "halves the bytes each rank sends, at bf16's rounding of the sum).")
 @click.option("--ep", type=int, help="With --plan under --nproc N: divide each mixture-of-experts layer's experts "
                                     "over groups of this many ranks (expert parallel; default 1).")
 @click.option("--quiet", is_flag=True, help="Print only the summary.")

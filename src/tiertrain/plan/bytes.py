@@ -90,10 +90,10 @@ REDUCTIONS_IN_FLIGHT = 1  # data parallel: a block's reduction runs under the ne
 
 
 def reduce_staging(full: list[int], parts: list[int], dp: int, page: int, bound: bool = True) -> int:
-    """Device bytes data parallel's gradient reductions take at once (``dp`` > 1): the stage of the
-    block whose backward runs and of each reduction in flight, each a whole block's fp32 gradients
-    (``full``), and beside a sharded one the shard it is reduce-scattered into (``parts``, 0: all-reduced
-    in place), for the largest block."""
+    """Bytes data parallel's gradient reductions take at once (``dp`` > 1) where they are staged
+    (``Plan.reduce_on``): the stage of the block whose backward runs and of each reduction in flight, each
+    a whole block's gradients in the reduce dtype (``full``), and beside a sharded one the shard it is
+    reduce-scattered into (``parts``, 0: none apart), for the largest block."""
     if dp == 1 or not full:
         return 0
     return (REDUCTIONS_IN_FLIGHT + 1) * max(pages(f, page, bound) + (pages(s, page, bound) if s else 0)

@@ -190,8 +190,11 @@ def tier_bytes(sizes: "Sizes | Sequence[int]", plan: Plan, page: int, train: boo
     if not train:
         return need
     if grads != "none":  # a micro-batch's gradients reduced over the ranks where they are staged (``reduce_on``)
-        parts = [s if sharded(p, plan) and plan.reduce_on == "device" else 0 for s, p in zip(state, plans)]
-        need[Tier(plan.reduce_on)] += reduce_staging(full, parts, dp, page, bound)
+        size = BYTES[plan.reduce_dtype]
+        staged = [n * size for n in numels]
+        apart = plan.reduce_on == "device" or plan.reduce_dtype != "fp32"  # else straight into the grad chunk
+        parts = [-(-n // dp) * size if sharded(p, plan) and apart else 0 for n, p in zip(numels, plans)]
+        need[Tier(plan.reduce_on)] += reduce_staging(staged, parts, dp, page, bound)
         for tier, largest in _landing(state, plans, dp, chunk).items():
             need[tier] += (REDUCTIONS_IN_FLIGHT + 1) * largest
     if grads == "transient":

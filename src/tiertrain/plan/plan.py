@@ -23,6 +23,8 @@ from tiertrain.plan.parallel import ParallelLayout
 from tiertrain.plan.tiers import Tier
 from tiertrain.plan.update_modes import UPDATE_MODES, rules
 from tiertrain.precisions import PRECISIONS as COMPUTE_DTYPES
+
+REDUCE_DTYPES = ("fp32", "bf16")
 from tiertrain.typed import at_least, one_of
 
 BUILTIN_PLANS = ("resident", "stream", "max-offload")
@@ -99,6 +101,8 @@ class Plan:
     compute_dtype: str = field(default="fp32", metadata=one_of(*COMPUTE_DTYPES))  # fp32 | bf16 | fp16: the dtype of
     #                                        device params (master stays fp32; fp16 brings dynamic loss scaling)
     parallel: ParallelLayout = ParallelLayout()  # processes the run spans, and how experts are divided over them
+    reduce_dtype: str = field(default="fp32", metadata=one_of(*REDUCE_DTYPES))  # data parallel: the dtype a
+    #                          micro-batch's gradients are summed over the ranks in (bf16 halves the bytes sent)
     reduce_on: str = field(default="device", metadata=one_of("device", "host"))  # data parallel: where a
     #                          micro-batch's gradients are staged and reduced (over the device group, or the CPU
     #                          group where the device cannot hold two blocks' gradients: ``plan.fit.resolve``)

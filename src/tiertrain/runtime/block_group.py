@@ -83,6 +83,7 @@ class GroupLayout:
     grad_floors: tuple[int, int] = (0, 0)  # bounded gradients: bytes a grad chunk takes at least, and the size
     #                                        kept at the pool's far end
     reduce_on: Tier = Tier.DEVICE          # where a micro-batch's gradients are staged and reduced (``Plan.reduce_on``)
+    reduce_dtype: torch.dtype = torch.float32  # what they are summed over the ranks in (``Plan.reduce_dtype``)
 
 
 class BlockGroup:
@@ -101,7 +102,7 @@ class BlockGroup:
         self._ctx, self._mem = ctx, ctx.mem
         self._comm = comm if comm is not None else ctx.comm
         self._shard, self._reduces_at_end, self._floors = laid.shard, laid.reduces_at_end, laid.grad_floors
-        self._reduce_on = laid.reduce_on
+        self._reduce_on, self._reduce_dtype = laid.reduce_on, laid.reduce_dtype
         self._mean_over = laid.mean_over or self._comm.world_size
         self._experts = experts
         self._grads = GradBuffer(len(params))
@@ -380,7 +381,7 @@ class BlockGroup:
 
     def _stage_one(self, i: int, grad: torch.Tensor) -> None:
         """One parameter's gradient of this micro-batch into the stage (a shared weight's second use adds)."""
-        view = self.views(self._staged())[i]
+        view = self.views(self._staged(), self._reduce_dtype)[i]
         if self._stage_has[i]:
             view.add_(grad)
         else:
@@ -389,9 +390,10 @@ class BlockGroup:
 
     def _staged(self) -> Chunk:
         if self._stage is None:
-            self._stage = self._mem.allocate(f"{self._block.name}.stage", self.nbytes, self._reduce_on, Kind.GRAD,
+            nbytes = self._layout.numel * self._reduce_dtype.itemsize
+            self._stage = self._mem.allocate(f"{self._block.name}.stage", nbytes, self._reduce_on, Kind.GRAD,
                                              contiguous=True)
-            self._stage.typed(F32).zero_()  # a parameter no micro-batch of this rank reached contributes zeros
+            self._stage.typed(self._reduce_dtype).zero_()  # a parameter no micro-batch reached contributes zeros
         return self._stage
 
     def _reduce_over_ranks(self, step: int, hypers: list[AdamWHyper] | None, final: bool) -> None:
@@ -408,22 +410,18 @@ class BlockGroup:
         has = torch.tensor(self._stage_has, dtype=torch.uint8)
         self._stage_has = [False] * len(self._params)
         works: list[Waitable] = [self._comm.host.all_reduce(has, op="max", async_op=True)]
-        full, staged = stage.typed(F32)[: self._layout.numel], [stage]
-        if self._reduce_on is Tier.HOST:
-            if self._shard is None:
-                works += [self._comm.host.all_reduce(full, async_op=True), Copy(mine, full)]
-            else:
-                works.append(self._comm.host.reduce_scatter(mine, full, async_op=True))
-        elif self._shard is None:
-            works.append(self._comm.all_reduce(full, async_op=True))
-            works.append(Copy(mine, full))
+        rd, side = self._reduce_dtype, self._comm if self._reduce_on is Tier.DEVICE else self._comm.host
+        full, staged = stage.typed(rd)[: self._layout.numel], [stage]
+        if self._shard is None:
+            works += [side.all_reduce(full, async_op=True), Copy(mine, full)]
+        elif self._reduce_on is Tier.HOST and rd == F32:
+            works.append(side.reduce_scatter(mine, full, async_op=True))  # straight into the fresh chunk
         else:
-            part = self._mem.allocate(f"{self._block.name}.reduced", self.state_numel * F32.itemsize, Tier.DEVICE,
-                                      Kind.GRAD, contiguous=True)
+            part = self._mem.allocate(f"{self._block.name}.reduced", self.state_numel * rd.itemsize,
+                                      self._reduce_on, Kind.GRAD, contiguous=True)
             staged.append(part)
-            out = part.typed(F32)[: self.state_numel]
-            works.append(self._comm.reduce_scatter(out, full, async_op=True))
-            works.append(Copy(mine, out))  # the shard alone crosses to the grad chunk's tier
+            out = part.typed(rd)[: self.state_numel]
+            works += [side.reduce_scatter(out, full, async_op=True), Copy(mine, out)]  # the shard alone crosses
         self._reduction = Reduction(works, fresh, mine, has, step, hypers, final, staged)
         self._grads_to(Grads.REDUCING)
 
@@ -639,9 +637,9 @@ class BlockGroup:
     def nbytes(self) -> int:
         return self._layout.numel * F32.itemsize
 
-    def views(self, chunk: Chunk) -> list[torch.Tensor]:
-        """Per-parameter fp32 views of a whole-block chunk (merged) in layout order."""
-        flat = chunk.typed(F32)
+    def views(self, chunk: Chunk, dtype: torch.dtype = F32) -> list[torch.Tensor]:
+        """Per-parameter views (fp32, or ``dtype``) of a whole-block chunk (merged) in layout order."""
+        flat = chunk.typed(dtype)
         return [flat[s.offset : s.offset + s.numel].view(s.shape) for s in self._layout.slots]
 
     def state_views(self, chunk: Chunk) -> list[torch.Tensor]:

@@ -20,6 +20,7 @@ from tiertrain.memory.chunk import Chunk
 from tiertrain.plan import BlockPlan, Plan
 from tiertrain.plan.bytes import experts_plan, master_in_slot, separate_param_home, state_homes
 from tiertrain.plan.fit import check_device_room
+from tiertrain.precisions import torch_dtype
 from tiertrain.runtime.block_group import F32, BlockGroup, GroupChunks, GroupLayout
 from tiertrain.runtime.build import floors_of, grad_floors_for, ring_slots
 from tiertrain.runtime.slots import DeviceSlot
@@ -59,7 +60,8 @@ def replan(rt: "Runtime", plan: Plan) -> None:
     for g in reversed(old):  # a block's held experts come after it: made first, so the block is made with them
         slot, param_home = copies[g.index]
         bp = plans[g.index]
-        laid = GroupLayout(g.shard, g.mean_over, g.reduces_at_end, floors_of(floors, bp), Tier(plan.reduce_on))
+        laid = GroupLayout(g.shard, g.mean_over, g.reduces_at_end, floors_of(floors, bp), Tier(plan.reduce_on),
+                           torch_dtype(plan.reduce_dtype))
         made[g.index] = BlockGroup(g.index, g.block, bp, g.layout, g.params, GroupChunks(*g.states, param_home, slot),
                                    g.steps, g.group_of, g.compute, rt.ctx, laid,
                                    made[g.experts.index] if g.experts is not None else None, g.comm, g.version)

@@ -66,6 +66,7 @@ class TrainConfig:
     disk: str | None = None           # "DIR[:SIZE]": disk tier for a plan
     page_size: str | None = None      # memory page size, e.g. "4MiB" (default: measured for this machine)
     ep: int = field(default=1, metadata=at_least(1))  # expert parallel: ranks each MoE layer's experts are divided over
+    reduce_dtype: str | None = field(default=None, metadata=one_of("fp32", "bf16"))  # gradients' sum over the ranks
 
     def __post_init__(self) -> None:
         typed.check(self, "config")
@@ -75,7 +76,8 @@ class TrainConfig:
         """What one field alone cannot say."""
         if self.plan is None and any((self.device_memory, self.host_memory, self.disk)):
             raise ConfigError("memory budgets apply to a plan; add --plan resident|stream|max-offload|auto|FILE")
-        tiered_only = {"--update": self.update, "--max-staleness": self.max_staleness, "--page-size": self.page_size}
+        tiered_only = {"--update": self.update, "--max-staleness": self.max_staleness, "--page-size": self.page_size,
+                       "--reduce-dtype": self.reduce_dtype}
         given = [flag for flag, value in tiered_only.items() if value is not None]
         if self.plan is None and given:  # plain PyTorch has no updates of its own to schedule, nor pages
             raise ConfigError(f"{' and '.join(given)} apply to a tiered run; add --plan "

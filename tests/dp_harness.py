@@ -419,7 +419,7 @@ def _global_losses(tm, topt, rank: int, steps: range) -> list[float]:
     """Each step's loss over the whole batch (the ranks' means averaged), this rank training on its rows."""
     from tiertrain.train.objective import lm_loss
 
-    world, out = dist.get_world_size(), []
+    world, out = dist.get_world_size() if dist.is_initialized() else 1, []
     for s in steps:
         rows = _global_batch(s).chunk(world)[rank]
         loss = lm_loss(tm, rows[:, :-1], rows[:, 1:])
@@ -427,9 +427,26 @@ def _global_losses(tm, topt, rank: int, steps: range) -> list[float]:
         topt.step()
         topt.zero_grad()
         mean = loss.detach().reshape(1).clone()
-        dist.all_reduce(mean)
+        if world > 1:
+            dist.all_reduce(mean)
         out.append(mean.item() / world)
     return out
+
+
+def one_process_checkpoint(tmp: Path) -> tuple[str, list[float]]:
+    """In this process (one rank): steps 1-2 on the whole batches, a plain checkpoint, steps 3-5."""
+    from tiertrain.checkpoint.run import TrainerState, save_checkpoint
+    from tiertrain.checkpoint.train_state import TieredState
+    from tiertrain.plan import builtin_plan
+
+    tm, topt = _wide_run(builtin_plan("stream", WIDE["n_layer"]), 0, tmp / "disk-one")
+    try:
+        _global_losses(tm, topt, 0, range(1, 3))
+        ckpt = save_checkpoint(tmp / "one", TieredState(tm), TrainerState(2, 2, {}, {}), 2)
+        return str(ckpt), _global_losses(tm, topt, 0, range(3, 6))
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()
 
 
 def saved_then_uninterrupted(rank: int, plan, tmp: Path) -> tuple[str, list[float]]:
@@ -462,7 +479,7 @@ def resumed_by_parts(rank: int, plan, ckpt: str, tmp: Path) -> dict:
         read = READ.bytes - before
         groups = tm.runtime.groups
         files = sorted(Path(ckpt).glob("shard-*.safetensors"))
-        piece = max(piece_size(f.stat().st_size) for f in files)
+        piece = max((piece_size(f.stat().st_size) for f in files), default=0)
         ranges = 4 * len(groups) * 2  # per group: master, two moments and the steps, each from at most two files
         return {"losses": _global_losses(tm, topt, rank, range(3, 6)), "read": read,
                 "share": sum(3 * g.state_numel * 4 for g in groups), "slack": 2 * piece * ranges + 64 * 1024 * len(files),

@@ -9,7 +9,8 @@ import functools
 import pytest
 
 from dp_harness import (TINY4, agreed_auto_setup, agreed_budgets, ddp_losses, failure_on_rank0, gather_events,
-                        mismatched_collective, mismatched_setup, per_micro_losses, pool_peaks, recheck_on_rank0,
+                        mismatched_collective, mismatched_setup, one_process_checkpoint, per_micro_losses, pool_peaks,
+                        recheck_on_rank0,
                         resumed_by_parts, run_ranks_one_dies, saved_then_uninterrupted, unshared_save, reduction_events, run_ranks,
                         sent_per_step, tiered_losses)
 from tiertrain.parallel import ring_bytes
@@ -31,8 +32,16 @@ PEAK_PLANS = {"zero-3": builtin_plan("stream", N),  # streamed and sharded: ZeRO
 CASES = [(plan, update, accum) for plan in PLANS for update in ("sync", "overlap") for accum in (1, 2)]
 
 
+HOST_REDUCED = {name: dataclasses.replace(PLANS[name], reduce_on="host") for name in ("resident", "stream")}
+
+
 @pytest.fixture(scope="module")
-def dp2(tmp_path_factory):
+def one_process(tmp_path_factory):
+    return one_process_checkpoint(tmp_path_factory.mktemp("one"))
+
+
+@pytest.fixture(scope="module")
+def dp2(tmp_path_factory, one_process):
     tmp = tmp_path_factory.mktemp("dp2")
     jobs = [(("ddp", accum, clip), functools.partial(ddp_losses, accum=accum, clip=clip))
             for accum in (1, 2) for clip in (None, 0.5)]
@@ -58,7 +67,11 @@ def dp2(tmp_path_factory):
     jobs += [(("peaks", name), functools.partial(pool_peaks, plan=plan, disk=tmp / f"peaks-{name}"))
              for name, plan in PEAK_PLANS.items()]
     jobs += [(("saved",), functools.partial(saved_then_uninterrupted, plan=PLANS["stream"], tmp=tmp)),
-             (("unshared",), functools.partial(unshared_save, tmp=tmp))]
+             (("unshared",), functools.partial(unshared_save, tmp=tmp)),
+             (("plain resumed",), functools.partial(resumed_by_parts, plan=PLANS["stream"], ckpt=one_process[0],
+                                                    tmp=tmp / "plain"))]
+    jobs += [(("host-reduced", name), functools.partial(tiered_losses, plan=plan, update="sync", accum=1, clip=None,
+                                                        disk=tmp / f"host-{name}")) for name, plan in HOST_REDUCED.items()]
     jobs += [(("bf16", name), functools.partial(tiered_losses, plan=plan, update="sync", accum=1, clip=None,
                                                 disk=tmp / f"bf16-{name}", reduce_dtype="bf16"))
              for name, plan in (("ddp-like", data_parallel(PLANS["resident"], 2, shard=False)),
@@ -397,3 +410,21 @@ def test_a_rank_killed_halfway_through_a_sharded_save_leaves_the_previous_checkp
     finally:
         tm.runtime.close()
         tm.runtime.mem.close()
+
+
+def test_a_one_process_checkpoint_resumes_into_a_sharded_run_and_trains_on_as_it_did(dp2, one_process):
+    """A plain checkpoint (one process, ``model.safetensors``) read into a sharded dp = 2 run: each rank
+    cuts its shard out of the whole tensors, and steps 3-5 on the same global batches give the one
+    process's losses (another order of the same sums: relative 1e-5)."""
+    for rank in (0, 1):
+        got = dp2[(("plain resumed",), rank)]
+        assert got["losses"] == pytest.approx(one_process[1], rel=1e-5, abs=0), (got["losses"], one_process[1])
+
+
+@pytest.mark.parametrize("plan", list(HOST_REDUCED))
+def test_gradients_reduced_in_host_memory_over_the_cpu_group_equal_ddp_bitwise(dp2, plan):
+    """``reduce_on="host"`` (what resolve picks where the device cannot hold the stages): the stage in host
+    memory, summed over the CPU group, every tensor still on its side (the check is on), equal to DDP. The
+    resident plan's gradients gather on the device (its grad tier), so the host's part is copied there."""
+    for rank in (0, 1):
+        assert dp2[(("host-reduced", plan), rank)][0] == dp2[(("ddp", 1, None), rank)]

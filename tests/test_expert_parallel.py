@@ -232,10 +232,10 @@ def test_with_clipping_the_norm_over_every_ranks_experts_matches_within_rounding
         assert got[0] == column[0] and got == pytest.approx(column, rel=1e-5, abs=0)
 
 
-def test_with_accumulation_each_ranks_sum_over_its_micro_batches_is_reduced_once_within_rounding(ep2):
-    """Two micro-batches a rank: the ranks' sums (a + b) + (c + d) where one process accumulates the
-    four micro-batches ((a + c) + b) + d: another rounding order (about 1e-7 of a loss over the run,
-    measured); 1e-5 allowed, step 1 (before any update) bit for bit."""
+def test_with_accumulation_each_micro_batch_reduced_over_the_ranks_equals_one_process_within_rounding(ep2):
+    """Two micro-batches a rank, each reduced over the ranks as its backward ends: (a + c) + (b + d) where
+    one process accumulates the four micro-batches ((a + c) + b) + d: another rounding order (about 1e-7
+    of a loss over the run, measured); 1e-5 allowed, step 1 (before any update) bit for bit."""
     want, _ = ep2[("one-accum", 0)]
     for rank in (0, 1):
         got = ep2[("ep-accum", rank)]["losses"]

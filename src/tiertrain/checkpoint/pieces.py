@@ -62,12 +62,12 @@ class CheckedRanges:
     first time a range touches it; a mismatch (or a short read) is one ``CheckpointError``."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
-        listed = json.loads(read_small(path.with_name(path.name + SUFFIX), 64 << 20))
+        self.path, self._fd = path, -1
         try:
+            listed = json.loads(read_small(path.with_name(path.name + SUFFIX), 64 << 20))
             self.piece = int(listed["piece"])
             self.crcs = [int(c, 16) for c in listed["crc32c"]]
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, RecursionError):
             raise CheckpointError(f"{path}{SUFFIX} is not a list of piece checksums; the checkpoint is damaged: "
                                   f"{_FIX}") from None
         self._checked: set[int] = set()
@@ -76,9 +76,17 @@ class CheckedRanges:
         self.size = os.fstat(fd).st_size
         if self.piece < 4096 or len(self.crcs) != -(-self.size // self.piece):
             raise CheckpointError(f"{path}: its piece checksums do not cover it; the checkpoint is damaged: {_FIX}")
-        (n,) = struct.unpack("<Q", self._pread(0, 8))
+        (n,) = struct.unpack("<Q", self._bytes(0, 8))  # the header too: checked by its pieces
+        if 8 + n > self.size:
+            raise CheckpointError(f"{path}: its header claims {n} bytes, more than the file; the checkpoint is "
+                                  f"damaged: {_FIX}")
         self._base = 8 + n
-        self._tensors = json.loads(self._pread(8, n))
+        try:
+            self._tensors = json.loads(self._bytes(8, 8 + n))
+        except (ValueError, RecursionError):
+            raise CheckpointError(f"{path}: its header is not JSON; the checkpoint is damaged: {_FIX}") from None
+        if not isinstance(self._tensors, dict):
+            raise CheckpointError(f"{path}: its header is not a mapping; the checkpoint is damaged: {_FIX}")
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -119,7 +127,10 @@ class CheckedRanges:
         dtype = DTYPES.get(entry.get("dtype")) if isinstance(entry, dict) else None
         if dtype is None:
             raise CheckpointError(f"cannot read {name!r} in {self.path}; the checkpoint is damaged: {_FIX}")
-        start, end = entry["data_offsets"]
+        try:
+            start, end = (int(x) for x in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{name!r} in {self.path} has no offsets; the checkpoint is damaged: {_FIX}") from None
         size = dtype.itemsize
         if not 0 <= lo <= hi or start + hi * size > end:
             raise CheckpointError(f"{name!r} in {self.path} holds fewer elements than its map says: {_FIX}")

@@ -266,6 +266,7 @@ def _save_sharded(out: Path, ts: TrainState, state: TrainerState, keep: int, com
                                     "it: every rank must save into one filesystem they share (--out on NFS, Lustre...)")
 
     stage(sees_it)
+    stage(ts.rt.wait_updates)  # an update's failure (a disk error) fails the save on every rank alike
     steps = agreed_steps(ts.rt)  # the last collective before the ranks write: a failed write leaves none waiting
     stage(lambda: crc.__setitem__(0, write_rank_file(tmp, ts.rt, steps)))
     crcs = torch.zeros(comm.world_size, dtype=torch.int64)
@@ -613,8 +614,9 @@ def _restore_rng(tensors: dict[str, torch.Tensor], plain: SavedRng) -> None:
 def load_checkpoint(ckpt: Path, ts: TrainState) -> TrainerState:
     """Restore model, optimizer and RNG from ``ckpt`` after verifying it; return the rest.
 
-    Everything is checked before anything is changed: trainer.json, every file's checksum, the
-    model's config, the parameter groups, and each file's tensor names, dtypes and shapes."""
+    Everything is checked before anything is changed: trainer.json, every file's checksum (a rank
+    file's piece by piece, each piece before its bytes are used), the model's config, the parameter
+    groups, and each file's tensor names, dtypes and shapes."""
     trainer = read_trainer(ckpt)
     verify_files(ckpt, checked_whole(trainer.files))
     check_same_model(ckpt, ts.module)
@@ -624,11 +626,16 @@ def load_checkpoint(ckpt: Path, ts: TrainState) -> TrainerState:
         expected = ts.expected_weights()
         held_elsewhere = experts_held_elsewhere(smap, expected) if getattr(ts, "expert_parallel", False) else None
         check_shard_files(ckpt, smap, expected, held_elsewhere or frozenset())
-        weights, optim = ShardedTensors(ckpt, smap, moments=False), ShardedTensors(ckpt, smap, moments=True)
+        weights = ShardedTensors(ckpt, smap, moments=False)
+        optim = weights.moments_too()
     else:
         weights, optim = _checked_weights(ckpt, ts), _checked_optimizer(ckpt, ts)
     rng = _checked_rng(ckpt)
-    ts.load(weights, optim, groups)
+    try:
+        ts.load(weights, optim, groups)
+    finally:
+        if isinstance(weights, ShardedTensors):
+            weights.close()
     _restore_rng(rng, trainer.rng)
     return TrainerState(step=trainer.step, data_position=trainer.data_position,
                         scaler=dict(trainer.scaler), run_config=dict(trainer.run_config),

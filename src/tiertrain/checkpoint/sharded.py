@@ -166,17 +166,32 @@ def write_rank_file(tmp: Path, rt: Any, agreed: list[torch.Tensor]) -> int:
 class ShardedTensors(Mapping):
     """A sharded checkpoint's tensors by the names a one-process checkpoint gives them (``<param>`` for
     the weights, ``<param>::exp_avg|exp_avg_sq|step`` for the moments), each cut out of the rank files
-    it spans when it is read."""
+    it spans when it is read. ``read_range`` reads a parameter's flattened elements (``flat_ranges``):
+    a sharded run reads its shards alone so (``runtime.state_io``)."""
 
-    def __init__(self, ckpt: Path, smap: ShardMap, moments: bool) -> None:
+    flat_ranges = True
+
+    def __init__(self, ckpt: Path, smap: ShardMap, moments: bool,
+                 files: "dict[int, CheckedRanges | LazyTensors] | None" = None) -> None:
+        """``files``: the rank files another view of the same checkpoint opened (each piece checked once)."""
         self.smap, self.moments, self.ckpt = smap, moments, ckpt
-        self._files: dict[int, CheckedRanges | LazyTensors] = {}
+        self._files: dict[int, CheckedRanges | LazyTensors] = {} if files is None else files
         self.places: dict[str, tuple[int, BlockMap, int, tuple[int, ...], int]] = {}
         for place, b in enumerate(smap.blocks):
             for p_index, (name, offset, shape) in enumerate(b.params):
                 for kind in (("exp_avg", "exp_avg_sq", "step") if moments else ("master",)):
                     key = name if kind == "master" else f"{name}::{kind}"
                     self.places[key] = (b.key(place), b, offset, tuple(shape), p_index)
+
+    def moments_too(self) -> "ShardedTensors":
+        """The same checkpoint's moments, reading through the same opened files."""
+        return ShardedTensors(self.ckpt, self.smap, True, self._files)
+
+    def close(self) -> None:
+        """Close the rank files opened (this view's and those it shares)."""
+        for f in self._files.values():
+            if isinstance(f, CheckedRanges):
+                f.close()
 
     def file(self, rank: int) -> CheckedRanges | LazyTensors:
         """Rank file ``rank``, opened at its first read: read by ranges, each piece checked as it is first

@@ -190,10 +190,12 @@ def tier_bytes(sizes: "Sizes | Sequence[int]", plan: Plan, page: int, train: boo
     if not train:
         return need
     if grads != "none":  # a micro-batch's gradients reduced over the ranks where they are staged (``reduce_on``)
-        size = BYTES[plan.reduce_dtype]
-        staged = [n * size for n in numels]
-        apart = plan.reduce_on == "device" or plan.reduce_dtype != "fp32"  # else straight into the grad chunk
-        parts = [-(-n // dp) * size if sharded(p, plan) and apart else 0 for n, p in zip(numels, plans)]
+        size, unit = BYTES[plan.reduce_dtype], dp * 64  # a layout pads to dp x 64 elements (memory.layout)
+        staged = [-(-n // unit) * unit * size for n in numels]
+
+        def apart(bp: BlockPlan) -> bool:  # else reduce-scattered straight into the fresh grad chunk
+            return plan.reduce_on == "device" or plan.reduce_dtype != "fp32" or grad_tier(bp) is not Tier.HOST
+        parts = [s // dp if sharded(p, plan) and apart(p) else 0 for s, p in zip(staged, plans)]
         need[Tier(plan.reduce_on)] += reduce_staging(staged, parts, dp, page, bound)
         for tier, largest in _landing(state, plans, dp, chunk).items():
             need[tier] += (REDUCTIONS_IN_FLIGHT + 1) * largest

@@ -23,9 +23,9 @@ from tiertrain.plan.parallel import ParallelLayout
 from tiertrain.plan.tiers import Tier
 from tiertrain.plan.update_modes import UPDATE_MODES, rules
 from tiertrain.precisions import PRECISIONS as COMPUTE_DTYPES
+from tiertrain.typed import at_least, one_of
 
 REDUCE_DTYPES = ("fp32", "bf16")
-from tiertrain.typed import at_least, one_of
 
 BUILTIN_PLANS = ("resident", "stream", "max-offload")
 

@@ -15,7 +15,8 @@ Chunks per block (one layout, in parameter order):
                   whole block's gradients past the micro-batch that made them;
   stage           data parallel: one micro-batch's gradients of the whole block in the device tier, where
                   backward made them, which the device group reduces (reduce-scatters, for a sharded
-                  block) before only this rank's part crosses to the grad chunk.
+                  block) before only this rank's part crosses to the grad chunk (in host memory, reduced
+                  over the CPU group, where the device cannot hold it: ``Plan.reduce_on``).
 With expert parallel a mixture-of-experts block has two groups, one per parallel pattern: the block's
 own (laid out over every rank, as any block) and its held experts' (``experts``, fetched with it:
 this rank's experts, whose gradients already hold every rank's tokens, so they are only averaged, and
@@ -213,8 +214,9 @@ class BlockGroup:
 
     def post_backward(self) -> None:
         """Its gradients of this backward are all in (or backward ended): into its grad chunk, summed
-        over the micro-batches; over several ranks on the last one, their reduction starts (the backward
-        pass keeps it in flight under the next block's backward); otherwise the mode learns they are final."""
+        over the micro-batches; over several ranks their reduction starts first, on every micro-batch (the
+        backward pass keeps it in flight under the next block's backward, and the mode learns of them as
+        it lands); otherwise the mode learns of them now."""
         ctx = self._ctx
         if self._pass is Pass.BACKWARD:
             self._pass = moved(PASS_MOVES, self.name, self._pass, Pass.IDLE)
@@ -309,9 +311,9 @@ class BlockGroup:
 
     def _reduce_grads(self, step: int, hypers: list[AdamWHyper] | None, final: bool) -> None:
         """Move the parameters' fresh gradients into the block's grad chunk (accumulating) and free
-        them. With data parallel each micro-batch's are averaged over the ranks from its stage on the
-        device (reduce-scattered to the shards, or all-reduced) before this rank's part joins the grad
-        chunk. The chunk lives where the block's update runs (``plan.bytes.grad_tier``). ``hypers``:
+        them. With data parallel each micro-batch's are averaged over the ranks from its stage (on the
+        device, or in host memory: ``Plan.reduce_on``; reduce-scattered to the shards, or all-reduced)
+        before this rank's part joins the grad chunk. The chunk lives where the block's update runs (``plan.bytes.grad_tier``). ``hypers``:
         lockfree keeps the step's own with its gradients."""
         if self._mean_over > 1:
             self._stage_rest()
@@ -348,9 +350,12 @@ class BlockGroup:
         gradients of a step whole), nor the rest's where backward does not fill its chunk
         (``tied_early``): its first gradient (the head's) comes as backward starts and its last as it
         ends, so a chunk made at the first would be held through backward and take a block's place
-        (bounded gradients, a rank's local sum); there the head's waits in autograd, as the planner counts."""
+        (bounded gradients, a rank's stage); there the head's waits in autograd, as the planner counts. Nor
+        a group reduced when backward ends over several ranks: its stage would live through backward."""
         if self._ctx.mode.takes_grads_any_time:
             return False
+        if self._reduces_at_end and self._mean_over > 1:  # a stage held from its first gradient to backward's
+            return False                                  # end, beside the two the budget counts: not taken early
         return self._block.name != "rest" or self._ctx.backward.tied_early
 
     def _take_grad(self, i: int) -> None:
@@ -383,7 +388,7 @@ class BlockGroup:
         """One parameter's gradient of this micro-batch into the stage (a shared weight's second use adds)."""
         view = self.views(self._staged(), self._reduce_dtype)[i]
         if self._stage_has[i]:
-            view.add_(grad)
+            view.add_(grad.to(view.device))  # a GPU's gradient into a host stage: copied first
         else:
             view.copy_(grad)
             self._stage_has[i] = True
@@ -404,26 +409,33 @@ class BlockGroup:
         where any rank's micro-batch gave it one (flags: host)."""
         if updated_away(self._plan):
             self._make_room()
-        fresh = self._new_grad_chunk(self.state_numel * F32.itemsize)  # before any collective: if this
-        mine = fresh.typed(F32)[: self.state_numel]                    # raises, no rank has issued one
-        stage, self._stage = self._staged(), None
-        has = torch.tensor(self._stage_has, dtype=torch.uint8)
-        self._stage_has = [False] * len(self._params)
-        works: list[Waitable] = [self._comm.host.all_reduce(has, op="max", async_op=True)]
         rd, side = self._reduce_dtype, self._comm if self._reduce_on is Tier.DEVICE else self._comm.host
-        full, staged = stage.typed(rd)[: self._layout.numel], [stage]
-        if self._shard is None:
-            works += [side.all_reduce(full, async_op=True), Copy(mine, full)]
-        elif self._reduce_on is Tier.HOST and rd == F32:
-            works.append(side.reduce_scatter(mine, full, async_op=True))  # straight into the fresh chunk
-        else:
-            part = self._mem.allocate(f"{self._block.name}.reduced", self.state_numel * rd.itemsize,
-                                      self._reduce_on, Kind.GRAD, contiguous=True)
-            staged.append(part)
-            out = part.typed(rd)[: self.state_numel]
-            works += [side.reduce_scatter(out, full, async_op=True), Copy(mine, out)]  # the shard alone crosses
-        self._reduction = Reduction(works, fresh, mine, has, step, hypers, final, staged)
+        stage = self._staged()
+        # every chunk before any collective (if one raises, no rank has issued one), each held by the reduction
+        # from then on (a collective that raises leaves them to ``release``)
+        fresh = self._new_grad_chunk(self.state_numel * F32.itemsize)
+        staged = [stage]
+        straight = self._reduce_on is Tier.HOST and rd == F32 and fresh.tier is Tier.HOST  # no part apart
+        if self._shard is not None and not straight:
+            try:
+                staged.append(self._mem.allocate(f"{self._block.name}.reduced", self.state_numel * rd.itemsize,
+                                                 self._reduce_on, Kind.GRAD, contiguous=True))
+            except BaseException:
+                self._mem.release(fresh)
+                raise
+        mine, has = fresh.typed(F32)[: self.state_numel], torch.tensor(self._stage_has, dtype=torch.uint8)
+        r = Reduction([], fresh, mine, has, step, hypers, final, staged)
+        self._reduction, self._stage, self._stage_has = r, None, [False] * len(self._params)
         self._grads_to(Grads.REDUCING)
+        r.works.append(self._comm.host.all_reduce(has, op="max", async_op=True))
+        full = stage.typed(rd)[: self._layout.numel]
+        if self._shard is None:
+            r.works += [side.all_reduce(full, async_op=True), Copy(mine, full)]
+        elif straight:
+            r.works.append(side.reduce_scatter(mine, full, async_op=True))  # straight into the fresh chunk
+        else:
+            out = staged[1].typed(rd)[: self.state_numel]
+            r.works += [side.reduce_scatter(out, full, async_op=True), Copy(mine, out)]  # the shard alone crosses
 
     def abandon_reduction(self) -> None:
         """A reduction left in flight by a backward that raised: let it land (or fail: a lost rank is

@@ -1,10 +1,11 @@
 """A block's gradients on their way over the data-parallel ranks.
 
-The reduction of a block's gradients of a micro-batch is started when its backward ends and finished (waited for,
-added to the grad chunk) when the next block's backward ends, or when backward ends: the runtime
-keeps one in flight, so the network carries it while the next block computes instead of the loop
-waiting for it (``Runtime._flush``). The collectives are the same calls, on the same buffers, in the
-same order on every rank: the sums are those a blocking reduction gives, bit for bit.
+The reduction of a block's gradients of a micro-batch (from its stage: ``BlockGroup``) is started
+when its backward ends and finished (waited for, added to the grad chunk) when the next block's
+backward ends, or when backward ends: the runtime keeps one in flight, so the network carries it
+while the next block computes instead of the loop waiting for it (``Runtime._flush``). The
+collectives are the same calls, on the same buffers, in the same order on every rank: the sums are
+those a blocking reduction gives, bit for bit.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ class Reduction:
 
 
 class Copy:
-    """Reduced gradients (a device chunk) into the grad chunk, once they have landed."""
+    """Reduced gradients (the stage, or the part a shard was reduce-scattered into) into the fresh grad
+    chunk, in its fp32, once they have landed."""
 
     def __init__(self, out: torch.Tensor, full: torch.Tensor) -> None:
         self.out, self.full = out, full

@@ -237,7 +237,8 @@ def _write_parts(rt: Runtime, g: BlockGroup, chunk: Chunk, tensors: list[torch.T
 
 def _shard_of(g: BlockGroup, source: Mapping[str, torch.Tensor], key: Callable[[str], str]) -> torch.Tensor:
     """This rank's elements of a sharded block's flat chunk, read from ``source`` by ranges of the
-    parameters its shard spans (``ShardedTensors.read_range``): nothing outside the shard is read; what
+    parameters its shard spans (``ShardedTensors.read_range``, whose ``flat_ranges`` says it reads a
+    parameter's flattened elements): nothing outside the shard is read; what
     no parameter covers (padding, a moment never saved) is zero."""
     lo, hi = g.shard
     out = torch.zeros(hi - lo, dtype=F32)
@@ -270,7 +271,7 @@ def import_state(rt: Runtime, weights: Mapping[str, torch.Tensor], optim: Mappin
     rt.cache.settle()
     for g in rt.groups:
         names = [n for n, _ in g.block.params]
-        if g.shard is not None and hasattr(weights, "read_range") and g.master is not None:
+        if g.shard is not None and getattr(weights, "flat_ranges", False) and g.master is not None:
             _import_shard(rt, g, weights, optim, names)  # a sharded checkpoint: this rank's part alone is read
         else:
             write_weights(rt, g, [weights[n] for n in names])

@@ -172,7 +172,7 @@ class ShardedTensors(Mapping):
     flat_ranges = True
 
     def __init__(self, ckpt: Path, smap: ShardMap, moments: bool,
-                 files: "dict[int, CheckedRanges | LazyTensors] | None" = None) -> None:
+                 files: dict[int, CheckedRanges | LazyTensors] | None = None) -> None:
         """``files``: the rank files another view of the same checkpoint opened (each piece checked once)."""
         self.smap, self.moments, self.ckpt = smap, moments, ckpt
         self._files: dict[int, CheckedRanges | LazyTensors] = {} if files is None else files
@@ -183,7 +183,7 @@ class ShardedTensors(Mapping):
                     key = name if kind == "master" else f"{name}::{kind}"
                     self.places[key] = (b.key(place), b, offset, tuple(shape), p_index)
 
-    def moments_too(self) -> "ShardedTensors":
+    def moments_too(self) -> ShardedTensors:
         """The same checkpoint's moments, reading through the same opened files."""
         return ShardedTensors(self.ckpt, self.smap, True, self._files)
 

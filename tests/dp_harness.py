@@ -138,7 +138,8 @@ def pool_peaks(rank: int, plan, disk: Path, accum: int = 2) -> dict[str, int]:
         acc, groups = tm.runtime.mem.accounting, tm.runtime.groups
         peaks = {k.value: acc.peak(Tier.HOST, k) for k in (Kind.GRAD, Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)}
         return peaks | {"disk": acc.peak(Tier.DISK), "largest": max(g.state_numel for g in groups) * 4,
-                        "groups": len(groups)}
+                        "groups": len(groups), "reducing": acc.peak(Tier.DEVICE, Kind.REDUCE),
+                        "stage": max((g.layout.numel + (g.state_numel if g.shard else 0)) * 4 for g in groups)}
     finally:
         tm.runtime.close()
         tm.runtime.mem.close()

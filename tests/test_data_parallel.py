@@ -317,6 +317,9 @@ def test_per_rank_pool_peaks_of_gradients_and_states_fall_as_one_over_the_ranks(
                     (n, rank, kind, one, got)
             landing = 2 * n * got["largest"]  # the parts of the reduction in flight and of the one starting
             assert 0 < n * got["grad"] <= one["grad"] + pad + landing, (n, rank, one, got)
+            # on the device, at most two blocks' stages (and their parts) at once: what ``reduce_staging`` counts
+            assert got["stage"] <= got["reducing"] <= 2 * got["stage"], (n, rank, got)
+    assert one["reducing"] == 0  # one process reduces nothing
 
 
 def test_a_dp4_resume_of_a_dp2_checkpoint_reads_each_ranks_share_and_trains_on_as_the_run_did(dp2, dp4):

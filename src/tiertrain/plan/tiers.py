@@ -19,5 +19,6 @@ class Kind(str, Enum):
     EXP_AVG = "exp_avg"        # Adam first moment
     EXP_AVG_SQ = "exp_avg_sq"  # Adam second moment
     GRAD = "grad"
+    REDUCE = "reduce"          # data parallel: a micro-batch's gradients on their way over the ranks (stage, part)
     ACTIVATION = "activation"
     OTHER = "other"

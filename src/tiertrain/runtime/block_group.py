@@ -396,7 +396,7 @@ class BlockGroup:
     def _staged(self) -> Chunk:
         if self._stage is None:
             nbytes = self._layout.numel * self._reduce_dtype.itemsize
-            self._stage = self._mem.allocate(f"{self._block.name}.stage", nbytes, self._reduce_on, Kind.GRAD,
+            self._stage = self._mem.allocate(f"{self._block.name}.stage", nbytes, self._reduce_on, Kind.REDUCE,
                                              contiguous=True)
             self._stage.typed(self._reduce_dtype).zero_()  # a parameter no micro-batch reached contributes zeros
         return self._stage
@@ -419,7 +419,7 @@ class BlockGroup:
         if self._shard is not None and not straight:
             try:
                 staged.append(self._mem.allocate(f"{self._block.name}.reduced", self.state_numel * rd.itemsize,
-                                                 self._reduce_on, Kind.GRAD, contiguous=True))
+                                                 self._reduce_on, Kind.REDUCE, contiguous=True))
             except BaseException:
                 self._mem.release(fresh)
                 raise

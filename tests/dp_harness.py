@@ -438,9 +438,8 @@ def one_process_checkpoint(tmp: Path) -> tuple[str, list[float]]:
     """In this process (one rank): steps 1-2 on the whole batches, a plain checkpoint, steps 3-5."""
     from tiertrain.checkpoint.run import TrainerState, save_checkpoint
     from tiertrain.checkpoint.train_state import TieredState
-    from tiertrain.plan import builtin_plan
 
-    tm, topt = _wide_run(builtin_plan("stream", WIDE["n_layer"]), 0, tmp / "disk-one")
+    tm, topt = _wide_run(builtin_plan_for_harness(), 0, tmp / "disk-one")
     try:
         _global_losses(tm, topt, 0, range(1, 3))
         ckpt = save_checkpoint(tmp / "one", TieredState(tm), TrainerState(2, 2, {}, {}), 2)

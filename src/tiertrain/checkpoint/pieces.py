@@ -25,13 +25,13 @@ from pathlib import Path
 import torch
 from crc32c import crc32c
 
+from tiertrain.checkpoint.regular_file import FIX as _FIX
 from tiertrain.checkpoint.regular_file import open_regular, read_small
 from tiertrain.errors import CheckpointError
 from tiertrain.tensor_file import DTYPES, PieceCrcs
 
 SUFFIX = ".pieces"
 MAX_PIECES = 4096
-_FIX = "resume from another checkpoint"
 
 
 def piece_size(file_bytes: int) -> int:

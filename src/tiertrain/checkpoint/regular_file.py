@@ -11,7 +11,7 @@ from pathlib import Path
 from tiertrain.errors import CheckpointError
 from tiertrain.units import format_bytes
 
-_FIX = "resume from another checkpoint"
+FIX = "resume from another checkpoint"  # what a damaged checkpoint's message tells the user to do
 
 
 def open_regular(path: Path) -> int:
@@ -23,10 +23,10 @@ def open_regular(path: Path) -> int:
     except OSError as exc:
         why = {errno.ENOENT: "not found", errno.ELOOP: "a symbolic link, which is never followed"}.get(
             exc.errno, exc.strerror or str(exc))
-        raise CheckpointError(f"checkpoint file {path} is missing or damaged ({why}); {_FIX}") from None
+        raise CheckpointError(f"checkpoint file {path} is missing or damaged ({why}); {FIX}") from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise CheckpointError(f"checkpoint file {path} is missing or damaged (not a regular file); {_FIX}")
+        raise CheckpointError(f"checkpoint file {path} is missing or damaged (not a regular file); {FIX}")
     return fd
 
 
@@ -36,5 +36,5 @@ def read_small(path: Path, limit: int) -> bytes:
         data = f.read(limit + 1)
     if len(data) > limit:
         raise CheckpointError(f"checkpoint file {path} is larger than {format_bytes(limit)}, "
-                              f"far beyond what tiertrain writes there; the file is damaged: {_FIX}")
+                              f"far beyond what tiertrain writes there; the file is damaged: {FIX}")
     return data

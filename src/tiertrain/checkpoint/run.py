@@ -52,7 +52,7 @@ from safetensors.torch import save_file
 from tiertrain import typed
 from tiertrain.checkpoint.atomic import publish_dir, write_atomic
 from tiertrain.checkpoint.pieces import SUFFIX as PIECES
-from tiertrain.checkpoint.regular_file import open_regular, read_small
+from tiertrain.checkpoint.regular_file import FIX as _FIX, open_regular, read_small
 from tiertrain.checkpoint.sharded import (SHARD_FILE, ShardedTensors, ShardMap, check_shard_files,
                                                 agreed_steps, experts_held_elsewhere, shard_file, shard_map,
                                                 write_rank_file)
@@ -75,7 +75,6 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,254}")  # a plain file name: no
 _STEP_DIR = re.compile(r"step-[0-9]{8,20}")
 _DIGEST = re.compile(r"crc32c:[0-9a-f]{8}|[0-9a-f]{64}")
 _CUDA_RNG = re.compile(r"torch_cuda_[0-9]{1,4}")
-_FIX = "resume from another checkpoint"
 
 
 @dataclass

@@ -386,7 +386,8 @@ class BlockGroup:
 
     def _stage_one(self, i: int, grad: torch.Tensor) -> None:
         """One parameter's gradient of this micro-batch into the stage (a shared weight's second use adds)."""
-        view = self.views(self._staged(), self._reduce_dtype)[i]
+        s = self._layout.slots[i]  # its view alone: this runs once per gradient
+        view = self._staged().typed(self._reduce_dtype)[s.offset : s.offset + s.numel].view(s.shape)
         if self._stage_has[i]:
             view.add_(grad.to(view.device))  # a GPU's gradient into a host stage: copied first
         else:

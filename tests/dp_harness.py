@@ -179,14 +179,18 @@ def sent_per_step(rank: int, plan, steps: int = 3, reduce_dtype: str = "fp32") -
     model, opt = _fresh()
     tm, topt = tiertrain.setup(model, opt, Budgets(64 << 20, 64 << 20), plan=plan, page_size=64 << 10,
                                reduce_dtype=reduce_dtype)
-    rt, data, out = tm.runtime, rank_batches(rank, steps), {"sent": [], "fetches": []}
+    rt, data, out = tm.runtime, rank_batches(rank, steps), {"sent": [], "fetches": [], "within": [], "across": []}
+    hybrid = rt.shards is not rt.comm  # hybrid sharding: the sharded blocks' groups count their own bytes
     try:
         for b in data:
-            before = rt.comm.sent
+            before = (rt.comm.sent, *((rt.shards.shard.sent, rt.shards.replicas.sent) if hybrid else ()))
             lm_loss(tm, b[:, :-1], b[:, 1:]).backward()
             topt.step()
             topt.zero_grad()
-            out["sent"].append(rt.comm.sent - before)
+            out["sent"].append(rt.comm.sent - before[0])
+            if hybrid:
+                out["within"].append(rt.shards.shard.sent - before[1])
+                out["across"].append(rt.shards.replicas.sent - before[2])
             out["fetches"].append(rt.cache.pop_fetches())
         out["groups"] = [(g.layout.numel, len(g.params), g.shard is not None, g.plan.stream) for g in rt.groups]
         out["compute_bytes"] = rt.groups[0].compute.itemsize

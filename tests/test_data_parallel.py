@@ -10,11 +10,10 @@ import pytest
 
 from dp_harness import (TINY4, agreed_auto_setup, agreed_budgets, ddp_losses, failure_on_rank0, gather_events,
                         mismatched_collective, mismatched_setup, one_process_checkpoint, per_micro_losses, pool_peaks,
-                        recheck_on_rank0,
-                        resumed_by_parts, run_ranks_one_dies, saved_then_uninterrupted, unshared_save, reduction_events, run_ranks,
-                        sent_per_step, tiered_losses)
-from tiertrain.parallel import ring_bytes
+                        recheck_on_rank0, reduction_events, resumed_by_parts, run_ranks, run_ranks_one_dies,
+                        saved_then_uninterrupted, sent_per_step, tiered_losses, unshared_save)
 from tiertrain.memory import Tier
+from tiertrain.parallel import ring_bytes
 from tiertrain.plan import BlockPlan, Plan, builtin_plan, data_parallel
 
 N = TINY4["n_layer"]
@@ -125,7 +124,31 @@ def dp4(tmp_path_factory, dp2):
              for name, plan in PEAK_PLANS.items()]
     jobs += [(("resumed",), functools.partial(resumed_by_parts, plan=PLANS["stream"], ckpt=dp2[(("saved",), 0)][0],
                                               tmp=tmp))]
+    jobs += _hybrid_jobs(tmp, dp2[(("saved",), 0)][0])
     return run_ranks(4, tmp, jobs)
+
+
+def _hybrid(plan):
+    """``plan`` over 4 ranks as 2 groups of 2: each block sharded inside a group, replicated across."""
+    return data_parallel(plan, 4, shard_group=2)
+
+
+def _hybrid_jobs(tmp, dp2_checkpoint: str) -> list:
+    jobs = [(("hybrid", plan, accum), functools.partial(tiered_losses, plan=_hybrid(PLANS[plan]), update="sync",
+                                                        accum=accum, clip=None, disk=tmp / f"hybrid{plan}{accum}"))
+            for plan in ("resident", "stream", "disk") for accum in (1, 2)]
+    jobs += [(("ddp", 1, 0.5), functools.partial(ddp_losses, accum=1, clip=0.5)),
+             (("hybrid clip",), functools.partial(tiered_losses, plan=_hybrid(PLANS["stream"]), update="overlap",
+                                                  accum=1, clip=0.5, disk=tmp / "hybrid-clip"))]
+    jobs += [(("hybrid sent", name), functools.partial(sent_per_step, plan=_hybrid(plan)))
+             for name, plan in (("zero2-like", PLANS["resident"]), ("zero3-like", LAYOUTS["zero3-like"]))]
+    jobs += [(("hybrid peaks", name), functools.partial(pool_peaks, plan=_hybrid(plan), disk=tmp / f"hpeaks-{name}"))
+             for name, plan in PEAK_PLANS.items()]
+    jobs += [(("hybrid saved",), functools.partial(saved_then_uninterrupted, plan=_hybrid(PLANS["stream"]),
+                                                   tmp=tmp / "hybrid-saved")),
+             (("hybrid resumed",), functools.partial(resumed_by_parts, plan=_hybrid(PLANS["stream"]),
+                                                     ckpt=dp2_checkpoint, tmp=tmp / "hybrid-resumed"))]
+    return jobs
 
 
 @pytest.mark.parametrize("plan", ["resident", "stream"])
@@ -238,29 +261,32 @@ def sent(tmp_path_factory):
     return run_ranks(2, tmp, jobs)
 
 
-def _formula(run: dict, step: int, world: int = 2) -> int:
+def _formula(run: dict, step: int, world: int = 2, replicas: int = 1) -> tuple[int, int]:
     """Bytes a rank sends in one step of a layout: per block, the has-gradient flags (all-reduced), the
     gradients (all-reduced where replicated, reduce-scattered where sharded), and for a sharded block
     its compute params gathered: once per step where it stays on the device (after its update), at
-    every slot fetch where it streams."""
-    total, cb = 0, run["compute_bytes"]
+    every slot fetch where it streams. (inside its group of ``world`` ranks, across the ``replicas``
+    groups): with hybrid sharding only the flags and each shard's all-reduce cross between groups."""
+    total, across, cb = 0, 0, run["compute_bytes"]
     streamed_blocks = sum(1 for g in run["groups"] if g[3])
     for numel, n_params, sharded, streamed in run["groups"]:
         total += ring_bytes("all_reduce", n_params, world)
         total += ring_bytes("reduce_scatter" if sharded else "all_reduce", run["reduce_bytes"] * numel, world)
+        across += ring_bytes("all_reduce", n_params, replicas) + ring_bytes(
+            "all_reduce", run["reduce_bytes"] * numel // world, replicas)
         if sharded and not streamed and step > 0:
             total += ring_bytes("all_gather", cb * numel, world)
     if streamed_blocks:
         numel = max(g[0] for g in run["groups"] if g[3])
         total += run["fetches"][step] * ring_bytes("all_gather", cb * numel, world)
-    return total
+    return total, across
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_each_rank_sends_what_the_layouts_formula_says(sent, layout):
     for rank in (0, 1):
         run = sent[(layout, rank)]
-        assert run["sent"] == [_formula(run, k) for k in range(len(run["sent"]))]
+        assert run["sent"] == [_formula(run, k)[0] for k in range(len(run["sent"]))]
     params = 4 * sum(g[0] for g in run["groups"])  # one precision (fp32): the params' bytes
     ratio = run["sent"][-1] / (params / 2)          # per rank, in units of (N-1)/N x params bytes at N = 2
     streamed = 4 * sum(g[0] for g in run["groups"] if g[3])
@@ -278,7 +304,7 @@ def test_gradients_reduced_in_bf16_send_half_the_gradient_bytes_and_train_as_fp3
     the losses stay within bf16's rounding of fp32's (and are not fp32's: the sum really was in bf16)."""
     for rank in (0, 1):
         run, fp32 = sent[(f"{layout} bf16", rank)], sent[(layout, rank)]
-        assert run["sent"] == [_formula(run, k) for k in range(len(run["sent"]))]
+        assert run["sent"] == [_formula(run, k)[0] for k in range(len(run["sent"]))]
         assert all(a < b for a, b in zip(run["sent"], fp32["sent"]))
         got, want = dp2[(("bf16", layout), rank)][0], dp2[(("ddp", 1, None), rank)]
         assert got != want and got == pytest.approx(want, rel=2e-3), (got, want)
@@ -431,3 +457,73 @@ def test_gradients_reduced_in_host_memory_over_the_cpu_group_equal_ddp_bitwise(d
     resident plan's gradients gather on the device (its grad tier), so the host's part is copied there."""
     for rank in (0, 1):
         assert dp2[(("host-reduced", plan), rank)][0] == dp2[(("ddp", 1, None), rank)]
+
+
+# ---------------------------------------------------------------- hybrid sharding: 2 groups of 2 ranks
+
+
+@pytest.mark.parametrize("plan", ["resident", "stream", "disk"])
+@pytest.mark.parametrize("accum", [1, 2])
+def test_hybrid_sharding_equals_ddp_within_the_rounding_of_a_four_way_sum(dp4, plan, accum):
+    """Sharded inside each group of two ranks, replicated across the two groups: a gradient is summed
+    (a+b) in its group, then (a+b)+(c+d) across, where DDP's four-rank ring sums in the order of its
+    bucket's segments; the same tolerance as flat sharding at dp 4 (see above), step 1 bit for bit."""
+    for rank in range(4):
+        got, _ = dp4[(("hybrid", plan, accum), rank)]
+        want = dp4[(("ddp", accum), rank)]
+        assert got[0] == want[0] and got == pytest.approx(want, rel=1e-5, abs=0), (rank, got, want)
+
+
+def test_hybrid_clipping_counts_each_shard_once_in_the_global_norm(dp4):
+    """Each shard is held by both groups: its squared norm is summed over its group alone (over every
+    rank it would count twice, and clipping at 0.5 would clip harder than DDP: the losses would part)."""
+    for rank in range(4):
+        got, _ = dp4[(("hybrid clip",), rank)]
+        want = dp4[(("ddp", 1, 0.5), rank)]
+        assert got[0] == want[0] and got == pytest.approx(want, rel=1e-5, abs=0), (rank, got, want)
+
+
+@pytest.mark.parametrize("layout", ["zero2-like", "zero3-like"])
+def test_hybrid_sharding_sends_gathers_inside_a_group_and_only_shards_across(dp4, layout):
+    """Inside its group a rank sends what flat sharding over two ranks sends (the gathers, the
+    reduce-scatters); across the groups only the has-gradient flags and each shard's all-reduce: 2 (R-1)/R
+    of a shard, half of the gradient bytes per rank at 2 x 2, where flat sharding over 4 ranks sends every
+    gather and reduce-scatter over the ring that crosses between the groups."""
+    for rank in range(4):
+        run = dp4[(("hybrid sent", layout), rank)]
+        steps = range(len(run["within"]))
+        assert run["within"] == [_formula(run, k, world=2, replicas=2)[0] for k in steps]
+        assert run["across"] == [_formula(run, k, world=2, replicas=2)[1] for k in steps]
+        grads = 4 * sum(g[0] for g in run["groups"])
+        assert grads / 2 <= run["across"][-1] < grads / 2 + grads / 100, (run["across"], grads)
+        assert run["sent"] == [0] * len(run["sent"])  # nothing of a step on the run's flat group
+
+
+@pytest.mark.parametrize("plan", PEAK_PLANS)
+def test_hybrid_ranks_hold_what_flat_sharding_over_their_group_holds(dp2, dp4, plan):
+    """A rank of 2 x 2 holds half of each block's states and gradients, as a rank of flat dp 2 does (the
+    pools' own peaks): hybrid sharding trades memory (1/2, not 1/4) for traffic between groups."""
+    for rank in range(4):
+        got, flat = dp4[(("hybrid peaks", plan), rank)], dp2[(("peaks", plan), rank % 2)]
+        for k in ("master", "exp_avg", "exp_avg_sq", "grad", "disk"):
+            assert got[k] == flat[k], (plan, rank, k, got[k], flat[k])
+
+
+def test_a_hybrid_checkpoint_is_one_file_per_shard_and_resumes_in_one_process_as_the_run_went_on(dp2, dp4, tmp_path):
+    """The first group writes the two rank files (the second holds the same shards); the map says the
+    run had four ranks (a resume keeps them). One process resumes it and trains on the whole batches with
+    the uninterrupted run's losses; a dp 2 checkpoint resumed by the 2 x 2 mesh reads each rank's share."""
+    from pathlib import Path
+
+    from tiertrain.checkpoint.run import read_trainer, saved_world
+
+    ckpt, saved = dp4[(("hybrid saved",), 0)]
+    assert sorted(p.name for p in Path(ckpt).glob("shard-*.safetensors")) == [
+        "shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"]
+    assert read_trainer(Path(ckpt)).shards["ranks"] == 4 and saved_world(Path(ckpt)) == 4
+    one = resumed_by_parts(0, builtin_plan("stream", N), ckpt, tmp_path)
+    assert one["losses"] == pytest.approx(saved, rel=1e-5, abs=0), (one["losses"], saved)
+    for rank in range(4):
+        got = dp4[(("hybrid resumed",), rank)]
+        assert 0 < got["read"] <= got["share"] + got["slack"] and got["read"] < got["total"] / 1.5, got
+        assert got["losses"] == pytest.approx(dp2[(("saved",), 0)][1], rel=1e-5, abs=0)

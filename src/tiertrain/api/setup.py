@@ -277,22 +277,31 @@ def _laid_out(plan: Plan, opts: RunOptions) -> Plan:
     """The plan over the ranks this process runs among (torchrun's, or the user's process group): a
     plan for one process is laid out over all of them, sharded unless ``opts.shard`` is False (it is
     never trained as one independent model per rank); a plan made for another number of ranks is
-    refused. ``opts.ep`` (expert parallel) overrides the plan's."""
+    refused. ``opts.ep`` (expert parallel) and ``opts.shard_group`` (hybrid sharding) override the plan's."""
     world, ep = world_from_env(), opts.ep or plan.parallel.ep
+    group = opts.shard_group or plan.parallel.shard_group
     if ep > 1 and world == 1:
         raise ConfigError(f"expert parallel ep={ep} divides the experts over {ep} ranks, but this run has one "
                           f"process: launch it under torchrun (tiertrain train --nproc {ep} ...), or use ep=1 (--ep 1)")
+    if group and (world == 1 or opts.shard is False):
+        raise ConfigError(f"hybrid sharding (shard_group={group}) splits sharded blocks over groups of ranks, but this "
+                          f"run {'has one process' if world == 1 else 'replicates every block (shard=False)'}: launch "
+                          "it under torchrun with sharded blocks, or leave shard_group (--shard-group) out")
     if plan.parallel.dp == world:
-        return plan if plan.parallel.ep == ep else dataclasses.replace(plan, parallel=ParallelLayout(world, ep))
+        layout = ParallelLayout(world, ep, group)
+        return plan if plan.parallel == layout else dataclasses.replace(plan, parallel=layout)
     if plan.parallel.dp != 1:
         raise ConfigError(f"the plan is laid out for {plan.parallel.dp} ranks but this run has {world}: run it on "
                           f"{plan.parallel.dp} ranks, make it for {world} (tiertrain plan --nproc {world} ...), or "
                           "remove its \"parallel\" field (tiertrain then lays the plan out over the ranks)")
     shard = opts.shard is not False
-    laid = data_parallel(plan, world, shard=shard, ep=ep)
+    laid = data_parallel(plan, world, shard=shard, ep=ep, shard_group=group)
     if int(os.environ.get("RANK", "0")) == 0:
         experts = f"; each MoE layer's experts divided over {ep} ranks" if ep > 1 else ""
         how = "every block's states and gradients sharded" if shard else "every block replicated on each rank (DDP)"
+        if laid.parallel.hybrid:
+            how += (f" over groups of {group} ranks and replicated across the {world // group} groups (hybrid: only "
+                    "the shards' all-reduces cross between groups)")
         print(f"tiertrain: data parallel over {world} ranks, {how}{experts}", file=sys.stderr)
     return laid
 

@@ -53,7 +53,7 @@ from tiertrain import typed
 from tiertrain.checkpoint.atomic import publish_dir, write_atomic
 from tiertrain.checkpoint.pieces import SUFFIX as PIECES
 from tiertrain.checkpoint.regular_file import FIX as _FIX, open_regular, read_small
-from tiertrain.checkpoint.sharded import (SHARD_FILE, ShardedTensors, ShardMap, check_shard_files,
+from tiertrain.checkpoint.sharded import (SHARD_FILE, ShardedTensors, ShardMap, check_shard_files, rank_files,
                                                 agreed_steps, experts_held_elsewhere, shard_file, shard_map,
                                                 write_rank_file)
 from tiertrain.checkpoint.train_state import TrainState, checked_groups
@@ -270,7 +270,8 @@ def _save_sharded(out: Path, ts: TrainState, state: TrainerState, keep: int, com
     stage(lambda: crc.__setitem__(0, write_rank_file(tmp, ts.rt, steps)))
     crcs = torch.zeros(comm.world_size, dtype=torch.int64)
     comm.host.all_gather(crcs, torch.tensor([crc[0]], dtype=torch.int64))
-    stage(lambda: _publish_sharded(root, tmp, final, ts, state, crcs.tolist()) if rank0 else None)
+    written = crcs[: rank_files(ts.rt)].tolist()  # ranks past the files wrote none (hybrid sharding's replicas)
+    stage(lambda: _publish_sharded(root, tmp, final, ts, state, written) if rank0 else None)
     if rank0:
         _prune(root, keep, final.name)
     return final
@@ -424,7 +425,7 @@ def saved_run_options(path: Path) -> dict[str, Any]:
 def saved_world(path: Path) -> int:
     """The ranks the run of the checkpoint at ``path`` trained on: a resume keeps them unless told otherwise."""
     shards = read_trainer(find_checkpoint(path)).shards
-    return int(shards["world"]) if shards is not None else 1
+    return int(shards.get("ranks") or shards["world"]) if shards is not None else 1
 
 
 # ---------------------------------------------------------------- checking what a checkpoint says
@@ -638,7 +639,7 @@ def load_checkpoint(ckpt: Path, ts: TrainState) -> TrainerState:
     _restore_rng(rng, trainer.rng)
     return TrainerState(step=trainer.step, data_position=trainer.data_position,
                         scaler=dict(trainer.scaler), run_config=dict(trainer.run_config),
-                        world=smap.world if trainer.shards is not None else 1)
+                        world=smap.run_ranks if trainer.shards is not None else 1)
 
 
 # ---------------------------------------------------------------- messages

@@ -60,8 +60,13 @@ class BlockMap:
 
 @dataclass(frozen=True)
 class ShardMap:
-    world: int = field(metadata=at_least(2))
+    world: int = field(metadata=at_least(2))  # rank files (the ranks a sharded block was split over)
     blocks: tuple[BlockMap, ...]
+    ranks: int = field(default=0, metadata=at_least(0))  # the ranks the run trained on (0, older maps: ``world``)
+
+    @property
+    def run_ranks(self) -> int:
+        return self.ranks or self.world
 
     @classmethod
     def read(cls, data: Any, where: str) -> ShardMap:
@@ -105,7 +110,13 @@ def shard_map(rt: Any) -> ShardMap:
         blocks += [dataclasses.replace(b, name=f"{b.name}@{j}", rank=j,
                                        params=tuple((_expert_of(n, j * per), o, sh) for n, o, sh in b.params))
                    for j in range(rt.experts.ep)]
-    return ShardMap(rt.comm.world_size, tuple(blocks))
+    return ShardMap(rank_files(rt), tuple(blocks), rt.comm.world_size)
+
+
+def rank_files(rt: Any) -> int:
+    """Files a checkpoint of the run is written in: one per shard, written by ranks 0 .. n-1 (with hybrid
+    sharding the first group: the others hold the same shards)."""
+    return rt.shards.world_size
 
 
 _EXPERT = re.compile(r"\.experts\.([0-9]+)\.")
@@ -137,7 +148,9 @@ def write_rank_file(tmp: Path, rt: Any, agreed: list[torch.Tensor]) -> int:
     from tiertrain.memory.heap import release_free_heap
     from tiertrain.runtime.state_io import read_state
 
-    rank, world = rt.comm.rank, rt.comm.world_size
+    rank, world = rt.comm.rank, rank_files(rt)
+    if rank >= world:  # a replica of the first group's shards (hybrid sharding): they write them
+        return 0
     held = {id(g.experts) for g in rt.groups if g.experts is not None}
     specs, parts = [], []
     for i, (g, steps) in enumerate(zip(rt.groups, agreed)):

@@ -109,6 +109,10 @@ def cli() -> None:
                    "halves the bytes each rank sends, at bf16's rounding of the sum).")
 @click.option("--ep", type=int, help="With --plan under --nproc N: divide each mixture-of-experts layer's experts "
                                     "over groups of this many ranks (expert parallel; default 1).")
+@click.option("--shard-group", type=int, help="With --plan under --nproc N: hybrid sharding: split each block over "
+                                             "groups of this many consecutive ranks (one node's GPUs) and replicate it "
+                                             "across the groups, so only gradient all-reduces cross between nodes "
+                                             "(default: every block sharded over all N ranks).")
 @click.option("--quiet", is_flag=True, help="Print only the summary.")
 @click.option("--nproc", type=POSITIVE, default=None,
               help="Data-parallel processes on this machine (runs torchrun --nproc-per-node N for you; several "
@@ -173,8 +177,8 @@ def _check_layout(cfg: Any, nproc: int) -> None:
 
     from tiertrain.plan import ParallelLayout, Plan
 
-    if cfg.ep > 1:
-        ParallelLayout(dp=nproc, ep=cfg.ep)  # one message where ep does not divide the ranks
+    if cfg.ep > 1 or cfg.shard_group:
+        ParallelLayout(dp=nproc, ep=cfg.ep, shard_group=cfg.shard_group)  # one message where they do not divide it
     if cfg.plan and cfg.plan.endswith(".json") and os.path.isfile(cfg.plan):
         dp = Plan.from_json(Path(cfg.plan).read_text(), f"plan {cfg.plan}").parallel.dp
         if dp not in (1, nproc):

@@ -24,7 +24,7 @@ from tiertrain.errors import ConfigError
 from tiertrain.parallel.collectives import Collectives
 from tiertrain.parallel.expert_layer import ExpertLayer, expert_layers
 from tiertrain.parallel.local import LocalCollectives
-from tiertrain.parallel.placement import checked_like
+from tiertrain.parallel.mesh import mesh_collectives
 
 
 class ExpertParallel:
@@ -150,24 +150,6 @@ def apply_expert_parallel(world: Collectives, dp: int, ep: int, model: nn.Module
 
 
 def _subgroups(world: Collectives, dp: int, ep: int) -> tuple[Collectives, Collectives]:
-    """This rank's expert group and replica group over ``torch.distributed`` (every rank creates every
-    group, in one order, as ``new_group`` requires)."""
-    import torch.distributed as dist
-
-    from tiertrain.parallel.distributed import ProcessGroupCollectives
-
-    gloo = dist.get_backend() == "gloo"  # else each group has a gloo twin for its host tensors (token counts)
-    rank, mine = world.rank, {}
-    for k in range(dp // ep):
-        ranks = list(range(k * ep, (k + 1) * ep))
-        groups = (dist.new_group(ranks), None if gloo else dist.new_group(ranks, backend="gloo"))
-        if k == rank // ep:
-            mine["a2a"] = groups
-    for j in range(ep):
-        ranks = list(range(j, dp, ep))
-        groups = (dist.new_group(ranks), None if gloo else dist.new_group(ranks, backend="gloo"))
-        if j == rank % ep:
-            mine["replicas"] = groups
-    beat = getattr(world, "heartbeat", None)
-    made = [ProcessGroupCollectives(g, heartbeat=beat, host_group=h) for g, h in (mine["a2a"], mine["replicas"])]
-    return checked_like(world, made[0]), checked_like(world, made[1])
+    """This rank's expert group (``ep`` consecutive ranks) and replica group (the ranks across the expert
+    groups holding the same experts): a (dp/ep) x ep mesh of the run's ranks."""
+    return mesh_collectives(world, dp // ep, ep, ("replicas", "experts"))

@@ -107,12 +107,12 @@ def bounded_grads(sizes: "Sizes | Sequence[int]", plan: Plan, page: int, bound: 
     """Per tier, the gradient bytes a run that bounds its gradients (``bounds_grads``) holds at most of
     the blocks whose updates take them away (``updated_away``): ``alive_grad_bytes`` of their chunks."""
     numels, plans = _chunks(sizes_of(sizes), plan)
-    dp = plan.parallel.dp
+    dp, split = plan.parallel.dp, plan.parallel.shard_ranks
     out: dict[Tier, int] = {}
     for tier in (Tier.HOST, Tier.DEVICE):
         away = [(n * F32_BYTES, p) for n, p in zip(numels, plans) if updated_away(p) and grad_tier(p) is tier]
         if away:
-            own = [-(-f // dp) if sharded(p, plan) else f for f, p in away]
+            own = [-(-f // split) if sharded(p, plan) else f for f, p in away]
             out[tier] = alive_grad_bytes(own, plan.update_workers, dp, page, bound)
     return out
 
@@ -163,11 +163,11 @@ def tier_bytes(sizes: "Sizes | Sequence[int]", plan: Plan, page: int, train: boo
     its timeline).
     """
     numels, plans = _chunks(sizes_of(sizes), plan)
-    dp = plan.parallel.dp
+    dp, split = plan.parallel.dp, plan.parallel.shard_ranks  # ranks; ranks a sharded block is split over
     full = [n * F32_BYTES for n in numels]                         # a rank's own gradients before they are reduced
-    state = [-(-f // dp) if sharded(p, plan) else f for f, p in zip(full, plans)]  # master, moments, grads: fp32
+    state = [-(-f // split) if sharded(p, plan) else f for f, p in zip(full, plans)]  # master, moments, grads: fp32
     compute = [n * BYTES[plan.compute_dtype] for n in numels]          # slots
-    homes = [-(-c // dp) if sharded(p, plan) else c for c, p in zip(compute, plans)]  # param homes
+    homes = [-(-c // split) if sharded(p, plan) else c for c, p in zip(compute, plans)]  # param homes
 
     def chunk(nbytes: int) -> int:
         return pages(nbytes, page, bound)
@@ -190,12 +190,12 @@ def tier_bytes(sizes: "Sizes | Sequence[int]", plan: Plan, page: int, train: boo
     if not train:
         return need
     if grads != "none":  # a micro-batch's gradients reduced over the ranks where they are staged (``reduce_on``)
-        size, unit = BYTES[plan.reduce_dtype], dp * 64  # a layout pads to dp x 64 elements (memory.layout)
+        size, unit = BYTES[plan.reduce_dtype], split * 64  # a layout pads to split x 64 elements (memory.layout)
         staged = [-(-n // unit) * unit * size for n in numels]
 
         def apart(bp: BlockPlan) -> bool:  # else reduce-scattered straight into the fresh grad chunk
             return plan.reduce_on == "device" or plan.reduce_dtype != "fp32" or grad_tier(bp) is not Tier.HOST
-        parts = [s // dp if sharded(p, plan) and apart(p) else 0 for s, p in zip(staged, plans)]
+        parts = [s // split if sharded(p, plan) and apart(p) else 0 for s, p in zip(staged, plans)]
         need[Tier(plan.reduce_on)] += reduce_staging(staged, parts, dp, page, bound)
         for tier, largest in _landing(state, plans, dp, chunk).items():
             need[tier] += (REDUCTIONS_IN_FLIGHT + 1) * largest

@@ -35,6 +35,8 @@ class RunOptions:
     ep: int | None = field(default=None, metadata=at_least(1))  # None: the plan's expert-parallel ranks (1 if none)
     shard: bool | None = None       # a plan for one process laid out over the ranks: sharded (ZeRO-2/3 like, the
     #                                 default, None) or replicated (False: every rank holds every block, as DDP)
+    shard_group: int | None = field(default=None, metadata=at_least(2))  # None: the plan's (else every rank); K:
+    #                                 hybrid sharding, each block split over groups of K ranks, replicated across them
 
     def __post_init__(self) -> None:
         typed.check(self, "run options")

@@ -6,6 +6,11 @@ model's experts are divided over groups of ``ep`` consecutive ranks, each rank h
 ``n_experts / ep`` of them whole, and tokens travel to the rank of their expert by all-to-all.
 The other parameters stay laid out over all ``dp`` ranks. With ``ep < dp`` each expert is held by
 ``dp / ep`` ranks (one per expert group), whose gradients of it are summed.
+
+``shard_group`` (hybrid sharding, FSDP2's HSDP, ZeRO++'s hpZ): a sharded block is split over groups of
+that many consecutive ranks (the GPUs of one node, on its fast links) and replicated across the groups
+(the slow links between nodes carry only each shard's all-reduce, never a gather). The ranks form a
+2-D mesh, replicate x shard (``parallel.mesh``); 0 means one group of every rank (flat sharding).
 """
 
 from __future__ import annotations
@@ -20,15 +25,42 @@ from tiertrain.typed import at_least
 class ParallelLayout:
     dp: int = field(default=1, metadata=at_least(1))  # data-parallel ranks each block's chunks are split over
     ep: int = field(default=1, metadata=at_least(1))  # ranks a mixture-of-experts layer's experts are divided over
+    shard_group: int = field(default=0, metadata=at_least(0))  # ranks a sharded block is split over (0: all dp)
 
     def __post_init__(self) -> None:
-        if isinstance(self.dp, int) and isinstance(self.ep, int) and self.ep >= 1 and self.dp % self.ep:
+        if not all(isinstance(v, int) for v in (self.dp, self.ep, self.shard_group)):
+            return  # typed.load names the field of another type
+        if self.ep >= 1 and self.dp % self.ep:
             raise ConfigError(f"expert parallel ep={self.ep} does not divide the {self.dp} data-parallel ranks; "
-                              f"choose ep among {', '.join(str(k) for k in range(1, self.dp + 1) if self.dp % k == 0)}")
+                              f"choose ep among {_divisors(self.dp)}")
+        if self.shard_group and (self.shard_group < 2 or self.dp % self.shard_group):
+            raise ConfigError(f"hybrid sharding over groups of {self.shard_group} ranks does not divide the {self.dp} "
+                              f"data-parallel ranks into groups of two or more; choose --shard-group among "
+                              f"{_divisors(self.dp, 2)} (the GPUs of one node), or leave it out to shard over all")
+        if self.shard_group == self.dp:
+            object.__setattr__(self, "shard_group", 0)  # one group of every rank: flat sharding, one way to say it
+        if self.hybrid and self.ep > 1:
+            raise ConfigError(f"hybrid sharding (shard_group={self.shard_group}) with expert parallel (ep={self.ep}) is "
+                              "not supported yet: leave out one of --shard-group and --ep")
+
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks a sharded block's states and gradients are split over."""
+        return self.shard_group or self.dp
+
+    @property
+    def hybrid(self) -> bool:
+        """Sharded inside groups, replicated across them (more than one group)."""
+        return 0 < self.shard_group < self.dp
 
     @property
     def world_size(self) -> int:
         return self.dp
 
     def to_dict(self) -> dict:
-        return {"dp": self.dp} if self.ep == 1 else {"dp": self.dp, "ep": self.ep}
+        return {"dp": self.dp} | ({"ep": self.ep} if self.ep > 1 else {}) | (
+            {"shard_group": self.shard_group} if self.hybrid else {})
+
+
+def _divisors(n: int, least: int = 1) -> str:
+    return ", ".join(str(k) for k in range(least, n + 1) if n % k == 0)

@@ -178,14 +178,15 @@ def builtin_plan(name: str, n_blocks: int, disk: bool = False, update: str = "sy
     raise ConfigError(f"unknown plan {name!r}; use one of {', '.join(BUILTIN_PLANS)}, auto, or a plan JSON file")
 
 
-def data_parallel(plan: Plan, world: int, shard: bool = True, ep: int = 1) -> Plan:
+def data_parallel(plan: Plan, world: int, shard: bool = True, ep: int = 1, shard_group: int = 0) -> Plan:
     """``plan`` over ``world`` data-parallel ranks: every block's states and gradients split over them
     (``shard``: ZeRO-3 where a block streams, ZeRO-2 where it stays on the device) or replicated on each
     (DDP). ``ep``: a mixture of experts' experts divided over groups of ``ep`` ranks (expert parallel).
-    A plan already laid out for ``world`` and ``ep`` is returned as it is."""
-    if plan.parallel == ParallelLayout(dp=world, ep=ep):
+    ``shard_group``: split over groups of that many ranks, replicated across them (hybrid sharding).
+    A plan already laid out so is returned as it is."""
+    layout = ParallelLayout(dp=world, ep=ep, shard_group=shard_group)  # refuses what does not divide the ranks
+    if plan.parallel == layout:
         return plan
-    layout = ParallelLayout(dp=world, ep=ep)  # refuses an ep that does not divide the ranks
     blocks = tuple(dataclasses.replace(b, shard=shard) for b in plan.blocks)
     return dataclasses.replace(plan, blocks=blocks, rest=dataclasses.replace(plan.rest, shard=shard),
                                parallel=layout)

@@ -61,7 +61,7 @@ def network(plan: Plan, p: Profile) -> Network:
 
 def own(plan: Plan, bp: BlockPlan, numel: int) -> int:
     """Elements of a block's states one rank holds and updates."""
-    return -(-numel // plan.parallel.dp) if sharded(bp, plan) else numel
+    return -(-numel // plan.parallel.shard_ranks) if sharded(bp, plan) else numel
 
 
 def fills_slot_from_disk(bp: BlockPlan, plan: Plan) -> bool:

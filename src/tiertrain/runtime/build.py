@@ -46,7 +46,7 @@ class BuildSpec:
 
 def layouts_for(blocks: list[Block], plan: Plan) -> list[ChunkLayout]:
     """Each block's chunk layout: padded to split over the data-parallel ranks where it is sharded."""
-    return [block_layout(b, plan.parallel.dp if sharded(bp, plan) else 1)
+    return [block_layout(b, plan.parallel.shard_ranks if sharded(bp, plan) else 1)
             for b, bp in zip(blocks, (*plan.blocks, plan.rest))]
 
 
@@ -92,15 +92,15 @@ def build_groups(ctx: RunContext, model: nn.Module, blocks: list[Block], spec: B
             nbytes = layout.numel * compute.itemsize
             slot = DeviceSlot(ctx.mem.allocate(f"{block.name}.slot", nbytes, Tier.DEVICE, Kind.PARAM, contiguous=True))
         index = len(groups)
-        build = _build_sharded if sharded(bplan, plan) else _build
-        chunks, shard = build(ctx.mem, ctx.comm, index, block, bplan, slot, plan, spec.options, compute, layout)
+        build, comm = (_build_sharded, ctx.shards or ctx.comm) if sharded(bplan, plan) else (_build, ctx.comm)
+        chunks, shard = build(ctx.mem, comm, index, block, bplan, slot, plan, spec.options, compute, layout)
         held_group = None
         if i in held:  # its experts' group next, so that the block's group is made with it
             held_group = _build_experts(ctx, model, experts, index + 1, held[i], bplan, spec, compute, replaced, floors)
         laid = GroupLayout(shard, ctx.comm.world_size, block.name in spec.reduced_at_end, floors_of(floors, bplan),
                            Tier(spec.plan.reduce_on), torch_dtype(spec.plan.reduce_dtype))
         groups.append(_made(ctx, model, index, block, bplan, layout, chunks, compute, spec, replaced, laid,
-                            held_group))
+                            held_group, comm))
         if held_group is not None:
             groups.append(held_group)
     return groups

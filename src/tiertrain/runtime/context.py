@@ -74,3 +74,4 @@ class RunContext:
     moves: Moves | None = None
     backward: Backward | None = None
     ahead: Ahead | None = None
+    shards: Collectives | None = None  # what sharded blocks are laid out over: ``comm``, or a hybrid mesh of it

@@ -20,6 +20,7 @@ from tiertrain.optim import AdamWHyper
 from tiertrain.parallel import Collectives
 from tiertrain.parallel.expert_layer import expert_layers
 from tiertrain.parallel.experts import apply_expert_parallel
+from tiertrain.parallel.hybrid import distinct_over, sharded_collectives
 from tiertrain.parallel.placement import checked
 from tiertrain.plan import Plan, RunOptions
 from tiertrain.plan.bytes import grad_tier, updated_away
@@ -62,6 +63,7 @@ class Runtime:
         blocks = find_blocks(model, options.blocks)
         self.sizes = block_sizes(blocks, plan.parallel.ep)  # what plan.fit counts (a replan counts the same)
         self.experts = apply_expert_parallel(self.comm, plan.parallel.dp, plan.parallel.ep, model)
+        self.ctx.shards = self.shards = sharded_collectives(self.comm, plan.parallel)
         self.replaced: dict[int, nn.Parameter] = {}  # the user's parameter (id) -> the one now in its place
         rest = [p for _, p in blocks[-1].params]
         tied = extra_uses(model, rest) if options.train else []
@@ -98,7 +100,8 @@ class Runtime:
         ctx = self.ctx
         ctx.moves = StateMoves(self.mem, plan.read_ahead)
         ctx.cache = DeviceCache([g for g in groups if g.plan.stream], _ring(groups), plan.prefetch)
-        self.norm = StepNorm(groups, self._model_order(), self.comm, self.experts, self.scaler, self.clock)
+        self.norm = StepNorm(groups, self._model_order(), distinct_over(self.shards), self.experts, self.scaler,
+                             self.clock)
         ctx.mode = self.mode = make_mode(ModeContext(groups, self.clock, self.norm, ctx.moves, self.hypers,
                                                      self._settle, self.options.max_grad_norm, self.waits_for_norm,
                                                      plan))

@@ -67,6 +67,7 @@ class TrainConfig:
     page_size: str | None = None      # memory page size, e.g. "4MiB" (default: measured for this machine)
     ep: int = field(default=1, metadata=at_least(1))  # expert parallel: ranks each MoE layer's experts are divided over
     reduce_dtype: str | None = field(default=None, metadata=one_of("fp32", "bf16"))  # gradients' sum over the ranks
+    shard_group: int = field(default=0, metadata=at_least(0))  # hybrid sharding: ranks a block is split over (0: all)
 
     def __post_init__(self) -> None:
         typed.check(self, "config")
@@ -77,7 +78,7 @@ class TrainConfig:
         if self.plan is None and any((self.device_memory, self.host_memory, self.disk)):
             raise ConfigError("memory budgets apply to a plan; add --plan resident|stream|max-offload|auto|FILE")
         tiered_only = {"--update": self.update, "--max-staleness": self.max_staleness, "--page-size": self.page_size,
-                       "--reduce-dtype": self.reduce_dtype}
+                       "--reduce-dtype": self.reduce_dtype, "--shard-group": self.shard_group or None}
         given = [flag for flag, value in tiered_only.items() if value is not None]
         if self.plan is None and given:  # plain PyTorch has no updates of its own to schedule, nor pages
             raise ConfigError(f"{' and '.join(given)} apply to a tiered run; add --plan "

@@ -45,5 +45,5 @@ def setup_tiered(model: nn.Module, opt: torch.optim.Optimizer, cfg: TrainConfig,
                  max_grad_norm=cfg.grad_clip if cfg.grad_clip > 0 else None, update=cfg.update,
                  page_size=parse_size(cfg.page_size) if cfg.page_size else None, max_staleness=cfg.max_staleness,
                  compute_dtype=precision.name, profile_step=profile_step, ep=cfg.ep if cfg.ep > 1 else None,
-                 reduce_dtype=cfg.reduce_dtype,
+                 reduce_dtype=cfg.reduce_dtype, shard_group=cfg.shard_group or None,
                  init_states=not cfg.resume)  # resuming: the checkpoint writes the states, once

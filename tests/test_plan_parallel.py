@@ -146,3 +146,62 @@ def test_plan_nproc_measures_this_machines_collectives_and_train_nproc_runs_the_
              "--out", str(out), "--nproc", "2")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "done: 2 steps" in r.stdout
+
+
+# ---------------------------------------------------------------- over several nodes: hybrid sharding
+
+def _nodes(dp: int = 4, per_node: int = 2, across: float = RATE / 10) -> Network:
+    return dataclasses.replace(Network.from_link(dp, RATE, "test"), node_ranks=per_node, across_bps=across)
+
+
+def test_the_simulated_network_carries_hybrid_bytes_inside_a_node_and_across_at_each_links_rate():
+    """2 nodes x 2 ranks, the link between nodes 10x slower: a hybrid ZeRO-2 plan reduce-scatters each
+    block inside the node ((S-1)/S of its gradients) and gathers its new params there, at the node's rate,
+    and all-reduces the shard across (2 (R-1)/R x 1/S of them) at the slow one; flat sharding sends every
+    collective over the ring that crosses the slow link."""
+    p = _profile(4, network=_nodes())
+    grads = 4 * (N_BLOCKS * PARAMS + REST)
+    hybrid = data_parallel(builtin_plan("resident", N_BLOCKS), 4, shard_group=2)
+    inside, across = 0.5 * grads + 0.5 * grads, 2 * 0.5 * grads / 2  # RS + gather inside; AR of a half across
+    assert simulate(hybrid, p, True).timeline.busy("net") == pytest.approx(inside / RATE + across / (RATE / 10))
+    flat = data_parallel(builtin_plan("resident", N_BLOCKS), 4)
+    assert simulate(flat, p, True).timeline.busy("net") == pytest.approx(2 * 0.75 * grads / (RATE / 10))
+
+
+def test_over_nodes_with_a_slow_link_between_them_the_planner_chooses_hybrid_where_half_the_states_fit():
+    """Hybrid holds 1/S of the states per rank (S a node's ranks), flat sharding 1/N: with a slow link
+    between nodes hybrid is chosen where a node's share fits a rank; where only 1/N fits, flat sharding
+    is the one layout that fits, and is chosen."""
+    budgets = Budgets(device=72 * MiB, host=int(0.75 * _states_bytes()))  # half of the states and what reduces fit
+    pb = Problem.sized(_profile(4, network=_nodes(), adam=1e8), budgets)
+    chosen, cands = choose_layout(pb, ("dp",), "sync", True, 1)
+    assert "auto/dp/hybrid 2x2 x4" in {c.plan.name for c in cands if c.plan is not None}
+    assert chosen.plan.name == "auto/dp/hybrid 2x2 x4" and chosen.plan.parallel.shard_group == 2
+    numels = [PARAMS] * N_BLOCKS + [REST]
+    assert tier_bytes(numels, chosen.plan, 64 << 10)[Tier.HOST] <= budgets.host
+    tight = Budgets(device=72 * MiB, host=int(0.35 * _states_bytes()))  # a quarter fits, half does not
+    chosen, _ = choose_layout(Problem.sized(_profile(4, network=_nodes(), adam=1e8), tight), ("dp",), "sync", True, 1)
+    assert chosen.plan.name == "auto/dp/sharded x4" and not chosen.plan.parallel.hybrid
+
+
+def test_plan_over_nodes_takes_the_machines_second_link_between_them_and_refuses_what_cannot_be_planned(
+        tmp_path, capsys):
+    from tiertrain.cli.main import main
+    from tiertrain.planner.datasheets import find_machine
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gpt-small", "--batch", "2", "--seq", "64", "--machine", "h100-sxm-80gb",
+                 "--nproc", "16", "--nproc-per-node", "8", "--solver", "dp", "--out", str(out)]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "between the 2 nodes" in said and "connectx7-400g 50.0 GB/s" in said
+    assert json.loads(out.read_text())["parallel"] == {"dp": 16, "shard_group": 8}
+    assert "replicated across the 2 nodes (hybrid)" in said
+    one_link = dataclasses.replace(find_machine("h100-sxm-80gb"), network=find_machine("h100-sxm-80gb").network[:1],
+                                   name="one-link")
+    (tmp_path / "one.json").write_text(one_link.to_json())
+    for args, want in ((["--machine", str(tmp_path / "one.json")], "add the link between nodes"),
+                       (["--machine", "h100-sxm-80gb", "--nproc-per-node", "6"], "does not divide --nproc 16"),
+                       ([], "give --machine")):
+        flags = ["--nproc-per-node", "8", *args] if "--nproc-per-node" not in args else args
+        assert main(["plan", "--model", "gpt-small", "--nproc", "16", *flags, "--out", str(out)]) == 2, args
+        assert want in capsys.readouterr().err, args

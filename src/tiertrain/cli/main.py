@@ -588,6 +588,10 @@ def bench_description_cmd(d_model: int, layers: int, batch_size: int, seq_len: i
               help="Data-parallel ranks the plan is for, each with the budgets given (per rank); it chooses every "
                    "block sharded (ZeRO) or replicated (DDP) from the collectives' rates, measured between local "
                    "ranks here or taken from --machine's network link.")
+@click.option("--nproc-per-node", type=POSITIVE, default=None,
+              help="With --nproc N over several nodes: ranks per node. --machine's first network link is then "
+                   "the one inside a node, its second the one between nodes, and hybrid sharding (each block "
+                   "sharded inside a node, replicated across; train --shard-group) is planned beside the others.")
 @click.option("--profile", "profile_file", type=click.Path(dir_okay=False), help="Plan from this profile JSON instead.")
 @click.option("--solver", "solvers", multiple=True, type=click.Choice(["dp", "greedy", "random", "stronghold"]),
               help="Solvers to run (default: all); the best predicted plan is chosen.")
@@ -614,7 +618,7 @@ def plan_cmd(out: str, png: str | None, **flags: Any) -> None:
 
     from tiertrain.cli.plan import PlanRequest, run_max_model, run_plan, write_png
 
-    req = PlanRequest(**{**flags, "solvers": tuple(flags["solvers"])})
+    req = PlanRequest(**{**flags, "solvers": tuple(flags["solvers"]), "nproc_per_node": flags["nproc_per_node"] or 0})
     console = _console()
     if req.max_model:
         chosen = run_max_model(req, console).chosen

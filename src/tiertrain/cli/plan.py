@@ -48,6 +48,7 @@ class PlanRequest:
     measure_memory: str | None
     measure_seconds: float | None
     nproc: int = 1                     # data-parallel ranks planned for, each with these budgets
+    nproc_per_node: int = 0            # ranks per node (0: all on one); fewer than nproc: plan over nodes
 
     @property
     def needs_all_grads(self) -> bool:
@@ -109,9 +110,11 @@ def print_plan(chosen: Candidate, cands: list[Candidate], profile: Profile, cons
     for line in explain_step(sim.step_s, profile, matmul_flops):
         console.print(line)
     if dp > 1:
-        net = sim.timeline.busy("net")
-        console.print(f"per rank: collectives {net * 1e3:.1f} ms a step on the network "
-                      f"({'states sharded over' if plan.blocks[0].shard else 'states replicated on'} {dp} ranks)")
+        net, group = sim.timeline.busy("net"), plan.parallel.shard_group
+        how = (f"states sharded over each node's {group} ranks, replicated across the {dp // group} nodes (hybrid)"
+               if plan.parallel.hybrid and plan.blocks[0].shard
+               else f"states {'sharded over' if plan.blocks[0].shard else 'replicated on'} {dp} ranks")
+        console.print(f"per rank: collectives {net * 1e3:.1f} ms a step on the network ({how})")
     for c in cands:
         name = c.plan.name.removeprefix("auto/") if c.plan is not None else c.solver
         if c.sim is None:
@@ -231,6 +234,11 @@ def run_plan(req: PlanRequest, console: Console) -> Candidate:
     target = find_machine(req.machine) if req.machine else None
     if target is not None:
         target.matmul(req.precision)  # a machine without this precision is refused before anything is measured
+    if 0 < req.nproc_per_node < req.nproc:  # over nodes: refused before anything is measured too
+        from tiertrain.measure.collectives import network_for
+
+        network_for(req.nproc, target.network if target is not None else None, req.machine or "", 0,
+                    req.nproc_per_node)
     sizes, disk_dir = sizes_for(req, target)
     here = probe(disk_dir)
     target = target or here
@@ -272,7 +280,7 @@ def _network(req: PlanRequest, target: Machine, here: Machine, profile: Profile)
     from tiertrain.measure.collectives import network_for
 
     chunk = max(b.params for b in profile.blocks) * profile.compute_bytes
-    return network_for(req.nproc, None if target is here else target.network, target.name, chunk)
+    return network_for(req.nproc, None if target is here else target.network, target.name, chunk, req.nproc_per_node)
 
 
 def _page(req: PlanRequest, profile: Profile, target: Machine, disk_dir: str | None) -> int:

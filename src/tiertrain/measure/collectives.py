@@ -12,6 +12,7 @@ behind (the directory goes with the measurement).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import tempfile
@@ -88,15 +89,33 @@ def _seconds(call: Callable[[], object], dist: Any) -> float:
     return (time.perf_counter() - start) / int(n.item())
 
 
-def network_for(dp: int, machine_links: tuple, machine_name: str, chunk_bytes: int) -> Network:
-    """``plan --nproc``'s network: a described machine's first link (every collective at its rate),
-    or this machine measured (``machine_links`` None)."""
+def network_for(dp: int, machine_links: tuple, machine_name: str, chunk_bytes: int, node_ranks: int = 0) -> Network:
+    """``plan --nproc``'s network: a described machine's first link (every collective at its rate; with
+    ``node_ranks`` < dp, the ranks of a node, its second link between nodes), or this machine measured
+    (``machine_links`` None: one node)."""
+    nodes = 0 < node_ranks < dp
+    if nodes and dp % node_ranks:
+        raise ConfigError(f"--nproc-per-node {node_ranks} does not divide --nproc {dp} into whole nodes")
     if machine_links is None:
+        if nodes:
+            raise ConfigError("planning over several nodes takes their links from a machine description: give "
+                              "--machine NAME_OR_FILE whose network lists the link inside a node, then the one "
+                              "between nodes (this machine's collectives are measured between its own ranks only)")
         return measure_network(dp, chunk_bytes)
     if not machine_links:
         raise ConfigError(f"machine {machine_name} describes no network link; add one to its description "
                           '("network": [{"name": "ib0", "bps": 25e9}]) to plan over ranks')
+    if nodes and len(machine_links) < 2:
+        raise ConfigError(f"machine {machine_name} describes one network link; add the link between nodes as its "
+                          'second ("network": [{"name": "nvlink", "bps": 450e9}, {"name": "ib0", "bps": 50e9}]) to '
+                          "plan over nodes")
     link = machine_links[0]
-    return Network.from_link(dp, link.bps, f"{machine_name}'s link {link.name}, {link.bps / 1e9:.1f} GB/s (described)")
+    net = Network.from_link(dp, link.bps, f"{machine_name}'s link {link.name}, {link.bps / 1e9:.1f} GB/s (described)")
+    if not nodes:
+        return net
+    inter = machine_links[1]
+    return dataclasses.replace(net, node_ranks=node_ranks, across_bps=inter.bps,
+                               source=f"{net.source} inside each node of {node_ranks} ranks, {inter.name} "
+                                      f"{inter.bps / 1e9:.1f} GB/s between the {dp // node_ranks} nodes")
 
 

@@ -41,13 +41,14 @@ def to_plan(s: Solution, p: Profile, update: str = "overlap", max_staleness: int
                    for c, disk in zip(s.choices, s.disk_home))
     streams = any(c.stream for c in s.choices)
     rest_disk = len(s.disk_home) > len(s.choices) and s.disk_home[-1]
-    layout = f"/{'sharded' if net.shard else 'replicated'} x{net.dp}" if net.parallel else ""
+    how = f"hybrid {net.dp // net.split}x{net.split}" if net.hybrid else "sharded" if net.shard else "replicated"
+    layout = f"/{how} x{net.dp}" if net.parallel else ""
     return Plan(blocks, BlockPlan(home=Tier.DISK if rest_disk else Tier.HOST, shard=shard,
                                   piece=p.piece if rest_disk else 0),
                 window=s.window if streams else 1, prefetch=lifetime_prefetch(p, s.window) if streams else 0,
                 update=update, name=f"auto/{s.solver}{layout}", compute_dtype=p.compute_dtype,
                 max_staleness=max_staleness, read_ahead=p.read_ahead, update_workers=p.update_workers,
-                parallel=ParallelLayout(dp=net.dp))
+                parallel=ParallelLayout(dp=net.dp, shard_group=net.split if net.hybrid else 0))
 
 
 def run_profile(p: Profile, update: str, max_staleness: int, needs_all_grads: bool) -> Profile:
@@ -222,14 +223,15 @@ def choose_layout(pb: Problem, solvers: tuple[str, ...] = tuple(SOLVERS), update
     sharded over the ranks (ZeRO-2 where a block stays on the device, ZeRO-3 where it streams) hold
     1/dp of them per rank but send 3 (N-1)/N x its compute bytes a step for streamed blocks;
     replicated (DDP) sends 2 (N-1)/N x its gradients' and holds them whole. Both are planned, with
-    the devices' spare memory as cache (Elixir's C_SIZE), and the faster that fits is chosen."""
+    the devices' spare memory as cache (Elixir's C_SIZE), and the faster that fits is chosen. Over
+    several nodes also hybrid: sharded inside each node (1/node_ranks per rank), replicated across,
+    whose only traffic between nodes is the shards' all-reduces (``Network.layouts``)."""
     net = pb.profile.network
     if not net.parallel:
         return choose(pb, solvers, update, needs_all_grads, max_staleness)
     found, refused = [], None
-    for shard in (True, False):
-        layout = dataclasses.replace(pb, profile=dataclasses.replace(pb.profile, network=dataclasses.replace(
-            net, shard=shard)))
+    for each in net.layouts():
+        layout = dataclasses.replace(pb, profile=dataclasses.replace(pb.profile, network=each))
         try:
             found.append(choose(layout, solvers, update, needs_all_grads, max_staleness))
         except NoPlanFits as exc:

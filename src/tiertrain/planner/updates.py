@@ -56,7 +56,7 @@ Change = Callable[..., None]   # the simulator's memory curve: change(time, tier
 
 def network(plan: Plan, p: Profile) -> Network:
     """The profile's collective rates over the plan's ranks."""
-    return dataclasses.replace(p.network, dp=plan.parallel.dp)
+    return dataclasses.replace(p.network, dp=plan.parallel.dp, shard_ranks=plan.parallel.shard_group)
 
 
 def own(plan: Plan, bp: BlockPlan, numel: int) -> int:

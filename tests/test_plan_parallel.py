@@ -4,6 +4,7 @@ and replicated (DDP); ``tiertrain plan --nproc N`` writes a plan that ``train --
 
 import dataclasses
 import json
+import re
 import os
 import subprocess
 import sys
@@ -205,3 +206,16 @@ def test_plan_over_nodes_takes_the_machines_second_link_between_them_and_refuses
         flags = ["--nproc-per-node", "8", *args] if "--nproc-per-node" not in args else args
         assert main(["plan", "--model", "gpt-small", "--nproc", "16", *flags, "--out", str(out)]) == 2, args
         assert want in capsys.readouterr().err, args
+
+
+def test_a_hybrid_layout_is_refused_with_expert_parallel_and_where_its_groups_do_not_divide_the_ranks():
+    from tiertrain.errors import ConfigError
+    from tiertrain.plan import ParallelLayout
+
+    assert ParallelLayout(4, shard_group=2).hybrid and ParallelLayout(4, shard_group=2).shard_ranks == 2
+    assert ParallelLayout(4, shard_group=4) == ParallelLayout(4)  # one group of every rank is flat sharding
+    for kwargs, says in (({"shard_group": 3}, "choose --shard-group among 2, 4"),
+                         ({"shard_group": 1}, "groups of two or more"),
+                         ({"shard_group": 2, "ep": 2}, "with expert parallel (ep=2) is not supported yet")):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            ParallelLayout(4, **kwargs)

@@ -97,13 +97,17 @@ def test_a_layout_the_ranks_would_refuse_is_one_message_before_torchrun_starts(t
     eight = tmp_path / "eight.json"
     eight.write_text(data_parallel(builtin_plan("stream", 2), 8).to_json())
     for args, says in ((["--model", "tiny-moe", "--plan", "stream", "--ep", "3"], "ep=3 does not divide the 2"),
-                       ([*TINY, "--plan", str(eight)], "laid out for 8 ranks but --nproc is 2: use --nproc 8")):
+                       ([*TINY, "--plan", str(eight)], "laid out for 8 ranks but --nproc is 2: use --nproc 8"),
+                       ([*TINY, "--plan", "stream", "--shard-group", "3"], "groups of 3 ranks does not divide the 2"),
+                       ([*TINY, "--shard-group", "2"], "--shard-group apply to a tiered run")):
         out = tmp_path / "r"
         assert main(["train", *args, "--out", str(out), "--nproc", "2"]) == 2
         err = capsys.readouterr().err
         assert says in err and err.count("error:") == 1 and not out.exists(), err
     assert main(["train", *TINY, "--plan", "stream", "--ep", "2", "--out", str(tmp_path / "dense")]) == 2
     assert "this model has no mixture-of-experts layer" in capsys.readouterr().err
+    assert main(["train", *TINY, "--plan", "stream", "--shard-group", "2", "--out", str(tmp_path / "one")]) == 2
+    assert "hybrid sharding (shard_group=2)" in capsys.readouterr().err  # one process has no groups to split over
 
 
 def test_an_error_inside_the_ranks_under_nproc_is_one_line_without_torchruns_report(tmp_path):

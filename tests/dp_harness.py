@@ -145,6 +145,26 @@ def pool_peaks(rank: int, plan, disk: Path, accum: int = 2) -> dict[str, int]:
         tm.runtime.mem.close()
 
 
+def disk_reads_by_thread(rank: int, plan, disk: Path) -> dict[str, int]:
+    """Pages read from the disk tier over a few steps, by whether the step's own thread read them."""
+    import threading
+
+    import tiertrain.memory.disk as disk_tier
+
+    counts = {"step thread": 0, "workers": 0}
+    real = disk_tier.DiskPool.read_page
+
+    def counted(self, page, out):
+        counts["step thread" if threading.current_thread() is threading.main_thread() else "workers"] += 1
+        return real(self, page, out)
+    disk_tier.DiskPool.read_page = counted
+    try:
+        losses, _ = tiered_losses(rank, plan, "sync", 1, None, disk)
+    finally:
+        disk_tier.DiskPool.read_page = real
+    return counts | {"steps": len(losses)}
+
+
 def _rank_main(rank: int, world: int, store: str, jobs: list, results, errors) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)

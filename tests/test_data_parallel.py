@@ -11,7 +11,7 @@ import pytest
 from dp_harness import (TINY4, agreed_auto_setup, agreed_budgets, ddp_losses, failure_on_rank0, gather_events,
                         mismatched_collective, mismatched_setup, one_process_checkpoint, per_micro_losses, pool_peaks,
                         recheck_on_rank0, reduction_events, resumed_by_parts, run_ranks, run_ranks_one_dies,
-                        saved_then_uninterrupted, sent_per_step, tiered_losses, unshared_save)
+                        saved_then_uninterrupted, sent_per_step, tiered_losses, unshared_save, disk_reads_by_thread)
 from tiertrain.memory import Tier
 from tiertrain.parallel import ring_bytes
 from tiertrain.plan import BlockPlan, Plan, builtin_plan, data_parallel
@@ -58,6 +58,7 @@ def dp2(tmp_path_factory, one_process):
         tiered_losses, plan=dataclasses.replace(PLANS["stream"], max_staleness=0), update="lockfree", accum=1,
         clip=None, disk=tmp / "lockfree"))]
     jobs += [(("events", plan), functools.partial(reduction_events, plan=PLANS[plan])) for plan in ("resident", "stream")]
+    jobs += [(("disk reads",), functools.partial(disk_reads_by_thread, plan=PLANS["disk"], disk=tmp / "disk-reads"))]
     jobs += [(("gathers",), functools.partial(gather_events, plan=PLANS["resident"]))]
     jobs += [(("agreed auto",), functools.partial(agreed_auto_setup, disk=tmp / "agreed")), (("budgets",), agreed_budgets),
              (("rank 0 fails",), failure_on_rank0), (("recheck",), recheck_on_rank0)]
@@ -176,6 +177,15 @@ def test_sharded_plans_equal_ddp_bitwise_at_dp2(dp2, plan, update, accum):
         assert losses == dp2[(want, rank)]
     if accum == 2:
         assert any(dp2[((plan, update, 2, None), r)][0] != dp2[(("ddp", 2, None), r)] for r in (0, 1))
+
+
+def test_a_streamed_blocks_own_shard_on_disk_is_read_off_the_steps_thread(dp2):
+    """A sharded block whose master is on disk fills its slot from it: its shard is read on the read
+    workers from when the cache prefetches it, the gather issued at the next access (the losses of this
+    plan equal DDP bitwise above); the step's own thread reads no page of it."""
+    for rank in (0, 1):
+        got = dp2[(("disk reads",), rank)]
+        assert got["workers"] > 0 and got["step thread"] == 0, got
 
 
 def test_a_replicated_layout_equals_ddp_bitwise_too(dp2):

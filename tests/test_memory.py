@@ -520,3 +520,24 @@ def test_pinned_host_memory_is_unpinned_once_before_it_can_be_unmapped(monkeypat
     gc.collect()
     unpins = [c for c in fake.calls if c[0] == "unregister"]
     assert len(unpins) == 4 and unpinned_with == maps, (fake.calls, unpinned_with, maps)
+
+
+def test_a_disk_chunk_read_into_a_tensor_on_the_read_workers_lands_whole_and_verified(mem):
+    """``read_into_async`` (a sharded block's shard read into its slot off the step's thread): the bytes
+    of a chunk that shares its first page with another, into a tensor of its length; a flipped byte
+    of one of its pages raises from the handle's ``wait``, naming the file."""
+    mem.from_tensor("n", random_bytes(PS // 3, 1), Tier.DISK)
+    data = random_bytes(3 * PS + 77, 2)
+    chunk = mem.from_tensor("c", data, Tier.DISK)
+    out = torch.zeros(data.numel(), dtype=torch.uint8)
+    mem.read_into_async(chunk, out).wait()
+    assert torch.equal(out, data) and chunk.tier is Tier.DISK
+    pool = mem.pool(Tier.DISK)
+    offset = chunk.extents[1].page * PS + 9
+    with open(pool.file, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(DiskError, match=f"checksum mismatch in {pool.file}"):
+        mem.read_into_async(chunk, torch.zeros_like(out)).wait()

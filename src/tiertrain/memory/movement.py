@@ -155,7 +155,6 @@ class Mover:
         if src.nbytes > dst.nbytes or dst.tier is Tier.DISK:
             raise ValueError(f"copy needs a memory destination at least as large, got {src!r} and {dst!r}")
         _landed(src)
-        handle = Handle()
         event = self._compute_event()  # ``dst`` (a slot) may still be read by kernels queued before now
         if isinstance(src.pool, DiskPool):
             parts = [(self._read_disk, self._reader(dst, src.pool, e, i * src.pool.page_size, event))
@@ -163,11 +162,7 @@ class Mover:
         else:
             parts = [(self._copy.submit, lambda: self._on_copy_stream(dst.tier, event, lambda: self._scatter(
                 dst, 0, src, 0, src.nbytes)))]
-        join = _Join(len(parts), handle._finish)
-        if not parts:
-            handle._finish(None)
-        self._submit(parts, join)
-        return handle
+        return self._joined(parts)
 
     def read_pages(self, chunk: Chunk, first: int, count: int, out: torch.Tensor) -> Handle:
         """Pages ``[first, first + count)`` of a disk chunk into ``out`` (uint8, page-aligned, ``count``
@@ -177,6 +172,24 @@ class Mover:
         ps = disk.page_size
         return self._page_io(chunk, first, count, self._read_disk, lambda i, e: lambda: disk.read_page(
             e.page, memoryview(out[i * ps : (i + 1) * ps].numpy())))
+
+    def read_into(self, chunk: Chunk, out: torch.Tensor) -> Handle:
+        """A disk chunk's bytes into ``out`` (uint8, in host or device memory, as long as the chunk's bytes
+        or shorter), page by page on the read workers, each page verified before a byte of it is used:
+        a sharded block's own shard read into its place in a device slot off the step's thread."""
+        disk = self._disk_of(chunk)
+        _landed(chunk)
+        ps, event = disk.page_size, self._compute_event()  # the slot may still be read by kernels queued now
+        tier = Tier.HOST if out.device.type == "cpu" else Tier.DEVICE
+
+        def reader(pos: int, e: Extent) -> Callable[[], None]:  # e: the part of a page in the range
+            def read() -> None:
+                stage = self._staging(ps)
+                disk.read_page(e.page, memoryview(stage.numpy()))  # raises on a short read or a bad checksum
+                self._on_copy_stream(tier, event, lambda: out[pos : pos + e.length].copy_(
+                    stage[e.offset : e.offset + e.length]))
+            return read
+        return self._joined([(self._read_disk, reader(pos, e)) for pos, e in chunk.segments(0, out.numel())])
 
     def write_pages(self, chunk: Chunk, first: int, count: int, src: torch.Tensor) -> Handle:
         """``src`` (as ``read_pages`` filled it) written back over pages ``[first, first + count)`` of a
@@ -196,8 +209,11 @@ class Mover:
         return chunk.pool
 
     def _page_io(self, chunk: Chunk, first: int, count: int, submit: Callable, make: Callable) -> Handle:
+        return self._joined([(submit, make(i, e)) for i, e in enumerate(chunk.extents[first : first + count])])
+
+    def _joined(self, parts: list) -> Handle:
+        """One handle for ``parts`` (submit, work) run on their workers: done when all are."""
         handle = Handle()
-        parts = [(submit, make(i, e)) for i, e in enumerate(chunk.extents[first : first + count])]
         join = _Join(len(parts), handle._finish)
         if not parts:
             handle._finish(None)

@@ -177,6 +177,11 @@ class MemorySystem:
             out[pos - start : pos - start + e.length] = stage[e.offset : e.offset + e.length]
         del stage, region
 
+    def read_into_async(self, chunk: Chunk, out: torch.Tensor) -> Handle:
+        """``read_into`` from the start, on the read workers: its handle's ``wait`` returns once every
+        page has landed (or raises a short read, a bad checksum)."""
+        return self.mover.read_into(chunk, out)
+
     def read_range(self, chunk: Chunk, start: int, nbytes: int) -> torch.Tensor:
         """Bytes ``[start, start + nbytes)`` of a disk chunk, as a CPU tensor of their own (verified):
         reading one parameter of a large block costs that parameter, not the block, and its pages are

@@ -50,6 +50,7 @@ from tiertrain.runtime.blocks import Block
 from tiertrain.runtime.grads import GradBuffer, TakenGrads
 from tiertrain.runtime.group_state import GRAD_MOVES, PASS_MOVES, SLOT_MOVES, Grads, Pass, Slot, moved
 from tiertrain.runtime.pieces import update_in_pieces
+from tiertrain.runtime.read_then_gather import ReadThenGather
 from tiertrain.runtime.reduction import Copy, Reduction
 from tiertrain.runtime.slots import DeviceSlot, point_at
 
@@ -264,14 +265,21 @@ class BlockGroup:
     def gather_into(self, dst: Chunk, async_op: bool = False) -> Waitable | None:
         """The block's compute params, whole, into ``dst`` (a device slot): every rank's shard of them. This
         rank's shard is first put in its place in the slot (read from disk, or copied from the host), so
-        the device group gathers in place, device memory only (NCCL refuses a host shard)."""
+        the device group gathers in place, device memory only (NCCL refuses a host shard). A shard on disk
+        is read on the read workers, its gather left to ``ReadThenGather`` (at once where not ``async_op``)."""
         dtype = F32 if self._param_home is self._master else self._compute
         out = dst.typed(self._compute)[: self._layout.numel]
         n = self._layout.shard_numel
         src = out[self._shard[0] : self._shard[0] + n]
+
         if self._param_home.tier is Tier.DISK:  # an fp32 master on disk
-            self._mem.read_into(self._param_home, src.view(torch.uint8))
-        elif self._param_home.tier is not Tier.DEVICE or src.data_ptr() != self._param_home.merge().data_ptr():
+            pending = ReadThenGather(self._mem.read_into_async(self._param_home, src.view(torch.uint8)),
+                                     lambda: self._comm.all_gather(out, src, async_op=True))
+            if async_op:
+                return pending
+            pending.wait()
+            return None
+        if self._param_home.tier is not Tier.DEVICE or src.data_ptr() != self._param_home.merge().data_ptr():
             src.copy_(self._param_home.typed(dtype)[:n])  # fp32 master into a compute slot: rounded here
         return self._comm.all_gather(out, src, async_op=async_op)
 

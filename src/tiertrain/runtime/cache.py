@@ -9,7 +9,9 @@ all served from what really happened (Elixir's warm-up step).
 
 Prefetch is a task queue with trigger points (ANGEL-PTM): when access ``p`` begins, the
 blocks of accesses ``p+1 .. p+prefetch`` are copied in on worker threads, provided the slot
-Belady would free for each is not needed before it (else it is fetched on demand).
+Belady would free for each is not needed before it (else it is fetched on demand). A sharded
+block's own shard on disk is read so too, its gather issued at the next access
+(``runtime.read_then_gather``).
 
 Blocks move between slots, so their parameters are re-pointed (``Tensor.set_``) at the new
 slot; autograd's saved views of them are rebuilt at unpack time (``switches.SavedTensors``).
@@ -22,6 +24,7 @@ from bisect import bisect_right
 from typing import TYPE_CHECKING
 
 from tiertrain.memory.movement import Handle
+from tiertrain.runtime.read_then_gather import ReadThenGather
 from tiertrain.runtime.slots import DeviceSlot
 
 if TYPE_CHECKING:
@@ -79,6 +82,7 @@ class DeviceCache:
         self._last_use[st.index] = len(self.trace)
         self._advance(st.index)
         self.current = st.index
+        self._issue_gathers()
         handle = self._fetch(st, self.pos, demand=True)
         if handle is not None:
             handle.wait()
@@ -87,6 +91,13 @@ class DeviceCache:
             return
         for q in range(self.pos + 1, min(len(self.order), self.pos + 1 + self.prefetch)):
             self._fetch(self.blocks[self.order[q]], q, demand=False)
+
+    def _issue_gathers(self) -> None:
+        """The gathers of blocks prefetched from disk-homed shards (``ReadThenGather``), in the order they
+        were fetched: every rank reaches each access in one order, so every rank issues them alike."""
+        for handle in list(self._inflight.values()):
+            if isinstance(handle, ReadThenGather):
+                handle.issue()
 
     def _resident(self, st: "BlockGroup") -> bool:
         return st.slot.holder == st.index

@@ -31,6 +31,14 @@ PEAK_PLANS = {"zero-3": builtin_plan("stream", N),  # streamed and sharded: ZeRO
 CASES = [(plan, update, accum) for plan in PLANS for update in ("sync", "overlap") for accum in (1, 2)]
 
 
+def _mixed(plan, world: int, shard_group: int = 0):
+    """``plan`` laid out over ``world`` ranks with every other block replicated (the planner chooses each
+    block's layout: ``planner.auto.per_block_layout``)."""
+    laid = data_parallel(plan, world, shard_group=shard_group)
+    blocks = tuple(dataclasses.replace(b, shard=i % 2 == 0) for i, b in enumerate(laid.blocks))
+    return dataclasses.replace(laid, blocks=blocks, name=f"{plan.name}-mixed")
+
+
 HOST_REDUCED = {name: dataclasses.replace(PLANS[name], reduce_on="host") for name in ("resident", "stream")}
 
 
@@ -59,6 +67,8 @@ def dp2(tmp_path_factory, one_process):
         clip=None, disk=tmp / "lockfree"))]
     jobs += [(("events", plan), functools.partial(reduction_events, plan=PLANS[plan])) for plan in ("resident", "stream")]
     jobs += [(("disk reads",), functools.partial(disk_reads_by_thread, plan=PLANS["disk"], disk=tmp / "disk-reads"))]
+    jobs += [(("mixed", plan), functools.partial(tiered_losses, plan=_mixed(PLANS[plan], 2), update="sync", accum=1,
+                                                 clip=None, disk=tmp / f"mixed-{plan}")) for plan in ("resident", "stream")]
     jobs += [(("gathers",), functools.partial(gather_events, plan=PLANS["resident"]))]
     jobs += [(("agreed auto",), functools.partial(agreed_auto_setup, disk=tmp / "agreed")), (("budgets",), agreed_budgets),
              (("rank 0 fails",), failure_on_rank0), (("recheck",), recheck_on_rank0)]
@@ -140,7 +150,9 @@ def _hybrid_jobs(tmp, dp2_checkpoint: str) -> list:
             for plan in ("resident", "stream", "disk") for accum in (1, 2)]
     jobs += [(("ddp", 1, 0.5), functools.partial(ddp_losses, accum=1, clip=0.5)),
              (("hybrid clip",), functools.partial(tiered_losses, plan=_hybrid(PLANS["stream"]), update="overlap",
-                                                  accum=1, clip=0.5, disk=tmp / "hybrid-clip"))]
+                                                  accum=1, clip=0.5, disk=tmp / "hybrid-clip")),
+             (("hybrid mixed",), functools.partial(tiered_losses, plan=_mixed(PLANS["stream"], 4, shard_group=2),
+                                                   update="overlap", accum=1, clip=0.5, disk=tmp / "hybrid-mixed"))]
     jobs += [(("hybrid sent", name), functools.partial(sent_per_step, plan=_hybrid(plan)))
              for name, plan in (("zero2-like", PLANS["resident"]), ("zero3-like", LAYOUTS["zero3-like"]))]
     jobs += [(("hybrid peaks", name), functools.partial(pool_peaks, plan=_hybrid(plan), disk=tmp / f"hpeaks-{name}"))
@@ -186,6 +198,13 @@ def test_a_streamed_blocks_own_shard_on_disk_is_read_off_the_steps_thread(dp2):
     for rank in (0, 1):
         got = dp2[(("disk reads",), rank)]
         assert got["workers"] > 0 and got["step thread"] == 0, got
+
+
+@pytest.mark.parametrize("plan", ["resident", "stream"])
+def test_a_plan_whose_blocks_are_laid_out_each_its_own_way_equals_ddp_bitwise(dp2, plan):
+    """Every other block replicated, the rest sharded (as the planner may choose per block)."""
+    for rank in (0, 1):
+        assert dp2[(("mixed", plan), rank)][0] == dp2[(("ddp", 1, None), rank)]
 
 
 def test_a_replicated_layout_equals_ddp_bitwise_too(dp2):
@@ -488,9 +507,10 @@ def test_hybrid_clipping_counts_each_shard_once_in_the_global_norm(dp4):
     """Each shard is held by both groups: its squared norm is summed over its group alone (over every
     rank it would count twice, and clipping at 0.5 would clip harder than DDP: the losses would part)."""
     for rank in range(4):
-        got, _ = dp4[(("hybrid clip",), rank)]
         want = dp4[(("ddp", 1, 0.5), rank)]
-        assert got[0] == want[0] and got == pytest.approx(want, rel=1e-5, abs=0), (rank, got, want)
+        for key in (("hybrid clip",), ("hybrid mixed",)):  # mixed: every other block replicated over all 4
+            got, _ = dp4[(key, rank)]
+            assert got[0] == want[0] and got == pytest.approx(want, rel=1e-5, abs=0), (key, rank, got, want)
 
 
 @pytest.mark.parametrize("layout", ["zero2-like", "zero3-like"])

@@ -69,9 +69,11 @@ def test_where_updates_are_quick_and_reduce_scatter_is_an_all_reduce_as_over_glo
     gloo = Network(2, True, all_gather_bps=RATE, reduce_scatter_bps=RATE / 2, all_reduce_bps=RATE,
                    all_to_all_bps=RATE, source="as gloo measures")
     pb = Problem.sized(_profile(2, network=gloo), Budgets(device=72 * MiB, host=4 * _states_bytes()))
-    chosen, _ = choose_layout(pb, ("dp",), "sync", True, 1)
-    assert chosen.plan.name == "auto/dp/replicated x2"
-    assert not any(b.shard for b in (*chosen.plan.blocks, chosen.plan.rest))
+    chosen, cands = choose_layout(pb, ("dp",), "sync", True, 1)
+    assert chosen.plan.name.startswith("auto/dp/replicated x2")  # then some blocks switched (test below)
+    ddp = next(c for c in cands if c.plan.name == "auto/dp/replicated x2")
+    zero = next(c for c in cands if c.plan.name == "auto/dp/sharded x2")
+    assert ddp.sim.step_s < zero.sim.step_s and not any(b.shard for b in (*ddp.plan.blocks, ddp.plan.rest))
 
 
 def test_when_whole_states_do_not_fit_a_rank_sharding_is_chosen_and_each_rank_holds_its_share():
@@ -219,3 +221,17 @@ def test_a_hybrid_layout_is_refused_with_expert_parallel_and_where_its_groups_do
                          ({"shard_group": 2, "ep": 2}, "with expert parallel (ep=2) is not supported yet")):
         with pytest.raises(ConfigError, match=re.escape(says)):
             ParallelLayout(4, **kwargs)
+
+
+def test_each_blocks_layout_is_chosen_for_it_where_a_mixed_plan_is_predicted_faster():
+    """With quick CPU updates, replicating a block spares its post-update gather while sharding another
+    halves its update: one pass over the blocks switches each where the simulator predicts a faster step
+    and the plan still fits; the mixed plan is among the candidates, faster than either uniform one."""
+    budgets = Budgets(device=72 * MiB, host=4 * _states_bytes())
+    chosen, cands = choose_layout(Problem.sized(_profile(2, adam=1e9), budgets), ("dp",), "sync", True, 1)
+    flags = [b.shard for b in (*chosen.plan.blocks, chosen.plan.rest)]
+    assert True in flags and False in flags and chosen.plan.name.endswith("switched"), chosen.plan.name
+    uniform = [c for c in cands if c.plan is not None and c is not chosen]
+    assert uniform and all(chosen.sim.step_s < c.sim.step_s for c in uniform)
+    numels = [PARAMS] * N_BLOCKS + [REST]
+    assert tier_bytes(numels, chosen.plan, 64 << 10)[Tier.HOST] <= budgets.host

@@ -235,3 +235,45 @@ def test_each_blocks_layout_is_chosen_for_it_where_a_mixed_plan_is_predicted_fas
     assert uniform and all(chosen.sim.step_s < c.sim.step_s for c in uniform)
     numels = [PARAMS] * N_BLOCKS + [REST]
     assert tier_bytes(numels, chosen.plan, 64 << 10)[Tier.HOST] <= budgets.host
+
+
+# ---------------------------------------------------------------- expert parallel in the planner
+
+EXPERTS = 1_500_000  # of each block's PARAMS, its experts: one rank holds half of them at ep = 2
+
+
+def test_a_ranks_held_experts_are_counted_whole_and_reduced_over_their_replicas_only():
+    """At dp 4, ep 2 a rank holds its experts whole (a quarter of them is not its share: they are not
+    sharded) and the rest of the block sharded; the simulated network carries the rest's reduce-scatter
+    and gather over all 4 ranks and the experts' all-reduce over their 2 replicas."""
+    from tiertrain.plan.fit import Sizes
+    from tiertrain.planner.costs import own_numel
+    from tiertrain.planner.profile import with_experts
+
+    sizes = Sizes((PARAMS - EXPERTS,) * N_BLOCKS + (REST,), (EXPERTS // 2,) * N_BLOCKS + (0,))
+    p = with_experts(_profile(4, network=dataclasses.replace(Network.from_link(4, RATE, "test"), ep=2)), sizes)
+    b = p.blocks[0]
+    assert b.experts == EXPERTS // 2 and b.shared == PARAMS - EXPERTS
+    assert own_numel(p, b) == -(-b.shared // 4) + b.experts and p.sizes() == sizes
+    plan = data_parallel(builtin_plan("resident", N_BLOCKS), 4, ep=2)
+    shared, held = 4 * (N_BLOCKS * b.shared + REST), 4 * N_BLOCKS * b.experts
+    want = 0.75 * shared + 0.75 * shared + 2 * 0.5 * held  # RS + gather of the rest over 4; AR of experts over 2
+    assert simulate(plan, p, True).timeline.busy("net") * RATE == pytest.approx(want, rel=1e-9)
+
+
+def test_plan_with_ep_plans_each_rank_with_the_experts_it_holds_and_refuses_what_cannot_run(tmp_path, capsys):
+    from tiertrain.cli.main import main
+
+    out = tmp_path / "plan.json"
+    base = ["plan", "--model", "tiny-moe", "--batch", "2", "--seq", "32", "--machine", "h100-sxm-80gb", "--solver", "dp"]
+    assert main([*base, "--nproc", "4", "--ep", "2", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["parallel"] == {"dp": 4, "ep": 2}
+    capsys.readouterr()
+    for args, says in ((["--nproc", "4", "--ep", "3"], "ep=3 does not divide the 4 data-parallel ranks"),
+                       (["--ep", "2"], "plan a --model over --nproc N ranks"),
+                       (["--nproc", "8", "--ep", "8"], "--ep 8 does not divide the model's 4 experts")):
+        assert main([*base, *args, "--out", str(out)]) == 2, args
+        assert says in capsys.readouterr().err, args
+    dense = ["plan", "--model", "gpt-small", "--batch", "2", "--seq", "32", "--machine", "h100-sxm-80gb"]
+    assert main([*dense, "--nproc", "2", "--ep", "2", "--out", str(out)]) == 2
+    assert "no mixture-of-experts layer" in capsys.readouterr().err

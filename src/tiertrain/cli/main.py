@@ -588,6 +588,9 @@ def bench_description_cmd(d_model: int, layers: int, batch_size: int, seq_len: i
               help="Data-parallel ranks the plan is for, each with the budgets given (per rank); it chooses every "
                    "block sharded (ZeRO) or replicated (DDP) from the collectives' rates, measured between local "
                    "ranks here or taken from --machine's network link.")
+@click.option("--ep", type=POSITIVE, default=1, show_default=True,
+              help="With --nproc N and a mixture-of-experts --model: divide each layer's experts over groups of this "
+                   "many ranks (expert parallel); each rank is planned with the experts it holds, whole.")
 @click.option("--nproc-per-node", type=POSITIVE, default=None,
               help="With --nproc N over several nodes: ranks per node. --machine's first network link is then "
                    "the one inside a node, its second the one between nodes, and hybrid sharding (each block "

@@ -15,12 +15,13 @@ from tiertrain.errors import ConfigError
 from tiertrain.plan import BlockPlan, Budgets
 from tiertrain.planner.auto import Candidate
 from tiertrain.planner.machine import Machine
-from tiertrain.planner.profile import Profile
+from tiertrain.planner.profile import Profile, with_experts
 from tiertrain.planner.simulator import RESOURCES, Simulation
 from tiertrain.units import format_bytes, format_count
 
 if TYPE_CHECKING:
     from tiertrain.autoplan.largest_model import Largest
+    from tiertrain.plan.fit import Sizes
     from tiertrain.planner.network import Network
 
 
@@ -49,6 +50,7 @@ class PlanRequest:
     measure_seconds: float | None
     nproc: int = 1                     # data-parallel ranks planned for, each with these budgets
     nproc_per_node: int = 0            # ranks per node (0: all on one); fewer than nproc: plan over nodes
+    ep: int = 1                        # expert parallel: ranks a mixture-of-experts layer's experts are divided over
 
     @property
     def needs_all_grads(self) -> bool:
@@ -222,6 +224,32 @@ def _model_profile(req: PlanRequest, here: Machine, disk_dir: str | None) -> Pro
     return config_profile(cfg, req.batch, req.seq or longest, req.precision, disk_dir, bounds=bounds, here=here)
 
 
+def _check_experts(req: PlanRequest) -> None:
+    from tiertrain.plan import ParallelLayout
+
+    if req.nproc == 1 or not req.model:
+        raise ConfigError(f"--ep {req.ep} divides a mixture of experts' experts over ranks: plan a --model over "
+                          f"--nproc N ranks (N a multiple of {req.ep})")
+    ParallelLayout(dp=req.nproc, ep=req.ep)  # one message where ep does not divide the ranks
+
+
+def held_experts(req: PlanRequest) -> "Sizes":
+    """What each block of ``req``'s model holds on one rank at ``req.ep`` (the model built on the meta
+    device: no memory), with the run's own count (``runtime.blocks.block_sizes``)."""
+    import torch
+
+    from tiertrain.models import build, resolve_config
+    from tiertrain.parallel.experts import expert_layers_for
+    from tiertrain.runtime.blocks import block_sizes, find_blocks
+
+    with torch.device("meta"):
+        model = build(resolve_config(req.model))
+    layers = expert_layers_for(model, req.ep)
+    if any(m.n_experts % req.ep for m in layers):
+        raise ConfigError(f"--ep {req.ep} does not divide the model's {layers[0].n_experts} experts")
+    return block_sizes(find_blocks(model, None), req.ep)
+
+
 def run_plan(req: PlanRequest, console: Console) -> Candidate:
     """Plan ``req``'s model (or profile) for ``req.machine`` (default: this one); print it; return the choice."""
     from tiertrain.measure.machine import probe
@@ -234,6 +262,8 @@ def run_plan(req: PlanRequest, console: Console) -> Candidate:
     target = find_machine(req.machine) if req.machine else None
     if target is not None:
         target.matmul(req.precision)  # a machine without this precision is refused before anything is measured
+    if req.ep > 1:  # refused before anything is measured too
+        _check_experts(req)
     if 0 < req.nproc_per_node < req.nproc:  # over nodes: refused before anything is measured too
         from tiertrain.measure.collectives import network_for
 
@@ -248,7 +278,10 @@ def run_plan(req: PlanRequest, console: Console) -> Candidate:
         profile.machine, disk_together_gain=_disk_gain(req, profile, here, target, disk_dir)))
     profile = run_profile(profile, req.update, req.max_staleness, req.needs_all_grads)
     if req.nproc > 1:
-        profile = dataclasses.replace(profile, network=_network(req, target, here, profile))
+        profile = dataclasses.replace(profile, network=dataclasses.replace(_network(req, target, here, profile),
+                                                                           ep=req.ep))
+    if req.ep > 1:
+        profile = with_experts(profile, held_experts(req))
     pb = Problem.sized(profile, sizes, req.levels)
     chosen, cands = choose_layout(pb, req.solvers or tuple(SOLVERS), req.update, req.needs_all_grads,
                                   req.max_staleness)

@@ -48,7 +48,7 @@ def to_plan(s: Solution, p: Profile, update: str = "overlap", max_staleness: int
                 window=s.window if streams else 1, prefetch=lifetime_prefetch(p, s.window) if streams else 0,
                 update=update, name=f"auto/{s.solver}{layout}", compute_dtype=p.compute_dtype,
                 max_staleness=max_staleness, read_ahead=p.read_ahead, update_workers=p.update_workers,
-                parallel=ParallelLayout(dp=net.dp, shard_group=net.split if net.hybrid else 0))
+                parallel=ParallelLayout(dp=net.dp, ep=net.ep, shard_group=net.split if net.hybrid else 0))
 
 
 def run_profile(p: Profile, update: str, max_staleness: int, needs_all_grads: bool) -> Profile:
@@ -116,7 +116,7 @@ def _widened(plan: Plan, pb: Problem, needs_all_grads: bool) -> tuple[Plan, Simu
 
 def profile_sizes(p: Profile) -> Sizes:
     """What a profile's blocks hold, as ``plan.fit`` counts it."""
-    return Sizes(tuple(b.params for b in (*p.blocks, p.rest)))
+    return p.sizes()
 
 
 def resolved(plan: Plan, pb: Problem, needs_all_grads: bool) -> Plan | None:

@@ -54,13 +54,19 @@ def device_bytes(p: Profile, b: BlockProfile, c: Choice) -> int:
     A device-homed block keeps its gradients there too (``plan_bytes.grad_tier``), and a resident fp32
     one's slot is its master (``plan_bytes.master_in_slot``), unless its states are sharded: the slot
     holds the whole block, the master this rank's shard."""
-    own = 0 if c.stream else pages(b.params * p.compute_bytes, p.page)
+    slot = b.experts if c.stream else b.params  # a streamed block's held experts keep a slot of their own
+    own = pages(slot * p.compute_bytes, p.page) if slot else 0
     states = _states(p, b) + _grads(p, b) if c.device_home else 0
     sharded = p.network.parallel and p.network.shard
     if c.device_home and not c.stream and p.compute_bytes == GRAD_BYTES and not sharded:
         own = 0
     acts = 0 if c.offload_hidden else saved_bytes(b, c)
     return own + states + acts
+
+
+def own_numel(p: Profile, b: BlockProfile) -> int:
+    """Elements of a block's states one rank holds: its share of the block, and the experts it holds."""
+    return p.network.per_rank(b.shared) + b.experts
 
 
 def optimizer_s(numel: int, m: MachineProfile, disk_home: bool) -> float:
@@ -96,9 +102,9 @@ def block_seconds(b: BlockProfile, c: Choice, m: MachineProfile, compute_bytes: 
     all-gather (prefetched, as a fetch is); the gradients' reduction runs under the next block's
     backward (one in flight, as the runtime keeps); a resident sharded block's update ends with an all-gather of its
     new params; each rank updates its own share."""
-    numel = net.per_rank(b.params)
-    gather = net.gather_s(b.params * compute_bytes) if net.shard else 0.0
-    fetch = numel * compute_bytes / m.h2d_bps + gather if c.stream else 0.0
+    numel = net.per_rank(b.shared) + b.experts
+    gather = net.gather_s(b.shared * compute_bytes) if net.shard else 0.0
+    fetch = net.per_rank(b.shared) * compute_bytes / m.h2d_bps + gather if c.stream else 0.0
     saved = saved_bytes(b, c)
     stash_out = saved / m.d2h_bps if c.offload_hidden else 0.0
     stash_in = saved / m.h2d_bps if c.offload_hidden else 0.0
@@ -110,7 +116,8 @@ def block_seconds(b: BlockProfile, c: Choice, m: MachineProfile, compute_bytes: 
     else:
         fwd = max(b.forward_s, fetch, stash_out)
         bwd = max(b.backward_s + recompute, fetch + stash_in, grads_out)
-    bwd = max(bwd, net.reduce_s(b.params * GRAD_BYTES, net.shard))  # under the next block's backward
+    reduce = net.reduce_s(b.shared * GRAD_BYTES, net.shard) + net.experts_reduce_s(b.experts * GRAD_BYTES)
+    bwd = max(bwd, reduce)  # under the next block's backward
     opt = 0.0 if c.device_home and not m.device_is_host else optimizer_s(numel, m, disk_home)
     if publishes_over_link(c.stream, c.device_home, m, compute_bytes):
         opt += numel * compute_bytes / m.h2d_bps
@@ -125,11 +132,11 @@ def fixed_device_bytes(p: Profile, window: int, any_stream: bool) -> int:
     slots, one block's activations in flight (a recomputed block rebuilds all of them during its
     backward), autograd's gradient of a parameter before it moves into the pools, and over several
     ranks the gradients being reduced there (``plan.bytes.reduce_staging``)."""
-    biggest = pages(max(b.params for b in p.blocks) * p.compute_bytes, p.page)
+    biggest = pages(max(b.shared for b in p.blocks) * p.compute_bytes, p.page)  # held experts: a slot of their own
     working = working_bytes(p) + p.rest.act_bytes
     pieced = _grads_of(p, [*p.blocks, p.rest]) if p.piece else 0  # any block may go to disk: counted as if all do
     every = [*p.blocks, p.rest]
-    parts = [p.network.per_rank(b.params) * GRAD_BYTES if p.network.shard else 0 for b in every]
+    parts = [own_numel(p, b) * GRAD_BYTES if p.network.shard else 0 for b in every]
     staged = reduce_staging([b.params * GRAD_BYTES for b in every], parts, p.network.dp, p.page)
     return (pages(p.rest.params * p.compute_bytes, p.page) + (window * biggest if any_stream else 0) + working
             + pieced + staged)
@@ -163,18 +170,18 @@ def switch_host_bytes(p: Profile, b: BlockProfile, c: Choice) -> int:
     """Host bytes a block's switches add (its stash, its params' host copy); states are placed later."""
     stash = saved_bytes(b, c) if c.offload_hidden else 0
     home = (c.stream or p.network.parallel and p.network.shard) and p.compute_bytes != 4
-    return stash + (pages(p.network.per_rank(b.params) * p.compute_bytes, p.page) if home else 0)
+    return stash + (pages(own_numel(p, b) * p.compute_bytes, p.page) if home else 0)
 
 
 def _states(p: Profile, b: BlockProfile) -> int:
     """A rank's master and moments of the block (its share where they are sharded)."""
-    return 3 * pages(p.network.per_rank(b.params) * GRAD_BYTES, p.page)
+    return 3 * pages(own_numel(p, b) * GRAD_BYTES, p.page)
 
 
 def _grads(p: Profile, b: BlockProfile) -> int:
     """A rank's gradient chunks of the block (its part: over several ranks each micro-batch's are
     reduced on the device first, ``reduce_staging``)."""
-    return p.grad_copies * pages(p.network.per_rank(b.params) * GRAD_BYTES, p.page)
+    return p.grad_copies * pages(own_numel(p, b) * GRAD_BYTES, p.page)
 
 
 def base_host_bytes(p: Profile, disk_budget: int) -> int:
@@ -202,7 +209,7 @@ def host_bytes(p: Profile, choices: tuple[Choice, ...], disk_home: tuple[bool, .
             total += _states(p, b)
         total += switch_host_bytes(p, b, c)
         if disk and c.stream and p.master_moves and p.compute_bytes == 4:  # ``plan.bytes.separate_param_home``
-            total += pages(p.network.per_rank(b.params) * p.compute_bytes, p.page)
+            total += pages(own_numel(p, b) * p.compute_bytes, p.page)
     disk_blocks = [b for b, d in zip(p.blocks, disk_home) if d] + ([p.rest] if rest_disk else [])
     if p.piece:  # a few pieces per worker, not whole blocks' states
         return total + _staging(p, disk_blocks)
@@ -212,7 +219,7 @@ def host_bytes(p: Profile, choices: tuple[Choice, ...], disk_home: tuple[bool, .
 
 def _staging(p: Profile, blocks: list[BlockProfile]) -> int:
     """Host bytes of the piecewise updates' buffers (``plan.bytes.staging_bytes``' rule)."""
-    largest = max((min(p.piece, p.network.per_rank(b.params) * GRAD_BYTES) for b in blocks), default=0)
+    largest = max((min(p.piece, own_numel(p, b) * GRAD_BYTES) for b in blocks), default=0)
     return piece_buffer_bytes(largest, p.update_workers, p.page)
 
 
@@ -225,7 +232,7 @@ def _grads_of(p: Profile, blocks: list[BlockProfile]) -> int:
         return sum(_grads(p, b) for b in blocks)
     if not blocks:
         return 0
-    own = [p.network.per_rank(b.params) * GRAD_BYTES for b in blocks]
+    own = [own_numel(p, b) * GRAD_BYTES for b in blocks]
     return alive_grad_bytes(own, p.update_workers, p.network.dp, p.page)
 
 

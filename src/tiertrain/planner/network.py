@@ -39,6 +39,7 @@ class Network:
     node_ranks: int = field(default=0, metadata=at_least(0))   # ranks per node (0: every rank on one node)
     across_bps: float = field(default=0.0, metadata=_RATE)     # a rank's rate between nodes (0: the rates above)
     shard_ranks: int = field(default=0, metadata=at_least(0))  # ranks a sharded block is split over (0: all dp)
+    ep: int = field(default=1, metadata=at_least(1))           # ranks a block's experts are divided over
 
     @classmethod
     def from_link(cls, dp: int, bps: float, source: str) -> "Network":
@@ -62,7 +63,7 @@ class Network:
         """The layouts a plan over these ranks may take: every block sharded over all of them, every
         block replicated, and where the ranks span nodes, sharded inside each node and replicated across."""
         out = [dataclasses.replace(self, shard=True, shard_ranks=0), dataclasses.replace(self, shard=False, shard_ranks=0)]
-        if 1 < self.node_ranks < self.dp and self.dp % self.node_ranks == 0:
+        if 1 < self.node_ranks < self.dp and self.dp % self.node_ranks == 0 and self.ep == 1:  # not with ep yet
             out.append(dataclasses.replace(self, shard=True, shard_ranks=self.node_ranks))
         return out
 
@@ -84,6 +85,11 @@ class Network:
         if not self.hybrid:
             return inside
         return inside + 2 * self._ring(nbytes / self.split, self.dp // self.split, self.all_reduce_bps, across=True)
+
+    def experts_reduce_s(self, nbytes: float) -> float:
+        """A rank's held experts' gradients (``nbytes``) all-reduced over the ranks holding the same
+        experts, one per expert group (``dp / ep`` of them, spread over the nodes)."""
+        return 2 * self._ring(nbytes, self.dp // self.ep, self.all_reduce_bps, across=0 < self.node_ranks < self.dp)
 
     def sent_bytes(self, nbytes: float, ranks: int = 0) -> float:
         """What a rank sends in a ring collective over ``nbytes`` among ``ranks`` (0: all; an all-reduce

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tiertrain import typed
+from tiertrain.plan.fit import Sizes
 from tiertrain.planner.network import Network
 from tiertrain.precisions import BYTES, PRECISIONS
 from tiertrain.typed import above, at_least, one_of
@@ -34,6 +35,13 @@ class BlockProfile:
     flops: float = field(default=0.0, metadata=_TIME)          # matrix products and attention
     traffic_bytes: float = field(default=0.0, metadata=_TIME)  # element-wise memory traffic besides the weights
     largest: int = field(default=0, metadata=at_least(0))  # elements of its largest parameter (0: not known)
+    experts: int = field(default=0, metadata=at_least(0))  # expert parallel: of ``params``, the experts one rank
+    #                                                         holds whole (never sharded, never streamed)
+
+    @property
+    def shared(self) -> int:
+        """Its elements laid out over the data-parallel ranks (all but the experts a rank holds)."""
+        return self.params - self.experts
 
     @property
     def recompute_seconds(self) -> float:
@@ -120,6 +128,13 @@ class Profile:
         one = max(b.params if self.master_moves or not b.largest else b.largest for b in blocks)
         return one * self.compute_bytes
 
+    def sizes(self) -> Sizes:
+        """What its blocks hold, as ``plan.fit`` counts it: each block's elements and, under expert
+        parallel, the experts a rank holds of each apart (a group of their own)."""
+        every = (*self.blocks, self.rest)
+        experts = tuple(b.experts for b in every) if any(b.experts for b in every) else ()
+        return Sizes(tuple(b.shared for b in every), experts)
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1)
 
@@ -131,3 +146,17 @@ class Profile:
     def load(cls, path: Path) -> "Profile":
         text = typed.read_text(path, "profile", "run `tiertrain plan` without --profile to measure one")
         return cls.from_json(text, f"profile {path}")
+
+
+def with_experts(p: Profile, sizes: Sizes) -> Profile:
+    """The profile of one rank of an expert-parallel run: each block without the experts other ranks hold
+    (``sizes``: what ``runtime.blocks.block_sizes`` counts at the run's ep, the block's shared elements
+    and the experts this rank holds). The times stay the whole block's: a rank runs its experts on every
+    rank's tokens routed to them, as many as one process runs on its own."""
+    every = (*p.blocks, p.rest)
+    if not sizes.experts:
+        return p
+    if len(sizes.numels) != len(every):
+        raise ValueError(f"{len(sizes.numels)} block sizes for a profile of {len(every)} blocks")
+    made = [dataclasses.replace(b, params=n + e, experts=e) for b, n, e in zip(every, sizes.numels, sizes.experts)]
+    return dataclasses.replace(p, blocks=tuple(made[:-1]), rest=made[-1])

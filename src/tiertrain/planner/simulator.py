@@ -34,9 +34,9 @@ from tiertrain.plan.bytes import grad_tier, pages, sharded, updated_away
 from tiertrain.plan.fit import bounded_grads, bounds_grads, tier_bytes
 from tiertrain.plan.update_modes import grad_copies, rules, updates_during_backward
 from tiertrain.planner.costs import GRAD_BYTES, grads_out_s, working_bytes
-from tiertrain.planner.profile import MachineProfile, Profile
+from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
 from tiertrain.planner.timeline import RESOURCES, Timeline
-from tiertrain.planner.updates import UpdatePipeline, fills_slot_from_disk, network, own
+from tiertrain.planner.updates import UpdatePipeline, fills_slot_from_disk, network, own, own_of
 
 __all__ = ["RESOURCES", "Simulation", "Timeline", "simulate"]
 
@@ -53,7 +53,7 @@ class Simulation:
 def _fixed_memory(plan: Plan, p: Profile) -> dict[str, int]:
     """What the plan holds throughout the step (plan_bytes, as the runtime counts it); gradients,
     stashes and activations come and go on the timeline."""
-    numels = [b.params for b in (*p.blocks, p.rest)]
+    numels = p.sizes()
     need = tier_bytes(numels, plan, p.page, grads="none", bound=False)
     copies = grad_copies(plan.update, plan.max_staleness)
     if copies > 1:  # lockfree: the chunk a lagging update loop still applies, beside the one this step fills
@@ -145,7 +145,7 @@ class _Replay:
                 trigger = starts[k - plan.prefetch] if plan.prefetch and k >= plan.prefetch else last_done
                 slot_free = ends[k - self.slots] if k >= self.slots else 0.0
                 needed[k] = max(trigger, slot_free)
-                _, ready = _fetch(tl, plan, bp, p, needed[k], b.params * p.compute_bytes, f"fetch {b.name}")
+                _, ready = _fetch(tl, plan, bp, p, needed[k], b.shared * p.compute_bytes, f"fetch {b.name}")
                 ready = max(ready, last_done)
             if k == 0:
                 self.pipe.forward_reads(rest_end)
@@ -175,7 +175,7 @@ class _Replay:
             b, bp = p.blocks[i], plan.blocks[i]
             ready = last_done = max(last_done, landed[-2] if len(landed) > 1 else 0.0)
             saved = b.hidden_bytes if bp.recompute else b.act_bytes
-            params_in = b.params * p.compute_bytes if bp.stream and i not in resident_after_forward else 0
+            params_in = b.shared * p.compute_bytes if bp.stream and i not in resident_after_forward else 0
             filled = last_done   # its slot's fill landed (``backward_begins`` reads its states ahead then)
             if params_in or bp.offload_hidden:
                 trigger = bstarts[j - plan.prefetch] if plan.prefetch and j >= plan.prefetch else last_done
@@ -193,27 +193,27 @@ class _Replay:
             bstarts.append(s)
             bends.append(e)
             change(e, "device", -saved)
-            landed.append(_reduce(tl, plan, bp, p, e, b.params, b.name))
+            landed.append(_reduce(tl, plan, bp, p, e, b))
             room = pipe.room_for_grads() if pipe.bounded and updated_away(bp) else 0.0  # backward waits for it
             last_done = max(e, room)
             _, grads = tl.run("d2h", max(landed[-1], room), grads_out_s(b, bp.home is Tier.DEVICE, m),
                               f"grads {b.name}")
-            change(grads, grad_tier(bp).value, pages(own(plan, bp, b.params) * GRAD_BYTES, p.page, bound=False),
+            change(grads, grad_tier(bp).value, pages(own_of(plan, bp, b) * GRAD_BYTES, p.page, bound=False),
                    updated_away(bp))
             if during:
                 pipe.update(i, grads)
         _, end = tl.run("compute", max(last_done, landed[-2] if len(landed) > 1 else 0.0), p.rest.backward_s / 2,
                         "embed bwd")
-        end = max(_reduce(tl, plan, plan.rest, p, end, p.rest.params, "rest"), landed[-1])
+        end = max(_reduce(tl, plan, plan.rest, p, end, p.rest), landed[-1])
         change(end, grad_tier(plan.rest).value,
-               pages(own(plan, plan.rest, p.rest.params) * GRAD_BYTES, p.page, bound=False), updated_away(plan.rest))
+               pages(own_of(plan, plan.rest, p.rest) * GRAD_BYTES, p.page, bound=False), updated_away(plan.rest))
         return end
 
 
 def _grad_caps(plan: Plan, p: Profile, budgets: Budgets | None) -> dict[str, int]:
     """Per tier, the most updated-away gradient bytes the runtime lets live, where it bounds them: as the
     resolved plan says (``plan.fit.resolve``), or, for a plan not resolved yet, under ``budgets``."""
-    numels = [b.params for b in (*p.blocks, p.rest)]
+    numels = p.sizes()
     if plan.resolved is not None:
         bounded = plan.resolved.bounded
     else:
@@ -237,10 +237,12 @@ def _fetch(tl: Timeline, plan: Plan, bp, p: Profile, ready: float, nbytes: int, 
     return start, end
 
 
-def _reduce(tl: Timeline, plan: Plan, bp, p: Profile, ready: float, numel: int, name: str) -> float:
-    """A block's gradients reduced over the ranks from when its backward ends; when it lands."""
-    seconds = network(plan, p).reduce_s(numel * GRAD_BYTES, sharded(bp, plan))
-    return tl.run("net", ready, seconds, f"reduce {name}")[1] if seconds else ready
+def _reduce(tl: Timeline, plan: Plan, bp, p: Profile, ready: float, b: BlockProfile) -> float:
+    """A block's gradients reduced over the ranks from when its backward ends (its held experts' over
+    their replicas); when it lands."""
+    net = network(plan, p)
+    seconds = net.reduce_s(b.shared * GRAD_BYTES, sharded(bp, plan)) + net.experts_reduce_s(b.experts * GRAD_BYTES)
+    return tl.run("net", ready, seconds, f"reduce {b.name}")[1] if seconds else ready
 
 
 def _step_time(plan: Plan, tl: Timeline, device_end: float, needs_all_grads: bool, m: MachineProfile,

@@ -56,12 +56,18 @@ Change = Callable[..., None]   # the simulator's memory curve: change(time, tier
 
 def network(plan: Plan, p: Profile) -> Network:
     """The profile's collective rates over the plan's ranks."""
-    return dataclasses.replace(p.network, dp=plan.parallel.dp, shard_ranks=plan.parallel.shard_group)
+    return dataclasses.replace(p.network, dp=plan.parallel.dp, shard_ranks=plan.parallel.shard_group,
+                               ep=plan.parallel.ep)
 
 
 def own(plan: Plan, bp: BlockPlan, numel: int) -> int:
     """Elements of a block's states one rank holds and updates."""
     return -(-numel // plan.parallel.shard_ranks) if sharded(bp, plan) else numel
+
+
+def own_of(plan: Plan, bp: BlockPlan, b: BlockProfile) -> int:
+    """A profiled block's elements one rank holds and updates: its share of the block, and its held experts."""
+    return own(plan, bp, b.shared) + b.experts
 
 
 def fills_slot_from_disk(bp: BlockPlan, plan: Plan) -> bool:
@@ -146,7 +152,7 @@ class UpdatePipeline:
         bp, b = self._block(i)
         if not self._reads_ahead(bp):
             return
-        n = self._share(bp) * own(self.plan, bp, b.params)
+        n = self._share(bp) * own_of(self.plan, bp, b)
         m = self.p.machine
         if i not in self.reads:
             if sum(1 for end in self.held.values() if end > t) >= (self.read_ahead if places is None else places):
@@ -173,7 +179,7 @@ class UpdatePipeline:
         when its AdamW ends (and frees its gradients)."""
         plan, p, m, tl = self.plan, self.p, self.p.machine, self.tl
         bp, b = self._block(i)
-        name, n = b.name, own(plan, bp, b.params)
+        name, n = b.name, own_of(plan, bp, b)
         share = self._share(bp)
         worker = min(self.workers, key=lambda w: w.free)
         if bp.home is Tier.DEVICE and not m.device_is_host:
@@ -191,7 +197,7 @@ class UpdatePipeline:
         if publishes_over_link(bp.stream, bp.home is Tier.DEVICE, m, p.compute_bytes):
             tl.run("h2d", done, share * n * p.compute_bytes / m.h2d_bps, f"publish {name}")
         if sharded(bp, plan) and not bp.stream:  # the new params of every rank's share into the slot
-            tl.run("net", done, share * network(plan, p).gather_s(b.params * p.compute_bytes), f"gather {name}")
+            tl.run("net", done, share * network(plan, p).gather_s(b.shared * p.compute_bytes), f"gather {name}")
         self.settled[i] = finished
         if bp.home is Tier.DISK:
             written = tl.run("disk_write", finished, share * n * disk_bytes(bp) / m.disk_write_bps, f"write {name}")[1]

@@ -233,7 +233,7 @@ def _check_experts(req: PlanRequest) -> None:
     ParallelLayout(dp=req.nproc, ep=req.ep)  # one message where ep does not divide the ranks
 
 
-def held_experts(req: PlanRequest) -> "Sizes":
+def held_experts(req: PlanRequest) -> Sizes:
     """What each block of ``req``'s model holds on one rank at ``req.ep`` (the model built on the meta
     device: no memory), with the run's own count (``runtime.blocks.block_sizes``)."""
     import torch

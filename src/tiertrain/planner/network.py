@@ -59,7 +59,7 @@ class Network:
     def hybrid(self) -> bool:
         return self.shard and 1 < self.split < self.dp
 
-    def layouts(self) -> list["Network"]:
+    def layouts(self) -> list[Network]:
         """The layouts a plan over these ranks may take: every block sharded over all of them, every
         block replicated, and where the ranks span nodes, sharded inside each node and replicated across."""
         out = [dataclasses.replace(self, shard=True, shard_ranks=0), dataclasses.replace(self, shard=False, shard_ranks=0)]

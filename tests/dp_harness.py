@@ -223,7 +223,8 @@ def sent_per_step(rank: int, plan, steps: int = 3, reduce_dtype: str = "fp32") -
 
 def reduction_events(rank: int, plan) -> list[tuple[str, int]]:
     """One step's ("flush", block) and ("landed", block) events, in order: when each block's
-    gradients were handed to the reduction and when its reduction was waited for."""
+    gradients were handed to the reduction and when its reduction was waited for; with hybrid sharding
+    also ("across", block): when its shard's all-reduce across the groups was issued."""
     import tiertrain
     from tiertrain.train.objective import lm_loss
     from tiertrain.memory import Budgets
@@ -231,8 +232,10 @@ def reduction_events(rank: int, plan) -> list[tuple[str, int]]:
     from tiertrain.runtime.group_state import Grads
 
     events: list[tuple[str, int]] = []
-    flush, finish = BlockGroup.post_backward, BlockGroup.finish_reduction
+    flush, finish, advance = BlockGroup.post_backward, BlockGroup.finish_reduction, BlockGroup.advance_reduction
     BlockGroup.post_backward = lambda self: (events.append(("flush", self.index)), flush(self))[1]
+    BlockGroup.advance_reduction = lambda self: (  # its first call issues the all-reduce across groups
+        events.append(("across", self.index)) if hasattr(self.comm, "replicas") else None, advance(self))[1]
     BlockGroup.finish_reduction = lambda self: (
         events.append(("landed", self.index)) if self.state[1] is Grads.REDUCING else None, finish(self))[1]
     model, opt = _fresh()

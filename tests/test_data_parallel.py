@@ -153,6 +153,8 @@ def _hybrid_jobs(tmp, dp2_checkpoint: str) -> list:
                                                   accum=1, clip=0.5, disk=tmp / "hybrid-clip")),
              (("hybrid mixed",), functools.partial(tiered_losses, plan=_mixed(PLANS["stream"], 4, shard_group=2),
                                                    update="overlap", accum=1, clip=0.5, disk=tmp / "hybrid-mixed"))]
+    jobs += [(("hybrid events", plan), functools.partial(reduction_events, plan=_hybrid(PLANS[plan])))
+             for plan in ("resident", "stream")]
     jobs += [(("hybrid sent", name), functools.partial(sent_per_step, plan=_hybrid(plan)))
              for name, plan in (("zero2-like", PLANS["resident"]), ("zero3-like", LAYOUTS["zero3-like"]))]
     jobs += [(("hybrid peaks", name), functools.partial(pool_peaks, plan=_hybrid(plan), disk=tmp / f"hpeaks-{name}"))
@@ -513,6 +515,23 @@ def test_hybrid_clipping_counts_each_shard_once_in_the_global_norm(dp4):
             assert got[0] == want[0] and got == pytest.approx(want, rel=1e-5, abs=0), (key, rank, got, want)
 
 
+@pytest.mark.parametrize("plan", ["resident", "stream"])
+def test_a_shards_all_reduce_across_groups_runs_under_the_next_blocks_backward(dp4, plan):
+    """Hybrid: a block's reduce-scatter inside its group runs under the next block's backward; once that
+    has ended its shard's all-reduce across the groups is issued and runs under the backward after it, so
+    two reductions are in flight (what the budget counts: ``plan.bytes.reductions_in_flight``) and the
+    slow link is never waited on at once."""
+    for rank in range(4):
+        events = dp4[(("hybrid events", plan), rank)]
+        flushed = [b for e, b in events if e == "flush"]
+        assert len(flushed) > 3, events
+        for b0, b1, b2 in zip(flushed, flushed[1:], flushed[2:]):
+            assert events.index(("flush", b1)) < events.index(("across", b0)) < events.index(("flush", b2)), events
+            assert events.index(("flush", b2)) < events.index(("landed", b0)), events
+        for b0, b3 in zip(flushed, flushed[3:]):
+            assert events.index(("landed", b0)) < events.index(("flush", b3)), events
+
+
 @pytest.mark.parametrize("layout", ["zero2-like", "zero3-like"])
 def test_hybrid_sharding_sends_gathers_inside_a_group_and_only_shards_across(dp4, layout):
     """Inside its group a rank sends what flat sharding over two ranks sends (the gathers, the
@@ -532,11 +551,14 @@ def test_hybrid_sharding_sends_gathers_inside_a_group_and_only_shards_across(dp4
 @pytest.mark.parametrize("plan", PEAK_PLANS)
 def test_hybrid_ranks_hold_what_flat_sharding_over_their_group_holds(dp2, dp4, plan):
     """A rank of 2 x 2 holds half of each block's states and gradients, as a rank of flat dp 2 does (the
-    pools' own peaks): hybrid sharding trades memory (1/2, not 1/4) for traffic between groups."""
+    pools' own peaks): hybrid sharding trades memory (1/2, not 1/4) for traffic between groups. Its
+    gradients hold at most one part more: two reductions are in flight, not one (the shard's all-reduce
+    across groups runs under a second block's backward), each landing in a fresh chunk beside the sum."""
     for rank in range(4):
         got, flat = dp4[(("hybrid peaks", plan), rank)], dp2[(("peaks", plan), rank % 2)]
-        for k in ("master", "exp_avg", "exp_avg_sq", "grad", "disk"):
+        for k in ("master", "exp_avg", "exp_avg_sq", "disk"):
             assert got[k] == flat[k], (plan, rank, k, got[k], flat[k])
+        assert flat["grad"] <= got["grad"] <= flat["grad"] + got["largest"], (plan, rank, got, flat)
 
 
 def test_a_hybrid_checkpoint_is_one_file_per_shard_and_resumes_in_one_process_as_the_run_went_on(dp2, dp4, tmp_path):

@@ -216,7 +216,7 @@ def test_a_hybrid_layout_is_refused_with_expert_parallel_and_where_its_groups_do
 
     assert ParallelLayout(4, shard_group=2).hybrid and ParallelLayout(4, shard_group=2).shard_ranks == 2
     assert ParallelLayout(4, shard_group=4) == ParallelLayout(4)  # one group of every rank is flat sharding
-    for kwargs, says in (({"shard_group": 3}, "choose --shard-group among 2, 4"),
+    for kwargs, says in (({"shard_group": 3}, "choose --shard-group among 2 (the GPUs of one node)"),
                          ({"shard_group": 1}, "groups of two or more"),
                          ({"shard_group": 2, "ep": 2}, "with expert parallel (ep=2) is not supported yet")):
         with pytest.raises(ConfigError, match=re.escape(says)):

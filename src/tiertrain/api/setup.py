@@ -286,7 +286,8 @@ def _laid_out(plan: Plan, opts: RunOptions) -> Plan:
     if group and (world == 1 or opts.shard is False):
         raise ConfigError(f"hybrid sharding (shard_group={group}) splits sharded blocks over groups of ranks, but this "
                           f"run {'has one process' if world == 1 else 'replicates every block (shard=False)'}: launch "
-                          "it under torchrun with sharded blocks, or leave shard_group (--shard-group) out")
+                          "it under torchrun with sharded blocks, or leave shard_group (--shard-group) out and remove "
+                          "it from the plan's \"parallel\" field")
     if plan.parallel.dp == world:
         layout = ParallelLayout(world, ep, group)
         return plan if plan.parallel == layout else dataclasses.replace(plan, parallel=layout)

@@ -293,10 +293,19 @@ def _publish_sharded(root: Path, tmp: Path, final: Path, ts: TrainState, state: 
     trainer = {"format_version": FORMAT_VERSION, "step": state.step, "data_position": state.data_position,
                "scaler": state.scaler, "run_config": state.run_config, "rng": rng_plain,
                "param_groups": ts.group_hparams(), "files": manifest, "saved_at_ns": _write_stamp(),
-               "shards": json.loads(json.dumps(asdict(smap)))}
+               "shards": json.loads(json.dumps(_map_dict(smap)))}
     (tmp / "trainer.json").write_text(json.dumps(trainer, indent=1))
     publish_dir(tmp, final)
     write_atomic(root / LATEST, final.name.encode())
+
+
+def _map_dict(smap: ShardMap) -> dict:
+    """The map as ``trainer.json`` holds it: ``ranks`` only where the run had more ranks than files
+    (hybrid sharding), so a checkpoint of any other run reads as it did before the field existed."""
+    out = asdict(smap)
+    if not smap.ranks:
+        del out["ranks"]
+    return out
 
 
 def _write_stamp() -> int:

@@ -110,7 +110,8 @@ def shard_map(rt: Any) -> ShardMap:
         blocks += [dataclasses.replace(b, name=f"{b.name}@{j}", rank=j,
                                        params=tuple((_expert_of(n, j * per), o, sh) for n, o, sh in b.params))
                    for j in range(rt.experts.ep)]
-    return ShardMap(rank_files(rt), tuple(blocks), rt.comm.world_size)
+    files = rank_files(rt)
+    return ShardMap(files, tuple(blocks), rt.comm.world_size if files != rt.comm.world_size else 0)
 
 
 def rank_files(rt: Any) -> int:

@@ -113,9 +113,12 @@ def print_plan(chosen: Candidate, cands: list[Candidate], profile: Profile, cons
         console.print(line)
     if dp > 1:
         net, group = sim.timeline.busy("net"), plan.parallel.shard_group
-        how = (f"states sharded over each node's {group} ranks, replicated across the {dp // group} nodes (hybrid)"
-               if plan.parallel.hybrid and plan.blocks[0].shard
-               else f"states {'sharded over' if plan.blocks[0].shard else 'replicated on'} {dp} ranks")
+        every = (*plan.blocks, plan.rest)
+        split = sum(b.shard for b in every)
+        over = (f"each node's {group} ranks, replicated across the {dp // group} nodes (hybrid)" if plan.parallel.hybrid
+                else f"{dp} ranks")
+        how = (f"states sharded over {over}" if split == len(every) else f"states replicated on {dp} ranks"
+               if not split else f"{split} of {len(every)} blocks' states sharded over {over}, the others replicated")
         console.print(f"per rank: collectives {net * 1e3:.1f} ms a step on the network ({how})")
     for c in cands:
         name = c.plan.name.removeprefix("auto/") if c.plan is not None else c.solver
@@ -224,13 +227,16 @@ def _model_profile(req: PlanRequest, here: Machine, disk_dir: str | None) -> Pro
     return config_profile(cfg, req.batch, req.seq or longest, req.precision, disk_dir, bounds=bounds, here=here)
 
 
-def _check_experts(req: PlanRequest) -> None:
+def _check_experts(req: PlanRequest) -> Sizes:
+    """What each block of the model holds on one rank at ``req.ep`` (``held_experts``), once the layout
+    and the model are checked."""
     from tiertrain.plan import ParallelLayout
 
     if req.nproc == 1 or not req.model:
         raise ConfigError(f"--ep {req.ep} divides a mixture of experts' experts over ranks: plan a --model over "
                           f"--nproc N ranks (N a multiple of {req.ep})")
     ParallelLayout(dp=req.nproc, ep=req.ep)  # one message where ep does not divide the ranks
+    return held_experts(req)
 
 
 def held_experts(req: PlanRequest) -> Sizes:
@@ -262,8 +268,7 @@ def run_plan(req: PlanRequest, console: Console) -> Candidate:
     target = find_machine(req.machine) if req.machine else None
     if target is not None:
         target.matmul(req.precision)  # a machine without this precision is refused before anything is measured
-    if req.ep > 1:  # refused before anything is measured too
-        _check_experts(req)
+    held = _check_experts(req) if req.ep > 1 else None  # refused before anything is measured too
     if 0 < req.nproc_per_node < req.nproc:  # over nodes: refused before anything is measured too
         from tiertrain.measure.collectives import network_for
 
@@ -281,7 +286,7 @@ def run_plan(req: PlanRequest, console: Console) -> Candidate:
         profile = dataclasses.replace(profile, network=dataclasses.replace(_network(req, target, here, profile),
                                                                            ep=req.ep))
     if req.ep > 1:
-        profile = with_experts(profile, held_experts(req))
+        profile = with_experts(profile, held)
     pb = Problem.sized(profile, sizes, req.levels)
     chosen, cands = choose_layout(pb, req.solvers or tuple(SOLVERS), req.update, req.needs_all_grads,
                                   req.max_staleness)

@@ -61,7 +61,7 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)
 
 
-def _landed(chunk: Chunk) -> None:
+def landed(chunk: Chunk) -> None:
     """Before reading a chunk where it lies: a move still under way (a master copied out of its slot
     to the host) gives its old place back when it lands, so wait for it and read it where it is then."""
     pending = chunk.pending
@@ -154,7 +154,7 @@ class Mover:
         pages and ``src`` stays where it is. A disk source is read page by page and verified."""
         if src.nbytes > dst.nbytes or dst.tier is Tier.DISK:
             raise ValueError(f"copy needs a memory destination at least as large, got {src!r} and {dst!r}")
-        _landed(src)
+        landed(src)
         event = self._compute_event()  # ``dst`` (a slot) may still be read by kernels queued before now
         if isinstance(src.pool, DiskPool):
             parts = [(self._read_disk, self._reader(dst, src.pool, e, i * src.pool.page_size, event))
@@ -167,7 +167,7 @@ class Mover:
     def read_pages(self, chunk: Chunk, first: int, count: int, out: torch.Tensor) -> Handle:
         """Pages ``[first, first + count)`` of a disk chunk into ``out`` (uint8, page-aligned, ``count``
         pages long), verified; the chunk stays on disk. A piecewise update reads its states so."""
-        _landed(chunk)
+        landed(chunk)
         disk = self._disk_of(chunk)
         ps = disk.page_size
         return self._page_io(chunk, first, count, self._read_disk, lambda i, e: lambda: disk.read_page(
@@ -177,8 +177,8 @@ class Mover:
         """A disk chunk's bytes into ``out`` (uint8, in host or device memory, as long as the chunk's bytes
         or shorter), page by page on the read workers, each page verified before a byte of it is used:
         a sharded block's own shard read into its place in a device slot off the step's thread."""
+        landed(chunk)  # a move under way changes where its pages are: read them where they are then
         disk = self._disk_of(chunk)
-        _landed(chunk)
         ps, event = disk.page_size, self._compute_event()  # the slot may still be read by kernels queued now
         tier = Tier.HOST if out.device.type == "cpu" else Tier.DEVICE
 

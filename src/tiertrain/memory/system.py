@@ -12,7 +12,7 @@ from tiertrain.plan.budgets import Budgets
 from tiertrain.memory.capacity import check_budgets
 from tiertrain.memory.chunk import Chunk
 from tiertrain.memory.disk import DiskDir, DiskPool
-from tiertrain.memory.movement import Handle, Mover
+from tiertrain.memory.movement import Handle, Mover, landed
 from tiertrain.memory.pool import DEFAULT_PAGE_SIZE, IO_ALIGN, MemoryPool, Pool, check_page_size, host_buffer
 from tiertrain.plan.tiers import Kind, Tier
 
@@ -165,21 +165,14 @@ class MemorySystem:
             return self.read_range(chunk, 0, chunk.nbytes)  # wrote every byte again (8.4 s of a 28 s save)
         return torch.cat([v.cpu() for v in chunk.views()]) if chunk.nbytes else torch.empty(0, dtype=torch.uint8)
 
-    def read_into(self, chunk: Chunk, out: torch.Tensor, start: int = 0) -> None:
-        """A disk chunk's bytes from ``start`` into ``out`` (uint8; as many as it holds, up to the chunk's
-        end; verified), through one aligned page buffer: only the pages they lie in are read, and no
-        copy of the chunk is made."""
-        disk = self.pool(Tier.DISK)
-        assert isinstance(disk, DiskPool)
-        stage, region = host_buffer(disk.page_size, pin=False)  # O_DIRECT needs an aligned buffer
-        for pos, e in chunk.segments(start, start + out.numel()):  # e: the part of a page in the range
-            disk.read_page(e.page, memoryview(stage.numpy()))  # raises on a short read or a bad checksum
-            out[pos - start : pos - start + e.length] = stage[e.offset : e.offset + e.length]
-        del stage, region
+    def landed(self, chunk: Chunk) -> Chunk:
+        """``chunk`` once a move of it under way has landed (its tier is then where it lies)."""
+        landed(chunk)
+        return chunk
 
     def read_into_async(self, chunk: Chunk, out: torch.Tensor) -> Handle:
-        """``read_into`` from the start, on the read workers: its handle's ``wait`` returns once every
-        page has landed (or raises a short read, a bad checksum)."""
+        """A disk chunk's bytes into ``out`` (uint8, as many as it holds), page by page on the read workers:
+        its handle's ``wait`` returns once every page has landed (or raises a short read, a bad checksum)."""
         return self.mover.read_into(chunk, out)
 
     def read_range(self, chunk: Chunk, start: int, nbytes: int) -> torch.Tensor:

@@ -7,14 +7,16 @@ group's size (its ``rank`` picks the shard), gathers inside the shard group, and
 gradients in two steps: reduce-scatter inside the shard group, then all-reduce of the shard across
 the replicas (the part a rank keeps is the sum over every rank). Per step a rank sends, for a block
 of B bytes of gradients in a mesh of R groups of S ranks: (S-1)/S x B inside its group and
-2 (R-1)/R x B/S across groups (``hybrid_bytes``), against 2 (N-1)/N x B over one flat ring.
+2 (R-1)/R x B/S across groups, against 2 (N-1)/N x B over one flat ring.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from tiertrain.parallel.collectives import Collectives, Waitable, ring_bytes
+from tiertrain.parallel.collectives import Collectives, Waitable
 from tiertrain.parallel.mesh import mesh_collectives
 from tiertrain.plan.parallel import ParallelLayout
 
@@ -43,7 +45,7 @@ class HybridCollectives:
         if not async_op:
             self.replicas.all_reduce(out)
             return None
-        return _Chain(first, lambda: self.replicas.all_reduce(out, async_op=True))
+        return Chained(first, lambda: self.replicas.all_reduce(out, async_op=True))
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum", async_op: bool = False) -> Waitable | None:
         """Over every rank of the mesh: inside the group, then across."""
@@ -51,7 +53,7 @@ class HybridCollectives:
         if not async_op:
             self.replicas.all_reduce(t, op)
             return None
-        return _Chain(first, lambda: self.replicas.all_reduce(t, op, async_op=True))
+        return Chained(first, lambda: self.replicas.all_reduce(t, op, async_op=True))
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None = None,
                    in_splits: list[int] | None = None) -> None:
@@ -68,19 +70,37 @@ class HybridCollectives:
         return None  # the groups share the run's heartbeat, which the run's collectives close
 
 
-class _Chain:
-    """A collective in flight, then another one started once it has landed."""
+class Chained:
+    """A collective in flight, then another started once it has landed: by ``advance`` (the runtime calls
+    it at a point every rank reaches in one order: ``BackwardPass.reduction_started``, so the second runs
+    under the next block's backward), else by ``wait``. A failure raises at every later call: the
+    second is never issued twice, nor after the first failed."""
 
-    def __init__(self, first: Waitable | None, then) -> None:
-        self.first, self.then, self.second = first, then, None
+    def __init__(self, first: Waitable | None, then: Callable[[], Waitable | None]) -> None:
+        self._first, self._then = first, then
+        self._second: Waitable | None = None
+        self._error: BaseException | None = None
+
+    def advance(self) -> None:
+        """Wait for the first; start the second without waiting for it (once)."""
+        if self._error is not None:
+            raise self._error
+        if self._then is None:
+            return
+        then, self._then = self._then, None
+        try:
+            if self._first is not None:
+                self._first.wait()
+            self._second = then()
+        except BaseException as exc:
+            self._error = exc
+            raise
 
     def wait(self) -> None:
-        if self.first is not None:
-            self.first.wait()
-            self.first, self.second = None, self.then()
-        if self.second is not None:
-            self.second.wait()
-            self.second = None
+        self.advance()
+        second, self._second = self._second, None
+        if second is not None:
+            second.wait()
 
 
 def sharded_collectives(world: Collectives, layout: ParallelLayout) -> Collectives:
@@ -97,10 +117,3 @@ def distinct_over(shards: Collectives) -> Collectives:
     """The ranks over which the sharded blocks' shards differ (a global norm sums their squares there):
     the shard group of a hybrid layout, else every rank."""
     return shards.shard if isinstance(shards, HybridCollectives) else shards
-
-
-def hybrid_bytes(nbytes: int, shard_ranks: int, groups: int) -> tuple[int, int]:
-    """(inside a group, across groups): bytes one rank sends to reduce a block of ``nbytes`` gradients
-    (the ring formulas ``Collectives.sent`` counts by)."""
-    return (ring_bytes("reduce_scatter", nbytes, shard_ranks),
-            ring_bytes("all_reduce", nbytes // shard_ranks, groups))

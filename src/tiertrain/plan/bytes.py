@@ -89,15 +89,23 @@ def updated_away(bp: BlockPlan) -> bool:
 REDUCTIONS_IN_FLIGHT = 1  # data parallel: a block's reduction runs under the next block's backward (runtime.reduction)
 
 
-def reduce_staging(full: list[int], parts: list[int], dp: int, page: int, bound: bool = True) -> int:
+def reductions_in_flight(hybrid: bool) -> int:
+    """Reductions in flight beside the one starting: one (it runs under the next block's backward), two
+    with hybrid sharding (the shard's all-reduce across the nodes, issued once the reduce-scatter inside
+    the node has landed, runs under the backward of the block after that)."""
+    return REDUCTIONS_IN_FLIGHT + (1 if hybrid else 0)
+
+
+def reduce_staging(full: list[int], parts: list[int], dp: int, page: int, bound: bool = True,
+                   in_flight: int = REDUCTIONS_IN_FLIGHT) -> int:
     """Bytes data parallel's gradient reductions take at once (``dp`` > 1) where they are staged
-    (``Plan.reduce_on``): the stage of the block whose backward runs and of each reduction in flight, each
-    a whole block's gradients in the reduce dtype (``full``), and beside a sharded one the shard it is
-    reduce-scattered into (``parts``, 0: none apart), for the largest block."""
+    (``Plan.reduce_on``): the stage of the block whose backward runs and of each reduction in flight
+    (``in_flight``), each a whole block's gradients in the reduce dtype (``full``), and beside a sharded one
+    the shard it is reduce-scattered into (``parts``, 0: none apart), for the largest block."""
     if dp == 1 or not full:
         return 0
-    return (REDUCTIONS_IN_FLIGHT + 1) * max(pages(f, page, bound) + (pages(s, page, bound) if s else 0)
-                                            for f, s in zip(full, parts))
+    return (in_flight + 1) * max(pages(f, page, bound) + (pages(s, page, bound) if s else 0)
+                                 for f, s in zip(full, parts))
 
 
 PIECE_BUFFERS = 3  # per update worker: the piece being read, the one being updated, the one being written

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from tiertrain.errors import ConfigError, UserError
 from tiertrain.plan.budgets import Budgets
-from tiertrain.plan.bytes import (F32_BYTES, MIN_PAGE, PIECE_BUFFERS, REDUCTIONS_IN_FLIGHT, disk_states, experts_plan,
+from tiertrain.plan.bytes import (F32_BYTES, MIN_PAGE, PIECE_BUFFERS, disk_states, experts_plan, reductions_in_flight,
                                   grad_tier, in_pieces, master_in_slot, pages, piece_bytes, reduce_staging,
                                   separate_param_home, sharded, state_homes, updated_away)
 from tiertrain.plan.plan import BlockPlan, Plan, Resolved, builtin_plan
@@ -196,9 +196,10 @@ def tier_bytes(sizes: "Sizes | Sequence[int]", plan: Plan, page: int, train: boo
         def apart(bp: BlockPlan) -> bool:  # else reduce-scattered straight into the fresh grad chunk
             return plan.reduce_on == "device" or plan.reduce_dtype != "fp32" or grad_tier(bp) is not Tier.HOST
         parts = [s // split if sharded(p, plan) and apart(p) else 0 for s, p in zip(staged, plans)]
-        need[Tier(plan.reduce_on)] += reduce_staging(staged, parts, dp, page, bound)
+        in_flight = reductions_in_flight(plan.parallel.hybrid)
+        need[Tier(plan.reduce_on)] += reduce_staging(staged, parts, dp, page, bound, in_flight)
         for tier, largest in _landing(state, plans, dp, chunk).items():
-            need[tier] += (REDUCTIONS_IN_FLIGHT + 1) * largest
+            need[tier] += (in_flight + 1) * largest
     if grads == "transient":
         for tier, nbytes in bounded_grads(sizes, plan, page, bound).items():
             need[tier] += nbytes

@@ -34,9 +34,12 @@ class ParallelLayout:
             raise ConfigError(f"expert parallel ep={self.ep} does not divide the {self.dp} data-parallel ranks; "
                               f"choose ep among {_divisors(self.dp)}")
         if self.shard_group and (self.shard_group < 2 or self.dp % self.shard_group):
+            groups = [k for k in range(2, self.dp) if self.dp % k == 0]
+            fix = (f"choose --shard-group among {', '.join(map(str, groups))} (the GPUs of one node)" if groups else
+                   f"{self.dp} ranks make no groups of two or more that are not all of them")
             raise ConfigError(f"hybrid sharding over groups of {self.shard_group} ranks does not divide the {self.dp} "
-                              f"data-parallel ranks into groups of two or more; choose --shard-group among "
-                              f"{_divisors(self.dp, 2)} (the GPUs of one node), or leave it out to shard over all")
+                              f"data-parallel ranks into groups of two or more; {fix}, or leave it out "
+                              "(--shard-group 0) to shard over every rank")
         if self.shard_group == self.dp:
             object.__setattr__(self, "shard_group", 0)  # one group of every rank: flat sharding, one way to say it
         if self.hybrid and self.ep > 1:
@@ -62,5 +65,5 @@ class ParallelLayout:
             {"shard_group": self.shard_group} if self.hybrid else {})
 
 
-def _divisors(n: int, least: int = 1) -> str:
-    return ", ".join(str(k) for k in range(least, n + 1) if n % k == 0)
+def _divisors(n: int) -> str:
+    return ", ".join(str(k) for k in range(1, n + 1) if n % k == 0)

@@ -15,7 +15,7 @@ import itertools
 from dataclasses import dataclass
 
 from tiertrain.plan import Plan
-from tiertrain.plan.bytes import pages, reduce_staging
+from tiertrain.plan.bytes import pages, reduce_staging, reductions_in_flight
 from tiertrain.plan.fit import alive_grad_bytes, piece_buffer_bytes
 from tiertrain.planner.network import Network
 from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
@@ -137,7 +137,8 @@ def fixed_device_bytes(p: Profile, window: int, any_stream: bool) -> int:
     pieced = _grads_of(p, [*p.blocks, p.rest]) if p.piece else 0  # any block may go to disk: counted as if all do
     every = [*p.blocks, p.rest]
     parts = [own_numel(p, b) * GRAD_BYTES if p.network.shard else 0 for b in every]
-    staged = reduce_staging([b.params * GRAD_BYTES for b in every], parts, p.network.dp, p.page)
+    staged = reduce_staging([b.params * GRAD_BYTES for b in every], parts, p.network.dp, p.page,
+                            in_flight=reductions_in_flight(p.network.hybrid))
     return (pages(p.rest.params * p.compute_bytes, p.page) + (window * biggest if any_stream else 0) + working
             + pieced + staged)
 

@@ -28,12 +28,15 @@ if TYPE_CHECKING:
 
 class BackwardPass:
     def __init__(self, groups: list["BlockGroup"], clock: StepClock, mode: "UpdateMode", mem: MemorySystem,
-                 bounded: bool, update_workers: int, tied_early: bool, late: set[int] | None = None) -> None:
+                 bounded: bool, update_workers: int, tied_early: bool, late: set[int] | None = None,
+                 in_flight: int = REDUCTIONS_IN_FLIGHT) -> None:
         """``bounded``: backward waits for updates to free gradient chunks, keeping ``update_workers + 1``
         alive per tier; ``tied_early``: the rest's chunk, which a tied weight's other uses fill through
         backward, has a place of its own there (``Runtime._tied_grads_early``); ``late``: the blocks an
-        earlier plan's backwards saw flush only as backward ended."""
+        earlier plan's backwards saw flush only as backward ended; ``in_flight``: reductions kept in
+        flight beside the one starting (``plan.bytes.reductions_in_flight``, what the budget counts)."""
         self._groups, self._clock, self._mode, self._mem = groups, clock, mode, mem
+        self._in_flight = in_flight
         self._bounded, self._workers, self.tied_early = bounded, update_workers, tied_early
         self.running = False                    # a backward runs now
         self.late_flushes = late                # blocks a backward did not flush as they came (None: none ran yet)
@@ -55,9 +58,12 @@ class BackwardPass:
         self._flushed_early.add(g.index)
 
     def reduction_started(self, g: "BlockGroup") -> None:
-        """``g``'s reduction is in flight: the one before it lands now."""
+        """``g``'s reduction is in flight: the ones before it take their next collective (hybrid sharding's
+        all-reduce across nodes), and the oldest lands where more than ``in_flight`` are under way."""
+        for older in self._reducing:
+            older.advance_reduction()
         self._reducing.append(g)
-        while len(self._reducing) > REDUCTIONS_IN_FLIGHT:
+        while len(self._reducing) > self._in_flight:
             self._finish_reduction()
 
     def _finish_reduction(self) -> None:

@@ -44,6 +44,7 @@ from tiertrain.memory.heap import release_free_heap
 from tiertrain.memory.movement import Handle
 from tiertrain.optim import AdamWHyper, adamw_step
 from tiertrain.parallel.collectives import Waitable
+from tiertrain.parallel.hybrid import Chained
 from tiertrain.plan import BlockPlan
 from tiertrain.plan.bytes import grad_tier, in_pieces, master_home, state_homes, updated_away
 from tiertrain.runtime.blocks import Block
@@ -271,6 +272,7 @@ class BlockGroup:
         out = dst.typed(self._compute)[: self._layout.numel]
         n = self._layout.shard_numel
         src = out[self._shard[0] : self._shard[0] + n]
+        self._mem.landed(self._param_home)  # a master on its way to the host (a shared block's): read it there
 
         if self._param_home.tier is Tier.DISK:  # an fp32 master on disk
             pending = ReadThenGather(self._mem.read_into_async(self._param_home, src.view(torch.uint8)),
@@ -445,6 +447,14 @@ class BlockGroup:
         else:
             out = staged[1].typed(rd)[: self.state_numel]
             r.works += [side.reduce_scatter(out, full, async_op=True), Copy(mine, out)]  # the shard alone crosses
+
+    def advance_reduction(self) -> None:
+        """Start the next collective of the reduction in flight where it has one (hybrid sharding: the
+        shard's all-reduce across the nodes once the reduce-scatter inside has landed), not waiting for it."""
+        r = self._reduction
+        for w in r.works if r is not None else ():
+            if isinstance(w, Chained):
+                w.advance()
 
     def abandon_reduction(self) -> None:
         """A reduction left in flight by a backward that raised: let it land (or fail: a lost rank is

@@ -7,8 +7,9 @@ far slower than its gather over NVLink). The read now runs on the memory system'
 the moment the device cache prefetches the block; the gather is issued on the step's thread at the
 cache's next access (``issue``) or when the slot is needed (``wait``), points every rank reaches in
 the same order, never at the moment the read happens to land: so the ranks' collectives stay in one
-order. With prefetch depth 1 the gather then runs just before its block computes (the read was what
-took long); depth 2 overlaps both (``Plan.prefetch``). A resident sharded block's gather started ahead
+order. The read so has one block's compute to hide under, and the gather runs as its block is about to
+compute (the read was what took long: a shard from NVMe against a gather over NVLink); the simulator
+still hides both (``planner.simulator._fetch``). A resident sharded block's gather started ahead
 (``BlockGroup.gather_ahead``) reads so too, its gather issued when the block needs its slot.
 """
 
@@ -24,17 +25,22 @@ class ReadThenGather:
     def __init__(self, read: Handle, gather: Callable[[], Waitable | None]) -> None:
         self._read, self._gather = read, gather
         self._work: Waitable | None = None
-
-    @property
-    def issued(self) -> bool:
-        return self._gather is None
+        self._error: BaseException | None = None
 
     def issue(self) -> None:
-        """Wait for the shard's read, then start the gather (once)."""
+        """Wait for the shard's read, then start the gather (once). A read that failed (a short read, a bad
+        page) raises here, before this rank joins the gather, and again at every later call: the slot it
+        was to fill holds no block."""
+        if self._error is not None:
+            raise self._error
         if self._gather is None:
             return
+        try:
+            self._read.wait()
+        except BaseException as exc:
+            self._error, self._gather = exc, None
+            raise
         gather, self._gather = self._gather, None
-        self._read.wait()  # a short read or a bad page raises here, before this rank joins the gather
         self._work = gather()
 
     def wait(self) -> None:

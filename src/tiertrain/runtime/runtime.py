@@ -23,7 +23,7 @@ from tiertrain.parallel.experts import apply_expert_parallel
 from tiertrain.parallel.hybrid import distinct_over, sharded_collectives
 from tiertrain.parallel.placement import checked
 from tiertrain.plan import Plan, RunOptions
-from tiertrain.plan.bytes import grad_tier, updated_away
+from tiertrain.plan.bytes import grad_tier, reductions_in_flight, updated_away
 from tiertrain.plan.fit import has_own_place
 from tiertrain.runtime.backward import BackwardPass
 from tiertrain.runtime.block_group import F32, BlockGroup
@@ -107,7 +107,8 @@ class Runtime:
                                                      plan))
         late = self.backward.late_flushes if self.backward is not None else None
         ctx.backward = self.backward = BackwardPass(groups, self.clock, self.mode, self.mem, self.bounded_grads,
-                                                    plan.update_workers, self._tied_grads_early(), late)
+                                                    plan.update_workers, self._tied_grads_early(), late,
+                                                    reductions_in_flight(plan.parallel.hybrid))
         ctx.ahead = self.reads = ReadAhead(groups, plan, self.clock, self.mode, ctx.moves, self.backward,
                                            self._token_dependent())
         self._handles = []

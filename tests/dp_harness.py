@@ -231,11 +231,26 @@ def reduction_events(rank: int, plan) -> list[tuple[str, int]]:
     from tiertrain.runtime.block_group import BlockGroup
     from tiertrain.runtime.group_state import Grads
 
+    from tiertrain.parallel.hybrid import Chained
+
     events: list[tuple[str, int]] = []
-    flush, finish, advance = BlockGroup.post_backward, BlockGroup.finish_reduction, BlockGroup.advance_reduction
+    flush, finish, reduce = BlockGroup.post_backward, BlockGroup.finish_reduction, BlockGroup._reduce_over_ranks
     BlockGroup.post_backward = lambda self: (events.append(("flush", self.index)), flush(self))[1]
-    BlockGroup.advance_reduction = lambda self: (  # its first call issues the all-reduce across groups
-        events.append(("across", self.index)) if hasattr(self.comm, "replicas") else None, advance(self))[1]
+    making: list[int] = []  # the block whose reduction is being started
+
+    def reduce_of(self, *args):
+        making.append(self.index)
+        try:
+            return reduce(self, *args)
+        finally:
+            making.pop()
+    BlockGroup._reduce_over_ranks = reduce_of
+    chained = Chained.__init__
+
+    def issued_when_called(self, first, then):  # the collective across groups, recorded when really issued
+        block = making[-1]
+        chained(self, first, lambda: (events.append(("across", block)), then())[1])
+    Chained.__init__ = issued_when_called
     BlockGroup.finish_reduction = lambda self: (
         events.append(("landed", self.index)) if self.state[1] is Grads.REDUCING else None, finish(self))[1]
     model, opt = _fresh()

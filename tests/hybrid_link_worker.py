@@ -7,6 +7,7 @@ barrier. Writes rank{R}.json into the directory given."""
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -14,7 +15,7 @@ import torch.distributed as dist
 
 from dp_harness import WIDE, rank_disk
 
-STEPS = 4
+STEPS = int(os.environ.get("HYBRID_LINK_STEPS", "4"))
 
 
 def _counters(iface: str) -> int:
@@ -37,18 +38,20 @@ def _run(layout: str, rank: int, out: Path) -> dict:
     tm, topt = tiertrain.setup(model, opt, Budgets(64 << 20, 64 << 20, 64 << 20, rank_disk(out / layout, rank)),
                                plan=plan, page_size=64 << 10)
     rt = tm.runtime
-    row = {"wire": [], "across": [], "losses": []}
+    row = {"wire": [], "across": [], "losses": [], "seconds": []}
     groups = rt.shards.replicas if layout == "hybrid" else None
     try:
         for step in range(STEPS):
             batch = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(100 * step + rank))
             dist.barrier()
             wire, sent = _counters(os.environ["GLOO_SOCKET_IFNAME"]), groups.sent if groups else 0
+            start = time.perf_counter()
             loss = lm_loss(tm, batch[:, :-1], batch[:, 1:])
             loss.backward()
             topt.step()
             topt.zero_grad()
             dist.barrier()
+            row["seconds"].append(time.perf_counter() - start)
             row["wire"].append(_counters(os.environ["GLOO_SOCKET_IFNAME"]) - wire)
             row["across"].append((groups.sent if groups else 0) - sent)
             row["losses"].append(loss.item())

@@ -226,16 +226,16 @@ def reduction_events(rank: int, plan) -> list[tuple[str, int]]:
     gradients were handed to the reduction and when its reduction was waited for; with hybrid sharding
     also ("across", block): when its shard's all-reduce across the groups was issued."""
     import tiertrain
-    from tiertrain.train.objective import lm_loss
     from tiertrain.memory import Budgets
+    from tiertrain.parallel.hybrid import HybridCollectives
     from tiertrain.runtime.block_group import BlockGroup
     from tiertrain.runtime.group_state import Grads
-
-    from tiertrain.parallel.hybrid import Chained
+    from tiertrain.train.objective import lm_loss
 
     events: list[tuple[str, int]] = []
-    flush, finish, reduce = BlockGroup.post_backward, BlockGroup.finish_reduction, BlockGroup._reduce_over_ranks
-    BlockGroup.post_backward = lambda self: (events.append(("flush", self.index)), flush(self))[1]
+    real = (BlockGroup.post_backward, BlockGroup.finish_reduction, BlockGroup._reduce_over_ranks,
+            HybridCollectives.reduce_scatter)
+    flush, finish, reduce, scatter = real
     making: list[int] = []  # the block whose reduction is being started
 
     def reduce_of(self, *args):
@@ -244,15 +244,17 @@ def reduction_events(rank: int, plan) -> list[tuple[str, int]]:
             return reduce(self, *args)
         finally:
             making.pop()
-    BlockGroup._reduce_over_ranks = reduce_of
-    chained = Chained.__init__
 
-    def issued_when_called(self, first, then):  # the collective across groups, recorded when really issued
-        block = making[-1]
-        chained(self, first, lambda: (events.append(("across", block)), then())[1])
-    Chained.__init__ = issued_when_called
+    def scattered(self, out, full, async_op=False):  # the gradients' all-reduce across, recorded when issued
+        chain = scatter(self, out, full, async_op)
+        if chain is not None:
+            block, then = making[-1], chain._then
+            chain._then = lambda: (events.append(("across", block)), then())[1]
+        return chain
+    BlockGroup.post_backward = lambda self: (events.append(("flush", self.index)), flush(self))[1]
     BlockGroup.finish_reduction = lambda self: (
         events.append(("landed", self.index)) if self.state[1] is Grads.REDUCING else None, finish(self))[1]
+    BlockGroup._reduce_over_ranks, HybridCollectives.reduce_scatter = reduce_of, scattered
     model, opt = _fresh()
     tm, topt = tiertrain.setup(model, opt, Budgets(64 << 20, 64 << 20), plan=plan, page_size=64 << 10)
     try:
@@ -263,6 +265,8 @@ def reduction_events(rank: int, plan) -> list[tuple[str, int]]:
     finally:
         tm.runtime.close()
         tm.runtime.mem.close()
+        (BlockGroup.post_backward, BlockGroup.finish_reduction, BlockGroup._reduce_over_ranks,
+         HybridCollectives.reduce_scatter) = real
 
 
 def gather_events(rank: int, plan) -> list[tuple[str, int]]:

@@ -4,8 +4,9 @@ A group flushes itself when its last gradient arrives (``BlockGroup.grad_arrived
 groups lives here. Its first gradient queues ``_done`` for when autograd's backward ends, which
 flushes the groups that did not flush as they came (parameters that got no gradient, an idle
 expert; groups reduced at the end) and lands every reduction. Over several ranks one reduction stays
-in flight while the next block computes, and the one before it is finished when the next starts
-(``runtime.reduction``). Where the host cannot hold every block's gradients (bounded gradients),
+in flight while the next block computes (two with hybrid sharding: a shard's all-reduce across the
+nodes, started as the next reduction starts, runs under the block after), and the oldest is finished
+when a new one would pass that count (``runtime.reduction``). Where the host cannot hold every block's gradients (bounded gradients),
 a flush waits here for an update in flight to free a chunk.
 """
 

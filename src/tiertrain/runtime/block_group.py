@@ -365,7 +365,7 @@ class BlockGroup:
         if self._ctx.mode.takes_grads_any_time:
             return False
         if self._reduces_at_end and self._mean_over > 1:  # a stage held from its first gradient to backward's
-            return False                                  # end, beside the two the budget counts: not taken early
+            return False                                  # end, beside those the budget counts: not taken early
         return self._block.name != "rest" or self._ctx.backward.tied_early
 
     def _take_grad(self, i: int) -> None:

@@ -2,8 +2,8 @@
 
 The reduction of a block's gradients of a micro-batch (from its stage: ``BlockGroup``) is started
 when its backward ends and finished (waited for, added to the grad chunk) when the next block's
-backward ends, or when backward ends: the runtime keeps one in flight, so the network carries it
-while the next block computes instead of the loop waiting for it (``Runtime._flush``). The
+backward ends (with hybrid sharding the one after: ``plan.bytes.reductions_in_flight``), or when
+backward ends: the network carries it while the next block computes instead of the loop waiting for it. The
 collectives are the same calls, on the same buffers, in the same order on every rank: the sums are
 those a blocking reduction gives, bit for bit.
 """

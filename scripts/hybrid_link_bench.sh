@@ -10,26 +10,13 @@ RATE=${1:-1gbit}
 STEPS=${2:-8}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PY:-$ROOT/.venv/bin/python}
-NS0=tt-hl0-$$ NS1=tt-hl1-$$ OUT=$(mktemp -d)
-cleanup() {
-    for ns in "$NS0" "$NS1"; do
-        for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -9 "$pid" 2>/dev/null || true; done
-        ip netns del "$ns" 2>/dev/null || true
-    done
-    rm -rf "$OUT"
-}
-trap cleanup EXIT
-ip netns add "$NS0"; ip netns add "$NS1"
-ip link add th0-$$ type veth peer name th1-$$
-ip link set th0-$$ netns "$NS0"; ip link set th1-$$ netns "$NS1"
-ip -n "$NS0" addr add 10.79.0.1/24 dev th0-$$; ip -n "$NS1" addr add 10.79.0.2/24 dev th1-$$
-for ns in "$NS0" "$NS1"; do ip -n "$ns" link set lo up; done
-ip -n "$NS0" link set th0-$$ up; ip -n "$NS1" link set th1-$$ up
-tc -n "$NS0" qdisc add dev th0-$$ root tbf rate "$RATE" burst 256kb latency 50ms
-tc -n "$NS1" qdisc add dev th1-$$ root tbf rate "$RATE" burst 256kb latency 50ms
+OUT=$(mktemp -d)
+source "$ROOT/scripts/two_nodes.sh"
+two_nodes "$RATE" 10.79.0
+trap 'remove_two_nodes; rm -rf "$OUT"' EXIT
 pids=()
 for rank in 0 1 2 3; do
-    if [ $rank -lt 2 ]; then ns=$NS0 dev=th0-$$; else ns=$NS1 dev=th1-$$; fi
+    if [ $rank -lt 2 ]; then ns=$NS0 dev=$DEV0; else ns=$NS1 dev=$DEV1; fi
     ip netns exec "$ns" env RANK=$rank WORLD_SIZE=4 MASTER_ADDR=10.79.0.1 MASTER_PORT=29611 \
         GLOO_SOCKET_IFNAME=$dev OMP_NUM_THREADS=1 HYBRID_LINK_STEPS=$STEPS PYTHONPATH="$ROOT/tests" \
         "$PY" "$ROOT/tests/hybrid_link_worker.py" "$OUT" > "$OUT/log$rank" 2>&1 &

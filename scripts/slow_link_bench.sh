@@ -9,22 +9,8 @@ RATE=${1:-1gbit}
 LAYOUTS=${2:-"ddp zero2 zero3"}
 PY=${PY:-$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/python}
 CONFIG=${CONFIG:-'{"steps": 5, "threads": 1}'}
-NS0=tt-node0-$$ NS1=tt-node1-$$
-cleanup() {
-    for ns in "$NS0" "$NS1"; do
-        for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -9 "$pid" 2>/dev/null || true; done
-        ip netns del "$ns" 2>/dev/null || true
-    done
-}
-trap cleanup EXIT
-ip netns add "$NS0"; ip netns add "$NS1"
-ip link add tt0-$$ type veth peer name tt1-$$
-ip link set tt0-$$ netns "$NS0"; ip link set tt1-$$ netns "$NS1"
-ip -n "$NS0" addr add 10.77.0.1/24 dev tt0-$$; ip -n "$NS1" addr add 10.77.0.2/24 dev tt1-$$
-for ns in "$NS0" "$NS1"; do ip -n "$ns" link set lo up; done
-ip -n "$NS0" link set tt0-$$ up; ip -n "$NS1" link set tt1-$$ up
-tc -n "$NS0" qdisc add dev tt0-$$ root tbf rate "$RATE" burst 256kb latency 50ms
-tc -n "$NS1" qdisc add dev tt1-$$ root tbf rate "$RATE" burst 256kb latency 50ms
+source "$(dirname "$0")/two_nodes.sh"
+two_nodes "$RATE" 10.77.0
 node() {  # node RANK NS IFACE LAYOUT
     ip netns exec "$2" env GLOO_SOCKET_IFNAME="$3" OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 \
         "$PY" -m torch.distributed.run --nnodes 2 --node-rank "$1" --nproc-per-node 1 \
@@ -33,8 +19,8 @@ node() {  # node RANK NS IFACE LAYOUT
 }
 RUNS=$(mktemp)
 for layout in $LAYOUTS; do
-    node 1 "$NS1" tt1-$$ "$layout" > /dev/null 2>&1 &
-    node 0 "$NS0" tt0-$$ "$layout" 2>/dev/null | sed -n "s/^tiertrain-bench-parallel /$layout 2 /p" >> "$RUNS"
+    node 1 "$NS1" "$DEV1" "$layout" > /dev/null 2>&1 &
+    node 0 "$NS0" "$DEV0" "$layout" 2>/dev/null | sed -n "s/^tiertrain-bench-parallel /$layout 2 /p" >> "$RUNS"
     wait
     ip netns exec "$NS0" env OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 \
         -m tiertrain.bench.parallel --worker --layout "$layout" --config "$CONFIG" 2>/dev/null \

@@ -254,7 +254,7 @@ def test_a_ranks_held_experts_are_counted_whole_and_reduced_over_their_replicas_
     p = with_experts(_profile(4, network=dataclasses.replace(Network.from_link(4, RATE, "test"), ep=2)), sizes)
     b = p.blocks[0]
     assert b.experts == EXPERTS // 2 and b.shared == PARAMS - EXPERTS
-    assert own_numel(p, b) == -(-b.shared // 4) + b.experts and p.sizes() == sizes
+    assert own_numel(p.network, b) == -(-b.shared // 4) + b.experts and p.sizes() == sizes
     plan = data_parallel(builtin_plan("resident", N_BLOCKS), 4, ep=2)
     shared, held = 4 * (N_BLOCKS * b.shared + REST), 4 * N_BLOCKS * b.experts
     want = 0.75 * shared + 0.75 * shared + 2 * 0.5 * held  # RS + gather of the rest over 4; AR of experts over 2

@@ -42,18 +42,22 @@ class HybridCollectives:
         """The shard group's reduce-scatter, then (once it has landed) the replicas' all-reduce of ``out``:
         issued from the waiting thread, which every rank reaches in the same order."""
         first = self.shard.reduce_scatter(out, full, async_op)
-        if not async_op:
-            self.replicas.all_reduce(out)
-            return None
-        return Chained(first, lambda: self.replicas.all_reduce(out, async_op=True))
+        return self._then_across(first, async_op, lambda a: self.replicas.all_reduce(out, async_op=a))
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum", async_op: bool = False) -> Waitable | None:
         """Over every rank of the mesh: inside the group, then across."""
         first = self.shard.all_reduce(t, op, async_op)
+        return self._then_across(first, async_op, lambda a: self.replicas.all_reduce(t, op, async_op=a))
+
+    @staticmethod
+    def _then_across(first: Waitable | None, async_op: bool,
+                     across: Callable[[bool], Waitable | None]) -> Waitable | None:
+        """``first`` (inside the group; done unless ``async_op``), then ``across(async_op)`` over the replicas:
+        at once, or chained for the runtime to start (``Chained.advance``)."""
         if not async_op:
-            self.replicas.all_reduce(t, op)
+            across(False)
             return None
-        return Chained(first, lambda: self.replicas.all_reduce(t, op, async_op=True))
+        return Chained(first, lambda: across(True))
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None = None,
                    in_splits: list[int] | None = None) -> None:

@@ -64,9 +64,9 @@ def device_bytes(p: Profile, b: BlockProfile, c: Choice) -> int:
     return own + states + acts
 
 
-def own_numel(p: Profile, b: BlockProfile) -> int:
+def own_numel(net: Network, b: BlockProfile) -> int:
     """Elements of a block's states one rank holds: its share of the block, and the experts it holds."""
-    return p.network.per_rank(b.shared) + b.experts
+    return net.per_rank(b.shared) + b.experts
 
 
 def optimizer_s(numel: int, m: MachineProfile, disk_home: bool) -> float:
@@ -102,7 +102,7 @@ def block_seconds(b: BlockProfile, c: Choice, m: MachineProfile, compute_bytes: 
     all-gather (prefetched, as a fetch is); the gradients' reduction runs under the next block's
     backward (one in flight, as the runtime keeps); a resident sharded block's update ends with an all-gather of its
     new params; each rank updates its own share."""
-    numel = net.per_rank(b.shared) + b.experts
+    numel = own_numel(net, b)
     gather = net.gather_s(b.shared * compute_bytes) if net.shard else 0.0
     fetch = net.per_rank(b.shared) * compute_bytes / m.h2d_bps + gather if c.stream else 0.0
     saved = saved_bytes(b, c)
@@ -136,7 +136,7 @@ def fixed_device_bytes(p: Profile, window: int, any_stream: bool) -> int:
     working = working_bytes(p) + p.rest.act_bytes
     pieced = _grads_of(p, [*p.blocks, p.rest]) if p.piece else 0  # any block may go to disk: counted as if all do
     every = [*p.blocks, p.rest]
-    parts = [own_numel(p, b) * GRAD_BYTES if p.network.shard else 0 for b in every]
+    parts = [own_numel(p.network, b) * GRAD_BYTES if p.network.shard else 0 for b in every]
     staged = reduce_staging([b.params * GRAD_BYTES for b in every], parts, p.network.dp, p.page,
                             in_flight=reductions_in_flight(p.network.hybrid))
     return (pages(p.rest.params * p.compute_bytes, p.page) + (window * biggest if any_stream else 0) + working
@@ -171,18 +171,18 @@ def switch_host_bytes(p: Profile, b: BlockProfile, c: Choice) -> int:
     """Host bytes a block's switches add (its stash, its params' host copy); states are placed later."""
     stash = saved_bytes(b, c) if c.offload_hidden else 0
     home = (c.stream or p.network.parallel and p.network.shard) and p.compute_bytes != 4
-    return stash + (pages(own_numel(p, b) * p.compute_bytes, p.page) if home else 0)
+    return stash + (pages(own_numel(p.network, b) * p.compute_bytes, p.page) if home else 0)
 
 
 def _states(p: Profile, b: BlockProfile) -> int:
     """A rank's master and moments of the block (its share where they are sharded)."""
-    return 3 * pages(own_numel(p, b) * GRAD_BYTES, p.page)
+    return 3 * pages(own_numel(p.network, b) * GRAD_BYTES, p.page)
 
 
 def _grads(p: Profile, b: BlockProfile) -> int:
     """A rank's gradient chunks of the block (its part: over several ranks each micro-batch's are
     reduced on the device first, ``reduce_staging``)."""
-    return p.grad_copies * pages(own_numel(p, b) * GRAD_BYTES, p.page)
+    return p.grad_copies * pages(own_numel(p.network, b) * GRAD_BYTES, p.page)
 
 
 def base_host_bytes(p: Profile, disk_budget: int) -> int:
@@ -210,7 +210,7 @@ def host_bytes(p: Profile, choices: tuple[Choice, ...], disk_home: tuple[bool, .
             total += _states(p, b)
         total += switch_host_bytes(p, b, c)
         if disk and c.stream and p.master_moves and p.compute_bytes == 4:  # ``plan.bytes.separate_param_home``
-            total += pages(own_numel(p, b) * p.compute_bytes, p.page)
+            total += pages(own_numel(p.network, b) * p.compute_bytes, p.page)
     disk_blocks = [b for b, d in zip(p.blocks, disk_home) if d] + ([p.rest] if rest_disk else [])
     if p.piece:  # a few pieces per worker, not whole blocks' states
         return total + _staging(p, disk_blocks)
@@ -220,7 +220,7 @@ def host_bytes(p: Profile, choices: tuple[Choice, ...], disk_home: tuple[bool, .
 
 def _staging(p: Profile, blocks: list[BlockProfile]) -> int:
     """Host bytes of the piecewise updates' buffers (``plan.bytes.staging_bytes``' rule)."""
-    largest = max((min(p.piece, own_numel(p, b) * GRAD_BYTES) for b in blocks), default=0)
+    largest = max((min(p.piece, own_numel(p.network, b) * GRAD_BYTES) for b in blocks), default=0)
     return piece_buffer_bytes(largest, p.update_workers, p.page)
 
 
@@ -233,7 +233,7 @@ def _grads_of(p: Profile, blocks: list[BlockProfile]) -> int:
         return sum(_grads(p, b) for b in blocks)
     if not blocks:
         return 0
-    own = [own_numel(p, b) * GRAD_BYTES for b in blocks]
+    own = [own_numel(p.network, b) * GRAD_BYTES for b in blocks]
     return alive_grad_bytes(own, p.update_workers, p.network.dp, p.page)
 
 

@@ -103,14 +103,14 @@ def per_micro_losses(rank: int, accum: int) -> list[float]:
 
 
 def tiered_losses(rank: int, plan, update: str, accum: int, clip: float | None, disk: Path,
-                  reduce_dtype: str | None = None) -> tuple[list[float], int]:
+                  reduce_dtype: str | None = None, reduce_every: str | None = None) -> tuple[list[float], int]:
     import tiertrain
     from tiertrain.memory import Budgets, Tier
 
     model, opt = _fresh()
     budgets = Budgets(64 << 20, 64 << 20, 64 << 20, rank_disk(disk, rank))
     tm, topt = tiertrain.setup(model, opt, budgets, plan=plan, update=update, grad_accum=accum, max_grad_norm=clip,
-                               page_size=64 << 10, reduce_dtype=reduce_dtype)
+                               page_size=64 << 10, reduce_dtype=reduce_dtype, reduce_every=reduce_every)
     try:  # over several ranks too the device pool maps what the plan counts (a count short of what the run
         # allocates fails the run: "the plan's count is short, a bug in tiertrain")
         assert tm.runtime.mem.pool(Tier.DEVICE).capacity == tm.runtime.plan.resolved.device < budgets.device
@@ -123,7 +123,7 @@ def tiered_losses(rank: int, plan, update: str, accum: int, clip: float | None, 
         tm.runtime.mem.close()
 
 
-def pool_peaks(rank: int, plan, disk: Path, accum: int = 2) -> dict[str, int]:
+def pool_peaks(rank: int, plan, disk: Path, accum: int = 2, reduce_every: str | None = None) -> dict[str, int]:
     """What this rank's pools held at most over a run with accumulation (the memory layer's own count,
     not the planner's): host bytes of gradients and of each state, disk bytes; and the largest part of a
     block a rank's grad chunk holds, and how many groups there are (the bounds' padding)."""
@@ -132,14 +132,16 @@ def pool_peaks(rank: int, plan, disk: Path, accum: int = 2) -> dict[str, int]:
 
     model, opt = _fresh()
     tm, topt = tiertrain.setup(model, opt, Budgets(64 << 20, 64 << 20, 64 << 20, rank_disk(disk, rank)), plan=plan,
-                               update="sync", grad_accum=accum, page_size=64 << 10)
+                               update="sync", grad_accum=accum, page_size=64 << 10, reduce_every=reduce_every)
     try:
         _loop(tm, topt, rank, accum, None, None)
         acc, groups = tm.runtime.mem.accounting, tm.runtime.groups
         peaks = {k.value: acc.peak(Tier.HOST, k) for k in (Kind.GRAD, Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)}
         return peaks | {"disk": acc.peak(Tier.DISK), "largest": max(g.state_numel for g in groups) * 4,
                         "groups": len(groups), "reducing": acc.peak(Tier.DEVICE, Kind.REDUCE),
-                        "stage": max((g.layout.numel + (g.state_numel if g.shard else 0)) * 4 for g in groups)}
+                        "stage": max((g.layout.numel + (g.state_numel if g.shard else 0)) * 4 for g in groups),
+                        "stages": sum(g.layout.numel * 4 for g in groups),
+                        "part": max((g.state_numel if g.shard else 0) * 4 for g in groups)}
     finally:
         tm.runtime.close()
         tm.runtime.mem.close()

@@ -86,7 +86,34 @@ def dp2(tmp_path_factory, one_process):
                                                 disk=tmp / f"bf16-{name}", reduce_dtype="bf16"))
              for name, plan in (("ddp-like", data_parallel(PLANS["resident"], 2, shard=False)),
                                 ("zero3-like", PLANS["stream"]))]
+    jobs += [(("once a step", name, update), functools.partial(
+        tiered_losses, plan=PLANS[name], update=update, accum=2, clip=None, disk=tmp / f"once-{name}{update}",
+        reduce_every="step")) for name, update in (("resident", "sync"), ("stream", "overlap"), ("disk", "sync"))]
+    jobs += [(("once a step peaks",), functools.partial(pool_peaks, plan=PEAK_PLANS["zero-3"], disk=tmp / "once-peaks",
+                                                       reduce_every="step"))]
     return run_ranks(2, tmp, jobs)
+
+
+@pytest.mark.parametrize("case", [("resident", "sync"), ("stream", "overlap"), ("disk", "sync")])
+def test_gradients_reduced_once_a_step_equal_ddps_no_sync_bitwise(dp2, case):
+    """``reduce_every="step"`` (a pipeline's DP.sync): each rank sums its micro-batches in its stage and the
+    blocks are reduced at the last one, DDP's ``no_sync`` order, bit for bit, sending less than a reduction
+    every micro-batch; every block's stage held through the step fits the budget the plan was resolved for
+    (a count short of it fails the run)."""
+    for rank in (0, 1):
+        losses, sent = dp2[(("once a step", *case), rank)]
+        assert losses == dp2[(("ddp", 2, None), rank)]
+        assert sent < dp2[((case[0], case[1], 2, None), rank)][1]
+
+
+def test_gradients_reduced_once_a_step_hold_every_blocks_stage_through_the_step(dp2):
+    """Each block's stage lives from its first micro-batch to its reduction at the last: the device pool
+    holds every block's at once (a reduction every micro-batch holds at most two), and the parts being
+    reduced beside them, as ``plan.bytes.reduce_staging`` counts for ``reduce_every="step"``."""
+    for rank in (0, 1):
+        got = dp2[(("once a step peaks",), rank)]
+        assert got["stages"] > 2 * got["stage"]  # more than a reduction every micro-batch would hold
+        assert got["stages"] <= got["reducing"] <= got["stages"] + 2 * got["part"], got
 
 
 @pytest.mark.parametrize("plan", ["resident", "stream"])

@@ -277,3 +277,20 @@ def test_plan_with_ep_plans_each_rank_with_the_experts_it_holds_and_refuses_what
     dense = ["plan", "--model", "gpt-small", "--batch", "2", "--seq", "32", "--machine", "h100-sxm-80gb"]
     assert main([*dense, "--nproc", "2", "--ep", "2", "--out", str(out)]) == 2
     assert "no mixture-of-experts layer" in capsys.readouterr().err
+
+
+def test_gradients_reduced_once_a_step_are_counted_as_every_blocks_stage_held_at_once():
+    """``reduce_every="step"`` holds each block's stage (its whole gradients in the reduce dtype) from its
+    first micro-batch to its reduction: where the stages live, the budget counts every block's, not the
+    two of a reduction every micro-batch (the parts reduce-scattered beside them stay two)."""
+    from tiertrain.plan.bytes import pages
+
+    page, dp = 64 << 10, 2
+    numels = [PARAMS] * N_BLOCKS + [REST]
+    every = data_parallel(builtin_plan("stream", N_BLOCKS), dp)
+    once = dataclasses.replace(every, reduce_every="step")
+    stages = [pages(n * 4, page) for n in numels]  # whole blocks in fp32, padded to pages
+    added = tier_bytes(numels, once, page)[Tier.DEVICE] - tier_bytes(numels, every, page)[Tier.DEVICE]
+    parts = max(pages(n * 4 // dp, page) for n in numels)
+    assert added == sum(stages) - 2 * (max(stages) + parts) + 2 * parts
+    assert tier_bytes(numels, once, page)[Tier.HOST] == tier_bytes(numels, every, page)[Tier.HOST]

@@ -38,7 +38,7 @@ from tiertrain.memory.capacity import check_budgets
 from tiertrain.memory.heap import release_free_heap
 from tiertrain.memory.system import compute_device
 from tiertrain.optim.hparams import KEYS
-from tiertrain.parallel import world_from_env
+from tiertrain.parallel import Collectives, world_from_env
 from tiertrain.parallel.experts import expert_layers_for
 from tiertrain.plan import (DEFAULT_MAX_STALENESS, ParallelLayout, Plan, RunOptions, check_update_mode, data_parallel,
                             load_plan)
@@ -73,7 +73,8 @@ def _groups_from(optimizer: torch.optim.Optimizer, model: nn.Module) -> tuple[li
 
 def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, memory: Budgets | None = None,
           plan: "str | Plan" = "auto", options: RunOptions | None = None, *,
-          profile_step: Callable[[], None] | None = None, **fields: Any) -> tuple[nn.Module, TieredOptimizer | None]:
+          profile_step: Callable[[], None] | None = None, collectives: Collectives | None = None,
+          **fields: Any) -> tuple[nn.Module, TieredOptimizer | None]:
     """Place ``model``'s training state in the tiers ``memory`` allows, as ``plan`` says; return the
     model itself (changed in place) and the optimizer the loop steps.
 
@@ -92,6 +93,8 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, memo
     ``init_states=False`` (resuming: a checkpoint is loaded right after) allocates the states where
     they live without writing the model's weights into them: a model built on the meta device is not
     initialised, and disk-homed states are written once, by the checkpoint, instead of twice.
+    ``collectives``: the ranks the states are laid out over where they are not every rank of the run (a
+    pipeline stage's data-parallel group: ``tiertrain.pipeline`` makes them); None: the run's process group.
     """
     opts = _options(options, fields)
     _check_model(model, optimizer, opts)
@@ -107,8 +110,9 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, memo
     groups, group_of = _groups_from(optimizer, model) if opts.train else ([], {})
     found = find_blocks(model, opts.blocks)
     expert_layers_for(model, opts.ep or 1)  # a dense model is refused before anything is laid out
+    world = collectives.world_size if collectives is not None else world_from_env()
     if isinstance(plan, str) and plan == "auto" and profile_step is None:
-        _check_first_step_auto(opts)  # before anything is measured
+        _check_first_step_auto(opts, world)  # before anything is measured
     numels = [block_numel(b) for b in found]
     page = page_size_for(opts.page_size, memory.disk_dir if memory.disk else None, device,
                          largest=page_for_states(numels, MAX_PAGE))
@@ -116,13 +120,13 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, memo
         page = page_for_states(numels, page)
     # measured once, where it is needed first
     disk_io = functools.cache(lambda: _disk_io(opts, memory, page, STATE_BYTES * sum(numels)))
-    chosen, auto, first = _planned(plan, model, found, memory, page, opts, device, profile_step, disk_io)
+    chosen, auto, first = _planned(plan, model, found, memory, page, opts, device, profile_step, disk_io, world)
     io = disk_io()
     mem = MemorySystem(memory, page_size=page, check_machine=False, io_workers=io.depth, write_share=io.write_share,
                        device_reserve=_device_reserve(chosen, first))
     watched = found[0].module
     del found  # the blocks' lists held the model's original parameters: let them go block by block
-    runtime = Runtime(model, groups, group_of, mem, chosen, opts,
+    runtime = Runtime(model, groups, group_of, mem, chosen, opts, collectives,
                       let_go=_swapper(optimizer) if optimizer is not None else None)
     if first is not None:
         first.watch(watched)
@@ -162,8 +166,8 @@ def _check_model(model: nn.Module, optimizer: torch.optim.Optimizer | None, opts
 
 
 def _planned(plan: "str | Plan", model: nn.Module, found: list, memory: Budgets, page: int, opts: RunOptions,
-             device: torch.device, profile_step: Callable[[], None] | None, disk_io: Callable[[], DiskIO]
-             ) -> tuple[Plan, "AutoPlan | None", FirstStepAuto | None]:
+             device: torch.device, profile_step: Callable[[], None] | None, disk_io: Callable[[], DiskIO],
+             world: int) -> tuple[Plan, "AutoPlan | None", FirstStepAuto | None]:
     """The plan the run runs, resolved against the model's sizes, the budgets and the options
     (``plan.fit.resolve``); plan auto's choice (or, from the first step, what watches it). Any other
     plan is refused where it does not fit before the disk is measured."""
@@ -176,7 +180,7 @@ def _planned(plan: "str | Plan", model: nn.Module, found: list, memory: Budgets,
         else:  # the first step is the profile
             first = first_step_auto(model, found, memory, page, opts, device, gain)
             plan = first_plan(len(found) - 1, memory.disk > 0, opts.update)
-    chosen = _laid_out(_chosen(plan, found, memory, opts), opts)
+    chosen = _laid_out(_chosen(plan, found, memory, opts), opts, world)
     mode_of(chosen).check(chosen)  # what the update mode cannot run, refused before anything is allocated
     sizes = block_sizes(found, chosen.parallel.ep)
     try:
@@ -242,12 +246,12 @@ def _disk_io(opts: RunOptions, memory: Budgets, page: int, states_bytes: int) ->
     return disk_io_for(opts.page_size is None, memory.disk_dir if memory.disk else None, page, states_bytes)
 
 
-def _check_first_step_auto(opts: RunOptions) -> None:
+def _check_first_step_auto(opts: RunOptions, world: int) -> None:
     """``plan="auto"`` with no profile function plans from the run's first step: a training run's, in one process."""
     if not opts.train:
         raise ConfigError("plan 'auto' takes a forward-only run's plan from a profile: pass profile_step=fn (one "
                           "forward at the batch shape), or a plan: 'stream' or 'max-offload'")
-    if world_from_env() > 1:
+    if world > 1:
         raise ConfigError("plan 'auto' over several ranks needs a profile function, so that every rank plans alike: "
                           "pass profile_step=fn (one forward+backward at the batch shape), or a plan ('max-offload', "
                           "or a file from `tiertrain plan`)")
@@ -273,12 +277,13 @@ def _options(options: RunOptions | None, fields: dict[str, Any]) -> RunOptions:
     return typed.load(RunOptions, {**base, **fields}, "tiertrain.setup option")
 
 
-def _laid_out(plan: Plan, opts: RunOptions) -> Plan:
-    """The plan over the ranks this process runs among (torchrun's, or the user's process group): a
+def _laid_out(plan: Plan, opts: RunOptions, world: int) -> Plan:
+    """The plan over the ``world`` ranks this model's states are laid out over (torchrun's, the user's
+    process group, or a pipeline stage's data-parallel group): a
     plan for one process is laid out over all of them, sharded unless ``opts.shard`` is False (it is
     never trained as one independent model per rank); a plan made for another number of ranks is
     refused. ``opts.ep`` (expert parallel) and ``opts.shard_group`` (hybrid sharding) override the plan's."""
-    world, ep = world_from_env(), opts.ep or plan.parallel.ep
+    ep = opts.ep or plan.parallel.ep
     group = opts.shard_group or plan.parallel.shard_group
     if ep > 1 and world == 1:
         raise ConfigError(f"expert parallel ep={ep} divides the experts over {ep} ranks, but this run has one "
@@ -317,6 +322,8 @@ def _chosen(plan: "str | Plan", found: list, memory: Budgets, opts: RunOptions) 
         chosen = dataclasses.replace(chosen, compute_dtype=opts.compute_dtype).validate(n)
     if opts.reduce_dtype is not None:
         chosen = dataclasses.replace(chosen, reduce_dtype=opts.reduce_dtype)
+    if opts.reduce_every is not None:
+        chosen = dataclasses.replace(chosen, reduce_every=opts.reduce_every)
     check_update_mode(chosen.update, chosen.compute_dtype, opts.grad_accum, opts.clips)
     if chosen.uses_disk and not memory.disk:
         raise ConfigError("this plan homes states on disk; give a disk budget: Budgets(..., disk=SIZE, disk_dir=DIR)")

@@ -65,6 +65,11 @@ class Block(nn.Module):
         return x + self.drop(self.ffn(self.ln2(x)))
 
 
+def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the targets that are not -100 (the whole model's, and a pipeline's last stage's)."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX)
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -106,9 +111,7 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits
-        loss = F.cross_entropy(
-            logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX
-        )
+        loss = token_loss(logits, targets)
         if self.config.is_moe:
             loss = loss + self.config.aux_loss_coef * self.moe_aux_loss()
         return loss

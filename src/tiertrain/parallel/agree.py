@@ -120,31 +120,35 @@ def _wait_limit() -> int:
     return int(given)
 
 
-def same_on_every_rank(what: str, mine: dict[str, str], fix: str) -> None:
+def same_on_every_rank(what: str, mine: dict[str, str], fix: str, ranks: list[int] | None = None) -> None:
     """Refuse, on every rank alike, a run whose ranks hold different values for any of ``mine``'s fields
     (in rank 0's order: the first that differs is named, with each rank's value where it is short; a field
     a rank lacks, another version of tiertrain, differs too). Ranks that
     disagree on what they train would issue different collectives: a hang, or a mismatch read as a
-    lost rank. One process: nothing to compare."""
+    lost rank. One process: nothing to compare. ``ranks``: the run's ranks that compare (a pipeline
+    stage's data-parallel group: the other stages hold other parts of the model); None: all of them."""
     group = _group()
     if group is None:
         return
     store, rank, world = group
+    among = list(range(world)) if ranks is None else ranks
+    if ranks is not None:  # each group's exchange under keys of its own
+        what = f"{what} (ranks {', '.join(map(str, ranks))})"
     key = _key(store, rank, what)
     store.set(f"{key}/{rank}", json.dumps(mine))
-    every = [json.loads(_wait(store, f"{key}/{r}", what, rank)) for r in range(world)]
+    every = [json.loads(_wait(store, f"{key}/{r}", what, rank)) for r in among]
     names = list(dict.fromkeys(n for e in every for n in e))  # every rank's fields: each rank finds the same one
     for name in names:
         values = [e.get(name) for e in every]
         if len(set(values)) > 1:
-            raise ConfigError(f"the ranks disagree on {name} ({_by_rank(values)}): {fix}")
+            raise ConfigError(f"the ranks disagree on {name} ({_by_rank(values, among)}): {fix}")
 
 
-def _by_rank(values: list[str | None]) -> str:
+def _by_rank(values: list[str | None], ranks: list[int]) -> str:
     """'rank 0: 1; rank 1: 2', or which ranks hold which value where a value is long (a plan's blocks)."""
     if all(v is not None and len(v) <= 40 for v in values):
-        return "; ".join(f"rank {r}: {v}" for r, v in enumerate(values))
-    groups = [[r for r, v in enumerate(values) if v == k] for k in dict.fromkeys(values)]
+        return "; ".join(f"rank {r}: {v}" for r, v in zip(ranks, values))
+    groups = [[r for r, v in zip(ranks, values) if v == k] for k in dict.fromkeys(values)]
     if len(groups) == 2:
         return f"{_ranks(groups[0])} one value, {_ranks(groups[1])} another"
     return "ranks by value: " + " | ".join(", ".join(map(str, g)) for g in groups)

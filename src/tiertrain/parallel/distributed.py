@@ -37,6 +37,7 @@ class ProcessGroupCollectives:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world_size))
         self.sent = 0
         self._own_heartbeat = heartbeat is None
         self.heartbeat = heartbeat or Heartbeat(dist.distributed_c10d._get_default_store(), self.rank, self.world_size)

@@ -197,7 +197,8 @@ def tier_bytes(sizes: "Sizes | Sequence[int]", plan: Plan, page: int, train: boo
             return plan.reduce_on == "device" or plan.reduce_dtype != "fp32" or grad_tier(bp) is not Tier.HOST
         parts = [s // split if sharded(p, plan) and apart(p) else 0 for s, p in zip(staged, plans)]
         in_flight = reductions_in_flight(plan.parallel.hybrid)
-        need[Tier(plan.reduce_on)] += reduce_staging(staged, parts, dp, page, bound, in_flight)
+        need[Tier(plan.reduce_on)] += reduce_staging(staged, parts, dp, page, bound, in_flight,
+                                                     plan.reduce_every == "step")
         for tier, largest in _landing(state, plans, dp, chunk).items():
             need[tier] += (in_flight + 1) * largest
     if grads == "transient":

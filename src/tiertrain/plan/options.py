@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tiertrain import typed
-from tiertrain.plan.plan import COMPUTE_DTYPES, REDUCE_DTYPES
+from tiertrain.plan.plan import COMPUTE_DTYPES, REDUCE_DTYPES, REDUCE_EVERY
 from tiertrain.plan.update_modes import UPDATE_MODES
 from tiertrain.typed import above, at_least, one_of
 
@@ -31,6 +31,7 @@ class RunOptions:
     max_staleness: int | None = field(default=None, metadata=at_least(0))       # None: the plan's
     compute_dtype: str | None = field(default=None, metadata=one_of(*COMPUTE_DTYPES))  # None: the plan's
     reduce_dtype: str | None = field(default=None, metadata=one_of(*REDUCE_DTYPES))  # None: the plan's (fp32)
+    reduce_every: str | None = field(default=None, metadata=one_of(*REDUCE_EVERY))  # None: the plan's (micro-batch)
     page_size: int | None = field(default=None, metadata=at_least(4096))        # None: measured for the machine
     ep: int | None = field(default=None, metadata=at_least(1))  # None: the plan's expert-parallel ranks (1 if none)
     shard: bool | None = None       # a plan for one process laid out over the ranks: sharded (ZeRO-2/3 like, the

@@ -11,9 +11,11 @@ their stages per rank; 1F1B and GPipe hold one (``segments`` = 1).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from tiertrain.errors import ConfigError
+from tiertrain.plan.plan import Plan
 from tiertrain.typed import at_least, one_of
 
 SCHEDULES = ("aiao", "1f1b", "interleaved", "gpipe")
@@ -71,3 +73,12 @@ def fold(n_blocks: int, pp: int, segments: int) -> tuple[range, ...]:
 def rank_of(stage: int, pp: int) -> int:
     """The rank that holds virtual stage ``stage``."""
     return stage % pp
+
+
+def stage_plan(plan: Plan, blocks: range) -> Plan:
+    """A whole model's plan cut to one stage's ``blocks`` (each keeps its own block's plan; the stage's rest,
+    its embeddings or head where it holds them, keeps the model's rest's)."""
+    if len(plan.blocks) < blocks.stop:
+        raise ConfigError(f"the plan has {len(plan.blocks)} blocks but the model more: make the plan for this model")
+    return dataclasses.replace(plan, blocks=plan.blocks[blocks.start:blocks.stop], name=f"{plan.name}[{blocks.start}:"
+                               f"{blocks.stop}]").validate(len(blocks))

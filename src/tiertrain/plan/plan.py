@@ -26,6 +26,7 @@ from tiertrain.precisions import PRECISIONS as COMPUTE_DTYPES
 from tiertrain.typed import at_least, one_of
 
 REDUCE_DTYPES = ("fp32", "bf16")
+REDUCE_EVERY = ("micro-batch", "step")
 
 BUILTIN_PLANS = ("resident", "stream", "max-offload")
 
@@ -103,6 +104,9 @@ class Plan:
     parallel: ParallelLayout = ParallelLayout()  # processes the run spans, and how experts are divided over them
     reduce_dtype: str = field(default="fp32", metadata=one_of(*REDUCE_DTYPES))  # data parallel: the dtype a
     #                          micro-batch's gradients are summed over the ranks in (bf16 halves the bytes sent)
+    reduce_every: str = field(default="micro-batch", metadata=one_of(*REDUCE_EVERY))  # data parallel: a block's
+    #                          gradients reduced over the ranks each micro-batch (a rank keeps only its part between
+    #                          them) or once a step (each rank sums its micro-batches first: a pipeline's DP.sync)
     reduce_on: str = field(default="device", metadata=one_of("device", "host"))  # data parallel: where a
     #                          micro-batch's gradients are staged and reduced (over the device group, or the CPU
     #                          group where the device cannot hold two blocks' gradients: ``plan.fit.resolve``)

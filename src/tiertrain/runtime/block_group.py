@@ -87,6 +87,7 @@ class GroupLayout:
     #                                        kept at the pool's far end
     reduce_on: Tier = Tier.DEVICE          # where a micro-batch's gradients are staged and reduced (``Plan.reduce_on``)
     reduce_dtype: torch.dtype = torch.float32  # what they are summed over the ranks in (``Plan.reduce_dtype``)
+    once_a_step: bool = False              # reduced at the step's last micro-batch only (``Plan.reduce_every``)
 
 
 class BlockGroup:
@@ -105,7 +106,7 @@ class BlockGroup:
         self._ctx, self._mem = ctx, ctx.mem
         self._comm = comm if comm is not None else ctx.comm
         self._shard, self._reduces_at_end, self._floors = laid.shard, laid.reduces_at_end, laid.grad_floors
-        self._reduce_on, self._reduce_dtype = laid.reduce_on, laid.reduce_dtype
+        self._reduce_on, self._reduce_dtype, self._once_a_step = laid.reduce_on, laid.reduce_dtype, laid.once_a_step
         self._mean_over = laid.mean_over or self._comm.world_size
         self._experts = experts
         self._grads = GradBuffer(len(params))
@@ -323,12 +324,14 @@ class BlockGroup:
         """Move the parameters' fresh gradients into the block's grad chunk (accumulating) and free
         them. With data parallel each micro-batch's are averaged over the ranks from its stage (on the
         device, or in host memory: ``Plan.reduce_on``; reduce-scattered to the shards, or all-reduced)
-        before this rank's part joins the grad chunk. The chunk lives where the block's update runs (``plan.bytes.grad_tier``). ``hypers``:
+        before this rank's part joins the grad chunk; or, reduced once a step (``Plan.reduce_every``), the
+        stage sums the rank's micro-batches and is averaged at the last. The chunk lives where the block's update runs (``plan.bytes.grad_tier``). ``hypers``:
         lockfree keeps the step's own with its gradients."""
         if self._mean_over > 1:
             self._stage_rest()
             self._grads_to(Grads.SUMMING)
-            self._reduce_over_ranks(step, hypers, final)
+            if final or not self._once_a_step:  # else the stage sums this rank's micro-batches until the last
+                self._reduce_over_ranks(step, hypers, final)
             self._grad_count = 0
             return
         fresh = [(i, p.grad) for i, p in enumerate(self._params) if p.grad is not None]

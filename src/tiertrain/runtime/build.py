@@ -98,7 +98,8 @@ def build_groups(ctx: RunContext, model: nn.Module, blocks: list[Block], spec: B
         if i in held:  # its experts' group next, so that the block's group is made with it
             held_group = _build_experts(ctx, model, experts, index + 1, held[i], bplan, spec, compute, replaced, floors)
         laid = GroupLayout(shard, ctx.comm.world_size, block.name in spec.reduced_at_end, floors_of(floors, bplan),
-                           Tier(spec.plan.reduce_on), torch_dtype(spec.plan.reduce_dtype))
+                           Tier(spec.plan.reduce_on), torch_dtype(spec.plan.reduce_dtype),
+                       spec.plan.reduce_every == "step")
         groups.append(_made(ctx, model, index, block, bplan, layout, chunks, compute, spec, replaced, laid,
                             held_group, comm))
         if held_group is not None:
@@ -154,7 +155,8 @@ def _build_experts(ctx: RunContext, model: nn.Module, experts: ExpertParallel, i
     values = _rank0_values(ctx.comm, held) if spec.options.init_states else held.block
     chunks, _ = _build(ctx.mem, experts.replicas, index, values, bplan, slot, spec.plan, spec.options, compute, layout)
     laid = GroupLayout(None, experts.dp, experts.replicas.world_size > 1, floors_of(floors, bplan),
-                       Tier(spec.plan.reduce_on), torch_dtype(spec.plan.reduce_dtype))
+                       Tier(spec.plan.reduce_on), torch_dtype(spec.plan.reduce_dtype),
+                       spec.plan.reduce_every == "step")
     return _made(ctx, model, index, held.block, bplan, layout, chunks, compute, spec, replaced, laid,
                  comm=experts.replicas)
 

@@ -61,7 +61,7 @@ def replan(rt: "Runtime", plan: Plan) -> None:
         slot, param_home = copies[g.index]
         bp = plans[g.index]
         laid = GroupLayout(g.shard, g.mean_over, g.reduces_at_end, floors_of(floors, bp), Tier(plan.reduce_on),
-                           torch_dtype(plan.reduce_dtype))
+                           torch_dtype(plan.reduce_dtype), plan.reduce_every == "step")
         made[g.index] = BlockGroup(g.index, g.block, bp, g.layout, g.params, GroupChunks(*g.states, param_home, slot),
                                    g.steps, g.group_of, g.compute, rt.ctx, laid,
                                    made[g.experts.index] if g.experts is not None else None, g.comm, g.version)

@@ -57,7 +57,7 @@ class Runtime:
             raise ValueError("internal: the runtime runs a resolved plan (tiertrain.plan.fit.resolve)")
         self.model, self.mem, self.options = model, mem, options
         self.param_groups = param_groups
-        self.comm = checked(comm or agreed_collectives(model, plan, options), mem.tier_of)
+        self.comm = checked(agreed_collectives(model, plan, options, comm), mem.tier_of)
         self.clock = StepClock(options.grad_accum)
         self.ctx = RunContext(mem, self.comm, self.clock, self.hypers)
         blocks = find_blocks(model, options.blocks)

@@ -42,6 +42,11 @@ class StepNorm:
         self.clip_coef = clip_coefficient(max_norm, self.last_norm)
         return self.last_norm
 
+    def take(self, norm: torch.Tensor, max_norm: float) -> None:
+        """A norm found over more gradients than this runtime's (every stage of a pipeline, each stage's
+        runtime holding its own: ``api.stages_optimizer``), and the clip coefficient that follows from it."""
+        self.last_norm, self.clip_coef = norm, clip_coefficient(max_norm, norm)
+
     def usable(self) -> bool:
         return bool(torch.isfinite(self.last_norm))
 

@@ -1,0 +1,190 @@
+"""``tiertrain.pipeline``: a model cut into pipeline stages over the run's ranks, each stage's states in
+tiers, driven by torch's pipelining schedules (or FOLD3D's AIAO on torch's runtime schedule)::
+
+    run = tiertrain.pipeline(model, torch.optim.AdamW(model.parameters(), lr=3e-4),
+                             PipelineLayout(pp=2, schedule="aiao", micro_batches=8, segments=2), plan="stream")
+    for x, y in batches:                  # every rank passes its data-parallel replica's batch
+        loss = run.step(x, y)             # every micro-batch's forward and backward; the loss on every rank
+        run.optimizer.step(); scheduler.step(); run.optimizer.zero_grad()
+
+The ranks form a dp x pp mesh (``parallel.pipeline_mesh``); each rank tiers its stages with
+``tiertrain.setup`` over its stages' data-parallel group, so every tier plan and data-parallel layout
+works inside a stage. A rank holding several stages (AIAO's segments, interleaved's virtual stages)
+gives each an equal share of its budgets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from tiertrain.api.machine_budgets import machine_budgets
+from tiertrain.api.setup import setup
+from tiertrain.api.stages_optimizer import StagesOptimizer
+from tiertrain.errors import ConfigError
+from tiertrain.memory import Budgets
+from tiertrain.memory.system import compute_device
+from tiertrain.models.gpt import token_loss
+from tiertrain.models.gpt_stages import check_stageable, release_others, stage_of
+from tiertrain.parallel.agree import same_on_every_rank
+from tiertrain.parallel.group import ensure_process_group, world_from_env
+from tiertrain.parallel.pipeline_mesh import PipelineMesh, pipeline_mesh
+from tiertrain.parallel.pipeline_schedule import schedule_for, stages_for
+from tiertrain.plan import Plan, RunOptions
+from tiertrain.plan.pipeline import PipelineLayout, fold, stage_plan
+from tiertrain.plan.update_modes import rules
+from tiertrain.runtime.rank_agreement import model_signature
+
+FIX = "start every rank with the same model and pipeline flags (torchrun gives each rank the same command line)"
+
+
+@dataclass
+class Pipelined:
+    """One rank's part of a pipelined run: its stages (tiered modules), the optimizer its loop steps, and
+    ``step``, which runs one batch through the schedule."""
+
+    layout: PipelineLayout
+    mesh: PipelineMesh
+    stages: list[nn.Module]
+    indices: list[int]                      # each stage's place in the pipeline (virtual stage)
+    optimizer: StagesOptimizer
+    synced: list[int] = field(default_factory=list)  # the stages whose DP.sync was issued, in order, this step
+    micro_losses: torch.Tensor | None = None  # the last step's micro-batches' losses (each divided by their count)
+    _schedule: Any = None
+    _shape: tuple[int, ...] | None = None
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of every micro-batch of one batch (token ids and their targets, as every rank
+        of a data-parallel replica passes them: the first stage reads ``inputs``, the last ``targets``);
+        the batch's loss (the mean over its micro-batches) on every rank of the pipeline; each micro-batch's
+        share of it in ``micro_losses``."""
+        self._schedule_for(tuple(inputs.shape))
+        self.synced.clear()
+        first, last = self.mesh.pp_rank == 0, self.mesh.pp_rank == self.mesh.pp - 1
+        losses: list[torch.Tensor] = []
+        self._schedule.step(*((inputs,) if first else ()), target=targets if last else None,
+                            losses=losses if last else None)
+        each = (torch.stack([x.detach().float().cpu() for x in losses]) if last
+                else torch.zeros(self.layout.micro_batches))
+        dist.broadcast(each, src=self.mesh.last_stage_rank(), group=self.mesh.pp_host)
+        self.micro_losses = each
+        return each.double().sum()  # as a loop adding each micro-batch's loss.item() sums them
+
+    def _schedule_for(self, shape: tuple[int, ...]) -> None:
+        """Torch's stages and schedule for batches of ``shape`` (made at the first step, and again where a
+        batch of another shape comes: the stages are told their micro-batches' shapes up front)."""
+        if shape == self._shape:
+            return
+        m = self.layout.micro_batches
+        if len(shape) != 2 or shape[0] % m:
+            raise ConfigError(f"a batch of shape {shape} does not split into {m} micro-batches of token rows; "
+                              "give batches of (rows, tokens) with rows a multiple of the micro-batches")
+        rows, tokens = shape[0] // m, shape[1]
+        ins = [self._meta(s.embeds, rows, tokens) for s in self.stages]
+        outs = [self._meta(False, rows, tokens, s.config.vocab_size if s.heads else None) for s in self.stages]
+        stages = stages_for(self.stages, self.indices, self.layout, self.mesh.pp_group, compute_device(), ins, outs)
+        self._schedule = schedule_for(stages, self.layout, self._loss, self.synced.append)
+        self._shape = shape
+
+    def _meta(self, ids: bool, rows: int, tokens: int, width: int | None = None) -> torch.Tensor:
+        if ids:
+            return torch.empty(rows, tokens, dtype=torch.long, device="meta")
+        return torch.empty(rows, tokens, width or self.stages[0].config.d_model, device="meta", requires_grad=True)
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One micro-batch's share of the batch's loss: the loop accumulating them divides so too."""
+        return token_loss(logits, targets) / self.layout.micro_batches
+
+    def close(self) -> None:
+        for s in self.stages:
+            s.runtime.close()
+            s.runtime.mem.close()
+        self.mesh.close()
+
+
+def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, layout: PipelineLayout,
+             memory: Budgets | None = None, plan: "str | Plan" = "stream", options: RunOptions | None = None,
+             **fields: Any) -> Pipelined:
+    """Cut ``model`` into ``layout``'s stages over the run's ranks, tier this rank's stages as ``plan``
+    says within ``memory`` (this rank's budgets, shared by its stages), and return what the loop drives.
+    ``options`` (or its fields as keywords) as ``tiertrain.setup`` takes them; ``grad_accum`` is the
+    layout's micro-batches. Parts of the model other ranks hold are moved to the meta device here."""
+    opts = _options(options, fields, layout)
+    _check_clipping(opts, plan)
+    gpt = check_stageable(model)
+    ensure_process_group()
+    layout.check(world_from_env(), len(gpt.blocks), layout.micro_batches)
+    same_on_every_rank("the pipeline", {"layout": repr(layout), "model": model_signature(gpt)}, FIX)
+    mesh = pipeline_mesh(layout.pp)
+    runs = fold(len(gpt.blocks), layout.pp, layout.segments)
+    indices = [v for v in range(layout.stages) if v % layout.pp == mesh.pp_rank]
+    modules = [stage_of(gpt, runs[v]) for v in indices]
+    release_others(gpt, modules)
+    shares = _shares(memory, len(modules))
+    parts, tiered = [], []
+    for module, v, share in zip(modules, indices, shares):
+        stage_opt = _stage_adamw(optimizer, module)
+        chosen = stage_plan(plan, runs[v]) if isinstance(plan, Plan) else plan
+        t, topt = setup(module, stage_opt, share, plan=chosen, options=opts, collectives=mesh.stage_dp)
+        tiered.append(t)
+        parts.append(topt)
+    stages_opt = StagesOptimizer(optimizer, parts, mesh.pp_host, opts.max_grad_norm)
+    for group, ours in zip(optimizer.param_groups, stages_opt.param_groups):
+        group["params"] = list(ours["params"])  # the user's optimizer let go of the originals setup replaced
+    return Pipelined(layout, mesh, tiered, indices, stages_opt)
+
+
+def _options(options: RunOptions | None, fields: dict[str, Any], layout: PipelineLayout) -> RunOptions:
+    """The run's options with the layout's micro-batches as its accumulation; what a pipeline cannot run
+    yet refused in one line."""
+    base = dataclasses.asdict(options) if options is not None else {}
+    given = {**base, **fields}
+    if given.get("grad_accum", 1) not in (1, layout.micro_batches):
+        raise ConfigError(f"a pipelined step accumulates its {layout.micro_batches} micro-batches: leave grad_accum "
+                          f"out (it is --micro-batches), not {given['grad_accum']}")
+    for key, why in (("ep", "expert parallel"), ("shard_group", "hybrid sharding")):
+        if given.get(key) not in (None, 0, 1):
+            raise ConfigError(f"{why} inside a pipeline stage is not supported yet: leave out --{key.replace('_', '-')}")
+    if given.get("compute_dtype") not in (None, "fp32"):
+        raise ConfigError(f"pipelined runs compute in fp32 for now (the stages are told fp32 activations): leave "
+                          f"compute_dtype ({given['compute_dtype']}) out")
+    # FOLD3D's DP.sync: a stage's gradients reduced once a step, after its last micro-batch's backward (not M times)
+    return RunOptions(**{"reduce_every": "step", **given, "grad_accum": layout.micro_batches})
+
+
+def _check_clipping(opts: RunOptions, plan: "str | Plan") -> None:
+    """The global norm spans every stage: no block may be updated before the last stage's backward ends."""
+    update = opts.update or (plan.update if isinstance(plan, Plan) else "sync")
+    if opts.clips and rules(update).updates_as_final:
+        raise ConfigError(f"clipping in a pipelined run needs every stage's gradients before any update, and the "
+                          f"{update} update mode updates each block as its gradients come: use --update sync, or "
+                          "leave clipping out")
+
+
+def _shares(memory: Budgets | None, n: int) -> list[Budgets]:
+    """This rank's budgets split evenly over its ``n`` stages (each stage's runtime plans within its share;
+    each makes its own private directory under the disk tier's)."""
+    if memory is None:
+        taken = machine_budgets(compute_device())
+        print(f"tiertrain: {taken.describe()}", file=sys.stderr)
+        memory = taken.budgets
+    if n == 1:
+        return [memory]
+    return [Budgets(memory.device // n, memory.host // n, memory.disk // n, memory.disk_dir) for _ in range(n)]
+
+
+def _stage_adamw(source: torch.optim.Optimizer, stage: nn.Module) -> torch.optim.Optimizer:
+    """An AdamW over the stage's parameters with the user's groups' hyperparameters, group for group (a
+    group with none of the stage's parameters stays, empty, so group indices match the user's)."""
+    if not isinstance(source, torch.optim.AdamW):
+        raise ConfigError(f"tiertrain runs AdamW; got {type(source).__name__}. Pass torch.optim.AdamW(...)")
+    mine = {id(p) for p in stage.parameters()}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [p for p in g["params"] if id(p) in mine]}
+              for g in source.param_groups]
+    return torch.optim.AdamW(groups)

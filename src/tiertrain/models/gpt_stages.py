@@ -1,0 +1,77 @@
+"""Our GPT cut into pipeline stages: each stage a run of the model's blocks, the first with the
+embeddings before it, the last with the final norm and the head after it.
+
+Built by hand, as the pipelining issue asks: torch's tracing front end (``pipeline()`` over an exported
+graph) breaks on real models, and a stage here is the model's own modules, so its parameters, their
+names (``blocks.3.attn.qkv.weight`` keeps the model's index) and its forward are the model's. The
+stage's ops are the model's ops in the model's order, so a pipelined run computes what one process
+computes, bit for bit.
+
+A tied embedding (the head using ``tok_emb``'s weight) would span the first and the last stage, whose
+ranks would each hold and update a copy: not supported yet, refused with the fix.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from tiertrain.errors import ConfigError
+from tiertrain.models.gpt import GPT
+
+
+class GPTStage(nn.Module):
+    """A run of a GPT's blocks; ``embeds``: the model's input side before them (token ids in),
+    ``heads``: its output side after them (logits out). Hidden states in and out otherwise."""
+
+    def __init__(self, model: GPT, blocks: range, embeds: bool, heads: bool) -> None:
+        super().__init__()
+        self.config, self.embeds, self.heads = model.config, embeds, heads
+        self.first_block = blocks.start
+        if embeds:
+            self.tok_emb, self.pos_emb, self.drop = model.tok_emb, model.pos_emb, model.drop
+        self.blocks = nn.ModuleList(model.blocks[i] for i in blocks)
+        if heads:
+            self.ln_f, self.lm_head = model.ln_f, model.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embeds:  # GPT.forward's first lines
+            pos = torch.arange(x.shape[1], device=x.device)
+            x = self.drop(self.tok_emb(x) + self.pos_emb(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x)) if self.heads else x
+
+
+def check_stageable(model: nn.Module) -> GPT:
+    """``model`` as a GPT a pipeline can cut, or one message naming why not and the fix."""
+    if not isinstance(model, GPT):
+        raise ConfigError(f"pipeline parallel cuts tiertrain's GPT into stages; a {type(model).__name__} has no "
+                          "stages yet: train it with data parallel (--nproc N without --pp)")
+    if model.config.tie_embeddings:
+        raise ConfigError("pipeline parallel with tied embeddings (the head sharing the token embedding's weight) "
+                          "is not supported yet: the first and the last stage would each hold it; build the model "
+                          "with tie_embeddings=False")
+    if model.config.is_moe:
+        raise ConfigError("pipeline parallel with mixture-of-experts blocks is not supported yet: train the MoE model "
+                          "with data and expert parallel (--nproc N --ep E)")
+    if model.config.dropout:
+        raise ConfigError(f"pipeline parallel with dropout ({model.config.dropout}) is not supported yet: each stage "
+                          "would draw its masks from its own generator; build the model with dropout=0")
+    return model
+
+
+def stage_of(model: GPT, blocks: range) -> GPTStage:
+    """The stage holding ``blocks`` of ``model`` (the embeddings with block 0, the head with the last)."""
+    return GPTStage(model, blocks, embeds=blocks.start == 0, heads=blocks.stop == len(model.blocks))
+
+
+def release_others(model: GPT, stages: list[GPTStage]) -> None:
+    """Move every part of ``model`` no stage of this rank holds to the meta device: other ranks hold and
+    train those, and their weights would otherwise stay in this rank's memory for the whole run."""
+    kept = {id(m) for s in stages for m in s.modules()}
+    for module in model.children():
+        parts = module if isinstance(module, nn.ModuleList) else [module]
+        for part in parts:
+            if id(part) not in kept:
+                part.to("meta")

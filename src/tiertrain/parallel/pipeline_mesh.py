@@ -1,0 +1,57 @@
+"""A pipelined run's ranks as a 2-D mesh, dp x pp: each run of ``pp`` consecutive ranks is one pipeline
+(its stages' sends and receives on the fast links of one node), and the ranks that hold the same stage in
+each pipeline are that stage's data-parallel group (its gradients' reductions, across the nodes).
+
+Built on ``torch.distributed.device_mesh``, as ``parallel.mesh`` builds data parallel's groups: every rank
+makes every group in one order. Where the backend is not gloo (NCCL), a twin mesh of gloo groups takes
+the host tensors (the step's loss, the gradient norm, the data-parallel group's host side).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from tiertrain.parallel.collectives import Collectives
+from tiertrain.parallel.distributed import ProcessGroupCollectives
+from tiertrain.parallel.local import LocalCollectives
+
+NAMES = ("dp", "pp")
+
+
+@dataclass
+class PipelineMesh:
+    pp: int
+    dp: int
+    pp_rank: int                    # this rank's place in its pipeline (its stages: pp_rank, pp_rank + pp, ...)
+    pp_group: dist.ProcessGroup     # the pipeline's ranks: the stages' sends and receives (the backend's)
+    pp_host: dist.ProcessGroup      # the same ranks over gloo: the step's loss and gradient norm
+    stage_dp: Collectives           # this rank's stages' data-parallel group (one process: the identity)
+    world: ProcessGroupCollectives  # every rank: its heartbeat names a lost rank wherever a collective fails
+
+    def last_stage_rank(self) -> int:
+        """The global rank of this pipeline's last stage (it holds the loss)."""
+        return dist.get_global_rank(self.pp_group, self.pp - 1)
+
+    def close(self) -> None:
+        self.world.close()
+
+
+def pipeline_mesh(pp: int) -> PipelineMesh:
+    """The run's ranks (the default process group's) as dp x pp; ``pp`` must divide them (checked before)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = ProcessGroupCollectives()
+    dp = world.world_size // pp
+    gloo = dist.get_backend() == "gloo"
+    mesh = init_device_mesh("cpu" if gloo else "cuda", (dp, pp), mesh_dim_names=NAMES)
+    twins = mesh if gloo else init_device_mesh("cpu", (dp, pp), mesh_dim_names=NAMES,
+                                               backend_override={n: "gloo" for n in NAMES})
+    if dp == 1:
+        stage_dp: Collectives = LocalCollectives()
+    else:
+        stage_dp = ProcessGroupCollectives(mesh.get_group("dp"), heartbeat=world.heartbeat,
+                                           host_group=None if gloo else twins.get_group("dp"))
+    pp_group = mesh.get_group("pp")
+    return PipelineMesh(pp, dp, dist.get_rank(pp_group), pp_group, twins.get_group("pp"), stage_dp, world)

@@ -1,0 +1,69 @@
+"""The schedule a pipelined layout runs: torch's own (``torch.distributed.pipelining``) for GPipe, 1F1B
+and interleaved 1F1B, and FOLD3D's AIAO as an action list loaded into torch's runtime schedule, all over
+torch's ``PipelineStage`` objects: their sends, receives and backward are torch's.
+
+Each stage's module is tiered by tiertrain (its own runtime, accumulating the schedule's micro-batches:
+one autograd backward per micro-batch, as torch's stages run it), so the gradient reductions over the
+stage's data-parallel group run inside that runtime as the last micro-batch's backward makes each
+block's gradients, and ``REDUCE_GRAD`` (which torch's lowering places right after a stage's last
+backward) finds them issued. Gradients are not scaled by the schedule (``scale_grads=False``): the
+loss of each micro-batch is divided by their count, as a one-process loop accumulating them does, so
+a pipelined step computes what that loop computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                                    _PipelineContext, _PipelineScheduleRuntime)
+
+from tiertrain.parallel.aiao import REDUCE_GRAD, aiao_orders
+from tiertrain.plan.pipeline import PipelineLayout
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Synced = Callable[[int], None]  # told each stage whose gradients' DP.sync has been issued (REDUCE_GRAD)
+
+
+class AIAOSchedule(_PipelineScheduleRuntime):
+    """FOLD3D's AIAO order (``parallel.aiao``) on torch's runtime schedule; ``on_sync(stage)`` is called
+    at each stage's ``REDUCE_GRAD``, the point FOLD3D issues its DP.sync."""
+
+    def __init__(self, stages: list[PipelineStage], layout: PipelineLayout, loss_fn: LossFn,
+                 on_sync: Synced | None = None) -> None:
+        super().__init__(stages=stages, n_microbatches=layout.micro_batches, loss_fn=loss_fn, scale_grads=False)
+        # compute only: torch's lowering adds the sends and receives, and REDUCE_GRAD where aiao_order has it
+        self.pipeline_order = {r: [a for a in acts if a.computation_type != REDUCE_GRAD]
+                               for r, acts in aiao_orders(layout.pp, layout.segments, layout.micro_batches).items()}
+        self._prepare_schedule_with_comms(self.pipeline_order)
+        self.register_custom_function(REDUCE_GRAD, self._synced)
+        self._on_sync = on_sync
+
+    def _synced(self, action, ctx: _PipelineContext) -> None:
+        if self._on_sync is not None:
+            self._on_sync(action.stage_index)
+
+
+def stages_for(modules: list[nn.Module], indices: list[int], layout: PipelineLayout, group, device: torch.device,
+               inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> list[PipelineStage]:
+    """Torch's stage objects over this rank's (tiered) stage modules, told their inputs' and outputs' shapes
+    (meta tensors of one micro-batch), so no stage runs a forward to infer them: a tiered block's forward
+    moves states, and the schedule's first step would start with one nobody asked for."""
+    return [PipelineStage(m, v, layout.stages, device, input_args=i, output_args=o, group=group)
+            for m, v, i, o in zip(modules, indices, inputs, outputs)]
+
+
+def schedule_for(stages: list[PipelineStage], layout: PipelineLayout, loss_fn: LossFn,
+                 on_sync: Synced | None = None):
+    """The schedule object whose ``step`` runs one optimizer step's micro-batches through the stages."""
+    m = layout.micro_batches
+    if layout.schedule == "aiao":
+        return AIAOSchedule(stages, layout, loss_fn, on_sync)
+    if layout.schedule == "interleaved":
+        return ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn, scale_grads=False)
+    single = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[layout.schedule]
+    return single(stages[0], m, loss_fn=loss_fn, scale_grads=False)
+

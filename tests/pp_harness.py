@@ -1,0 +1,132 @@
+"""Pipelined runs for the tests (issue 38): every configuration trained in one set of spawned gloo ranks,
+against one process of plain PyTorch accumulating the same micro-batches (and, over data-parallel
+replicas, averaging their gradients as DDP does) with the same fused AdamW."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from dp_harness import rank_disk
+
+TINY = {"n_layer": 4, "n_head": 2, "d_model": 32, "d_ffn": 64, "vocab_size": 256, "max_seq_len": 64,
+        "tie_embeddings": False}
+STEPS, ROWS = 3, 4
+
+
+def batches(replica: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(300 + replica)
+    return [torch.randint(0, 256, (ROWS, 17), generator=g) for _ in range(STEPS)]
+
+
+def fresh():
+    from tiertrain.models import build
+    from tiertrain.train.optimizer import make_adamw
+
+    torch.manual_seed(0)
+    model = build(TINY)
+    opt, _ = make_adamw(model, 1e-2, (0.9, 0.95), 1e-8, 0.1)
+    return model, opt
+
+
+def reference(dp: int, micro: int, clip: float | None = None) -> list[list[list[float]]]:
+    """Each replica's micro-batch losses (divided by their count) per step, in one process: every replica's
+    gradients accumulated over its micro-batches, averaged over the replicas (once a step, as a pipeline's
+    DP.sync reduces them), clipped, one AdamW step."""
+    model, opt = fresh()
+    data = [batches(r) for r in range(dp)]
+    out = []
+    for step in range(STEPS):
+        per_replica, grads = [], []
+        for r in range(dp):
+            b = data[r][step]
+            losses = []
+            for x, y in zip(b[:, :-1].chunk(micro), b[:, 1:].chunk(micro)):
+                loss = model(x, y) / micro
+                loss.backward()
+                losses.append(loss.item())
+            per_replica.append(losses)
+            grads.append([p.grad.clone() for p in model.parameters()])
+            opt.zero_grad()
+        for k, p in enumerate(model.parameters()):
+            total = grads[0][k]
+            for g in grads[1:]:
+                total = total + g[k]
+            p.grad = total / dp if dp > 1 else total
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        out.append(per_replica)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    schedule: str
+    micro: int
+    segments: int
+    plan: str = "stream"           # "stream": states homed on the host, blocks streamed; "disk": homed on disk
+    update: str = "sync"
+    clip: float | None = None
+
+
+def _plan(name: str, n_blocks: int):
+    from tiertrain.memory import Tier
+    from tiertrain.plan import BlockPlan, Plan
+
+    if name == "disk":
+        return Plan(tuple(BlockPlan(home=Tier.DISK, stream=True) for _ in range(n_blocks)), BlockPlan(home=Tier.DISK),
+                    name="disk-home")
+    return name
+
+
+def pipelined_losses(rank: int, case: Case, pp: int, disk: Path, events: bool = False) -> dict:
+    """This rank's replica index and its micro-batch losses per step; with ``events``, the order in which each
+    of its stages' backward began and its gradients' reductions were issued (first step only)."""
+    from tiertrain.api.pipeline import pipeline
+    from tiertrain.memory import Budgets
+    from tiertrain.plan.pipeline import PipelineLayout
+
+    model, opt = fresh()
+    layout = PipelineLayout(pp=pp, schedule=case.schedule, micro_batches=case.micro, segments=case.segments)
+    run = pipeline(model, opt, layout, Budgets(64 << 20, 64 << 20, 64 << 20, rank_disk(disk, rank)),
+                   plan=_plan(case.plan, TINY["n_layer"]), page_size=64 << 10, update=case.update,
+                   max_grad_norm=case.clip)
+    log: list[tuple[str, int]] = []
+    if events:
+        _record(run, log)
+    replica = rank // pp
+    try:
+        losses = []
+        for b in batches(replica):
+            run.step(b[:, :-1], b[:, 1:])
+            losses.append(run.micro_losses.tolist())
+            run.optimizer.step()
+            run.optimizer.zero_grad()
+            if events:
+                events, recorded = False, list(log)
+        out = {"replica": replica, "losses": losses, "pp_rank": run.mesh.pp_rank, "indices": run.indices}
+        if log:
+            out["events"] = recorded
+            out["synced"] = run.synced
+        return out
+    finally:
+        run.close()
+
+
+def _record(run, log: list) -> None:
+    """Log each stage's backward beginning (its output's gradient arriving) and each reduction its runtime
+    issues over the stage's data-parallel group."""
+    for module, v in zip(run.stages, run.indices):
+        module.register_full_backward_pre_hook(lambda m, g, v=v: log.append(("backward", v)))
+        comm = module.runtime.comm
+        for name in ("reduce_scatter", "all_reduce"):
+            inner = getattr(comm, name)
+
+            def logged(*args, _inner=inner, _v=v, **kwargs):
+                log.append(("sync", _v))
+                return _inner(*args, **kwargs)
+            setattr(comm, name, logged)

@@ -1,0 +1,129 @@
+"""Pipelined training over tiered stages (issue 38): pp = 2 and pp = 2 x dp = 2 gloo ranks, every schedule,
+a host-homed and a disk-homed plan, train as one process of plain PyTorch accumulating the same
+micro-batches, bit for bit in fp32 (a stage computes the model's own ops in its order, the activations and
+their gradients cross between stages unchanged, and a dp = 2 reduction is a sum of two, which any order
+gives alike); with clipping within a stated tolerance. AIAO's per-segment DP.sync is checked on recorded
+events."""
+
+import functools
+
+import pytest
+import torch
+
+from dp_harness import run_ranks
+from pp_harness import Case, pipelined_losses, reference
+
+SCHEDULES = [Case("gpipe", 2, 1), Case("1f1b", 4, 1), Case("interleaved", 4, 2), Case("aiao", 4, 2)]
+PP2 = SCHEDULES + [Case(c.schedule, c.micro, c.segments, plan="disk") for c in SCHEDULES] + [
+    Case("aiao", 4, 2, update="overlap"), Case("aiao", 4, 2, clip=0.05), Case("1f1b", 4, 1, clip=0.05)]
+PP2_DP2 = SCHEDULES + [Case("aiao", 4, 2, plan="disk"), Case("aiao", 4, 2, update="overlap"),
+                       Case("aiao", 4, 2, clip=0.05)]
+# Clipping: the pipeline's norm combines each stage's (sqrt of a sum of squares of per-stage norms) where torch
+# takes one norm over every parameter's: the same value within fp32 rounding of a few ulps, so the clipped
+# steps may differ in the last bits; 1e-6 relative is a hundred times that and a thousand below any real fault.
+CLIP_RTOL = 1e-6
+
+
+def _jobs(cases, pp, tmp, events):
+    jobs = [((case,), functools.partial(pipelined_losses, case=case, pp=pp, disk=tmp / f"{i}")) for i, case in
+            enumerate(cases)]
+    return jobs + [(("events",), functools.partial(pipelined_losses, case=events, pp=pp, disk=tmp / "events",
+                                                   events=True))]
+
+
+@pytest.fixture(scope="module")
+def pp2(tmp_path_factory):
+    return run_ranks(2, tmp_path_factory.mktemp("pp2"), _jobs(PP2, 2, tmp_path_factory.mktemp("pp2d"),
+                                                               Case("aiao", 4, 2)))
+
+
+@pytest.fixture(scope="module")
+def pp2_dp2(tmp_path_factory):
+    return run_ranks(4, tmp_path_factory.mktemp("pp2dp2"), _jobs(PP2_DP2, 2, tmp_path_factory.mktemp("pp2dp2d"),
+                                                                  Case("aiao", 4, 2)))
+
+
+def _check(results, case, world, dp):
+    want = reference(dp, case.micro, case.clip)
+    for rank in range(world):
+        got = results[((case,), rank)]
+        mine = [step[got["replica"]] for step in want]
+        if case.clip is None:
+            assert got["losses"] == mine, f"rank {rank}"
+        else:
+            assert got["losses"][0] == mine[0]  # nothing clipped before the first step
+            flat = [x for step in got["losses"] for x in step]
+            assert flat == pytest.approx([x for step in mine for x in step], rel=CLIP_RTOL, abs=0), f"rank {rank}"
+
+
+@pytest.mark.parametrize("case", PP2, ids=str)
+def test_two_stages_train_as_one_process_accumulating_the_micro_batches(pp2, case):
+    _check(pp2, case, 2, 1)
+
+
+@pytest.mark.parametrize("case", PP2_DP2, ids=str)
+def test_two_stages_over_two_replicas_train_as_one_process_averaging_them(pp2_dp2, case):
+    _check(pp2_dp2, case, 4, 2)
+
+
+def test_clipping_changes_the_steps_it_should(pp2):
+    """The clipped runs above are not the unclipped ones (0.05 clips these gradients)."""
+    clipped = pp2[((Case("aiao", 4, 2, clip=0.05),), 0)]["losses"]
+    free = pp2[((Case("aiao", 4, 2),), 0)]["losses"]
+    assert clipped[0] == free[0] and clipped[1:] != free[1:]
+
+
+def test_aiao_issues_each_segments_dp_sync_before_the_segment_before_it_runs_backward(pp2_dp2):
+    """On every rank, each stage's gradient reductions over its data-parallel group are issued during its
+    last micro-batch's backward, and the later segment's all before the earlier segment's first backward
+    (FOLD3D Alg. 1: DP.sync of segment k runs under segment k-1's backward). REDUCE_GRAD comes in the same
+    order."""
+    for rank in range(4):
+        got = pp2_dp2[(("events",), rank)]
+        events, (early, late) = got["events"], got["indices"]
+        backwards = [i for i, e in enumerate(events) if e == ("backward", late)]
+        syncs = [i for i, e in enumerate(events) if e == ("sync", late)]
+        assert len(backwards) == 4 and syncs, events
+        assert min(syncs) > backwards[-1]  # the last micro-batch's backward issues them
+        first_early = events.index(("backward", early))
+        assert max(syncs) < first_early, events
+        assert any(e == ("sync", early) for e in events[first_early:])
+        assert got["synced"] == [late, early]
+
+
+@pytest.mark.parametrize("change, says", [
+    (dict(tie_embeddings=True), "tied embeddings .* build the model with tie_embeddings=False"),
+    (dict(n_experts=4), "mixture-of-experts blocks is not supported yet"),
+    (dict(dropout=0.1), "dropout .* build the model with dropout=0"),
+])
+def test_a_model_the_pipeline_cannot_cut_is_refused_before_any_rank_starts(change, says):
+    from pp_harness import TINY
+
+    from tiertrain.api.pipeline import pipeline
+    from tiertrain.errors import ConfigError
+    from tiertrain.models import build
+    from tiertrain.plan.pipeline import PipelineLayout
+
+    model = build({**TINY, **change})
+    with pytest.raises(ConfigError, match=says):
+        pipeline(model, torch.optim.AdamW(model.parameters()), PipelineLayout(pp=2))
+
+
+@pytest.mark.parametrize("fields, says", [
+    (dict(max_grad_norm=1.0, update="overlap"), "clipping in a pipelined run .* use --update sync"),
+    (dict(grad_accum=3), "accumulates its 4 micro-batches: leave grad_accum out"),
+    (dict(compute_dtype="bf16"), "compute in fp32 for now"),
+    (dict(ep=2), "expert parallel inside a pipeline stage is not supported yet"),
+])
+def test_options_a_pipeline_cannot_run_yet_are_refused_in_one_line(fields, says):
+    from pp_harness import fresh
+
+    from tiertrain.api.pipeline import pipeline
+    from tiertrain.errors import ConfigError
+    from tiertrain.plan.pipeline import PipelineLayout
+
+    model, opt = fresh()
+    with pytest.raises(ConfigError, match=says):
+        pipeline(model, opt, PipelineLayout(pp=2, micro_batches=4), **fields)
+    with pytest.raises(ConfigError, match="a Linear has no stages yet"):
+        pipeline(torch.nn.Linear(2, 2), opt, PipelineLayout(pp=2))

@@ -141,7 +141,8 @@ def pool_peaks(rank: int, plan, disk: Path, accum: int = 2, reduce_every: str | 
                         "groups": len(groups), "reducing": acc.peak(Tier.DEVICE, Kind.REDUCE),
                         "stage": max((g.layout.numel + (g.state_numel if g.shard else 0)) * 4 for g in groups),
                         "stages": sum(g.layout.numel * 4 for g in groups),
-                        "part": max((g.state_numel if g.shard else 0) * 4 for g in groups)}
+                        "part": max((g.state_numel if g.shard else 0) * 4 for g in groups),
+                        "parts": sum((g.state_numel if g.shard else 0) * 4 for g in groups)}
     finally:
         tm.runtime.close()
         tm.runtime.mem.close()

@@ -118,10 +118,17 @@ def pipelined_losses(rank: int, case: Case, pp: int, disk: Path, events: bool = 
 
 
 def _record(run, log: list) -> None:
-    """Log each stage's backward beginning (its output's gradient arriving) and each reduction its runtime
-    issues over the stage's data-parallel group."""
+    """Log each stage's backward beginning (its output's gradient arriving), each reduction its runtime
+    issues over the stage's data-parallel group, and each landing of one."""
     for module, v in zip(run.stages, run.indices):
         module.register_full_backward_pre_hook(lambda m, g, v=v: log.append(("backward", v)))
+        backward = module.runtime.backward
+        finish = backward._finish_reduction
+
+        def landed(_finish=finish, _v=v):
+            log.append(("landed", _v))
+            _finish()
+        backward._finish_reduction = landed
         comm = module.runtime.comm
         for name in ("reduce_scatter", "all_reduce"):
             inner = getattr(comm, name)

@@ -1,5 +1,7 @@
 """The benchmarks run and print their figures beside their limits (no timing is asserted)."""
 
+import pytest
+
 from conftest import run_cli
 
 
@@ -118,6 +120,22 @@ def test_bench_parallel_prints_dp2_beside_dp1_with_the_bytes_each_rank_sent():
         assert "of the step exposed" in lines[i + 2]
     bad = run_cli("bench", "parallel", "--layouts", "fsdp")
     assert bad.returncode != 0 and "give some of ddp, zero2, zero3" in bad.stderr
+
+
+def test_bench_pipeline_prints_each_schedules_step_and_exposed_sync_beside_1f1bs():
+    r = run_cli("bench", "pipeline", "--schedules", "1f1b,aiao", "--d-model", "32", "--layers", "4", "--rows", "4",
+                "--seq-len", "8", "--steps", "1", timeout=600)
+    assert r.returncode == 0, r.stderr
+    rows = {x.split()[0]: x for x in r.stdout.splitlines() if x.split() and x.split()[0] in ("1f1b", "aiao")}
+    assert "link: loopback" in r.stdout and set(rows) == {"1f1b", "aiao"}
+    step = {k: float(v.split("step")[1].split("ms")[0]) for k, v in rows.items()}
+    assert all(s > 0 for s in step.values()) and "exposed DP.sync" in rows["1f1b"]
+    said = float(rows["aiao"].split("vs 1F1B: ")[1].split("x")[0])  # printed ms are rounded: within 0.01
+    assert said == pytest.approx(step["1f1b"] / step["aiao"], abs=0.011)
+    for bad, says in ((("--schedules", "zb"), "give some of 1f1b, interleaved, aiao"),
+                      (("--layers", "3"), "4 pipeline stages (2 ranks x 2 segments) for a model of 3 blocks")):
+        r = run_cli("bench", "pipeline", *bad)
+        assert r.returncode != 0 and says in r.stderr
 
 
 def test_bench_peers_with_a_disk_counts_each_systems_disk_bytes_and_peak_rss(tmp_path):

@@ -75,9 +75,9 @@ def test_clipping_changes_the_steps_it_should(pp2):
 
 def test_aiao_issues_each_segments_dp_sync_before_the_segment_before_it_runs_backward(pp2_dp2):
     """On every rank, each stage's gradient reductions over its data-parallel group are issued during its
-    last micro-batch's backward, and the later segment's all before the earlier segment's first backward
-    (FOLD3D Alg. 1: DP.sync of segment k runs under segment k-1's backward). REDUCE_GRAD comes in the same
-    order."""
+    last micro-batch's backward, and the later segment's all before the earlier segment's first backward;
+    none lands before the earlier segment's last backward has begun (FOLD3D Alg. 1: DP.sync of segment k
+    runs under segment k-1's backward; they land as the step begins). REDUCE_GRAD comes in the same order."""
     for rank in range(4):
         got = pp2_dp2[(("events",), rank)]
         events, (early, late) = got["events"], got["indices"]
@@ -88,6 +88,9 @@ def test_aiao_issues_each_segments_dp_sync_before_the_segment_before_it_runs_bac
         first_early = events.index(("backward", early))
         assert max(syncs) < first_early, events
         assert any(e == ("sync", early) for e in events[first_early:])
+        landed = [i for i, e in enumerate(events) if e == ("landed", late)]
+        last_early = max(i for i, e in enumerate(events) if e == ("backward", early))
+        assert len(landed) == len(syncs) and min(landed) > last_early, events
         assert got["synced"] == [late, early]
 
 

@@ -281,8 +281,9 @@ def test_plan_with_ep_plans_each_rank_with_the_experts_it_holds_and_refuses_what
 
 def test_gradients_reduced_once_a_step_are_counted_as_every_blocks_stage_held_at_once():
     """``reduce_every="step"`` holds each block's stage (its whole gradients in the reduce dtype) from its
-    first micro-batch to its reduction: where the stages live, the budget counts every block's, not the
-    two of a reduction every micro-batch (the parts reduce-scattered beside them stay two)."""
+    first micro-batch to its reduction, and lets every block's reduction be in flight at once (they land as
+    the step begins): the budget counts every block's stage and part where they live, not the two of a
+    reduction every micro-batch, and every block's landing chunk where the gradients live."""
     from tiertrain.plan.bytes import pages
 
     page, dp = 64 << 10, 2
@@ -291,6 +292,7 @@ def test_gradients_reduced_once_a_step_are_counted_as_every_blocks_stage_held_at
     once = dataclasses.replace(every, reduce_every="step")
     stages = [pages(n * 4, page) for n in numels]  # whole blocks in fp32, padded to pages
     added = tier_bytes(numels, once, page)[Tier.DEVICE] - tier_bytes(numels, every, page)[Tier.DEVICE]
-    parts = max(pages(n * 4 // dp, page) for n in numels)
-    assert added == sum(stages) - 2 * (max(stages) + parts) + 2 * parts
-    assert tier_bytes(numels, once, page)[Tier.HOST] == tier_bytes(numels, every, page)[Tier.HOST]
+    parts = [pages(n * 4 // dp, page) for n in numels]
+    assert added == sum(stages) + sum(parts) - 2 * (max(stages) + max(parts))
+    landing = tier_bytes(numels, once, page)[Tier.HOST] - tier_bytes(numels, every, page)[Tier.HOST]
+    assert landing == sum(parts) - 2 * max(parts)  # the shards' fresh chunks, on the host with the states

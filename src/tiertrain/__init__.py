@@ -3,8 +3,8 @@
 from tiertrain.errors import CheckpointError, ConfigError, DataError, OutputError, UserError
 
 __version__ = "0.1.0"
-__all__ = ["Budgets", "CheckpointError", "ConfigError", "DataError", "OutputError", "Plan", "UserError",
-           "__version__", "setup"]
+__all__ = ["Budgets", "CheckpointError", "ConfigError", "DataError", "OutputError", "PipelineLayout", "Plan",
+           "UserError", "__version__", "pipeline", "setup"]
 
 
 def __getattr__(name: str):
@@ -13,6 +13,14 @@ def __getattr__(name: str):
         from tiertrain.api.setup import setup
 
         return setup
+    if name == "pipeline":
+        from tiertrain.api.pipeline import pipeline
+
+        return pipeline
+    if name == "PipelineLayout":
+        from tiertrain.plan.pipeline import PipelineLayout
+
+        return PipelineLayout
     if name == "Budgets":
         from tiertrain.plan import Budgets
 

@@ -461,6 +461,41 @@ def bench_parallel_cmd(nproc: int, layouts: str, d_model: int, layers: int, batc
                    click.echo)
 
 
+@bench.command("pipeline", context_settings=CONTEXT)
+@click.option("--rate", default=None, help="Rate-limit the link between the two emulated hosts (root, iproute2: two "
+              "network namespaces and a veth pair with tc tbf), e.g. 1gbit; left out: the loopback.")
+@click.option("--schedules", default="1f1b,interleaved,aiao", show_default=True, help="Comma-separated.")
+@click.option("--plan", "plan_name", type=click.Choice(["resident", "stream", "max-offload"]), default="resident",
+              show_default=True, help="Where each stage's states live (max-offload: on disk).")
+@click.option("--d-model", type=POSITIVE, default=512, show_default=True)
+@click.option("--layers", type=POSITIVE, default=8, show_default=True)
+@click.option("--rows", type=POSITIVE, default=8, show_default=True, help="Sequences per replica and step.")
+@click.option("--seq-len", type=click.IntRange(1, 256), default=32, show_default=True)
+@click.option("--micro-batches", type=POSITIVE, default=4, show_default=True)
+@click.option("--segments", type=POSITIVE, default=2, show_default=True, help="AIAO's segments, interleaved's "
+              "virtual stages per rank.")
+@click.option("--steps", type=POSITIVE, default=4, show_default=True, help="Timed steps, after one warm-up.")
+def bench_pipeline_cmd(rate: str | None, schedules: str, plan_name: str, d_model: int, layers: int, rows: int,
+                       seq_len: int, micro_batches: int, segments: int, steps: int) -> None:
+    """pp=2 x dp=2 (four ranks on two emulated hosts): 1F1B, interleaved and AIAO side by side, step time and
+    exposed DP.sync."""
+    from tiertrain.bench.machine import describe
+    from tiertrain.bench.pipeline import SCHEDULES, PipelineBench, bench_pipeline
+    from tiertrain.plan.pipeline import PipelineLayout
+
+    chosen = tuple(x for x in schedules.split(",") if x)
+    if not chosen or any(x not in SCHEDULES for x in chosen):
+        raise ConfigError(f"--schedules {schedules!r}: give some of {', '.join(SCHEDULES)}, comma-separated")
+    if rate is not None and os.geteuid() != 0:
+        raise ConfigError("--rate makes two network namespaces and a veth pair, which needs root: run it as root, "
+                          "or leave --rate out to use the loopback")
+    for s in chosen:  # what a rank would refuse, before any starts
+        PipelineLayout(2, s, micro_batches, 1 if s == "1f1b" else segments).check(4, layers, rows)
+    click.echo(f"machine: {describe()}")
+    bench_pipeline(PipelineBench(d_model, layers, rows, seq_len, micro_batches, segments, steps, threads=1,
+                                 plan=plan_name, schedules=chosen), rate, click.echo)
+
+
 @bench.command("peers", context_settings=CONTEXT)
 @click.option("--model", default="gpt-small", show_default=True,
               help="A named model (tiertrain info --list) or one of our model config JSONs.")

@@ -102,12 +102,12 @@ def reduce_staging(full: list[int], parts: list[int], dp: int, page: int, bound:
     (``Plan.reduce_on``): the stage of the block whose backward runs and of each reduction in flight
     (``in_flight``), each a whole block's gradients in the reduce dtype (``full``), and beside a sharded one
     the shard it is reduce-scattered into (``parts``, 0: none apart), for the largest block. Reduced once a
-    step (``Plan.reduce_every``), every block's stage is held from its first micro-batch to its reduction."""
+    step (``Plan.reduce_every``), every block's stage is held from its first micro-batch to its reduction, and
+    every block's reduction may be in flight at once (they land as the step begins: ``runtime.backward``)."""
     if dp == 1 or not full:
         return 0
     if once_a_step:
-        return sum(pages(f, page, bound) for f in full) + (in_flight + 1) * max(
-            pages(s, page, bound) if s else 0 for s in parts)
+        return sum(pages(f, page, bound) + (pages(s, page, bound) if s else 0) for f, s in zip(full, parts))
     return (in_flight + 1) * max(pages(f, page, bound) + (pages(s, page, bound) if s else 0)
                                  for f, s in zip(full, parts))
 

@@ -199,8 +199,9 @@ def tier_bytes(sizes: "Sizes | Sequence[int]", plan: Plan, page: int, train: boo
         in_flight = reductions_in_flight(plan.parallel.hybrid)
         need[Tier(plan.reduce_on)] += reduce_staging(staged, parts, dp, page, bound, in_flight,
                                                      plan.reduce_every == "step")
-        for tier, largest in _landing(state, plans, dp, chunk).items():
-            need[tier] += (in_flight + 1) * largest
+        once = plan.reduce_every == "step"  # every block's reduction may be in flight at once
+        for tier, (largest, every) in _landing(state, plans, dp, chunk).items():
+            need[tier] += every if once else (in_flight + 1) * largest
     if grads == "transient":
         for tier, nbytes in bounded_grads(sizes, plan, page, bound).items():
             need[tier] += nbytes
@@ -213,13 +214,15 @@ def tier_bytes(sizes: "Sizes | Sequence[int]", plan: Plan, page: int, train: boo
     return need
 
 
-def _landing(state: list[int], plans: list[BlockPlan], dp: int, chunk: Callable[[int], int]) -> dict[Tier, int]:
+def _landing(state: list[int], plans: list[BlockPlan], dp: int, chunk: Callable[[int], int]
+             ) -> dict[Tier, tuple[int, int]]:
     """Data parallel: per gradient tier, the largest part of a block a reduction lands in a fresh chunk
-    beside the block's sum (one per reduction in flight, and the one starting)."""
-    out: dict[Tier, int] = {}
+    beside the block's sum (one per reduction in flight, and the one starting), and every block's together."""
+    out: dict[Tier, tuple[int, int]] = {}
     if dp > 1:
         for size, bp in zip(state, plans):
-            out[grad_tier(bp)] = max(out.get(grad_tier(bp), 0), chunk(size))
+            largest, every = out.get(grad_tier(bp), (0, 0))
+            out[grad_tier(bp)] = (max(largest, chunk(size)), every + chunk(size))
     return out
 
 

@@ -12,6 +12,7 @@ a flush waits here for an update in flight to free a chunk.
 
 from __future__ import annotations
 
+import time
 from concurrent import futures
 from typing import TYPE_CHECKING
 
@@ -30,19 +31,23 @@ if TYPE_CHECKING:
 class BackwardPass:
     def __init__(self, groups: list["BlockGroup"], clock: StepClock, mode: "UpdateMode", mem: MemorySystem,
                  bounded: bool, update_workers: int, tied_early: bool, late: set[int] | None = None,
-                 in_flight: int = REDUCTIONS_IN_FLIGHT) -> None:
+                 in_flight: int = REDUCTIONS_IN_FLIGHT, lands_at_step: bool = False) -> None:
         """``bounded``: backward waits for updates to free gradient chunks, keeping ``update_workers + 1``
         alive per tier; ``tied_early``: the rest's chunk, which a tied weight's other uses fill through
         backward, has a place of its own there (``Runtime._tied_grads_early``); ``late``: the blocks an
         earlier plan's backwards saw flush only as backward ended; ``in_flight``: reductions kept in
-        flight beside the one starting (``plan.bytes.reductions_in_flight``, what the budget counts)."""
+        flight beside the one starting (``plan.bytes.reductions_in_flight``, what the budget counts);
+        ``lands_at_step``: gradients reduced once a step (``Plan.reduce_every``) are all left in flight by the
+        last micro-batch's backward and land when the step begins (``land``): FOLD3D's DP.sync, running under
+        whatever the rank computes next (the backward of a pipeline's earlier segments)."""
         self._groups, self._clock, self._mode, self._mem = groups, clock, mode, mem
-        self._in_flight = in_flight
+        self._in_flight, self.lands_at_step = (len(groups) if lands_at_step else in_flight), lands_at_step
         self._bounded, self._workers, self.tied_early = bounded, update_workers, tied_early
         self.running = False                    # a backward runs now
         self.late_flushes = late                # blocks a backward did not flush as they came (None: none ran yet)
         self._flushed_early: set[int] = set()   # blocks this backward flushed as their gradients came in
         self._reducing: list["BlockGroup"] = []  # blocks whose gradients' reduction is in flight, oldest first
+        self.sync_wait_s = 0.0  # seconds this thread waited for reductions to land: data parallel's exposed sync
 
     def begin(self) -> None:
         """A gradient arrived: the first of a backward queues ``_done`` to run when it ends."""
@@ -70,7 +75,9 @@ class BackwardPass:
     def _finish_reduction(self) -> None:
         """The oldest reduction in flight lands; its block's gradients are final."""
         g = self._reducing.pop(0)
+        began = time.perf_counter()
         g.finish_reduction()
+        self.sync_wait_s += time.perf_counter() - began
         self._mode.grads_final(g)
 
     def room_for_grads(self, tier: Tier) -> None:
@@ -105,12 +112,17 @@ class BackwardPass:
         for g in self._groups:
             if g.has_fresh_grads or g.reduces_at_end:
                 g.post_backward()
-        while self._reducing:
-            self._finish_reduction()
         final = self._clock.final_micro()
+        if not (final and self.lands_at_step):
+            self.land()
         self._clock.micro += 1
         self.running = False
         self._mode.backward_done(final)
+
+    def land(self) -> None:
+        """Every reduction in flight landed, oldest first (its block's gradients final)."""
+        while self._reducing:
+            self._finish_reduction()
 
     def abandon(self) -> None:
         """``zero_grad`` after a backward that raised: the reductions it left in flight are the groups' to

@@ -25,6 +25,7 @@ from tiertrain.parallel.placement import checked
 from tiertrain.plan import Plan, RunOptions
 from tiertrain.plan.bytes import grad_tier, reductions_in_flight, updated_away
 from tiertrain.plan.fit import has_own_place
+from tiertrain.plan.update_modes import rules
 from tiertrain.runtime.backward import BackwardPass
 from tiertrain.runtime.block_group import F32, BlockGroup
 from tiertrain.runtime.blocks import Block, block_layout, block_sizes, find_blocks
@@ -108,7 +109,8 @@ class Runtime:
         late = self.backward.late_flushes if self.backward is not None else None
         ctx.backward = self.backward = BackwardPass(groups, self.clock, self.mode, self.mem, self.bounded_grads,
                                                     plan.update_workers, self._tied_grads_early(), late,
-                                                    reductions_in_flight(plan.parallel.hybrid))
+                                                    reductions_in_flight(plan.parallel.hybrid),
+                                                    plan.reduce_every == "step" and not rules(plan.update).loops)
         ctx.ahead = self.reads = ReadAhead(groups, plan, self.clock, self.mode, ctx.moves, self.backward,
                                            self._token_dependent())
         self._handles = []
@@ -192,9 +194,11 @@ class Runtime:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """The loop's ``clip_grad_norm_``, as the update mode answers it."""
+        self.backward.land()
         return self.mode.clip_grad_norm_(max_norm, norm_type)
 
     def step(self) -> None:
+        self.backward.land()  # reductions a last backward left in flight (``BackwardPass.lands_at_step``)
         if self.clock.nonfinite_norm:
             raise FloatingPointError(f"the gradient norm is {float(self.norm.last_norm)}: no block was updated; "
                                      "lower the learning rate, or find where the loss or the gradients overflow")
@@ -211,6 +215,7 @@ class Runtime:
 
     def wait_updates(self) -> None:
         """Every gradient taken into the states and every state home (checkpoints, the end)."""
+        self.backward.land()
         self.mode.wait_all()
 
     def zero_grad(self) -> None:

@@ -594,12 +594,14 @@ def killed_in_second_save(rank: int, world: int, store: str, tmp: str, errors) -
         tm.runtime.mem.close()
 
 
-def run_ranks_one_dies(world: int, tmp: Path) -> tuple[dict, list[int | None]]:
-    """``killed_in_second_save`` on ``world`` ranks: each rank's error, and each process's exit code."""
+def run_ranks_one_dies(world: int, tmp: Path, target=None) -> tuple[dict, list[int | None]]:
+    """``target`` (``killed_in_second_save`` by default: a rank process that loses one) on ``world`` ranks:
+    each rank's error, and each process's exit code."""
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         errors = manager.dict()
-        procs = [ctx.Process(target=killed_in_second_save, args=(r, world, str(tmp / "store-killed"), str(tmp), errors))
+        procs = [ctx.Process(target=target or killed_in_second_save,
+                             args=(r, world, str(tmp / "store-killed"), str(tmp), errors))
                  for r in range(world)]
         for p in procs:
             p.start()
@@ -609,3 +611,27 @@ def run_ranks_one_dies(world: int, tmp: Path) -> tuple[dict, list[int | None]]:
                 p.kill()
                 p.join()
         return dict(errors), [p.exitcode for p in procs]
+
+
+def backward_twice(rank: int) -> str:
+    """Gradients reduced once a step, accumulation 1: a second backward before ``step`` (a loop whose
+    ``grad_accum`` is short of its micro-batches) while the first's reductions are still in flight."""
+    import tiertrain
+    from tiertrain.memory import Budgets
+    from tiertrain.train.objective import lm_loss
+
+    model, opt = _fresh()
+    tm, topt = tiertrain.setup(model, opt, Budgets(64 << 20, 64 << 20), plan="stream", page_size=64 << 10,
+                               reduce_every="step")
+    b = rank_batches(rank, 1)[0]
+    try:
+        lm_loss(tm, b[:, :-1], b[:, 1:]).backward()
+        try:
+            lm_loss(tm, b[:, :-1], b[:, 1:]).backward()
+        except RuntimeError as exc:
+            return str(exc)
+        return "no error"
+    finally:
+        topt.zero_grad()
+        tm.runtime.close()
+        tm.runtime.mem.close()

@@ -137,3 +137,62 @@ def _record(run, log: list) -> None:
                 log.append(("sync", _v))
                 return _inner(*args, **kwargs)
             setattr(comm, name, logged)
+
+
+def stage_dies(rank: int, world: int, store: str, tmp: str, errors) -> None:
+    """A rank process of a pp = 2 AIAO run: one step, then rank 1 is SIGKILLed as the second begins; rank 0's
+    error and how long after the kill it came are kept in ``errors``."""
+    import os
+    import signal
+    import time
+
+    import torch.distributed as dist
+
+    from tiertrain.api.pipeline import pipeline
+    from tiertrain.memory import Budgets
+    from tiertrain.plan.pipeline import PipelineLayout
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    model, opt = fresh()
+    run = pipeline(model, opt, PipelineLayout(pp=2, schedule="aiao", micro_batches=2, segments=2),
+                   Budgets(64 << 20, 64 << 20), plan="stream", page_size=64 << 10)
+    data, began = batches(0), time.monotonic()
+    try:
+        run.step(data[0][:, :-1], data[0][:, 1:])
+        run.optimizer.step()
+        dist.barrier()
+        began = time.monotonic()
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        run.step(data[1][:, :-1], data[1][:, 1:])
+    except BaseException as exc:  # noqa: BLE001 - rank 0's error is what the test reads
+        errors[rank] = (f"{type(exc).__name__}: {exc}", time.monotonic() - began)
+    finally:
+        run.close()
+
+
+def stashed_checkpoints(rank: int, micro: int) -> dict:
+    """One AIAO step (pp = 2, 2 segments, ``micro`` micro-batches of 2 rows) with every block recomputed and
+    its saved input (the activation checkpoint) offloaded: the host bytes the stages' stashes held at their
+    peak, the tensors left where they were, and one checkpoint's bytes."""
+    import dataclasses as dc
+
+    from tiertrain.api.pipeline import pipeline
+    from tiertrain.memory import Budgets, Kind, Tier
+    from tiertrain.plan import builtin_plan
+    from tiertrain.plan.pipeline import PipelineLayout
+
+    base = builtin_plan("stream", TINY["n_layer"])
+    plan = dc.replace(base, blocks=tuple(dc.replace(b, recompute=True, offload_hidden=True) for b in base.blocks))
+    model, opt = fresh()
+    run = pipeline(model, opt, PipelineLayout(pp=2, schedule="aiao", micro_batches=micro, segments=2),
+                   Budgets(64 << 20, 64 << 20), plan=plan, page_size=64 << 10)
+    try:
+        b = torch.randint(0, 256, (2 * micro, 17), generator=torch.Generator().manual_seed(5))
+        run.step(b[:, :-1], b[:, 1:])
+        peak = sum(s.runtime.mem.accounting.peak(Tier.HOST, Kind.ACTIVATION) for s in run.stages)
+        kept = sum(st.kept for s in run.stages for st in s.runtime.stashes.values())
+        return {"peak": peak, "kept": kept, "checkpoint": 2 * 16 * TINY["d_model"] * 4}
+    finally:
+        run.close()

@@ -11,7 +11,8 @@ import pytest
 from dp_harness import (TINY4, agreed_auto_setup, agreed_budgets, ddp_losses, failure_on_rank0, gather_events,
                         mismatched_collective, mismatched_setup, one_process_checkpoint, per_micro_losses, pool_peaks,
                         recheck_on_rank0, reduction_events, resumed_by_parts, run_ranks, run_ranks_one_dies,
-                        saved_then_uninterrupted, sent_per_step, tiered_losses, unshared_save, disk_reads_by_thread)
+                        saved_then_uninterrupted, sent_per_step, tiered_losses, unshared_save, disk_reads_by_thread,
+                        backward_twice)
 from tiertrain.memory import Tier
 from tiertrain.parallel import ring_bytes
 from tiertrain.plan import BlockPlan, Plan, builtin_plan, data_parallel
@@ -91,6 +92,10 @@ def dp2(tmp_path_factory, one_process):
         reduce_every="step")) for name, update in (("resident", "sync"), ("stream", "overlap"), ("disk", "sync"))]
     jobs += [(("once a step peaks",), functools.partial(pool_peaks, plan=PEAK_PLANS["zero-3"], disk=tmp / "once-peaks",
                                                        reduce_every="step"))]
+    jobs += [(("once a step clip", name, update), functools.partial(
+        tiered_losses, plan=PLANS[name], update=update, accum=2, clip=0.5, disk=tmp / f"once-clip-{name}{update}",
+        reduce_every="step")) for name, update in (("resident", "sync"), ("stream", "overlap"))]
+    jobs += [(("backward twice",), backward_twice)]
     return run_ranks(2, tmp, jobs)
 
 
@@ -104,6 +109,23 @@ def test_gradients_reduced_once_a_step_equal_ddps_no_sync_bitwise(dp2, case):
         losses, sent = dp2[(("once a step", *case), rank)]
         assert losses == dp2[(("ddp", 2, None), rank)]
         assert sent < dp2[((case[0], case[1], 2, None), rank)][1]
+
+
+def test_gradients_reduced_once_a_step_clip_by_the_steps_global_norm(dp2):
+    """With clipping the norm needs every block's reduced gradients: sync lands the step's reductions before
+    it, overlap (which starts every update as backward ends) lands them as backward ends; both clip as DDP
+    does within the rounding of the sharded norm (relative 1e-5 over the run, step 1 bit for bit)."""
+    for rank in (0, 1):
+        want = dp2[(("ddp", 2, 0.5), rank)]
+        for update in (("resident", "sync"), ("stream", "overlap")):
+            got, _ = dp2[(("once a step clip", *update), rank)]
+            assert got[0] == want[0] and got == pytest.approx(want, rel=1e-5, abs=0), (update, got, want)
+
+
+def test_a_backward_while_the_steps_reductions_are_in_flight_is_refused(dp2):
+    for rank in (0, 1):
+        said = dp2[(("backward twice",), rank)]
+        assert "backward ran again after the last of grad_accum=1 micro-batches" in said, said
 
 
 def test_gradients_reduced_once_a_step_hold_every_blocks_stage_through_the_step(dp2):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dp_harness import run_ranks
-from pp_harness import Case, pipelined_losses, reference
+from pp_harness import Case, pipelined_losses, reference, stashed_checkpoints
 
 SCHEDULES = [Case("gpipe", 2, 1), Case("1f1b", 4, 1), Case("interleaved", 4, 2), Case("aiao", 4, 2)]
 PP2 = SCHEDULES + [Case(c.schedule, c.micro, c.segments, plan="disk") for c in SCHEDULES] + [
@@ -33,8 +33,9 @@ def _jobs(cases, pp, tmp, events):
 
 @pytest.fixture(scope="module")
 def pp2(tmp_path_factory):
-    return run_ranks(2, tmp_path_factory.mktemp("pp2"), _jobs(PP2, 2, tmp_path_factory.mktemp("pp2d"),
-                                                               Case("aiao", 4, 2)))
+    jobs = _jobs(PP2, 2, tmp_path_factory.mktemp("pp2d"), Case("aiao", 4, 2))
+    jobs += [(("stash", m), functools.partial(stashed_checkpoints, micro=m)) for m in (4, 8)]
+    return run_ranks(2, tmp_path_factory.mktemp("pp2"), jobs)
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +72,16 @@ def test_clipping_changes_the_steps_it_should(pp2):
     clipped = pp2[((Case("aiao", 4, 2, clip=0.05),), 0)]["losses"]
     free = pp2[((Case("aiao", 4, 2),), 0)]["losses"]
     assert clipped[0] == free[0] and clipped[1:] != free[1:]
+
+
+def test_aiaos_stashed_activation_checkpoints_wait_in_host_memory_as_eq_7_counts(pp2):
+    """Every block recomputed with its input offloaded: each rank's stash of an AIAO step (every micro-batch
+    of each of its 2 segments, FOLD3D's eq. 7: M x ns checkpoints) is in host memory, none left where it
+    was made, and it grows with M (twice the micro-batches, twice the bytes)."""
+    for rank in (0, 1):
+        four, eight = pp2[(("stash", 4), rank)], pp2[(("stash", 8), rank)]
+        assert four["kept"] == eight["kept"] == 0
+        assert four["peak"] >= 4 * 2 * four["checkpoint"] and eight["peak"] == 2 * four["peak"], (four, eight)
 
 
 def test_aiao_issues_each_segments_dp_sync_before_the_segment_before_it_runs_backward(pp2_dp2):
@@ -130,3 +141,15 @@ def test_options_a_pipeline_cannot_run_yet_are_refused_in_one_line(fields, says)
         pipeline(model, opt, PipelineLayout(pp=2, micro_batches=4), **fields)
     with pytest.raises(ConfigError, match="a Linear has no stages yet"):
         pipeline(torch.nn.Linear(2, 2), opt, PipelineLayout(pp=2))
+
+
+def test_a_lost_stage_ends_the_other_ranks_step_naming_it(tmp_path):
+    """Rank 1 (the last stage) is killed as the second step begins: rank 0, waiting in torch's receive for
+    its gradients, stops within the heartbeat's staleness (not the collective timeout), naming rank 1."""
+    from dp_harness import run_ranks_one_dies
+    from pp_harness import stage_dies
+
+    errors, codes = run_ranks_one_dies(2, tmp_path, stage_dies)
+    said, after = errors[0]
+    assert said.startswith("RankLost: rank 1 of 2 stopped") and "--resume" in said, said
+    assert after < 60 and codes[1] == -9, (after, codes)

@@ -98,3 +98,66 @@ def test_the_split_ratio_and_the_stashed_checkpoints_follow_alg_2_and_eqs_6_7():
     assert stash_checkpoints("aiao", 4, 2, 8) == 16 and stash_checkpoints("interleaved", 4, 2, 8) == 11
     assert stash_checkpoints("1f1b", 4, 1, 8) == 4 and stash_checkpoints("gpipe", 4, 1, 8) == 8
     assert [stash_checkpoints("aiao", 2, 2, m) for m in (4, 16)] == [8, 32]  # grows with M: why AIAO stashes on the host
+
+
+def _profile(blocks: int = 8, fwd: float = 0.01, params: int = 1_000_000, hidden: int = 1 << 20):
+    from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
+
+    block = BlockProfile("b", fwd, 2 * fwd, params, 4 * hidden, hidden)
+    m = MachineProfile(h2d_bps=10e9, d2h_bps=10e9, disk_read_bps=1e9, disk_write_bps=1e9, adam_params_per_s=1e9)
+    return Profile(tuple(block for _ in range(blocks)), BlockProfile("rest", 0.0, 0.0, 0, 0, 0), m)
+
+
+def test_a_layouts_predicted_step_is_fold3ds_model_of_its_busiest_stage():
+    """Two segments of 8 blocks over 2 ranks: a rank holds 4 blocks (forward 10 ms, backward 20 ms each),
+    their 4 M parameters' fp32 gradients all-reduced over 2 replicas at 1 GB/s (2 x 8 MB = 16 ms), and each
+    hop sends the batch's hidden states and their gradients (2 MiB at 1 GB/s)."""
+    from tiertrain.planner.network import Network
+    from tiertrain.planner.pipeline import stage_times, step_s
+
+    layout = PipelineLayout(pp=2, schedule="aiao", micro_batches=4, segments=2)
+    t, params = stage_times(_profile(), layout, Network.from_link(2, 1e9, "test"), 1e9)
+    assert params == 4_000_000 and t.compute_s == pytest.approx(4 * 0.03)
+    assert t.dp_sync_s == pytest.approx(2 * 16e6 / 2 / 1e9) and t.pp_sync_s == pytest.approx(2 * (1 << 20) / 1e9)
+    assert step_s(t, layout) == aiao_s(t, 2)
+    one = PipelineLayout(pp=2, schedule="1f1b", micro_batches=4)
+    t1, _ = stage_times(_profile(), one, Network.from_link(2, 1e9, "test"), 1e9)
+    assert step_s(t1, one) == one_f_one_b_s(t1) and t1.dp_sync_s == t.dp_sync_s
+
+
+def test_aiao_with_segments_is_chosen_where_dp_sync_is_large_and_1f1b_never_beats_it_without_one():
+    """Where the replicas' link is slow, AIAO hides all but 1/ns of DP.sync and is chosen with several
+    segments and many micro-batches; with one replica (no DP.sync) the bubble decides, and the stash of
+    the chosen layout is what eqs. 6-7 count."""
+    from tiertrain.planner.network import Network
+    from tiertrain.planner.pipeline import candidates, choose_pipeline
+
+    slow = choose_pipeline(_profile(), 2, Network.from_link(2, 1e8, "slow"), 1e10, rows=8)
+    best = slow[0]
+    assert best.layout.schedule == "aiao" and best.layout.segments > 1, best
+    one_f = min(c.step_s for c in slow if c.layout.schedule == "1f1b")
+    assert best.step_s < one_f and "under the other segments' backward" in best.why()
+    assert best.stash == best.layout.micro_batches * best.layout.segments
+    alone = choose_pipeline(_profile(), 2, Network.from_link(1, 1e9, "none"), 1e10, rows=8)
+    assert all(c.times.dp_sync_s == 0 for c in alone)
+    assert alone[0].step_s <= min(c.step_s for c in alone if c.layout.schedule == "1f1b")
+    for layout in candidates(8, 2, 8):
+        layout.check(4, 8, 8)  # every candidate is one a rank would run
+    assert not any(c.schedule == "interleaved" and c.micro_batches % 2 for c in candidates(8, 2, 6))
+
+
+def test_a_stage_takes_its_blocks_plans_from_a_whole_models_plan_or_a_stages():
+    import dataclasses
+
+    from tiertrain.memory import Tier
+    from tiertrain.plan import BlockPlan, Plan
+    from tiertrain.plan.pipeline import stage_plan
+
+    whole = Plan(tuple(BlockPlan(home=Tier.DISK if i % 2 else Tier.HOST, stream=True) for i in range(8)),
+                 BlockPlan(home=Tier.HOST))
+    cut = stage_plan(whole, range(4, 7), 8)
+    assert cut.blocks == whole.blocks[4:7] and cut.rest == whole.rest
+    stage = dataclasses.replace(whole, blocks=whole.blocks[:3])  # `plan --pp`'s: the largest stage's blocks
+    assert stage_plan(stage, range(6, 8), 8).blocks == whole.blocks[:2]
+    with pytest.raises(ConfigError, match="make it for the model's 8, or for a stage's 3"):
+        stage_plan(dataclasses.replace(whole, blocks=whole.blocks[:2]), range(0, 3), 8)

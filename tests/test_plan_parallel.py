@@ -283,7 +283,7 @@ def test_gradients_reduced_once_a_step_are_counted_as_every_blocks_stage_held_at
     """``reduce_every="step"`` holds each block's stage (its whole gradients in the reduce dtype) from its
     first micro-batch to its reduction, and lets every block's reduction be in flight at once (they land as
     the step begins): the budget counts every block's stage and part where they live, not the two of a
-    reduction every micro-batch, and every block's landing chunk where the gradients live."""
+    reduction every micro-batch; each lands in the block's first grad chunk of the step."""
     from tiertrain.plan.bytes import pages
 
     page, dp = 64 << 10, 2
@@ -294,5 +294,33 @@ def test_gradients_reduced_once_a_step_are_counted_as_every_blocks_stage_held_at
     added = tier_bytes(numels, once, page)[Tier.DEVICE] - tier_bytes(numels, every, page)[Tier.DEVICE]
     parts = [pages(n * 4 // dp, page) for n in numels]
     assert added == sum(stages) + sum(parts) - 2 * (max(stages) + max(parts))
-    landing = tier_bytes(numels, once, page)[Tier.HOST] - tier_bytes(numels, every, page)[Tier.HOST]
-    assert landing == sum(parts) - 2 * max(parts)  # the shards' fresh chunks, on the host with the states
+    # a reduction lands in the block's first grad chunk of the step: where every block's gradients are
+    # counted, nothing more; where they are updated away, every block's landing chunk (host, with the states)
+    assert tier_bytes(numels, once, page)[Tier.HOST] == tier_bytes(numels, every, page)[Tier.HOST] - 2 * max(parts)
+    away = [tier_bytes(numels, p, page, grads="transient")[Tier.HOST] for p in (once, every)]
+    assert away[0] - away[1] == sum(parts) - 2 * max(parts)
+
+
+def test_plan_pp_plans_each_ranks_stage_and_chooses_the_schedule_by_fold3ds_model(tmp_path, capsys):
+    """16 H100s over 2 nodes as 8 replicas of a 2-stage pipeline: each rank's tier plan is for its stage's
+    half of the blocks, its data-parallel replicas span the nodes, and FOLD3D's model names the schedule,
+    segments and micro-batches with the step it predicts and why; what cannot be is refused first."""
+    from tiertrain.cli.main import main
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gpt-small", "--batch", "8", "--seq", "64", "--machine", "h100-sxm-80gb",
+                 "--nproc", "16", "--nproc-per-node", "8", "--pp", "2", "--solver", "dp", "--out", str(out)]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    plan = json.loads(out.read_text())
+    from tiertrain.models import resolve_config
+
+    half = -(-resolve_config("gpt-small").n_layer // 2)  # the larger stage's blocks
+    assert len(plan["blocks"]) == half and plan["parallel"] == {"dp": 8}  # no hybrid sharding inside a stage
+    chosen = re.search(r"pipeline: --pp 2 --schedule (\w+) --segments (\d+) --micro-batches (\d+): predicted step "
+                       r"([\d.]+) ms", said)
+    assert chosen and int(chosen[3]) in (1, 2, 4, 8) and "why: DP.sync" in said, said
+    assert "activation checkpoints" in said and "between the 2 nodes" in said
+    for args, want in ((["--nproc", "6", "--pp", "4"], "--pp 4 does not divide --nproc 6"),
+                       (["--pp", "2"], "--pp 2 does not divide --nproc 1")):
+        assert main(["plan", "--model", "gpt-small", "--machine", "h100-sxm-80gb", *args, "--out", str(out)]) == 2
+        assert want in capsys.readouterr().err, args

@@ -16,6 +16,7 @@ gives each an equal share of its budgets.
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tiertrain.api.machine_budgets import machine_budgets
-from tiertrain.api.setup import setup
+from tiertrain.api.setup import optimizer_groups, setup
 from tiertrain.api.stages_optimizer import StagesOptimizer
 from tiertrain.errors import ConfigError
 from tiertrain.memory import Budgets
@@ -34,6 +35,7 @@ from tiertrain.models.gpt import token_loss
 from tiertrain.models.gpt_stages import check_stageable, release_others, stage_of
 from tiertrain.parallel.agree import same_on_every_rank
 from tiertrain.parallel.group import ensure_process_group, world_from_env
+from tiertrain.parallel.health import failure
 from tiertrain.parallel.pipeline_mesh import PipelineMesh, pipeline_mesh
 from tiertrain.parallel.pipeline_schedule import schedule_for, stages_for
 from tiertrain.plan import Plan, RunOptions
@@ -68,11 +70,14 @@ class Pipelined:
         self.synced.clear()
         first, last = self.mesh.pp_rank == 0, self.mesh.pp_rank == self.mesh.pp - 1
         losses: list[torch.Tensor] = []
-        self._schedule.step(*((inputs,) if first else ()), target=targets if last else None,
-                            losses=losses if last else None)
-        each = (torch.stack([x.detach().float().cpu() for x in losses]) if last
-                else torch.zeros(self.layout.micro_batches))
-        dist.broadcast(each, src=self.mesh.last_stage_rank(), group=self.mesh.pp_host)
+        try:
+            self._schedule.step(*((inputs,) if first else ()), target=targets if last else None,
+                                losses=losses if last else None)
+            each = (torch.stack([x.detach().float().cpu() for x in losses]) if last
+                    else torch.zeros(self.layout.micro_batches))
+            dist.broadcast(each, src=self.mesh.last_stage_rank(), group=self.mesh.pp_host)
+        except RuntimeError as exc:  # a stage's sends and receives are torch's: a lost peer is named here
+            raise failure(self.mesh.world.heartbeat, exc, "the pipeline's sends and receives") from None
         self.micro_losses = each
         return each.double().sum()  # as a loop adding each micro-batch's loss.item() sums them
 
@@ -102,10 +107,21 @@ class Pipelined:
         return token_loss(logits, targets) / self.layout.micro_batches
 
     def close(self) -> None:
-        for s in self.stages:
-            s.runtime.close()
-            s.runtime.mem.close()
-        self.mesh.close()
+        """Every stage's runtime and memory, then the mesh's groups and heartbeat: each closed even where one
+        before it raised (a lost rank's), the first error raised after."""
+        _close_all(self.stages, self.mesh)
+
+
+def _close_all(stages: list[nn.Module], mesh: PipelineMesh) -> None:
+    closers = [c for s in stages for c in (s.runtime.close, s.runtime.mem.close)] + [mesh.close]
+    failed: BaseException | None = None
+    for close in closers:
+        try:
+            close()
+        except BaseException as exc:  # noqa: BLE001 - the rest still close; the first error is raised below
+            failed = failed or exc
+    if failed is not None:
+        raise failed
 
 
 def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, layout: PipelineLayout,
@@ -114,30 +130,47 @@ def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Pipelin
     """Cut ``model`` into ``layout``'s stages over the run's ranks, tier this rank's stages as ``plan``
     says within ``memory`` (this rank's budgets, shared by its stages), and return what the loop drives.
     ``options`` (or its fields as keywords) as ``tiertrain.setup`` takes them; ``grad_accum`` is the
-    layout's micro-batches. Parts of the model other ranks hold are moved to the meta device here."""
+    layout's micro-batches. Parts of the model other ranks hold are moved to the meta device here, and the
+    user's optimizer's groups become the run's (``run.optimizer`` shares them: a scheduler over either
+    drives every stage). A failure part way leaves the model and the optimizer partly changed: build both
+    again."""
     opts = _options(options, fields, layout)
     _check_clipping(opts, plan)
     gpt = check_stageable(model)
+    optimizer_groups(optimizer, gpt)  # an AdamW, fresh, over every parameter: refused before anything changes
     ensure_process_group()
     layout.check(world_from_env(), len(gpt.blocks), layout.micro_batches)
-    same_on_every_rank("the pipeline", {"layout": repr(layout), "model": model_signature(gpt)}, FIX)
+    same_on_every_rank("the pipeline", _pipeline_fields(gpt, layout, opts, plan), FIX)
     mesh = pipeline_mesh(layout.pp)
-    runs = fold(len(gpt.blocks), layout.pp, layout.segments)
-    indices = [v for v in range(layout.stages) if v % layout.pp == mesh.pp_rank]
-    modules = [stage_of(gpt, runs[v]) for v in indices]
-    release_others(gpt, modules)
-    shares = _shares(memory, len(modules))
-    parts, tiered = [], []
-    for module, v, share in zip(modules, indices, shares):
-        stage_opt = _stage_adamw(optimizer, module)
-        chosen = stage_plan(plan, runs[v]) if isinstance(plan, Plan) else plan
-        t, topt = setup(module, stage_opt, share, plan=chosen, options=opts, collectives=mesh.stage_dp)
-        tiered.append(t)
-        parts.append(topt)
-    stages_opt = StagesOptimizer(optimizer, parts, mesh.pp_host, opts.max_grad_norm)
-    for group, ours in zip(optimizer.param_groups, stages_opt.param_groups):
-        group["params"] = list(ours["params"])  # the user's optimizer let go of the originals setup replaced
-    return Pipelined(layout, mesh, tiered, indices, stages_opt)
+    tiered: list[nn.Module] = []
+    try:
+        runs = fold(len(gpt.blocks), layout.pp, layout.segments)
+        indices = [v for v in range(layout.stages) if v % layout.pp == mesh.pp_rank]
+        modules = [stage_of(gpt, runs[v]) for v in indices]
+        stage_opts = [_stage_adamw(optimizer, m) for m in modules]
+        for group in optimizer.param_groups:  # the stages' optimizers hold the originals now, each let go of
+            group["params"] = []               # as setup replaces it, and the others' are released below
+        release_others(gpt, modules)
+        parts = []
+        for module, stage_opt, v, share in zip(modules, stage_opts, indices, _shares(memory, len(modules))):
+            chosen = stage_plan(plan, runs[v], len(gpt.blocks)) if isinstance(plan, Plan) else plan
+            t, topt = setup(module, stage_opt, share, plan=chosen, options=opts, collectives=mesh.stage_dp)
+            tiered.append(t)
+            parts.append(topt)
+            _check_clipping(opts, t.runtime.plan)  # a plan file's update mode, read by setup
+        return Pipelined(layout, mesh, tiered, indices, StagesOptimizer(optimizer, parts, mesh.pp_host,
+                                                                       opts.max_grad_norm))
+    except BaseException:
+        _close_all(tiered, mesh)
+        raise
+
+
+def _pipeline_fields(gpt: nn.Module, layout: PipelineLayout, opts: RunOptions, plan: "str | Plan") -> dict[str, str]:
+    """What every rank of a pipeline must hold alike (a stage's ranks compare the rest among themselves):
+    a rank that clips, or runs another schedule, would wait for sends or sums the others never make."""
+    return {"the layout": repr(layout), "the model (its parameters' names, shapes and dtypes)": model_signature(gpt),
+            "the run's options": json.dumps(dataclasses.asdict(opts), sort_keys=True),
+            "the plan": plan.to_json() if isinstance(plan, Plan) else plan}
 
 
 def _options(options: RunOptions | None, fields: dict[str, Any], layout: PipelineLayout) -> RunOptions:
@@ -159,7 +192,8 @@ def _options(options: RunOptions | None, fields: dict[str, Any], layout: Pipelin
 
 
 def _check_clipping(opts: RunOptions, plan: "str | Plan") -> None:
-    """The global norm spans every stage: no block may be updated before the last stage's backward ends."""
+    """The global norm spans every stage: no block may be updated before the last stage's backward ends
+    (a plan named by file is checked once setup has read it)."""
     update = opts.update or (plan.update if isinstance(plan, Plan) else "sync")
     if opts.clips and rules(update).updates_as_final:
         raise ConfigError(f"clipping in a pipelined run needs every stage's gradients before any update, and the "
@@ -182,8 +216,6 @@ def _shares(memory: Budgets | None, n: int) -> list[Budgets]:
 def _stage_adamw(source: torch.optim.Optimizer, stage: nn.Module) -> torch.optim.Optimizer:
     """An AdamW over the stage's parameters with the user's groups' hyperparameters, group for group (a
     group with none of the stage's parameters stays, empty, so group indices match the user's)."""
-    if not isinstance(source, torch.optim.AdamW):
-        raise ConfigError(f"tiertrain runs AdamW; got {type(source).__name__}. Pass torch.optim.AdamW(...)")
     mine = {id(p) for p in stage.parameters()}
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [p for p in g["params"] if id(p) in mine]}
               for g in source.param_groups]

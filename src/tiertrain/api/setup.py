@@ -53,7 +53,7 @@ MAX_PAGE = CANDIDATES[-1]
 if TYPE_CHECKING:
     from tiertrain.autoplan.auto_plan import AutoPlan
 
-def _groups_from(optimizer: torch.optim.Optimizer, model: nn.Module) -> tuple[list[dict[str, Any]], dict[int, int]]:
+def optimizer_groups(optimizer: torch.optim.Optimizer, model: nn.Module) -> tuple[list[dict[str, Any]], dict[int, int]]:
     if not isinstance(optimizer, torch.optim.AdamW):
         raise ConfigError(f"tiertrain runs AdamW; got {type(optimizer).__name__}. Pass torch.optim.AdamW(...)")
     if optimizer.state:
@@ -107,7 +107,7 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, memo
     # before anything is profiled, measured or reserved; the model's weights in RAM, which setup frees
     # block by block as they move into the pools, count as room
     check_budgets(memory, device, freed=weights_in_ram(model))
-    groups, group_of = _groups_from(optimizer, model) if opts.train else ([], {})
+    groups, group_of = optimizer_groups(optimizer, model) if opts.train else ([], {})
     found = find_blocks(model, opts.blocks)
     expert_layers_for(model, opts.ep or 1)  # a dense model is refused before anything is laid out
     world = collectives.world_size if collectives is not None else world_from_env()
@@ -293,6 +293,9 @@ def _laid_out(plan: Plan, opts: RunOptions, world: int) -> Plan:
                           f"run {'has one process' if world == 1 else 'replicates every block (shard=False)'}: launch "
                           "it under torchrun with sharded blocks, or leave shard_group (--shard-group) out and remove "
                           "it from the plan's \"parallel\" field")
+    if group and plan.reduce_every == "step":
+        raise ConfigError("hybrid sharding reduces in two collectives chained block by block; reducing once a step "
+                          "beside it is not supported yet: leave out shard_group (--shard-group) or reduce_every")
     if plan.parallel.dp == world:
         layout = ParallelLayout(world, ep, group)
         return plan if plan.parallel == layout else dataclasses.replace(plan, parallel=layout)
@@ -324,6 +327,9 @@ def _chosen(plan: "str | Plan", found: list, memory: Budgets, opts: RunOptions) 
         chosen = dataclasses.replace(chosen, reduce_dtype=opts.reduce_dtype)
     if opts.reduce_every is not None:
         chosen = dataclasses.replace(chosen, reduce_every=opts.reduce_every)
+    if chosen.reduce_every == "step" and chosen.reduce_dtype != "fp32":
+        raise ConfigError(f"gradients reduced once a step are summed over the micro-batches in the reduce dtype first: "
+                          f"{chosen.reduce_dtype} would round each micro-batch's; reduce in fp32, or every micro-batch")
     check_update_mode(chosen.update, chosen.compute_dtype, opts.grad_accum, opts.clips)
     if chosen.uses_disk and not memory.disk:
         raise ConfigError("this plan homes states on disk; give a disk budget: Budgets(..., disk=SIZE, disk_dir=DIR)")

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from tiertrain.api.tiered_optimizer import TieredOptimizer
+from tiertrain.api.tiered_optimizer import ShardedStates, TieredOptimizer
 
 
 class StagesOptimizer(torch.optim.Optimizer):
@@ -29,6 +29,9 @@ class StagesOptimizer(torch.optim.Optimizer):
                    "params": [p for part in parts for p in part.param_groups[i]["params"]]}
                   for i, g in enumerate(source.param_groups)]
         super().__init__(groups, dict(source.defaults))
+        for mine, theirs in zip(self.param_groups, source.param_groups):  # one dict per group: a scheduler built
+            theirs["params"] = mine["params"]                              # over either writes what both read
+        self.param_groups = source.param_groups
         self.parts, self._pp_host, self._max_grad_norm = parts, pp_host, max_grad_norm
         self._clipped = False
         for part in parts:
@@ -39,16 +42,27 @@ class StagesOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._max_grad_norm is not None and not self._clipped:
-            self.clip_grad_norm_(self._max_grad_norm)
-        for part in self.parts:
-            part.step()
-        self._clipped = False
+        try:
+            if self._max_grad_norm is not None and not self._clipped:
+                self.clip_grad_norm_(self._max_grad_norm)
+            for part in self.parts:
+                part.step()
+        finally:
+            self._clipped = False
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._clipped = False
         for part in self.parts:
             part.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        raise ShardedStates("a pipelined run's optimizer states are split over its stages' ranks, and torch's one-dict "
+                            "format would need every rank's at once: checkpoints of pipelined runs are not supported "
+                            "yet (each stage's tiered module and optimizer are in run.stages and run.optimizer.parts)")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.state_dict()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """The norm of every stage's gradients together; each stage clips by it at the next step."""

@@ -118,10 +118,20 @@ def launch(b: PipelineBench, rate: str | None, out: Path) -> None:
         return
     with TwoHosts(rate) as hosts:
         procs = [hosts.start(rank, rank // PP, [sys.executable, *args], env, out / f"log{rank}") for rank in range(WORLD)]
-        failed = [r for r, p in enumerate(procs) if p.wait(timeout=1800)]
+        failed = _wait_all(procs, time.monotonic() + 1800)
         if failed:
             logs = "\n".join((out / f"log{r}").read_text()[-2000:] for r in failed)
             raise RuntimeError(f"ranks {failed} of the pipeline benchmark failed:\n{logs}")
+
+
+def _wait_all(procs: list[subprocess.Popen], deadline: float) -> list[int]:
+    """The ranks that failed (or outlived ``deadline``); once one has, the others are not waited for."""
+    while time.monotonic() < deadline:
+        codes = [p.poll() for p in procs]
+        if any(c not in (None, 0) for c in codes) or all(c == 0 for c in codes):
+            return [r for r, c in enumerate(codes) if c is not None and c != 0]
+        time.sleep(0.2)
+    return [r for r, p in enumerate(procs) if p.poll() is None]
 
 
 class TwoHosts:
@@ -163,6 +173,7 @@ class TwoHosts:
             for pid in pids:
                 subprocess.run(["kill", "-9", pid], capture_output=True)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # takes its end of the veth with it
+        subprocess.run(["ip", "link", "del", self.dev[0]], capture_output=True)  # one never moved into its namespace
 
 
 def _ip(*args: str) -> None:

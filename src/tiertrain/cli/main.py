@@ -630,6 +630,9 @@ def bench_description_cmd(d_model: int, layers: int, batch_size: int, seq_len: i
               help="With --nproc N over several nodes: ranks per node. --machine's first network link is then "
                    "the one inside a node, its second the one between nodes, and hybrid sharding (each block "
                    "sharded inside a node, replicated across; train --shard-group) is planned beside the others.")
+@click.option("--pp", type=POSITIVE, default=1, show_default=True,
+              help="With --nproc N: pipeline stages (the ranks as N / pp replicas of a pipeline). Each rank's stages "
+                   "are planned, and FOLD3D's model chooses the schedule, segments and micro-batches (of --batch-size).")
 @click.option("--profile", "profile_file", type=click.Path(dir_okay=False), help="Plan from this profile JSON instead.")
 @click.option("--solver", "solvers", multiple=True, type=click.Choice(["dp", "greedy", "random", "stronghold"]),
               help="Solvers to run (default: all); the best predicted plan is chosen.")

@@ -15,6 +15,7 @@ from tiertrain.errors import ConfigError
 from tiertrain.plan import BlockPlan, Budgets
 from tiertrain.planner.auto import Candidate
 from tiertrain.planner.machine import Machine
+from tiertrain.planner.pipeline import PipelineChoice, choose_pipeline
 from tiertrain.planner.profile import Profile, with_experts
 from tiertrain.planner.simulator import RESOURCES, Simulation
 from tiertrain.units import format_bytes, format_count
@@ -51,6 +52,7 @@ class PlanRequest:
     nproc: int = 1                     # data-parallel ranks planned for, each with these budgets
     nproc_per_node: int = 0            # ranks per node (0: all on one); fewer than nproc: plan over nodes
     ep: int = 1                        # expert parallel: ranks a mixture-of-experts layer's experts are divided over
+    pp: int = 1                        # pipeline stages: the nproc ranks as nproc / pp replicas of a pipeline
 
     @property
     def needs_all_grads(self) -> bool:
@@ -269,6 +271,7 @@ def run_plan(req: PlanRequest, console: Console) -> Candidate:
     if target is not None:
         target.matmul(req.precision)  # a machine without this precision is refused before anything is measured
     held = _check_experts(req) if req.ep > 1 else None  # refused before anything is measured too
+    _check_pipeline(req)
     if 0 < req.nproc_per_node < req.nproc:  # over nodes: refused before anything is measured too
         from tiertrain.measure.collectives import network_for
 
@@ -282,9 +285,14 @@ def run_plan(req: PlanRequest, console: Console) -> Candidate:
     profile = dataclasses.replace(profile, machine=dataclasses.replace(
         profile.machine, disk_together_gain=_disk_gain(req, profile, here, target, disk_dir)))
     profile = run_profile(profile, req.update, req.max_staleness, req.needs_all_grads)
+    whole = profile
+    if req.pp > 1:  # each rank plans its stages' blocks, over its stages' data-parallel replicas
+        profile = dataclasses.replace(profile, blocks=profile.blocks[:-(-len(profile.blocks) // req.pp)])
+        req = dataclasses.replace(req, nproc=req.nproc // req.pp,
+                                  nproc_per_node=max(0, req.nproc_per_node // req.pp))
     if req.nproc > 1:
         profile = dataclasses.replace(profile, network=dataclasses.replace(_network(req, target, here, profile),
-                                                                           ep=req.ep))
+                                                                           ep=req.ep, staged=whole is not profile))
     if req.ep > 1:
         profile = with_experts(profile, held)
     pb = Problem.sized(profile, sizes, req.levels)
@@ -295,7 +303,51 @@ def run_plan(req: PlanRequest, console: Console) -> Candidate:
     if req.nproc > 1:
         console.print(f"{req.nproc} ranks, each with these budgets; network: {profile.network.source}")
     print_plan(chosen, cands, profile, console, target.matmul(req.precision))
+    if req.pp > 1:
+        print_pipeline(choose_pipeline(whole, req.pp, profile.network, _pp_bps(target, here, profile), req.batch),
+                       console)
     return chosen
+
+
+def _check_pipeline(req: PlanRequest) -> None:
+    """What a pipelined plan cannot be, refused before anything is measured."""
+    if req.pp == 1:
+        return
+    if req.nproc % req.pp:
+        raise ConfigError(f"--pp {req.pp} does not divide --nproc {req.nproc}: the ranks form --nproc / --pp "
+                          "replicas of the pipeline")
+    if req.ep > 1:
+        raise ConfigError("--pp plans a pipeline of a dense model: leave out --ep")
+
+
+def _pp_bps(target: Machine, here: Machine, profile: Profile) -> float:
+    """The rate of a pipeline's sends between its stages (one node's ranks): the described machine's first
+    link, else this machine's all-gather rate between two local ranks, measured."""
+    from tiertrain.measure.collectives import measure_network
+
+    if target is not here and target.network:
+        return target.network[0].bps
+    return measure_network(2, max(b.hidden_bytes for b in profile.blocks) or 1 << 20).all_gather_bps
+
+
+def print_pipeline(choices: list[PipelineChoice], console: Console) -> None:
+    """The chosen schedule, segments and micro-batches with FOLD3D's prediction and why, and the runners-up."""
+    best = choices[0]
+    lay = best.layout
+    where = "host" if lay.schedule == "aiao" else "device"
+    console.print(f"pipeline: --pp {lay.pp} --schedule {lay.schedule} --segments {lay.segments} --micro-batches "
+                  f"{lay.micro_batches}: predicted step {best.step_s * 1e3:.1f} ms (FOLD3D's model)")
+    console.print(f"  why: {best.why()}")
+    console.print(f"  per rank: {best.params:,} parameters (each stage's tiers as the plan above); stash "
+                  f"{best.stash} activation checkpoints, {format_bytes(best.stash_bytes)} in {where} memory")
+    seen = {(lay.schedule, lay.segments, lay.micro_batches)}
+    for c in choices[1:]:
+        key = (c.layout.schedule, c.layout.segments)
+        if key in {k[:2] for k in seen}:
+            continue  # each schedule and segment count's best only
+        seen.add((*key, c.layout.micro_batches))
+        console.print(f"  {c.layout.schedule:12s} ns {c.layout.segments} M {c.layout.micro_batches:<3d} "
+                      f"{c.step_s * 1e3:9.1f} ms  (+{(c.step_s / best.step_s - 1) * 100:.1f}%)")
 
 
 def _disk_gain(req: PlanRequest, profile: Profile, here: Machine, target: Machine, disk_dir: str | None) -> float:

@@ -67,11 +67,11 @@ def stage_of(model: GPT, blocks: range) -> GPTStage:
 
 
 def release_others(model: GPT, stages: list[GPTStage]) -> None:
-    """Move every part of ``model`` no stage of this rank holds to the meta device: other ranks hold and
-    train those, and their weights would otherwise stay in this rank's memory for the whole run."""
-    kept = {id(m) for s in stages for m in s.modules()}
-    for module in model.children():
-        parts = module if isinstance(module, nn.ModuleList) else [module]
-        for part in parts:
-            if id(part) not in kept:
-                part.to("meta")
+    """Put every parameter of ``model`` no stage of this rank holds on the meta device, in place (the same
+    parameter objects, whoever else holds them): other ranks hold and train those, and their weights would
+    otherwise stay in this rank's memory for the whole run. ``Module.to("meta")`` would make new objects
+    and leave the old ones, and their memory, to anyone still holding them."""
+    kept = {id(p) for s in stages for p in s.parameters()}
+    for p in model.parameters():
+        if id(p) not in kept and not p.is_meta:
+            torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad))

@@ -132,7 +132,7 @@ def same_on_every_rank(what: str, mine: dict[str, str], fix: str, ranks: list[in
         return
     store, rank, world = group
     among = list(range(world)) if ranks is None else ranks
-    if ranks is not None:  # each group's exchange under keys of its own
+    if among != list(range(world)):  # a subgroup's exchange under keys of its own
         what = f"{what} (ranks {', '.join(map(str, ranks))})"
     key = _key(store, rank, what)
     store.set(f"{key}/{rank}", json.dumps(mine))

@@ -34,8 +34,13 @@ class PipelineMesh:
         """The global rank of this pipeline's last stage (it holds the loss)."""
         return dist.get_global_rank(self.pp_group, self.pp - 1)
 
+    groups: tuple[dist.ProcessGroup, ...] = ()  # every group the mesh made (its twins' too), destroyed at close
+
     def close(self) -> None:
+        """The heartbeat stopped and the mesh's groups destroyed (a run makes a pipeline once, a test many)."""
         self.world.close()
+        for group in self.groups:
+            dist.destroy_process_group(group)
 
 
 def pipeline_mesh(pp: int) -> PipelineMesh:
@@ -54,4 +59,7 @@ def pipeline_mesh(pp: int) -> PipelineMesh:
         stage_dp = ProcessGroupCollectives(mesh.get_group("dp"), heartbeat=world.heartbeat,
                                            host_group=None if gloo else twins.get_group("dp"))
     pp_group = mesh.get_group("pp")
-    return PipelineMesh(pp, dp, dist.get_rank(pp_group), pp_group, twins.get_group("pp"), stage_dp, world)
+    world_group = dist.distributed_c10d._get_default_group()  # a dimension of every rank may be it: not the mesh's
+    made = {id(g): g for m in (mesh, twins) for g in (m.get_group("dp"), m.get_group("pp")) if g is not world_group}
+    return PipelineMesh(pp, dp, dist.get_rank(pp_group), pp_group, twins.get_group("pp"), stage_dp, world,
+                        tuple(made.values()))

@@ -199,9 +199,11 @@ def tier_bytes(sizes: "Sizes | Sequence[int]", plan: Plan, page: int, train: boo
         in_flight = reductions_in_flight(plan.parallel.hybrid)
         need[Tier(plan.reduce_on)] += reduce_staging(staged, parts, dp, page, bound, in_flight,
                                                      plan.reduce_every == "step")
-        once = plan.reduce_every == "step"  # every block's reduction may be in flight at once
+        # reduced once a step, a reduction lands in a block's first grad chunk of the step, counted above where
+        # every block's gradients are held; else every block's may be in flight at once
+        once = plan.reduce_every == "step"
         for tier, (largest, every) in _landing(state, plans, dp, chunk).items():
-            need[tier] += every if once else (in_flight + 1) * largest
+            need[tier] += (0 if grads == "all" else every) if once else (in_flight + 1) * largest
     if grads == "transient":
         for tier, nbytes in bounded_grads(sizes, plan, page, bound).items():
             need[tier] += nbytes

@@ -75,10 +75,16 @@ def rank_of(stage: int, pp: int) -> int:
     return stage % pp
 
 
-def stage_plan(plan: Plan, blocks: range) -> Plan:
-    """A whole model's plan cut to one stage's ``blocks`` (each keeps its own block's plan; the stage's rest,
-    its embeddings or head where it holds them, keeps the model's rest's)."""
-    if len(plan.blocks) < blocks.stop:
-        raise ConfigError(f"the plan has {len(plan.blocks)} blocks but the model more: make the plan for this model")
-    return dataclasses.replace(plan, blocks=plan.blocks[blocks.start:blocks.stop], name=f"{plan.name}[{blocks.start}:"
-                               f"{blocks.stop}]").validate(len(blocks))
+def stage_plan(plan: Plan, blocks: range, n_blocks: int) -> Plan:
+    """One stage's plan for its ``blocks`` of the model's ``n_blocks``: a whole model's plan cut to them (each
+    keeps its own block's plan), or a stage's plan (``tiertrain plan --pp``: as many blocks as the largest
+    stage holds) taken from its first block on. The stage's rest, its embeddings or head where it holds
+    them, keeps the plan's rest's."""
+    if len(plan.blocks) == n_blocks:
+        cut = plan.blocks[blocks.start:blocks.stop]
+    elif len(blocks) <= len(plan.blocks) < n_blocks:
+        cut = plan.blocks[:len(blocks)]
+    else:
+        raise ConfigError(f"the plan has {len(plan.blocks)} blocks: make it for the model's {n_blocks}, or for a "
+                          f"stage's {len(blocks)} (tiertrain plan --nproc N --pp P)")
+    return dataclasses.replace(plan, blocks=cut, name=f"{plan.name}[{blocks.start}:{blocks.stop}]").validate(len(blocks))

@@ -40,6 +40,7 @@ class Network:
     across_bps: float = field(default=0.0, metadata=_RATE)     # a rank's rate between nodes (0: the rates above)
     shard_ranks: int = field(default=0, metadata=at_least(0))  # ranks a sharded block is split over (0: all dp)
     ep: int = field(default=1, metadata=at_least(1))           # ranks a block's experts are divided over
+    staged: bool = False  # a pipeline stage's replicas: no hybrid sharding inside a stage yet (``api.pipeline``)
 
     @classmethod
     def from_link(cls, dp: int, bps: float, source: str) -> "Network":
@@ -63,7 +64,7 @@ class Network:
         """The layouts a plan over these ranks may take: every block sharded over all of them, every
         block replicated, and where the ranks span nodes, sharded inside each node and replicated across."""
         out = [dataclasses.replace(self, shard=True, shard_ranks=0), dataclasses.replace(self, shard=False, shard_ranks=0)]
-        if 1 < self.node_ranks < self.dp and self.dp % self.node_ranks == 0 and self.ep == 1:  # not with ep yet
+        if 1 < self.node_ranks < self.dp and self.dp % self.node_ranks == 0 and self.ep == 1 and not self.staged:
             out.append(dataclasses.replace(self, shard=True, shard_ranks=self.node_ranks))
         return out
 

@@ -53,7 +53,7 @@ class BackwardPass:
         """A gradient arrived: the first of a backward queues ``_done`` to run when it ends."""
         if self.running:
             return
-        if self._clock.updates_started:
+        if self._clock.updates_started or self._reducing:  # the step's last reductions still wait for it
             raise RuntimeError(
                 f"backward ran again after the last of grad_accum={self._clock.grad_accum} micro-batches, "
                 "before optimizer.step(); pass the right grad_accum to tiertrain.setup or call step() first")
@@ -114,13 +114,18 @@ class BackwardPass:
                 g.post_backward()
         final = self._clock.final_micro()
         if not (final and self.lands_at_step):
-            self.land()
+            self._land_all()
         self._clock.micro += 1
         self.running = False
         self._mode.backward_done(final)
 
     def land(self) -> None:
-        """Every reduction in flight landed, oldest first (its block's gradients final)."""
+        """Every reduction in flight landed, oldest first (its block's gradients final). Not those of a
+        backward that raised before it ended: ``zero_grad`` drops them (``abandon``)."""
+        if not self.running:
+            self._land_all()
+
+    def _land_all(self) -> None:
         while self._reducing:
             self._finish_reduction()
 

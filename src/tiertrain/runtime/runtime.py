@@ -109,8 +109,7 @@ class Runtime:
         late = self.backward.late_flushes if self.backward is not None else None
         ctx.backward = self.backward = BackwardPass(groups, self.clock, self.mode, self.mem, self.bounded_grads,
                                                     plan.update_workers, self._tied_grads_early(), late,
-                                                    reductions_in_flight(plan.parallel.hybrid),
-                                                    plan.reduce_every == "step" and not rules(plan.update).loops)
+                                                    reductions_in_flight(plan.parallel.hybrid), self._lands_at_step(plan))
         ctx.ahead = self.reads = ReadAhead(groups, plan, self.clock, self.mode, ctx.moves, self.backward,
                                            self._token_dependent())
         self._handles = []
@@ -131,6 +130,13 @@ class Runtime:
     @property
     def moves(self) -> StateMoves:
         return self.ctx.moves
+
+    def _lands_at_step(self, plan: Plan) -> bool:
+        """Whether the last micro-batch's reductions stay in flight until the step (``reduce_every="step"``):
+        not where an update loop takes gradients whenever they come (lockfree), nor where the mode starts every
+        update when backward ends, after the global norm (overlap with clipping or fp16), which needs them."""
+        mode = rules(plan.update)
+        return plan.reduce_every == "step" and not mode.loops and not (mode.updates_as_final and self.waits_for_norm)
 
     def _settle(self) -> None:
         """A step begins its updates: every copy into a slot landed, and forward may read ahead again."""

@@ -161,3 +161,20 @@ def test_a_stage_takes_its_blocks_plans_from_a_whole_models_plan_or_a_stages():
     assert stage_plan(stage, range(6, 8), 8).blocks == whole.blocks[:2]
     with pytest.raises(ConfigError, match="make it for the model's 8, or for a stage's 3"):
         stage_plan(dataclasses.replace(whole, blocks=whole.blocks[:2]), range(0, 3), 8)
+
+
+def test_a_stage_names_its_parameters_and_blocks_as_the_model_does():
+    """A stage's parameter names (its state dict's keys, its checkpoint's entries) and its blocks' names are
+    the whole model's: the stages of a pipeline together name every parameter once."""
+    from tiertrain.models import build
+    from tiertrain.models.gpt_stages import stage_of
+    from tiertrain.runtime.blocks import find_blocks
+
+    model = build({"n_layer": 4, "n_head": 2, "d_model": 32, "d_ffn": 64, "vocab_size": 256, "max_seq_len": 64,
+                   "tie_embeddings": False})
+    names = dict(model.named_parameters())
+    stages = [stage_of(model, run) for run in fold(4, 2, 1)]
+    got = [n for s in stages for n, p in s.named_parameters() if names[n] is p]
+    assert sorted(got) == sorted(names)
+    assert [b.name for b in find_blocks(stages[1])] == ["blocks.2", "blocks.3", "rest"]
+    assert stages[1].blocks[0] is model.blocks[2] and len(stages[1].blocks) == 2

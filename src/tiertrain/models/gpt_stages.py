@@ -20,6 +20,20 @@ from tiertrain.errors import ConfigError
 from tiertrain.models.gpt import GPT
 
 
+class StageBlocks(nn.ModuleList):
+    """A run of a model's blocks under the model's own indices (``blocks.7.attn.qkv.weight`` in a stage
+    holding blocks 6 and 7, as in the model), so a stage's parameter names, state dict and checkpoint
+    entries are the whole model's; indexed by position like any list."""
+
+    def __init__(self, blocks: nn.ModuleList, run: range) -> None:
+        super().__init__()
+        for i in run:
+            self._modules[str(i)] = blocks[i]
+
+    def __getitem__(self, idx: int | slice) -> nn.Module | nn.ModuleList:  # type: ignore[override]
+        return list(self._modules.values())[idx]
+
+
 class GPTStage(nn.Module):
     """A run of a GPT's blocks; ``embeds``: the model's input side before them (token ids in),
     ``heads``: its output side after them (logits out). Hidden states in and out otherwise."""
@@ -30,7 +44,7 @@ class GPTStage(nn.Module):
         self.first_block = blocks.start
         if embeds:
             self.tok_emb, self.pos_emb, self.drop = model.tok_emb, model.pos_emb, model.drop
-        self.blocks = nn.ModuleList(model.blocks[i] for i in blocks)
+        self.blocks = StageBlocks(model.blocks, blocks)
         if heads:
             self.ln_f, self.lm_head = model.ln_f, model.lm_head
 

@@ -86,7 +86,8 @@ def find_blocks(model: nn.Module, path: str | None = None) -> list[Block]:
     for i, layer in enumerate(layers):
         for p in layer.parameters():
             owner[id(p)] = i
-    blocks = [Block(f"{list_name}.{i}", layer, []) for i, layer in enumerate(layers)]
+    # named by the list's own keys: a pipeline stage's list keeps the model's indices (``models.gpt_stages``)
+    blocks = [Block(f"{list_name}.{key}", layer, []) for key, layer in layers._modules.items()]
     rest = Block("rest", None, [])
     for name, p in model.named_parameters():
         if not p.requires_grad:

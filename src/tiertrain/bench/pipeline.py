@@ -68,22 +68,46 @@ def run_schedule(schedule: str, b: PipelineBench, disk: Path) -> dict[str, Any]:
     memory = Budgets(budget, budget, 4 * budget if on_disk else 0, str(disk) if on_disk else None)
     run = pipeline(model, opt, layout, memory, plan=b.plan, update="overlap" if b.plan != "resident" else "sync")
     g = torch.Generator().manual_seed(1 + dist.get_rank() // PP)
-    steps, waits = [], []
+    steps, waits, computed, updates, busy = [], [], [], [], [0.0]
     try:
         for step in range(1 + b.steps):
             x = torch.randint(0, 256, (b.rows, b.seq + 1), generator=g)
             dist.barrier()
-            t0, w0 = time.perf_counter(), _waited(run)
+            t0, w0, c0 = time.perf_counter(), _waited(run), busy[0]
             run.step(x[:, :-1], x[:, 1:])
+            t1, w1 = time.perf_counter(), _waited(run)
             run.optimizer.step()
             run.optimizer.zero_grad()
+            t2 = time.perf_counter()
             dist.barrier()
             if step:
                 steps.append(time.perf_counter() - t0)
                 waits.append(_waited(run) - w0)
+                computed.append(busy[0] - c0 - (w1 - w0))
+                updates.append(t2 - t1 - (_waited(run) - w1))  # the step's own work, less its reductions landing
+            else:  # torch's stages exist once the first step made them
+                _time_compute(run, busy)
+        params = sum(p.numel() for s in run.stages for p in s.parameters())
     finally:
         run.close()
-    return {"step_s": steps, "sync_s": waits}
+    return {"step_s": steps, "sync_s": waits, "compute_s": computed, "update_s": updates, "params": params}
+
+
+def _time_compute(run: Any, busy: list[float]) -> None:
+    """Add each of torch's stages' forward and backward calls' seconds to ``busy[0]`` (the backward's include
+    the waits for reductions landing in it, which the caller takes away)."""
+    schedule = run._schedule
+    for stage in getattr(schedule, "_stages", None) or [schedule._stage]:
+        for name in ("forward_one_chunk", "backward_one_chunk"):
+            call = getattr(stage, name)
+
+            def timed(*args: Any, _call: Callable = call, **kwargs: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return _call(*args, **kwargs)
+                finally:
+                    busy[0] += time.perf_counter() - t0
+            setattr(stage, name, timed)
 
 
 def _waited(run: Any) -> float:
@@ -98,10 +122,30 @@ def worker(b: PipelineBench, out: Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     try:
-        figures = {s: run_schedule(s, b, out) for s in b.schedules}
+        figures: dict[str, Any] = {"link_bps": _replicas_rate()}
+        figures |= {s: run_schedule(s, b, out) for s in b.schedules}
     finally:
         dist.destroy_process_group()
     (out / f"rank{rank}.json").write_text(json.dumps(figures))
+
+
+def _replicas_rate(nbytes: int = 32 << 20, rounds: int = 3) -> float:
+    """Bytes a rank sends per second in an all-reduce with its stage's other replica (across the hosts), as
+    the data-parallel reductions will run: the best of ``rounds`` (gloo over the rate-limited veth reaches
+    less than the rate tc is given)."""
+    import torch.distributed as dist
+
+    groups = [dist.new_group([r, r + PP]) for r in range(PP)]  # every rank makes every group, in one order
+    mine = groups[dist.get_rank() % PP]
+    t, best = torch.zeros(nbytes // 4), float("inf")
+    for _ in range(rounds):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(t, group=mine)
+        best = min(best, time.perf_counter() - t0)
+    for g in groups:
+        dist.destroy_process_group(g)
+    return nbytes / best  # a ring all-reduce of two ranks sends the buffer once
 
 
 def launch(b: PipelineBench, rate: str | None, out: Path) -> None:
@@ -184,7 +228,9 @@ def report(out: Path, b: PipelineBench, rate: str | None, echo: Callable[[str], 
     """Per schedule: the median step (the slowest rank's, each step), the ranks' mean exposed DP.sync, and
     both against 1F1B's."""
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    link = f"veth between two namespaces, tbf {rate}" if rate else "loopback (no rate limit)"
+    link = (f"veth between two namespaces, tbf {rate} (an all-reduce across reached "
+            f"{statistics.median(r['link_bps'] for r in ranks) * 8 / 1e9:.2f} Gbit/s)" if rate else
+            "loopback (no rate limit)")
     echo(f"pp {PP} x dp {WORLD // PP}, {b.layers} blocks of d_model {b.d_model}, {b.rows} rows x {b.seq} tokens per "
          f"replica in {b.micro} micro-batches, {b.segments} segments (AIAO, interleaved), plan {b.plan}; link: {link}; "
          f"{b.steps} timed steps")
@@ -192,7 +238,7 @@ def report(out: Path, b: PipelineBench, rate: str | None, echo: Callable[[str], 
     for s in b.schedules:
         step = statistics.median(max(r[s]["step_s"][k] for r in ranks) for k in range(b.steps))
         sync = statistics.median(statistics.fmean(r[s]["sync_s"][k] for r in ranks) for k in range(b.steps))
-        rows[s] = {"step_s": step, "sync_s": sync}
+        rows[s] = {"step_s": step, "sync_s": sync, "predicted_s": _predicted(s, ranks, b, rate)}
     base = rows.get("1f1b")
     for s, row in rows.items():
         vs = "" if base is None or s == "1f1b" else (
@@ -200,7 +246,41 @@ def report(out: Path, b: PipelineBench, rate: str | None, echo: Callable[[str], 
             f"{_less(row['sync_s'], base['sync_s'])}")
         echo(f"{s:12s} step {row['step_s'] * 1e3:8.1f} ms   exposed DP.sync {row['sync_s'] * 1e3:7.1f} ms "
              f"({row['sync_s'] / row['step_s']:.0%} of the step){vs}")
+        if row["predicted_s"] is not None:
+            echo(f"{'':12s} FOLD3D's model predicts {row['predicted_s'] * 1e3:8.1f} ms "
+                 f"(measured / predicted {row['step_s'] / row['predicted_s']:.2f})")
     return rows
+
+
+def _predicted(schedule: str, ranks: list[dict], b: PipelineBench, rate: str | None) -> float | None:
+    """FOLD3D's step (``planner.fold3d``) from what was measured: the busiest rank's compute (its stages'
+    forward and backward calls, less its waits for reductions), its gradients' all-reduce over the 2
+    replicas at the rate an all-reduce between them reached before the run (``_replicas_rate``), the
+    stages' sends inside a host taken as free (the loopback), and its optimizer step, which no schedule
+    overlaps here (FOLD3D's ``T_ip``: what never overlaps). None without a rate limit (on the loopback the
+    ranks' cores, not a link, bound the reductions)."""
+    from tiertrain.planner.fold3d import StageTimes, aiao_s, one_f_one_b_s
+
+    if rate is None:
+        return None
+    k = max(range(len(ranks)), key=lambda r: statistics.median(ranks[r][schedule]["compute_s"]))
+    compute = statistics.median(ranks[k][schedule]["compute_s"])
+    update = statistics.median(ranks[k][schedule]["update_s"])
+    dp_sync = 4 * ranks[k][schedule]["params"] / ranks[k]["link_bps"]  # fp32 gradients: one buffer sent
+    ns = 1 if schedule == "1f1b" else b.segments
+    t = StageTimes(compute, dp_sync, 0.0, PP, b.micro, other_s=update)
+    return aiao_s(t, ns) if schedule == "aiao" else one_f_one_b_s(t, ns)
+
+
+def link_bytes_per_s(rate: str) -> float:
+    """A ``tc`` rate ("1gbit", "100mbit", "500kbit", "2mbps") in bytes per second."""
+    units = {"gbit": 1e9 / 8, "mbit": 1e6 / 8, "kbit": 1e3 / 8, "bit": 1 / 8, "gbps": 1e9, "mbps": 1e6, "kbps": 1e3,
+             "bps": 1.0}
+    text = rate.strip().lower()
+    for unit, scale in units.items():
+        if text.endswith(unit) and text[: -len(unit)].replace(".", "", 1).isdigit():
+            return float(text[: -len(unit)]) * scale
+    raise ValueError(f"--rate {rate!r}: give a tc rate such as 1gbit, 100mbit or 500kbit")
 
 
 def _less(mine: float, theirs: float) -> str:

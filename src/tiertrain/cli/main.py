@@ -480,12 +480,17 @@ def bench_pipeline_cmd(rate: str | None, schedules: str, plan_name: str, d_model
     """pp=2 x dp=2 (four ranks on two emulated hosts): 1F1B, interleaved and AIAO side by side, step time and
     exposed DP.sync."""
     from tiertrain.bench.machine import describe
-    from tiertrain.bench.pipeline import SCHEDULES, PipelineBench, bench_pipeline
+    from tiertrain.bench.pipeline import SCHEDULES, PipelineBench, bench_pipeline, link_bytes_per_s
     from tiertrain.plan.pipeline import PipelineLayout
 
     chosen = tuple(x for x in schedules.split(",") if x)
     if not chosen or any(x not in SCHEDULES for x in chosen):
         raise ConfigError(f"--schedules {schedules!r}: give some of {', '.join(SCHEDULES)}, comma-separated")
+    if rate is not None:
+        try:
+            link_bytes_per_s(rate)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     if rate is not None and os.geteuid() != 0:
         raise ConfigError("--rate makes two network namespaces and a veth pair, which needs root: run it as root, "
                           "or leave --rate out to use the loopback")

@@ -635,3 +635,27 @@ def backward_twice(rank: int) -> str:
         topt.zero_grad()
         tm.runtime.close()
         tm.runtime.mem.close()
+
+
+def raised_then_trained(rank: int) -> list[float]:
+    """A backward stopped by an error part way (a hook raising, as an out-of-memory would), ``zero_grad``,
+    then the usual steps: their losses (DDP's, bit for bit, if the stopped backward left nothing behind)."""
+    import tiertrain
+    from tiertrain.memory import Budgets
+    from tiertrain.train.objective import lm_loss
+
+    model, opt = _fresh()
+    tm, topt = tiertrain.setup(model, opt, Budgets(64 << 20, 64 << 20), plan="stream", page_size=64 << 10)
+    try:
+        b = rank_batches(rank + 7, 1)[0]
+        hook = tm.blocks[1].register_full_backward_pre_hook(lambda m, g: (_ for _ in ()).throw(MemoryError("hook")))
+        try:
+            lm_loss(tm, b[:, :-1], b[:, 1:]).backward()
+        except MemoryError:
+            pass
+        hook.remove()
+        topt.zero_grad()
+        return _loop(tm, topt, rank, 1, None, None)
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()

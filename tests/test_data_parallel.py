@@ -12,7 +12,7 @@ from dp_harness import (TINY4, agreed_auto_setup, agreed_budgets, ddp_losses, fa
                         mismatched_collective, mismatched_setup, one_process_checkpoint, per_micro_losses, pool_peaks,
                         recheck_on_rank0, reduction_events, resumed_by_parts, run_ranks, run_ranks_one_dies,
                         saved_then_uninterrupted, sent_per_step, tiered_losses, unshared_save, disk_reads_by_thread,
-                        backward_twice)
+                        backward_twice, raised_then_trained)
 from tiertrain.memory import Tier
 from tiertrain.parallel import ring_bytes
 from tiertrain.plan import BlockPlan, Plan, builtin_plan, data_parallel
@@ -95,7 +95,7 @@ def dp2(tmp_path_factory, one_process):
     jobs += [(("once a step clip", name, update), functools.partial(
         tiered_losses, plan=PLANS[name], update=update, accum=2, clip=0.5, disk=tmp / f"once-clip-{name}{update}",
         reduce_every="step")) for name, update in (("resident", "sync"), ("stream", "overlap"))]
-    jobs += [(("backward twice",), backward_twice)]
+    jobs += [(("backward twice",), backward_twice), (("raised",), raised_then_trained)]
     return run_ranks(2, tmp, jobs)
 
 
@@ -120,6 +120,13 @@ def test_gradients_reduced_once_a_step_clip_by_the_steps_global_norm(dp2):
         for update in (("resident", "sync"), ("stream", "overlap")):
             got, _ = dp2[(("once a step clip", *update), rank)]
             assert got[0] == want[0] and got == pytest.approx(want, rel=1e-5, abs=0), (update, got, want)
+
+
+def test_after_a_backward_that_raised_the_ranks_train_on_as_ddp(dp2):
+    """Its reductions in flight are dropped by ``zero_grad`` and the next backward begins afresh: the steps
+    after it land their reductions and train as DDP does, bit for bit."""
+    for rank in (0, 1):
+        assert dp2[(("raised",), rank)] == dp2[(("ddp", 1, None), rank)]
 
 
 def test_a_backward_while_the_steps_reductions_are_in_flight_is_refused(dp2):

@@ -29,6 +29,7 @@ def test_the_model_is_folded_as_fold3ds_example_and_unevenly_where_it_must():
     (PipelineLayout(pp=2, schedule="interleaved", micro_batches=3, segments=2), 2, 8, 6, "not a multiple of 2"),
     (PipelineLayout(pp=2, micro_batches=3), 2, 8, 8, "a batch of 8 sequences does not split into 3 micro-batches"),
     (PipelineLayout(pp=2, schedule="1f1b", segments=2), 2, 8, 8, "the 1f1b schedule holds one stage per rank"),
+    (PipelineLayout(pp=4, schedule="1f1b", micro_batches=2), 4, 8, 8, "give --micro-batches 4 or more"),
 ])
 def test_a_layout_no_rank_could_run_is_refused_in_one_line_naming_the_fix(layout, world, blocks, batch, says):
     with pytest.raises(ConfigError, match=says.replace("(", r"\(").replace(")", r"\)")):
@@ -155,12 +156,13 @@ def test_a_stage_takes_its_blocks_plans_from_a_whole_models_plan_or_a_stages():
 
     whole = Plan(tuple(BlockPlan(home=Tier.DISK if i % 2 else Tier.HOST, stream=True) for i in range(8)),
                  BlockPlan(home=Tier.HOST))
-    cut = stage_plan(whole, range(4, 7), 8)
+    cut = stage_plan(whole, range(4, 7), 8, 3)
     assert cut.blocks == whole.blocks[4:7] and cut.rest == whole.rest
     stage = dataclasses.replace(whole, blocks=whole.blocks[:3])  # `plan --pp`'s: the largest stage's blocks
-    assert stage_plan(stage, range(6, 8), 8).blocks == whole.blocks[:2]
-    with pytest.raises(ConfigError, match="make it for the model's 8, or for a stage's 3"):
-        stage_plan(dataclasses.replace(whole, blocks=whole.blocks[:2]), range(0, 3), 8)
+    assert stage_plan(stage, range(6, 8), 8, 3).blocks == whole.blocks[:2]
+    for wrong in (2, 4):  # a stage's plan of another length, or a whole model's of another depth
+        with pytest.raises(ConfigError, match="make it for the model's 8, or for a stage's 3"):
+            stage_plan(dataclasses.replace(whole, blocks=whole.blocks[:wrong]), range(0, 3), 8, 3)
 
 
 def test_a_stage_names_its_parameters_and_blocks_as_the_model_does():

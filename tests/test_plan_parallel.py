@@ -299,6 +299,11 @@ def test_gradients_reduced_once_a_step_are_counted_as_every_blocks_stage_held_at
     assert tier_bytes(numels, once, page)[Tier.HOST] == tier_bytes(numels, every, page)[Tier.HOST] - 2 * max(parts)
     away = [tier_bytes(numels, p, page, grads="transient")[Tier.HOST] for p in (once, every)]
     assert away[0] - away[1] == sum(parts) - 2 * max(parts)
+    from tiertrain.plan.fit import over_budgets  # what `plan --pp` says of a stage's plan reduced once a step
+
+    fits_every = Budgets(device=tier_bytes(numels, every, page)[Tier.DEVICE], host=1 << 40)
+    assert over_budgets(numels, every, page, fits_every) == {}
+    assert over_budgets(numels, once, page, fits_every) == {Tier.DEVICE: tier_bytes(numels, once, page)[Tier.DEVICE]}
 
 
 def test_plan_pp_plans_each_ranks_stage_and_chooses_the_schedule_by_fold3ds_model(tmp_path, capsys):
@@ -313,12 +318,13 @@ def test_plan_pp_plans_each_ranks_stage_and_chooses_the_schedule_by_fold3ds_mode
     said = " ".join(capsys.readouterr().out.split())
     plan = json.loads(out.read_text())
     from tiertrain.models import resolve_config
+    from tiertrain.plan.pipeline import fold
 
-    half = -(-resolve_config("gpt-small").n_layer // 2)  # the larger stage's blocks
-    assert len(plan["blocks"]) == half and plan["parallel"] == {"dp": 8}  # no hybrid sharding inside a stage
     chosen = re.search(r"pipeline: --pp 2 --schedule (\w+) --segments (\d+) --micro-batches (\d+): predicted step "
                        r"([\d.]+) ms", said)
     assert chosen and int(chosen[3]) in (1, 2, 4, 8) and "why: DP.sync" in said, said
+    largest = max(map(len, fold(resolve_config("gpt-small").n_layer, 2, int(chosen[2]))))
+    assert len(plan["blocks"]) == largest and plan["parallel"] == {"dp": 8}  # no hybrid sharding inside a stage
     assert "activation checkpoints" in said and "between the 2 nodes" in said
     for args, want in ((["--nproc", "6", "--pp", "4"], "--pp 4 does not divide --nproc 6"),
                        (["--pp", "2"], "--pp 2 does not divide --nproc 1")):

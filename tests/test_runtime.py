@@ -614,3 +614,4 @@ def test_device_homed_blocks_keep_gradients_on_the_device_and_fp32_ones_update_t
         finally:
             rt.close()
             rt.mem.close()
+

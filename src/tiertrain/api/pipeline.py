@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +39,8 @@ from tiertrain.parallel.group import ensure_process_group, world_from_env
 from tiertrain.parallel.health import failure
 from tiertrain.parallel.pipeline_mesh import PipelineMesh, pipeline_mesh
 from tiertrain.parallel.pipeline_schedule import schedule_for, stages_for
-from tiertrain.plan import Plan, RunOptions
+from tiertrain import typed
+from tiertrain.plan import BUILTIN_PLANS, Plan, RunOptions
 from tiertrain.plan.pipeline import PipelineLayout, fold, stage_plan
 from tiertrain.plan.update_modes import rules
 from tiertrain.runtime.rank_agreement import model_signature
@@ -77,7 +79,11 @@ class Pipelined:
                     else torch.zeros(self.layout.micro_batches))
             dist.broadcast(each, src=self.mesh.last_stage_rank(), group=self.mesh.pp_host)
         except RuntimeError as exc:  # a stage's sends and receives are torch's: a lost peer is named here
-            raise failure(self.mesh.world.heartbeat, exc, "the pipeline's sends and receives") from None
+            beat = self.mesh.world.heartbeat
+            lost = [] if isinstance(exc, torch.OutOfMemoryError) else beat.lost()
+            if not lost:
+                raise  # every rank alive: the error is this rank's own, as it was raised
+            raise failure(beat, exc, "the pipeline's sends and receives", lost) from exc
         self.micro_losses = each
         return each.double().sum()  # as a loop adding each micro-batch's loss.item() sums them
 
@@ -135,6 +141,7 @@ def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Pipelin
     drives every stage). A failure part way leaves the model and the optimizer partly changed: build both
     again."""
     opts = _options(options, fields, layout)
+    plan = _plan_from_file(plan)
     _check_clipping(opts, plan)
     gpt = check_stageable(model)
     optimizer_groups(optimizer, gpt)  # an AdamW, fresh, over every parameter: refused before anything changes
@@ -148,21 +155,34 @@ def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Pipelin
         indices = [v for v in range(layout.stages) if v % layout.pp == mesh.pp_rank]
         modules = [stage_of(gpt, runs[v]) for v in indices]
         stage_opts = [_stage_adamw(optimizer, m) for m in modules]
-        for group in optimizer.param_groups:  # the stages' optimizers hold the originals now, each let go of
-            group["params"] = []               # as setup replaces it, and the others' are released below
         release_others(gpt, modules)
+        for group in optimizer.param_groups:  # the stages' optimizers hold this rank's originals now, each let
+            group["params"] = []               # go of as setup replaces it
         parts = []
         for module, stage_opt, v, share in zip(modules, stage_opts, indices, _shares(memory, len(modules))):
-            chosen = stage_plan(plan, runs[v], len(gpt.blocks)) if isinstance(plan, Plan) else plan
+            chosen = stage_plan(plan, runs[v], len(gpt.blocks), max(map(len, runs))) if isinstance(plan, Plan) else plan
             t, topt = setup(module, stage_opt, share, plan=chosen, options=opts, collectives=mesh.stage_dp)
             tiered.append(t)
             parts.append(topt)
-            _check_clipping(opts, t.runtime.plan)  # a plan file's update mode, read by setup
         return Pipelined(layout, mesh, tiered, indices, StagesOptimizer(optimizer, parts, mesh.pp_host,
                                                                        opts.max_grad_norm))
-    except BaseException:
-        _close_all(tiered, mesh)
+    except BaseException as exc:
+        try:
+            _close_all(tiered, mesh)
+        except BaseException as closing:  # noqa: BLE001 - the error that stopped the setup is the one to see
+            exc.add_note(f"closing what was made also failed: {closing!r}")
         raise
+
+
+def _plan_from_file(plan: "str | Plan") -> "str | Plan":
+    """A plan named by its file, read (a whole model's, or a stage's from ``tiertrain plan --pp``: each stage
+    takes its blocks' plans from it); a built-in name as it is."""
+    if isinstance(plan, Plan) or plan in BUILTIN_PLANS or plan == "auto":
+        return plan
+    path = Path(plan)
+    if not path.is_file():
+        raise ConfigError(f"plan {plan!r} is neither a built-in plan ({', '.join(BUILTIN_PLANS)}) nor a file")
+    return Plan.from_json(typed.read_text(path, "plan file", "give a plan JSON file"), f"plan file {path}")
 
 
 def _pipeline_fields(gpt: nn.Module, layout: PipelineLayout, opts: RunOptions, plan: "str | Plan") -> dict[str, str]:
@@ -193,7 +213,7 @@ def _options(options: RunOptions | None, fields: dict[str, Any], layout: Pipelin
 
 def _check_clipping(opts: RunOptions, plan: "str | Plan") -> None:
     """The global norm spans every stage: no block may be updated before the last stage's backward ends
-    (a plan named by file is checked once setup has read it)."""
+    (a plan file is read first)."""
     update = opts.update or (plan.update if isinstance(plan, Plan) else "sync")
     if opts.clips and rules(update).updates_as_final:
         raise ConfigError(f"clipping in a pipelined run needs every stage's gradients before any update, and the "

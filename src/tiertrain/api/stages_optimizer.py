@@ -59,7 +59,12 @@ class StagesOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         raise ShardedStates("a pipelined run's optimizer states are split over its stages' ranks, and torch's one-dict "
                             "format would need every rank's at once: checkpoints of pipelined runs are not supported "
-                            "yet (each stage's tiered module and optimizer are in run.stages and run.optimizer.parts)")
+                            "yet")
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if hasattr(self, "parts"):  # torch's constructor adds the groups it was given
+            raise ValueError("a pipelined run's parameter groups are fixed when tiertrain.pipeline builds its stages")
+        super().add_param_group(param_group)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.state_dict()

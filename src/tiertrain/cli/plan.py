@@ -13,8 +13,9 @@ from rich.table import Table
 
 from tiertrain.errors import ConfigError
 from tiertrain.plan import BlockPlan, Budgets
-from tiertrain.planner.auto import Candidate
+from tiertrain.planner.auto import Candidate, run_profile
 from tiertrain.planner.machine import Machine
+from tiertrain.plan.pipeline import PipelineLayout, fold
 from tiertrain.planner.pipeline import PipelineChoice, choose_pipeline
 from tiertrain.planner.profile import Profile, with_experts
 from tiertrain.planner.simulator import RESOURCES, Simulation
@@ -285,28 +286,57 @@ def run_plan(req: PlanRequest, console: Console) -> Candidate:
     profile = dataclasses.replace(profile, machine=dataclasses.replace(
         profile.machine, disk_together_gain=_disk_gain(req, profile, here, target, disk_dir)))
     profile = run_profile(profile, req.update, req.max_staleness, req.needs_all_grads)
-    whole = profile
-    if req.pp > 1:  # each rank plans its stages' blocks, over its stages' data-parallel replicas
-        profile = dataclasses.replace(profile, blocks=profile.blocks[:-(-len(profile.blocks) // req.pp)])
-        req = dataclasses.replace(req, nproc=req.nproc // req.pp,
-                                  nproc_per_node=max(0, req.nproc_per_node // req.pp))
+    if req.pp > 1:  # the data-parallel ranks are a stage's replicas: those of one node hold the same stage
+        per_node = max(1, req.nproc_per_node // req.pp) if req.nproc_per_node else 0
+        req = dataclasses.replace(req, nproc=req.nproc // req.pp, nproc_per_node=per_node)
     if req.nproc > 1:
         profile = dataclasses.replace(profile, network=dataclasses.replace(_network(req, target, here, profile),
-                                                                           ep=req.ep, staged=whole is not profile))
+                                                                           ep=req.ep, staged=req.pp > 1))
     if req.ep > 1:
         profile = with_experts(profile, held)
+    needs_all, pipeline = req.needs_all_grads, None
+    if req.pp > 1:  # the layout first: a rank plans the largest of its stages within its share of the budgets
+        pipeline = choose_pipeline(profile, req.pp, profile.network, _pp_bps(target, here, profile), req.batch)
+        profile, sizes, needs_all = one_stage(profile, sizes, pipeline[0].layout, req)
     pb = Problem.sized(profile, sizes, req.levels)
-    chosen, cands = choose_layout(pb, req.solvers or tuple(SOLVERS), req.update, req.needs_all_grads,
-                                  req.max_staleness)
+    chosen, cands = choose_layout(pb, req.solvers or tuple(SOLVERS), req.update, needs_all, req.max_staleness)
     if target is not here:
         console.print(f"planned for {target.name} ({target.source or 'described'})")
     if req.nproc > 1:
         console.print(f"{req.nproc} ranks, each with these budgets; network: {profile.network.source}")
     print_plan(chosen, cands, profile, console, target.matmul(req.precision))
-    if req.pp > 1:
-        print_pipeline(choose_pipeline(whole, req.pp, profile.network, _pp_bps(target, here, profile), req.batch),
-                       console)
+    if pipeline is not None:
+        print_pipeline(pipeline, console)
+        _say_if_once_a_step_overflows(chosen, profile, sizes, needs_all, console)
     return chosen
+
+
+def one_stage(profile: Profile, budgets: Budgets, layout: PipelineLayout, req: PlanRequest
+              ) -> tuple[Profile, Budgets, bool]:
+    """What a rank of ``layout`` plans: its largest stage's blocks (each of its ``segments`` stages runs the
+    plan from its first block on: ``plan.pipeline.stage_plan``), within its share of the budgets
+    (``api.pipeline`` gives each stage an equal one), every gradient of the step held where there are
+    several micro-batches (they accumulate)."""
+    runs = fold(len(profile.blocks), layout.pp, layout.segments)
+    needs_all = req.needs_all_grads or layout.micro_batches > 1
+    staged = run_profile(dataclasses.replace(profile, blocks=profile.blocks[:max(map(len, runs))]), req.update,
+                         req.max_staleness, needs_all)
+    n = layout.segments
+    return staged, Budgets(budgets.device // n, budgets.host // n, budgets.disk // n, budgets.disk_dir), needs_all
+
+
+def _say_if_once_a_step_overflows(chosen: Candidate, profile: Profile, budgets: Budgets, needs_all: bool,
+                                  console: Console) -> None:
+    """A pipeline reduces each stage's gradients once a step (``reduce_every="step"``), holding every block's
+    stage through it, which the solvers do not count yet: say where the plan then exceeds the budgets."""
+    from tiertrain.plan.fit import over_budgets
+
+    over = over_budgets(profile.sizes(), dataclasses.replace(chosen.plan, reduce_every="step"), profile.page, budgets,
+                        grads="all" if needs_all else "transient")
+    for tier, nbytes in over.items():
+        console.print(f"note: reduced once a step, as the pipeline reduces, this stage's plan needs "
+                      f"{format_bytes(nbytes)} of {tier.value} memory, over its {format_bytes(budgets[tier])}: "
+                      "the run will refuse it; give the stage more, or fewer segments")
 
 
 def _check_pipeline(req: PlanRequest) -> None:

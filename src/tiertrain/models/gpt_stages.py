@@ -33,6 +33,11 @@ class StageBlocks(nn.ModuleList):
     def __getitem__(self, idx: int | slice) -> nn.Module | nn.ModuleList:  # type: ignore[override]
         return list(self._modules.values())[idx]
 
+    def _fixed(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("a pipeline stage's blocks are the model's, under its indices: they are not changed in place")
+
+    append = extend = insert = __setitem__ = __delitem__ = _fixed  # type: ignore[assignment]
+
 
 class GPTStage(nn.Module):
     """A run of a GPT's blocks; ``embeds``: the model's input side before them (token ids in),
@@ -86,6 +91,10 @@ def release_others(model: GPT, stages: list[GPTStage]) -> None:
     otherwise stay in this rank's memory for the whole run. ``Module.to("meta")`` would make new objects
     and leave the old ones, and their memory, to anyone still holding them."""
     kept = {id(p) for s in stages for p in s.parameters()}
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         if id(p) not in kept and not p.is_meta:
-            torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad))
+            try:
+                torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad))
+            except RuntimeError as exc:  # a weak reference to it, or a graph that saved it
+                raise ConfigError(f"cannot release {name}, which another rank's stage holds: {exc}; pass the model "
+                                  "before compiling it or running it") from None

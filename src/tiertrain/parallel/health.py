@@ -72,11 +72,12 @@ class Heartbeat:
         self._stop.set()
 
 
-def failure(heartbeat: Heartbeat | None, exc: BaseException, call: str) -> UserError:
+def failure(heartbeat: Heartbeat | None, exc: BaseException, call: str, lost: list[int] | None = None) -> UserError:
     """What the failure of ``call`` (a collective's name) on this rank is: ``RankLost`` naming the ranks
     whose heartbeat stopped, or, where none did (or nothing beats: a lost rank cannot be told), the
-    collective's own failure in the backend's words."""
-    lost = heartbeat.lost() if heartbeat is not None else []
+    collective's own failure in the backend's words. ``lost``: the ranks found stopped already."""
+    if lost is None:
+        lost = heartbeat.lost() if heartbeat is not None else []
     if lost:
         who = f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} of {heartbeat.world}"
         return RankLost(f"{who} stopped (its process is gone or frozen), so this rank stops too: "

@@ -228,6 +228,13 @@ def _landing(state: list[int], plans: list[BlockPlan], dp: int, chunk: Callable[
     return out
 
 
+def over_budgets(sizes: "Sizes | Sequence[int]", plan: Plan, page: int, budgets: Budgets, grads: str = "all"
+                 ) -> dict[Tier, int]:
+    """The tiers where ``plan`` needs more than ``budgets`` give, and what it needs there (``tier_bytes``)."""
+    need = tier_bytes(sizes, plan, page, grads=grads)
+    return {t: n for t, n in need.items() if n > budgets[t]}
+
+
 def fits_budgets(sizes: "Sizes | Sequence[int]", plan: Plan, page: int, budgets: Budgets, grads: str = "all") -> bool:
     """Whether ``plan`` fits every budget, its gradients counted as ``grads`` says (``tier_bytes``)."""
     need = tier_bytes(sizes, plan, page, grads=grads)

@@ -46,6 +46,9 @@ class PipelineLayout:
         if self.stages > n_blocks:
             raise ConfigError(f"{self.stages} pipeline stages ({self.pp} ranks x {self.segments} segments) for a "
                               f"model of {n_blocks} blocks: each stage needs a block; lower --pp or --segments")
+        if self.schedule == "1f1b" and self.micro_batches < self.pp:
+            raise ConfigError(f"1F1B keeps each of the {self.pp} stages busy with a micro-batch of its own: give "
+                              f"--micro-batches {self.pp} or more (not {self.micro_batches})")
         if self.schedule == "interleaved" and self.micro_batches % self.pp:
             raise ConfigError(f"the interleaved schedule takes micro-batches in rounds of the {self.pp} stages: "
                               f"--micro-batches {self.micro_batches} is not a multiple of {self.pp}")
@@ -75,16 +78,16 @@ def rank_of(stage: int, pp: int) -> int:
     return stage % pp
 
 
-def stage_plan(plan: Plan, blocks: range, n_blocks: int) -> Plan:
+def stage_plan(plan: Plan, blocks: range, n_blocks: int, largest: int) -> Plan:
     """One stage's plan for its ``blocks`` of the model's ``n_blocks``: a whole model's plan cut to them (each
-    keeps its own block's plan), or a stage's plan (``tiertrain plan --pp``: as many blocks as the largest
+    keeps its own block's plan), or a stage's plan (``tiertrain plan --pp``: as many blocks as the ``largest``
     stage holds) taken from its first block on. The stage's rest, its embeddings or head where it holds
     them, keeps the plan's rest's."""
     if len(plan.blocks) == n_blocks:
         cut = plan.blocks[blocks.start:blocks.stop]
-    elif len(blocks) <= len(plan.blocks) < n_blocks:
+    elif len(plan.blocks) == largest:
         cut = plan.blocks[:len(blocks)]
     else:
         raise ConfigError(f"the plan has {len(plan.blocks)} blocks: make it for the model's {n_blocks}, or for a "
-                          f"stage's {len(blocks)} (tiertrain plan --nproc N --pp P)")
+                          f"stage's {largest} (tiertrain plan --nproc N --pp P)")
     return dataclasses.replace(plan, blocks=cut, name=f"{plan.name}[{blocks.start}:{blocks.stop}]").validate(len(blocks))

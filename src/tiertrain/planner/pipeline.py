@@ -72,7 +72,8 @@ def candidates(n_blocks: int, pp: int, rows: int) -> list[PipelineLayout]:
         for ns in counts:
             for m in (m for m in range(1, rows + 1) if rows % m == 0):
                 layout = PipelineLayout(pp, schedule, m, ns)
-                if (schedule != "interleaved" or (ns > 1 and m % pp == 0)) and pp * ns <= n_blocks:
+                runs = schedule != "interleaved" or (ns > 1 and m % pp == 0)
+                if runs and (schedule != "1f1b" or m >= pp) and pp * ns <= n_blocks:
                     out.append(layout)
     return out
 

@@ -134,3 +134,4 @@ class BackwardPass:
         land and drop (``BlockGroup.abandon_reduction``)."""
         self._reducing.clear()
         self._flushed_early.clear()
+        self.running = False  # a backward that raised never reached ``_done``: the next one begins afresh

@@ -83,11 +83,11 @@ def find_blocks(model: nn.Module, path: str | None = None) -> list[Block]:
     """The repeated blocks in order, then the rest block last."""
     list_name, layers = find_block_list(model, path)
     owner = {}
-    for i, layer in enumerate(layers):
-        for p in layer.parameters():
-            owner[id(p)] = i
     # named by the list's own keys: a pipeline stage's list keeps the model's indices (``models.gpt_stages``)
     blocks = [Block(f"{list_name}.{key}", layer, []) for key, layer in layers._modules.items()]
+    for i, block in enumerate(blocks):
+        for p in block.module.parameters():
+            owner[id(p)] = i
     rest = Block("rest", None, [])
     for name, p in model.named_parameters():
         if not p.requires_grad:

@@ -238,6 +238,8 @@ class Runtime:
         if self.closed:
             return
         self.closed = True
+        if self.backward.running:  # a backward raised and no zero_grad followed: drop what it left in flight
+            self.zero_grad()
         self.wait_updates()
         self.mode.close()
         self.comm.close()

@@ -18,16 +18,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from tiertrain.api.machine_budgets import machine_budgets
-from tiertrain.api.setup import optimizer_groups, setup
+from tiertrain.api.setup import optimizer_groups, run_options, setup
 from tiertrain.api.stages_optimizer import StagesOptimizer
 from tiertrain.errors import ConfigError
 from tiertrain.memory import Budgets
@@ -39,9 +37,9 @@ from tiertrain.parallel.group import ensure_process_group, world_from_env
 from tiertrain.parallel.health import failure
 from tiertrain.parallel.pipeline_mesh import PipelineMesh, pipeline_mesh
 from tiertrain.parallel.pipeline_schedule import schedule_for, stages_for
-from tiertrain import typed
 from tiertrain.plan import BUILTIN_PLANS, Plan, RunOptions
 from tiertrain.plan.pipeline import PipelineLayout, fold, stage_plan
+from tiertrain.plan.plan import plan_file
 from tiertrain.plan.update_modes import rules
 from tiertrain.runtime.rank_agreement import model_signature
 
@@ -77,7 +75,7 @@ class Pipelined:
                                 losses=losses if last else None)
             each = (torch.stack([x.detach().float().cpu() for x in losses]) if last
                     else torch.zeros(self.layout.micro_batches))
-            dist.broadcast(each, src=self.mesh.last_stage_rank(), group=self.mesh.pp_host)
+            self.mesh.pp_host.broadcast(each, src=self.mesh.pp - 1)  # from the last stage, which holds the loss
         except RuntimeError as exc:  # a stage's sends and receives are torch's: a lost peer is named here
             beat = self.mesh.world.heartbeat
             lost = [] if isinstance(exc, torch.OutOfMemoryError) else beat.lost()
@@ -179,10 +177,7 @@ def _plan_from_file(plan: "str | Plan") -> "str | Plan":
     takes its blocks' plans from it); a built-in name as it is."""
     if isinstance(plan, Plan) or plan in BUILTIN_PLANS or plan == "auto":
         return plan
-    path = Path(plan)
-    if not path.is_file():
-        raise ConfigError(f"plan {plan!r} is neither a built-in plan ({', '.join(BUILTIN_PLANS)}) nor a file")
-    return Plan.from_json(typed.read_text(path, "plan file", "give a plan JSON file"), f"plan file {path}")
+    return plan_file(plan)
 
 
 def _pipeline_fields(gpt: nn.Module, layout: PipelineLayout, opts: RunOptions, plan: "str | Plan") -> dict[str, str]:
@@ -196,19 +191,18 @@ def _pipeline_fields(gpt: nn.Module, layout: PipelineLayout, opts: RunOptions, p
 def _options(options: RunOptions | None, fields: dict[str, Any], layout: PipelineLayout) -> RunOptions:
     """The run's options with the layout's micro-batches as its accumulation; what a pipeline cannot run
     yet refused in one line."""
-    base = dataclasses.asdict(options) if options is not None else {}
-    given = {**base, **fields}
-    if given.get("grad_accum", 1) not in (1, layout.micro_batches):
+    opts = run_options(options, fields)
+    if opts.grad_accum not in (1, layout.micro_batches):
         raise ConfigError(f"a pipelined step accumulates its {layout.micro_batches} micro-batches: leave grad_accum "
-                          f"out (it is --micro-batches), not {given['grad_accum']}")
+                          f"out (it is --micro-batches), not {opts.grad_accum}")
     for key, why in (("ep", "expert parallel"), ("shard_group", "hybrid sharding")):
-        if given.get(key) not in (None, 0, 1):
+        if getattr(opts, key) not in (None, 0, 1):
             raise ConfigError(f"{why} inside a pipeline stage is not supported yet: leave out --{key.replace('_', '-')}")
-    if given.get("compute_dtype") not in (None, "fp32"):
+    if opts.compute_dtype not in (None, "fp32"):
         raise ConfigError(f"pipelined runs compute in fp32 for now (the stages are told fp32 activations): leave "
-                          f"compute_dtype ({given['compute_dtype']}) out")
+                          f"compute_dtype ({opts.compute_dtype}) out")
     # FOLD3D's DP.sync: a stage's gradients reduced once a step, after its last micro-batch's backward (not M times)
-    return RunOptions(**{"reduce_every": "step", **given, "grad_accum": layout.micro_batches})
+    return dataclasses.replace(opts, grad_accum=layout.micro_batches, reduce_every=opts.reduce_every or "step")
 
 
 def _check_clipping(opts: RunOptions, plan: "str | Plan") -> None:

@@ -96,7 +96,7 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, memo
     ``collectives``: the ranks the states are laid out over where they are not every rank of the run (a
     pipeline stage's data-parallel group: ``tiertrain.pipeline`` makes them); None: the run's process group.
     """
-    opts = _options(options, fields)
+    opts = run_options(options, fields)
     _check_model(model, optimizer, opts)
     device = compute_device()
     if memory is None:
@@ -269,7 +269,7 @@ def _replanned_after_step(first: FirstStepAuto, runtime: Runtime, tiered: nn.Mod
     return after
 
 
-def _options(options: RunOptions | None, fields: dict[str, Any]) -> RunOptions:
+def run_options(options: RunOptions | None, fields: dict[str, Any]) -> RunOptions:
     """``options``, with any of its fields given as keywords in place (one typed object either way)."""
     from tiertrain import typed
 

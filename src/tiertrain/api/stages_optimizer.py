@@ -10,17 +10,17 @@ that norm.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 from tiertrain.api.tiered_optimizer import ShardedStates, TieredOptimizer
+from tiertrain.parallel.collectives import Collectives
+from tiertrain.parallel.norm import sharded_norm
 
 
 class StagesOptimizer(torch.optim.Optimizer):
-    def __init__(self, source: torch.optim.Optimizer, parts: list[TieredOptimizer], pp_host: dist.ProcessGroup,
+    def __init__(self, source: torch.optim.Optimizer, parts: list[TieredOptimizer], pp_host: Collectives,
                  max_grad_norm: float | None) -> None:
         """``source``: the user's AdamW (its groups' hyperparameters); ``parts``: each stage's optimizer,
         built over the same groups (by index); ``pp_host``: the pipeline's ranks over gloo; ``max_grad_norm``:
@@ -71,11 +71,8 @@ class StagesOptimizer(torch.optim.Optimizer):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """The norm of every stage's gradients together; each stage clips by it at the next step."""
-        norms = torch.stack([part._rt.clip_grad_norm_(max_norm, norm_type).float().cpu() for part in self.parts])
-        inf = math.isinf(norm_type)
-        mine = (norms.max() if inf else norms.pow(norm_type).sum()).reshape(1)
-        dist.all_reduce(mine, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=self._pp_host)
-        total = mine[0] if inf else mine[0].pow(1.0 / norm_type)
+        norms = [part._rt.clip_grad_norm_(max_norm, norm_type).float().cpu() for part in self.parts]
+        total = sharded_norm([(self._pp_host, norms)], [], norm_type)  # the stages' norms over the pipeline
         for part in self.parts:
             part._rt.norm.take(total, max_norm)
         self._clipped = True

@@ -23,15 +23,14 @@ import dataclasses
 import json
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+
+from tiertrain.bench.ranks import torchrun
 
 LAYOUTS = ("ddp", "zero2", "zero3")
 DESCRIBE = {"ddp": "DDP-like (resident, replicated)", "zero2": "ZeRO-2-like (resident, sharded)",
@@ -159,12 +158,8 @@ def worker(layout: str, b: ParallelBench) -> dict[str, Any]:
 
 
 def _launch(layout: str, world: int, b: ParallelBench) -> dict[str, Any]:
-    env = {**os.environ, "OMP_NUM_THREADS": str(b.threads), "PYTHONUNBUFFERED": "1"}
-    with tempfile.TemporaryDirectory(prefix="tiertrain-torchrun-") as logs:  # torchrun leaves its own otherwise
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               f"--log-dir={logs}", "-m", "tiertrain.bench.parallel", "--worker", "--layout", layout,
-               "--config", json.dumps(dataclasses.asdict(b))]
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    done = torchrun(world, ["-m", "tiertrain.bench.parallel", "--worker", "--layout", layout, "--config",
+                            json.dumps(dataclasses.asdict(b))], b.threads, 900)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith(RESULT)]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"dp={world} {layout} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")

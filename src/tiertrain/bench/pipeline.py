@@ -30,6 +30,8 @@ from typing import Any, Callable
 
 import torch
 
+from tiertrain.bench.ranks import torchrun
+
 SCHEDULES = ("1f1b", "interleaved", "aiao")
 WORLD, PP = 4, 2
 
@@ -154,10 +156,7 @@ def launch(b: PipelineBench, rate: str | None, out: Path) -> None:
     args = ["-m", "tiertrain.bench.pipeline", "--worker", str(out), "--config", json.dumps(dataclasses.asdict(b))]
     env = {**os.environ, "OMP_NUM_THREADS": str(b.threads), "PYTHONUNBUFFERED": "1"}
     if rate is None:
-        with tempfile.TemporaryDirectory(prefix="tiertrain-torchrun-") as logs:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
-                   f"--log-dir={logs}", *args]
-            done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+        done = torchrun(WORLD, args, b.threads, 1800)
         if done.returncode:
             raise RuntimeError(f"the pipeline benchmark's ranks failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
         return

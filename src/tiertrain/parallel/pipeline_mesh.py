@@ -26,14 +26,9 @@ class PipelineMesh:
     dp: int
     pp_rank: int                    # this rank's place in its pipeline (its stages: pp_rank, pp_rank + pp, ...)
     pp_group: dist.ProcessGroup     # the pipeline's ranks: the stages' sends and receives (the backend's)
-    pp_host: dist.ProcessGroup      # the same ranks over gloo: the step's loss and gradient norm
+    pp_host: Collectives            # the same ranks over gloo: the step's loss and gradient norm
     stage_dp: Collectives           # this rank's stages' data-parallel group (one process: the identity)
     world: ProcessGroupCollectives  # every rank: its heartbeat names a lost rank wherever a collective fails
-
-    def last_stage_rank(self) -> int:
-        """The global rank of this pipeline's last stage (it holds the loss)."""
-        return dist.get_global_rank(self.pp_group, self.pp - 1)
-
     groups: tuple[dist.ProcessGroup, ...] = ()  # every group the mesh made (its twins' too), destroyed at close
 
     def close(self) -> None:
@@ -65,5 +60,5 @@ def pipeline_mesh(pp: int) -> PipelineMesh:
     pp_group = mesh.get_group("pp")
     world_group = dist.distributed_c10d._get_default_group()  # a dimension of every rank may be it: not the mesh's
     made = {id(g): g for m in (mesh, twins) for g in (m.get_group("dp"), m.get_group("pp")) if g is not world_group}
-    return PipelineMesh(pp, dp, dist.get_rank(pp_group), pp_group, twins.get_group("pp"), stage_dp, world,
-                        tuple(made.values()))
+    pp_host = ProcessGroupCollectives(twins.get_group("pp"), heartbeat=world.heartbeat)
+    return PipelineMesh(pp, dp, dist.get_rank(pp_group), pp_group, pp_host, stage_dp, world, tuple(made.values()))

@@ -196,6 +196,14 @@ def data_parallel(plan: Plan, world: int, shard: bool = True, ep: int = 1, shard
                                parallel=layout)
 
 
+def plan_file(spec: str) -> Plan:
+    """The plan in the file ``spec`` names, read and checked field by field (not yet against a model)."""
+    path = Path(spec)
+    if not path.is_file():
+        raise ConfigError(f"plan {spec!r} is neither a built-in plan ({', '.join(BUILTIN_PLANS)}) nor a file")
+    return Plan.from_json(typed.read_text(path, "plan file", "give a plan JSON file"), f"plan file {path}")
+
+
 def load_plan(spec: "str | Plan", n_blocks: int, disk: bool, update: str | None = None) -> Plan:
     if isinstance(spec, Plan):
         plan = spec
@@ -206,11 +214,7 @@ def load_plan(spec: "str | Plan", n_blocks: int, disk: bool, update: str | None 
                           "with fn running one forward+backward at the training batch shape, or make a plan file with "
                           "`tiertrain plan` and pass it")
     else:
-        path = Path(spec)
-        if not path.is_file():
-            raise ConfigError(f"plan {spec!r} is neither a built-in plan ({', '.join(BUILTIN_PLANS)}) nor a file")
-        text = typed.read_text(path, "plan file", "give a plan JSON file")
-        plan = Plan.from_json(text, f"plan file {path}")
+        plan = plan_file(spec)
     if update is not None:
         plan = dataclasses.replace(plan, update=update)
     return plan.validate(n_blocks)

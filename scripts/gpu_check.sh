@@ -2,20 +2,25 @@
 # The GPU half of the checks, in one call on a lent GPU machine (issue 4's "Measure" list):
 #   run (device tool): command "bash scripts/gpu_check.sh [STAGE ...]", carry [".whl"], timeout_s 600
 # after `bash scripts/gpu_wheels.sh` here. Stages: cuda_tests peers_disk overhead large offload planner
-# peers (default: all). Together their limits pass one call's 10 minutes: split them over three calls,
+# probe largest peers (default: all). Together their limits pass one call's 10 minutes: split them over three calls,
 # e.g. "cuda_tests peers_disk", "overhead large offload", then "planner peers".
 # Each stage's log goes to $OUT (fetched back); a stage that fails is reported and the next one
-# still runs. Sizes suit an 80 GiB H100/H200.
+# still runs. Sizes suit an 80 GiB H100/H200. GPU_DEADLINE=SECONDS: every stage ends by then (its limit
+# cut to what is left; one with under 20 s left is skipped), so one call fits its device time.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=src
 status=0
-wanted=" ${*:-cuda_tests peers_disk overhead large offload planner peers} "
+wanted=" ${*:-cuda_tests peers_disk overhead large probe largest offload planner peers} "
+deadline=$((SECONDS + ${GPU_DEADLINE:-100000}))
 stage() {  # stage NAME SECONDS COMMAND...: run it with a limit, log it, remember a failure
     local name=$1 limit=$2; shift 2
     [[ $wanted == *" $name "* ]] || return 0
+    local left=$((deadline - SECONDS))
+    if [ $left -lt 20 ]; then echo "=== $name: skipped, ${left} s left before GPU_DEADLINE" | tee -a "$OUT/summary.log"; return 0; fi
+    [ $left -lt "$limit" ] && limit=$left
     echo "=== $name" | tee -a "$OUT/summary.log"
     [ "$1" = tt ] && set -- python3 -m tiertrain.cli.main "${@:2}"  # timeout runs programs, not shell functions
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
@@ -49,7 +54,7 @@ fi
 export TORCH_CUDA_ARCH_LIST=$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
 # the disk tier's and the peers' files: beside the working tree (its disk), not in /tmp (maybe in RAM)
 DISK=${GPU_DISK_DIR:-$PWD/.gpu-disk}
-mkdir -p "$DISK"
+mkdir -p "$DISK" "$DISK/probe"
 lscpu | grep -E '^(Model name|CPU\(s\))' | tee -a "$OUT/summary.log"
 df -hT "$DISK" /tmp | tee -a "$OUT/summary.log"
 # 1. correctness on CUDA: plans against plain PyTorch, pools, train with a plan (incl. auto)
@@ -62,9 +67,15 @@ stage peers_disk 330 tt bench peers --model scripts/gpt2-medium.json --batch-siz
 # 3. a model that fits: overhead against plain PyTorch (target <= 3%), tokens/s, MFU
 stage overhead 100 tt bench overhead --d-model 2048 --layers 12 --seq-len 256 --batch-size 32 --precision bf16 \
     --rounds 5 --steps 3
-# 4. states >= 4x the device budget (1.5B params, 24 GiB of states, a 6 GiB device budget): tokens/s, TFLOPS
-stage large 140 tt train --model scripts/gpu-1.5b.json --plan auto --device-memory 6GiB --host-memory 96GiB \
-    --precision bf16 --batch-size 4 --seq-len 1024 --steps 8 --log-every 1 --out /tmp/large-run
+# 4. states >= 4x the device budget (1.5B params, 24 GiB of states, a 6 GiB device budget): tokens/s, TFLOPS,
+#    at a batch a user would run (16 micro-batches of 4 x 1024 tokens: 65,536 tokens a step)
+stage large 150 tt train --model scripts/gpu-1.5b.json --plan auto --device-memory 6GiB --host-memory 96GiB \
+    --precision bf16 --batch-size 4 --grad-accum 16 --seq-len 1024 --steps 5 --log-every 1 --no-save --out /tmp/large-run
+# 4b. this machine's measured description (beside the datasheet's), cached for the stages after it
+stage probe 90 tt probe --disk $DISK/probe --out $OUT/machine.json
+# 4c. the largest model that really trains, at budgets one call can search (capacity bound 1.34B params)
+stage largest 220 tt bench largest --device-memory 4GiB --host-memory 12GiB --disk $DISK/largest:4GiB \
+    --seq-len 512 --max-trials 4 --trial-timeout 100 --json $OUT/largest.json
 # 5. states on disk (NVMe here), the planner's fidelity on this machine
 stage offload 100 tt bench offload --disk $DISK/bench-offload --d-model 1024 --layers 8 --batch-size 4 --seq-len 512
 stage planner 100 tt bench planner --part fidelity --disk-dir $DISK/bench-planner --d-model 1024 --layers 8 --seq-len 512

@@ -19,7 +19,7 @@ from tiertrain.cli.main import main
 from tiertrain.checkpoint.run import (NEEDED, TrainerState, file_digest, find_checkpoint, load_checkpoint,
                                          save_checkpoint, saved_run_options)
 from tiertrain.train.loop import Trainer, train
-from tiertrain.errors import CheckpointError, OutputError
+from tiertrain.errors import CheckpointError, ConfigError, OutputError
 
 
 def tree_digest(root: Path) -> dict[str, str]:
@@ -105,6 +105,14 @@ def test_old_checkpoints_are_pruned_to_keep(tmp_path):
     train(tiny_config(tmp_path, steps=6, save_every=1, keep_checkpoints=2))
     names = sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*"))
     assert names == ["step-00000005", "step-00000006"]
+
+
+def test_no_save_writes_no_checkpoint_and_refuses_save_every(tmp_path):
+    summary = train(tiny_config(tmp_path, steps=2, save=False))
+    assert summary.steps == 2 and summary.checkpoint is None
+    assert not (tmp_path / "checkpoints").exists() and (tmp_path / "metrics.jsonl").exists()
+    with pytest.raises(ConfigError, match="--no-save writes no checkpoint and --save-every 2"):
+        tiny_config(tmp_path, steps=4, save=False, save_every=2)
 
 
 def test_nothing_in_the_package_unpickles():

@@ -81,7 +81,7 @@ def model_fits(cfg: ModelConfig, machine: Machine, sizes: Budgets, run: RunShape
     return fits(pb)
 
 
-def _last_fitting(lo: int, hi: int, fit: Callable[[int], bool]) -> int:
+def last_fitting(lo: int, hi: int, fit: Callable[[int], bool]) -> int:
     """The largest n in [lo, hi) with fit(n), given fit(lo), not fit(hi) and fit monotone."""
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -90,15 +90,15 @@ def _last_fitting(lo: int, hi: int, fit: Callable[[int], bool]) -> int:
 
 
 def _gallop(lo: int, limit: int, fit: Callable[[int], bool]) -> int:
-    """``_last_fitting`` from ``lo`` upwards in steps 1, 2, 4, ...: cheap where the answer is near
+    """``last_fitting`` from ``lo`` upwards in steps 1, 2, 4, ...: cheap where the answer is near
     ``lo`` (a deeper model is planned with more blocks, so probing far above costs the most)."""
     step = 1
     while lo + step < limit and fit(lo + step):
         lo, step = lo + step, 2 * step
-    return _last_fitting(lo, min(lo + step, limit), fit)
+    return last_fitting(lo, min(lo + step, limit), fit)
 
 
-def _beyond_capacity(sizes: Budgets, params: Callable[[int], int]) -> int:
+def beyond_capacity(sizes: Budgets, params: Callable[[int], int]) -> int:
     """The first n whose model exceeds the capacity bound: it cannot fit, so the search stops there."""
     n = 1
     while within_capacity(params(n), sizes):
@@ -115,9 +115,9 @@ def largest_model(machine: Machine, sizes: Budgets, run: RunShape) -> Largest:
         raise NothingFits(f"not even a 1-block GPT-3-shaped model (width {HEAD_DIM}) fits {machine.name} with "
                           f"device {sizes.device >> 20} MiB, host {sizes.host >> 20} MiB, disk {sizes.disk >> 20} MiB "
                           "at this batch shape; give more memory, a disk, or a smaller --batch/--seq")
-    layers = _last_fitting(1, _beyond_capacity(sizes, lambda n: param_count(gpt3_shape(n, seq=run.seq))), family)
+    layers = last_fitting(1, beyond_capacity(sizes, lambda n: param_count(gpt3_shape(n, seq=run.seq))), family)
     width = HEAD_DIM * layers
-    deeper = _beyond_capacity(sizes, lambda n: param_count(gpt3_shape(n, width, run.seq)))
+    deeper = beyond_capacity(sizes, lambda n: param_count(gpt3_shape(n, width, run.seq)))
     deep = _gallop(layers, deeper, lambda n: model_fits(gpt3_shape(n, width, run.seq), machine, sizes, run))
     cfg = gpt3_shape(deep, width, run.seq)
     profile = profile_for(cfg, machine, run)

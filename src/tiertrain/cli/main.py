@@ -92,6 +92,8 @@ def cli() -> None:
 @click.option("--overwrite", is_flag=True, default=None,
               help="Start a new run in an --out that holds another run's checkpoints and metrics, removing them.")
 @click.option("--save-every", type=int, help="Save a checkpoint every N steps (default: only at the end).")
+@click.option("--no-save", "save", flag_value=False, default=None,
+              help="Write no checkpoint, not even at the end (trials, benchmarks): a stopped run is lost.")
 @click.option("--log-every", type=int, help="Print a line every N steps when not on a terminal (default 10).")
 @click.option("--plan", help="Put training state in tiers: resident, stream, max-offload, auto (profile and solve for the budgets), or a plan JSON file (default: plain PyTorch).")
 @click.option("--update", type=click.Choice(["sync", "overlap", "lockfree"]),
@@ -567,6 +569,38 @@ def _bench_model_shape(command: Callable) -> Callable:
                             click.option("--seq-len", type=POSITIVE, default=256, show_default=True))):
         command = option(command)
     return command
+
+
+@bench.command("largest", context_settings=CONTEXT)
+@click.option("--device-memory", required=True, help='Device budget of every trial, e.g. "8GiB".')
+@click.option("--host-memory", required=True, help='Host budget of every trial, e.g. "32GiB".')
+@click.option("--disk", help='Disk tier "DIR:SIZE" of every trial, e.g. /nvme/tt:200GiB (default: none).')
+@click.option("--batch-size", type=POSITIVE, default=1, show_default=True)
+@click.option("--seq-len", type=POSITIVE, default=512, show_default=True)
+@click.option("--precision", type=click.Choice(PRECISIONS), help="Default: bf16 on a GPU, fp32 on CPU.")
+@click.option("--steps", type=click.IntRange(3), default=3, show_default=True, help="Steps each trial must train.")
+@click.option("--max-trials", type=POSITIVE, default=6, show_default=True, help="Real runs at most.")
+@click.option("--trial-timeout", type=POSITIVE, default=600, show_default=True,
+              help="Seconds a trial may run; one past it did not train.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Also write the figures to this JSON file.")
+def bench_largest_cmd(device_memory: str, host_memory: str, disk: str | None, batch_size: int, seq_len: int,
+                      precision: str | None, steps: int, max_trials: int, trial_timeout: int,
+                      json_out: str | None) -> None:
+    """The largest GPT-3-shaped model that really trains within the budgets: plan --max-model's answer
+    as the seed, then real runs (--plan auto, each in its own process) galloped and bisected over depth."""
+    from pathlib import Path
+
+    from tiertrain.bench.largest import bench_largest
+    from tiertrain.bench.machine import describe
+    from tiertrain.bench.train_trial import TrainArgs
+    from tiertrain.memory.system import compute_device
+
+    if disk is not None and ":" not in disk:
+        raise ConfigError(f"--disk {disk!r}: give DIR:SIZE, e.g. {disk}:100GiB (the capacity bound needs the size)")
+    precision = precision or ("bf16" if compute_device().type == "cuda" else "fp32")
+    click.echo(f"machine: {describe()}")
+    args = TrainArgs(device_memory, host_memory, disk, batch_size, seq_len, precision, steps, trial_timeout)
+    bench_largest(args, max_trials, click.echo, Path(json_out) if json_out else None)
 
 
 @bench.command("planner", context_settings=CONTEXT)

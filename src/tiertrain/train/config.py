@@ -57,6 +57,7 @@ class TrainConfig:
     overwrite: bool = False           # a new run may replace the checkpoints and metrics of another in ``out``
     save_every: int = field(default=0, metadata=at_least(0))  # 0: save only at the end
     keep_checkpoints: int = field(default=2, metadata=at_least(1))
+    save: bool = True                 # False: no checkpoint at all (trials, benchmarks); a stopped run is lost
     log_every: int = field(default=10, metadata=at_least(1))  # printed lines; metrics.jsonl gets every step
     plan: str | None = None           # None: plain PyTorch; resident | stream | max-offload | auto | a plan JSON file
     update: str | None = field(default=None, metadata=one_of(*UPDATE_MODES))  # None: a plan file's, else sync
@@ -86,6 +87,9 @@ class TrainConfig:
         if self.ep > 1 and self.plan is None:
             raise ConfigError("--ep divides a mixture of experts' experts over the ranks of a tiered run; add --plan "
                               "resident|stream|max-offload|auto|FILE")
+        if not self.save and self.save_every:
+            raise ConfigError(f"--no-save writes no checkpoint and --save-every {self.save_every} asks for them; "
+                              "give one of them")
         if self.resume and self.overwrite:
             raise ConfigError("--resume continues a run and --overwrite replaces it; give one of them")
         if self.min_lr is not None and self.min_lr > self.lr:

@@ -323,7 +323,7 @@ class Trainer:
         try:
             with stop:
                 checkpoint = self._loop(stop, losses, tokens_s, tflops)
-            if self.step > start_step or not checkpoint_root(self.out).exists():
+            if cfg.save and (self.step > start_step or not checkpoint_root(self.out).exists()):
                 checkpoint = self.save()
             if self.reporter.output_closed:  # said where it can still be read
                 print(f"tiertrain: the output was closed (its reader went away) at step {self.step}; stopped as "

@@ -13,6 +13,7 @@ the deepest that trained and the shallowest that did not still are.
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from tiertrain.autoplan.largest_model import (
     gpt3_shape,
     last_fitting,
 )
-from tiertrain.bench.train_trial import TrainArgs, Trial
+from tiertrain.bench.train_trial import TrainArgs, Trial, trial_disk_dir
 from tiertrain.models.accounting import param_count
 from tiertrain.plan import Budgets
 from tiertrain.plan.fit import capacity_params, within_capacity
@@ -34,7 +35,8 @@ def largest_depth(seed: int, limit: int, trains: Callable[[int], bool],
                   max_trials: int) -> tuple[int | None, int]:
     """The deepest depth in [1, limit) for which ``trains`` holds (assumed monotone: a deeper model at
     the same width needs more of every tier), and the shallowest known not to (``limit`` if none
-    failed). Starts at ``seed``; each depth is tried at most once; at most ``max_trials`` tries, after
+    failed). Starts at ``seed`` and gallops (steps of seed/8, doubling) before it bisects; each depth is
+    tried at most once; at most ``max_trials`` tries, after
     which the answer is the deepest that trained so far (None where none did)."""
     tried: dict[int, bool] = {}
 
@@ -48,8 +50,8 @@ def largest_depth(seed: int, limit: int, trains: Callable[[int], bool],
 
     seed = max(1, min(seed, limit - 1))
     lo, hi = (seed, limit) if ok(seed) else (None, seed)
-    step = 1
-    if lo is not None:  # gallop up: seed+1, +2, +4, ... until one fails or the bound is reached
+    step = max(1, seed // 8)  # an eighth of the seed, doubling: a planner off by a third costs 3 runs, not 6
+    if lo is not None:  # gallop up: seed + step, + 2 step, + 4 step ... until one fails or the bound is reached
         while lo + step < limit and more():
             if not ok(lo + step):
                 hi = lo + step
@@ -176,7 +178,14 @@ def bench_largest(args: TrainArgs, max_trials: int, say: Callable[[str], None], 
     from tiertrain.bench.train_trial import run_trial
 
     sizes = Budgets.parse(args.device_memory, args.host_memory, args.disk)
-    seed = seed_model(sizes, sizes.disk_dir, args)
+    trial_dir = trial_disk_dir(sizes.disk_dir) if sizes.disk_dir else None
+    if trial_dir is not None:  # probed where the trials will put their pages, then removed
+        trial_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        seed = seed_model(sizes, str(trial_dir) if trial_dir else None, args)
+    finally:
+        if trial_dir is not None:
+            shutil.rmtree(trial_dir, ignore_errors=True)
     say(f"budgets: device {format_bytes(sizes.device)}, host {format_bytes(sizes.host)}, disk "
         f"{format_bytes(sizes.disk)}; batch {args.batch_size} x {args.seq_len} tokens, {args.precision}, "
         f"{args.steps} steps a trial, at most {max_trials} trials")

@@ -83,6 +83,10 @@ def _failure(rc: int, stderr: str) -> str:
     return f"exit {rc}: {lines[-1][:300] if lines else 'no message'}"
 
 
+def trial_disk_dir(where: str) -> Path:
+    return Path(where) / "tiertrain-largest-trial"
+
+
 def read_rows(metrics: Path) -> list[dict]:
     if not metrics.exists():
         return []
@@ -102,10 +106,12 @@ def run_trial(cfg: ModelConfig, params: int, args: TrainArgs) -> Trial:
 
     work = Path(tempfile.mkdtemp(prefix="tiertrain-largest-"))
     disk_root, disk = None, None
-    if args.disk:  # each trial's disk files in a folder of their own: one killed leaves them, removed here
+    if args.disk:  # each trial's disk files in a folder of their own: one killed leaves them, removed here.
+        # The same path every trial, so the machine's probe, cached by disk directory, is measured once
         where, size = args.disk.rsplit(":", 1)  # "DIR:SIZE", as bench largest requires
-        Path(where).mkdir(parents=True, exist_ok=True)
-        disk_root = Path(tempfile.mkdtemp(prefix="tiertrain-largest-", dir=where))
+        disk_root = trial_disk_dir(where)
+        shutil.rmtree(disk_root, ignore_errors=True)  # what a bench killed before left
+        disk_root.mkdir(mode=0o700, parents=True)
         disk = f"{disk_root}:{size}"
     try:
         cfg_file = work / "model.json"

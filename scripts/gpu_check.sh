@@ -71,6 +71,10 @@ stage overhead 100 tt bench overhead --d-model 2048 --layers 12 --seq-len 256 --
 #    at a batch a user would run (16 micro-batches of 4 x 1024 tokens: 65,536 tokens a step)
 stage large 150 tt train --model scripts/gpu-1.5b.json --plan auto --device-memory 6GiB --host-memory 96GiB \
     --precision bf16 --batch-size 4 --grad-accum 16 --seq-len 1024 --steps 5 --log-every 1 --no-save --out /tmp/large-run
+# 4a. the same model and budget at 2 micro-batches a step, its per-step phases kept (metrics.jsonl in $OUT)
+stage large_trace 200 tt train --model scripts/gpu-1.5b.json --plan auto --device-memory 6GiB --host-memory 96GiB \
+    --precision bf16 --batch-size 4 --grad-accum 2 --seq-len 1024 --steps 4 --lr 3e-4 --log-every 1 --no-save \
+    --out $OUT/large-trace
 # 4b. this machine's measured description (beside the datasheet's), cached for the stages after it
 stage probe 90 tt probe --disk $DISK/largest/tiertrain-largest-trial --out $OUT/machine.json
 # 4c. the largest model that really trains, at budgets one call can search (capacity bound 1.34B params)

@@ -119,3 +119,29 @@ def test_a_meta_built_model_is_planned_from_one_block_run_on_the_gpu_in_bf16(tmp
 
     want = measure_profile(real, find_blocks(real), plain, got.machine, "bf16", "k", 64 << 10)
     assert [b.act_bytes for b in got.blocks] == [b.act_bytes for b in want.blocks]
+
+
+def test_a_fresh_process_measures_one_block_of_a_large_model_within_five_seconds_on_the_gpu(tmp_path):
+    """The first pass on a GPU pays CUDA's lazy set-up: timed, it read a 64M-param block (gpu-1.5b's)
+    as 16,000x its roofline on an H200, so no shape fitted 5 s and the plan fell back to the analytic
+    profile. In a fresh process, as ``train --plan auto`` runs it, the block is measured."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import torch
+        from tiertrain.measure.bounds import MeasureBounds
+        from tiertrain.measure.machine import probe
+        from tiertrain.measure.one_block import profile_one_block
+        from tiertrain.models import ModelConfig, build
+        from tiertrain.runtime.blocks import find_blocks
+        cfg = ModelConfig(n_layer=4, n_head=18, d_model=2304, d_ffn=9216, vocab_size=256, max_seq_len=1024, name="w")
+        model = build(cfg, device="meta")
+        got = profile_one_block(model, find_blocks(model), cfg, (4, 1024), "bf16", torch.device("cuda"), probe(),
+                                "k", MeasureBounds(40 << 30, 5.0))
+        print("HOW", got.source)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**__import__("os").environ, "TIERTRAIN_CACHE_DIR": str(tmp_path / "cache")})
+    assert r.returncode == 0 and "HOW" in r.stdout, r.stderr[-2000:]

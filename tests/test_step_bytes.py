@@ -349,6 +349,7 @@ def test_the_cpu_watch_splits_the_process_cpu_seconds_by_phase_and_gives_the_ker
     assert got["cores"] == pytest.approx(1.2 / 1.6)
     assert got["kernel"] == pytest.approx(0.3 / 1.2)
     assert got["phases"] == pytest.approx({"between": 1.0, "forward": 0.5 / 0.3, "backward": 0.3, "step": 1.5})
+    assert got["phase_s"] == pytest.approx({"between": 0.1, "forward": 0.3, "backward": 1.0, "step": 0.2})
     watch.reset()  # a checkpoint: its second of wall time and no CPU is no step's
     second = watch.since_last()["cpu"]
     assert (second["cores"], second["kernel"]) == pytest.approx((0.2, 0.5))

@@ -237,10 +237,14 @@ def test_a_model_that_fits_the_host_budget_but_not_beside_the_budgets_is_built_o
     assert "meta device" not in said(None, tmp_path / "roomy")  # no cgroup limit
 
 
-def test_a_step_line_names_the_disk_tiers_pages_apart_from_the_memory_peak():
-    """A disk plan's pages (12 GiB for the 1.31B) are no memory: the line's peak is its memory tiers'."""
+def test_a_step_line_names_each_tiers_peak_and_the_disk_tiers_pages_apart():
+    """A disk plan's pages (12 GiB for the 1.31B) are no memory; each memory tier's peak is named (an H200
+    run's line said "peak 27.48 GiB" beside a 6 GiB device budget: the host's), the device's with its
+    activations where measured."""
     from tiertrain.train.metrics import step_memory
 
     row = {"peak_bytes": {"device": 1 << 20, "host": 3 << 20, "disk": 12 << 30}, "rss_bytes": {"now": 5 << 20}}
-    assert step_memory(row) == "peak 3.00 MiB  disk 12.00 GiB  RSS 5.00 MiB"
-    assert step_memory({"peak_bytes": {"host": 2 << 20}}) == "peak 2.00 MiB"
+    assert step_memory(row) == "peak device 1.00 MiB host 3.00 MiB  disk 12.00 GiB  RSS 5.00 MiB"
+    assert step_memory({"peak_bytes": {"host": 2 << 20}}) == "peak host 2.00 MiB"
+    gpu = {"peak_bytes": {"device": 1 << 30, "device_with_activations": 3 << 30, "host": 2 << 30}}
+    assert step_memory(gpu) == "peak device 3.00 GiB host 2.00 GiB"

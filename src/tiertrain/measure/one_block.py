@@ -223,19 +223,23 @@ def _assemble(one: BlockProfile, blocks: list[Block], est: _Shape, shape: tuple[
 
 
 def _pass_seconds(at: InputsAt, twin: nn.Module, shape: tuple[int, int], precision: str, device: torch.device) -> float:
-    """One forward+backward of the twin at ``shape``, timed: the first, with its warm-up (allocations,
-    kernel set-up), so a bound drawn from it errs towards shorter measurements."""
+    """One forward+backward of the twin at ``shape``, timed. On a CPU the first, with its warm-up
+    (allocations), so a bound drawn from it errs towards shorter measurements. On a GPU the second:
+    the first pays CUDA's lazy set-up (cuBLAS handles, kernel loading), which made a 64M-param block
+    read 16,000x its roofline time on an H200, so that no shape fitted 5 s and the planner fell back
+    to its analytic profile (2026-11-27)."""
     args, kwargs = _inputs(at, shape, device)
     autocast = Precision(precision, device.type).autocast
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
-    t = time.perf_counter()
-    with autocast():
-        out = twin(*args, **kwargs)
-    (out[0] if isinstance(out, (tuple, list)) else out).float().sum().backward()
-    sync()
-    seconds = time.perf_counter() - t
-    twin.zero_grad(set_to_none=True)
+    for _ in range(2 if device.type == "cuda" else 1):
+        sync()
+        t = time.perf_counter()
+        with autocast():
+            out = twin(*args, **kwargs)
+        (out[0] if isinstance(out, (tuple, list)) else out).float().sum().backward()
+        sync()
+        seconds = time.perf_counter() - t
+        twin.zero_grad(set_to_none=True)
     return seconds
 
 

@@ -388,7 +388,8 @@ class Trainer:
             if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
                 checkpoint = self.save()
         if self.step < cfg.steps:
-            self.reporter.message(f"stopping at step {self.step} as asked; saving a checkpoint")
+            self.reporter.message(f"stopping at step {self.step} as asked; " + (
+                "saving a checkpoint" if cfg.save else "no checkpoint is written (--no-save)"))
         self._report_prediction()
         return checkpoint
 

@@ -208,12 +208,15 @@ class Reporter:
 
 
 def step_memory(row: dict[str, Any]) -> str:
-    """A step line's memory: the peak of its memory tiers (a disk tier's pages are no memory: they
-    follow, named), and the process's resident memory."""
-    peaks = row["peak_bytes"]
-    memory = max((v for k, v in peaks.items() if k != "disk"), default=0)
+    """A step line's memory: each memory tier's peak, named (on a GPU the device's with the activations
+    beside its pool, the figure its budget bounds: one unnamed peak read as the device's there was the
+    host's), the disk tier's pages apart (they are no memory), and the process's resident memory."""
+    peaks = dict(row["peak_bytes"])
+    if "device_with_activations" in peaks:
+        peaks["device"] = peaks.pop("device_with_activations")
+    memory = " ".join(f"{tier} {format_bytes(peaks[tier])}" for tier in ("device", "host") if tier in peaks)
     rss = row.get("rss_bytes", {}).get("now")
-    return (f"peak {format_bytes(memory)}" + (f"  disk {format_bytes(peaks['disk'])}" if "disk" in peaks else "")
+    return (f"peak {memory}" + (f"  disk {format_bytes(peaks['disk'])}" if "disk" in peaks else "")
             + (f"  RSS {format_bytes(rss)}" if rss is not None else ""))
 
 

@@ -31,14 +31,15 @@ def fresh():
     return model, opt
 
 
-def reference(dp: int, micro: int, clip: float | None = None) -> list[list[list[float]]]:
+def reference(dp: int, micro: int, clip: float | None = None, start=None, first: int = 0) -> list[list[list[float]]]:
     """Each replica's micro-batch losses (divided by their count) per step, in one process: every replica's
     gradients accumulated over its micro-batches, averaged over the replicas (once a step, as a pipeline's
-    DP.sync reduces them), clipped, one AdamW step."""
-    model, opt = fresh()
+    DP.sync reduces them), clipped, one AdamW step. ``start``: (model, optimizer) to go on from, at step
+    ``first`` (a resumed checkpoint's)."""
+    model, opt = start or fresh()
     data = [batches(r) for r in range(dp)]
     out = []
-    for step in range(STEPS):
+    for step in range(first, STEPS):
         per_replica, grads = [], []
         for r in range(dp):
             b = data[r][step]
@@ -83,9 +84,12 @@ def _plan(name: str, n_blocks: int):
     return name
 
 
-def pipelined_losses(rank: int, case: Case, pp: int, disk: Path, events: bool = False) -> dict:
+def pipelined_losses(rank: int, case: Case, pp: int, disk: Path, events: bool = False, save_to: Path | None = None,
+                     load_from: Path | None = None) -> dict:
     """This rank's replica index and its micro-batch losses per step; with ``events``, the order in which each
-    of its stages' backward began and its gradients' reductions were issued (first step only)."""
+    of its stages' backward began and its gradients' reductions were issued (first step only). ``save_to``:
+    a checkpoint after the first step there; ``load_from``: the steps after a checkpoint's, from it."""
+    import tiertrain
     from tiertrain.api.pipeline import pipeline
     from tiertrain.memory import Budgets
     from tiertrain.plan.pipeline import PipelineLayout
@@ -100,12 +104,14 @@ def pipelined_losses(rank: int, case: Case, pp: int, disk: Path, events: bool = 
         _record(run, log)
     replica = rank // pp
     try:
-        losses = []
-        for b in batches(replica):
+        losses, first = [], tiertrain.load_pipeline(run, load_from).step if load_from else 0
+        for step, b in enumerate(batches(replica)[first:], start=first):
             run.step(b[:, :-1], b[:, 1:])
             losses.append(run.micro_losses.tolist())
             run.optimizer.step()
             run.optimizer.zero_grad()
+            if save_to is not None and step == 0:
+                tiertrain.save_pipeline(run, save_to, step=1)
             if events:
                 events, recorded = False, list(log)
         out = {"replica": replica, "losses": losses, "pp_rank": run.mesh.pp_rank, "indices": run.indices}

@@ -399,7 +399,7 @@ def test_pruning_never_removes_the_checkpoint_just_written(tmp_path, loader, mon
     out = tmp_path / "run"
     for step in (1, 2):
         save_checkpoint(out, loader, at(step), keep=2)
-    monkeypatch.setattr(ck, "_write_stamp", lambda: 1)  # a clock set back: the new one looks the oldest
+    monkeypatch.setattr(ck, "write_stamp", lambda: 1)  # a clock set back: the new one looks the oldest
     written = save_checkpoint(out, loader, at(3), keep=2)
     assert written.is_dir() and find_checkpoint(out) == written
     assert names(out) == ["step-00000002", "step-00000003"]

@@ -31,17 +31,33 @@ def _jobs(cases, pp, tmp, events):
                                                    events=True))]
 
 
+SAVED, RESUMED = Case("1f1b", 4, 1), Case("aiao", 4, 2)  # the resumed run cuts the model into 4 stages, not 2
+
+
+def _checkpoint_jobs(pp, disk, out, resume: bool):
+    """A run saving after its first step into ``out``; with ``resume``, one going on from that checkpoint
+    with another cut of the model (the jobs run in turn on every rank)."""
+    jobs = [(("saved",), functools.partial(pipelined_losses, case=SAVED, pp=pp, disk=disk / "saved", save_to=out))]
+    return jobs + ([(("resumed",), functools.partial(pipelined_losses, case=RESUMED, pp=pp, disk=disk / "resumed",
+                                                      load_from=out))] if resume else [])
+
+
 @pytest.fixture(scope="module")
 def pp2(tmp_path_factory):
-    jobs = _jobs(PP2, 2, tmp_path_factory.mktemp("pp2d"), Case("aiao", 4, 2))
+    disk = tmp_path_factory.mktemp("pp2d")
+    jobs = _jobs(PP2, 2, disk, Case("aiao", 4, 2))
     jobs += [(("stash", m), functools.partial(stashed_checkpoints, micro=m)) for m in (4, 8)]
-    return run_ranks(2, tmp_path_factory.mktemp("pp2"), jobs)
+    jobs += _checkpoint_jobs(2, disk, tmp_path_factory.mktemp("pp2run"), resume=True)
+    results = run_ranks(2, tmp_path_factory.mktemp("pp2"), jobs)
+    results["out"] = jobs[-1][1].keywords["load_from"]
+    return results
 
 
 @pytest.fixture(scope="module")
 def pp2_dp2(tmp_path_factory):
-    return run_ranks(4, tmp_path_factory.mktemp("pp2dp2"), _jobs(PP2_DP2, 2, tmp_path_factory.mktemp("pp2dp2d"),
-                                                                  Case("aiao", 4, 2)))
+    disk, out = tmp_path_factory.mktemp("pp2dp2d"), tmp_path_factory.mktemp("pp2dp2run")
+    jobs = _jobs(PP2_DP2, 2, disk, Case("aiao", 4, 2)) + _checkpoint_jobs(2, disk, out, resume=False)
+    return {**run_ranks(4, tmp_path_factory.mktemp("pp2dp2"), jobs), "out": out}
 
 
 def _check(results, case, world, dp):
@@ -153,3 +169,31 @@ def test_a_lost_stage_ends_the_other_ranks_step_naming_it(tmp_path):
     said, after = errors[0]
     assert said.startswith("RankLost: rank 1 of 2 stopped") and "--resume" in said, said
     assert after < 60 and codes[1] == -9, (after, codes)
+
+
+def test_a_pipelined_checkpoint_resumes_with_the_model_cut_otherwise(pp2):
+    """Saved after step 1 of a 1F1B run over 2 stages, resumed by an AIAO run over 4 (2 segments): its
+    steps 2 and 3 are the uninterrupted run's, bit for bit."""
+    for rank in range(2):
+        assert pp2[(("resumed",), rank)]["losses"] == pp2[(("saved",), rank)]["losses"][1:], f"rank {rank}"
+
+
+@pytest.mark.parametrize("fixture,dp", [("pp2", 1), ("pp2_dp2", 2)])
+def test_a_pipelined_checkpoint_resumes_in_one_process_of_plain_pytorch(request, fixture, dp):
+    """pp = 2 (each stage's files one process's) and pp = 2 x dp = 2 (each stage's sharded over its two
+    replicas): the checkpoint after step 1 loads into one process's model and AdamW, and its steps 2 and 3
+    are the pipelined run's, bit for bit."""
+    from pp_harness import fresh
+    from tiertrain.checkpoint.run import find_checkpoint, load_checkpoint
+    from tiertrain.checkpoint.train_state import PlainState
+
+    results = request.getfixturevalue(fixture)
+    model, opt = fresh()
+    names = {i: n for i, n in enumerate([n for n, p in model.named_parameters() if p.dim() >= 2]
+                                        + [n for n, p in model.named_parameters() if p.dim() < 2])}
+    state = load_checkpoint(find_checkpoint(results["out"]), PlainState(model, opt, names))
+    assert (state.step, state.world) == (1, 2 * dp)
+    want = reference(dp, SAVED.micro, start=(model, opt), first=state.step)
+    for rank in range(2 * dp):
+        got = results[(("saved",), rank)]
+        assert got["losses"][1:] == [step[got["replica"]] for step in want], f"rank {rank}"

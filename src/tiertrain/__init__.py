@@ -4,7 +4,7 @@ from tiertrain.errors import CheckpointError, ConfigError, DataError, OutputErro
 
 __version__ = "0.1.0"
 __all__ = ["Budgets", "CheckpointError", "ConfigError", "DataError", "OutputError", "PipelineLayout", "Plan",
-           "UserError", "__version__", "pipeline", "setup"]
+           "UserError", "__version__", "load_pipeline", "pipeline", "save_pipeline", "setup"]
 
 
 def __getattr__(name: str):
@@ -17,6 +17,10 @@ def __getattr__(name: str):
         from tiertrain.api.pipeline import pipeline
 
         return pipeline
+    if name in ("save_pipeline", "load_pipeline"):
+        from tiertrain.checkpoint import pipelined
+
+        return getattr(pipelined, name)
     if name == "PipelineLayout":
         from tiertrain.plan.pipeline import PipelineLayout
 

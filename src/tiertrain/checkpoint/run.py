@@ -120,6 +120,7 @@ class TrainerFile:
     param_groups: list[Any]
     files: dict[str, Any]
     shards: dict[str, Any] | None = None  # a data-parallel run's: which rank file holds what (sharded_checkpoint)
+    pipeline: dict[str, Any] | None = None  # a pipelined run's: its stages' sub-checkpoints (checkpoint.pipelined)
     saved_at_ns: int | None = field(default=None, metadata=typed.between(0, _MAX_COUNT))  # older ones lack it
 
 
@@ -171,7 +172,7 @@ def _digest_matches(path: Path, recorded: str) -> bool:
 # ---------------------------------------------------------------- saving
 
 
-def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     tensors = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
@@ -198,7 +199,7 @@ def save_checkpoint(out: Path, ts: TrainState, state: TrainerState, keep: int) -
         root.mkdir(parents=True, exist_ok=True)
         remove_stale(root)
         tmp.mkdir()
-        _write_files(tmp, ts, state)
+        write_files(tmp, ts, state)
         publish_dir(tmp, final)
         write_atomic(root / LATEST, final.name.encode())
     except BaseException as exc:
@@ -206,13 +207,13 @@ def save_checkpoint(out: Path, ts: TrainState, state: TrainerState, keep: int) -
         if isinstance(exc, (OSError, SafetensorError)):
             raise _save_failed(root, final.name, exc) from None
         raise
-    _prune(root, keep, final.name)
+    prune(root, keep, final.name)
     return final
 
 
-def _write_files(tmp: Path, ts: TrainState, state: TrainerState) -> None:
+def write_files(tmp: Path, ts: TrainState, state: TrainerState) -> None:
     """Every file of a checkpoint, into its temporary directory."""
-    rng_tensors, rng_plain = _rng_state()
+    rng_tensors, rng_plain = rng_state()
     # weights and moments stream block by block: a tiered run's may be larger than memory
     crcs = {"model.safetensors": write_streamed(tmp / "model.safetensors", ts.weights(), {"format": "pt"}),
             "optimizer.safetensors": write_streamed(tmp / "optimizer.safetensors", ts.optimizer_tensors())}
@@ -221,8 +222,44 @@ def _write_files(tmp: Path, ts: TrainState, state: TrainerState) -> None:
     manifest = {p.name: _CRC + f"{crcs[p.name]:08x}" if p.name in crcs else file_digest(p) for p in sorted(tmp.iterdir())}
     trainer = {"format_version": FORMAT_VERSION, "step": state.step, "data_position": state.data_position,
                "scaler": state.scaler, "run_config": state.run_config, "rng": rng_plain,
-               "param_groups": ts.group_hparams(), "files": manifest, "saved_at_ns": _write_stamp()}
+               "param_groups": ts.group_hparams(), "files": manifest, "saved_at_ns": write_stamp()}
     (tmp / "trainer.json").write_text(json.dumps(trainer, indent=1))
+
+
+def agreement(comm: Any, root: Path, name: str, tmp: Path) -> Any:
+    """``agree(work)``: run ``work`` on this rank, then agree over ``comm``'s ranks whether any failed (a
+    collective every rank calls together); where one did, rank 0 removes ``tmp`` and every rank raises,
+    this rank its own error or one saying another rank's failed (the previous checkpoint is intact)."""
+    def agree(work: Any) -> None:
+        try:
+            work()
+            error = None
+        except (OSError, SafetensorError) as exc:
+            error = exc
+        flag = torch.tensor([1.0 if error is not None else 0.0])
+        comm.host.all_reduce(flag, op="max")
+        if flag.item():
+            if comm.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise (_save_failed(root, name, error) if error is not None
+                   else OutputError(f"cannot save checkpoint {name} in {root}: another rank could not write "
+                                    "its shards (its error says why; the previous checkpoint is intact)"))
+
+    return agree
+
+
+def prepare_dir(root: Path, tmp: Path) -> None:
+    """Rank 0's first step of a many-rank save: the checkpoints' folder, stale temporaries gone, ``tmp`` fresh."""
+    root.mkdir(parents=True, exist_ok=True)
+    remove_stale(root)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+
+
+def check_sees(tmp: Path, rank: int) -> None:
+    if not tmp.is_dir():  # rank 0 made it: this rank saves on another filesystem
+        raise UnsharedDirectory(errno.ENOENT, f"{tmp}, which rank 0 made, is not there as rank {rank} sees "
+                                "it: every rank must save into one filesystem they share (--out on NFS, Lustre...)")
 
 
 def _save_sharded(out: Path, ts: TrainState, state: TrainerState, keep: int, comm: Any) -> Path:
@@ -233,52 +270,31 @@ def _save_sharded(out: Path, ts: TrainState, state: TrainerState, keep: int, com
     final = root / f"step-{state.step:08d}"
     tmp = root / f".{final.name}.tmp-ranks"
     rank0 = comm.rank == 0
-
-    def stage(work) -> BaseException | None:
-        try:
-            work()
-            error = None
-        except (OSError, SafetensorError) as exc:
-            error = exc
-        flag = torch.tensor([1.0 if error is not None else 0.0])
-        comm.host.all_reduce(flag, op="max")
-        if flag.item():
-            if rank0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise (_save_failed(root, final.name, error) if error is not None
-                   else OutputError(f"cannot save checkpoint {final.name} in {root}: another rank could not write "
-                                    "its shards (its error says why; the previous checkpoint is intact)"))
-        return None
-
-    def prepare() -> None:
-        if rank0:
-            root.mkdir(parents=True, exist_ok=True)
-            remove_stale(root)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-
-    crc = [0]
-    stage(prepare)
-    def sees_it() -> None:
-        if not tmp.is_dir():  # rank 0 made it: this rank saves on another filesystem
-            raise UnsharedDirectory(errno.ENOENT, f"{tmp}, which rank 0 made, is not there as rank {comm.rank} sees "
-                                    "it: every rank must save into one filesystem they share (--out on NFS, Lustre...)")
-
-    stage(sees_it)
-    stage(ts.rt.wait_updates)  # an update's failure (a disk error) fails the save on every rank alike
-    steps = agreed_steps(ts.rt)  # the last collective before the ranks write: a failed write leaves none waiting
-    stage(lambda: crc.__setitem__(0, write_rank_file(tmp, ts.rt, steps)))
-    crcs = torch.zeros(comm.world_size, dtype=torch.int64)
-    comm.host.all_gather(crcs, torch.tensor([crc[0]], dtype=torch.int64))
-    written = crcs[: rank_files(ts.rt)].tolist()  # ranks past the files wrote none (hybrid sharding's replicas)
-    stage(lambda: _publish_sharded(root, tmp, final, ts, state, written) if rank0 else None)
+    agree = agreement(comm, root, final.name, tmp)
+    agree(lambda: prepare_dir(root, tmp) if rank0 else None)
+    agree(lambda: check_sees(tmp, comm.rank))
+    write_sharded(tmp, ts, state, comm, agree)
+    agree(lambda: publish(root, tmp, final) if rank0 else None)
     if rank0:
-        _prune(root, keep, final.name)
+        prune(root, keep, final.name)
     return final
 
 
-def _publish_sharded(root: Path, tmp: Path, final: Path, ts: TrainState, state: TrainerState, crcs: list[int]) -> None:
-    rng_tensors, rng_plain = _rng_state()
+def write_sharded(tmp: Path, ts: TrainState, state: TrainerState, comm: Any, agree: Any) -> None:
+    """Every file of a data-parallel run's checkpoint into ``tmp``, which every rank of ``comm`` sees: each
+    rank its own shards, rank 0 the rest (a pipeline's stage writes its sub-checkpoint so too)."""
+    agree(ts.rt.wait_updates)  # an update's failure (a disk error) fails the save on every rank alike
+    steps = agreed_steps(ts.rt)  # the last collective before the ranks write: a failed write leaves none waiting
+    crc = [0]
+    agree(lambda: crc.__setitem__(0, write_rank_file(tmp, ts.rt, steps)))
+    crcs = torch.zeros(comm.world_size, dtype=torch.int64)
+    comm.host.all_gather(crcs, torch.tensor([crc[0]], dtype=torch.int64))
+    written = crcs[: rank_files(ts.rt)].tolist()  # ranks past the files wrote none (hybrid sharding's replicas)
+    agree(lambda: _write_sharded_trainer(tmp, ts, state, written) if comm.rank == 0 else None)
+
+
+def _write_sharded_trainer(tmp: Path, ts: TrainState, state: TrainerState, crcs: list[int]) -> None:
+    rng_tensors, rng_plain = rng_state()
     save_file(rng_tensors, tmp / "rng.safetensors")
     (tmp / "config.json").write_text(json.dumps(model_config_dict(ts.module), indent=2))
     smap = shard_map(ts.rt)
@@ -292,9 +308,12 @@ def _publish_sharded(root: Path, tmp: Path, final: Path, ts: TrainState, state: 
     manifest.update({shard_file(r, len(crcs)): _CRC + f"{c:08x}" for r, c in enumerate(crcs)})
     trainer = {"format_version": FORMAT_VERSION, "step": state.step, "data_position": state.data_position,
                "scaler": state.scaler, "run_config": state.run_config, "rng": rng_plain,
-               "param_groups": ts.group_hparams(), "files": manifest, "saved_at_ns": _write_stamp(),
+               "param_groups": ts.group_hparams(), "files": manifest, "saved_at_ns": write_stamp(),
                "shards": json.loads(json.dumps(_map_dict(smap)))}
     (tmp / "trainer.json").write_text(json.dumps(trainer, indent=1))
+
+
+def publish(root: Path, tmp: Path, final: Path) -> None:
     publish_dir(tmp, final)
     write_atomic(root / LATEST, final.name.encode())
 
@@ -308,7 +327,7 @@ def _map_dict(smap: ShardMap) -> dict:
     return out
 
 
-def _write_stamp() -> int:
+def write_stamp() -> int:
     """When a checkpoint was written (ns since the epoch): pruning keeps the most recently written."""
     return time.time_ns()
 
@@ -340,7 +359,7 @@ def remove_stale(root: Path) -> None:
             p.unlink(missing_ok=True)  # a link is removed as a name; what it points at is never touched
 
 
-def _prune(root: Path, keep: int, written: str) -> None:
+def prune(root: Path, keep: int, written: str) -> None:
     """Remove the checkpoints beyond the ``keep`` most recently written. Order is by write stamp,
     not step number: a new or resumed run writing lower steps than an older run in the same
     directory must not delete its own checkpoints. The one just written and the one ``latest``
@@ -461,7 +480,10 @@ def read_trainer(ckpt: Path) -> TrainerFile:
 
 
 def _needed(path: Path, trainer: TrainerFile) -> tuple[str, ...]:
-    """The files loading reads: a sharded checkpoint's rank files instead of the model and optimizer files."""
+    """The files loading reads: a sharded checkpoint's rank files instead of the model and optimizer files;
+    a pipelined one's stages are sub-checkpoints, each with its own manifest."""
+    if trainer.pipeline is not None:
+        return ("config.json", "rng.safetensors")
     if trainer.shards is None:
         return NEEDED
     world = trainer.shards.get("world") if isinstance(trainer.shards, dict) else None
@@ -630,7 +652,11 @@ def load_checkpoint(ckpt: Path, ts: TrainState) -> TrainerState:
     verify_files(ckpt, checked_whole(trainer.files))
     check_same_model(ckpt, ts.module)
     groups = checked_groups(trainer.param_groups, ts.group_hparams(), f"checkpoint {ckpt}")
-    if trainer.shards is not None:
+    if trainer.pipeline is not None:
+        from tiertrain.checkpoint.pipelined import stage_tensors
+
+        weights, optim = stage_tensors(ckpt, trainer.pipeline, ts)
+    elif trainer.shards is not None:
         smap = ShardMap.read(trainer.shards, f"checkpoint file {ckpt / 'trainer.json'}: shards")
         expected = ts.expected_weights()
         held_elsewhere = experts_held_elsewhere(smap, expected) if getattr(ts, "expert_parallel", False) else None
@@ -643,12 +669,13 @@ def load_checkpoint(ckpt: Path, ts: TrainState) -> TrainerState:
     try:
         ts.load(weights, optim, groups)
     finally:
-        if isinstance(weights, ShardedTensors):
+        if hasattr(weights, "close"):
             weights.close()
     _restore_rng(rng, trainer.rng)
+    world = trainer.pipeline["ranks"] if trainer.pipeline is not None else (
+        smap.run_ranks if trainer.shards is not None else 1)
     return TrainerState(step=trainer.step, data_position=trainer.data_position,
-                        scaler=dict(trainer.scaler), run_config=dict(trainer.run_config),
-                        world=smap.run_ranks if trainer.shards is not None else 1)
+                        scaler=dict(trainer.scaler), run_config=dict(trainer.run_config), world=world)
 
 
 # ---------------------------------------------------------------- messages

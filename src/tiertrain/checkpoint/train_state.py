@@ -49,7 +49,7 @@ def weights_to_save(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: t.detach().contiguous().cpu() for name, t in _unaliased(model)}
 
 
-def _plain_hparams(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def plain_hparams(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"} for g in groups]
 
 
@@ -105,7 +105,7 @@ class PlainState:
                                 for idx, state in self.opt.state_dict()["state"].items() for key, value in state.items()})
 
     def group_hparams(self) -> list[dict[str, Any]]:
-        return _plain_hparams(self.opt.state_dict()["param_groups"])
+        return plain_hparams(self.opt.state_dict()["param_groups"])
 
     def load(self, weights, optim, groups) -> None:
         self.module.load_state_dict(dict(weights.items()), strict=False)
@@ -151,7 +151,7 @@ class TieredState:
         return optimizer_stream(self.rt)
 
     def group_hparams(self) -> list[dict[str, Any]]:
-        return _plain_hparams(self.rt.param_groups)
+        return plain_hparams(self.rt.param_groups)
 
     def load(self, weights, optim, groups) -> None:
         from tiertrain.runtime.state_io import import_state

@@ -255,3 +255,55 @@ def test_torchrun_with_the_defaults_trains_plain_data_parallel_with_ddps_losses(
     ddp = subprocess.run([*torchrun, str(script), "5"], capture_output=True, text=True, timeout=300, env=env)
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     assert _losses(tmp_path / "run") == json.loads(ddp.stdout.strip().splitlines()[-1])
+
+
+UNTIED = {"name": "tiny-untied", "n_layer": 4, "n_head": 2, "d_model": 32, "d_ffn": 64, "vocab_size": 256,
+          "max_seq_len": 64, "tie_embeddings": False}
+
+
+def test_train_pp_trains_as_one_process_and_its_checkpoint_resumes_in_one_and_cut_otherwise(tmp_path):
+    """``train --nproc 2 --pp 2`` (1F1B, 2 micro-batches) takes the steps of one process accumulating the same
+    micro-batches, bit for bit (fp32, no clipping); its checkpoint after step 2 resumes in one process and over
+    4 AIAO stages (2 segments), each going on with the uninterrupted run's losses."""
+    model = tmp_path / "untied.json"
+    model.write_text(json.dumps(UNTIED))
+    common = ["--model", str(model), "--batch-size", "2", "--seq-len", "32", "--grad-clip", "0", "--plan", "stream",
+              "--log-every", "1"]
+    piped = tmp_path / "piped"
+    r = _train(*common, "--steps", "4", "--save-every", "2", "--nproc", "2", "--pp", "2", "--schedule", "1f1b",
+               "--micro-batches", "2", "--out", str(piped))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "pipeline of 2 ranks x 1 replicas, 1f1b, 2 micro-batches, 2 stages" in r.stdout
+    ckpt = piped / "checkpoints" / "step-00000002"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["config.json", "rng.safetensors", "stage-000", "stage-001",
+                                                      "trainer.json"]
+    one = tmp_path / "one"
+    r = _train(*common, "--steps", "4", "--grad-accum", "2", "--out", str(one))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _losses(piped) == _losses(one)
+    for name, args in (("in-one", ["--nproc", "1", "--pp", "1"]),
+                       ("aiao", ["--nproc", "2", "--schedule", "aiao", "--segments", "2"])):
+        r = _train("--resume", str(ckpt), "--steps", "4", "--out", str(tmp_path / name), *args)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "tokens a step" not in r.stdout, r.stdout  # the same batches: one replica either way
+        assert _losses(tmp_path / name) == _losses(piped)[2:], name
+
+
+def test_a_pipeline_the_ranks_would_refuse_is_one_message_before_torchrun_starts(tmp_path, capsys):
+    from tiertrain.cli.main import main
+
+    model = tmp_path / "untied.json"
+    model.write_text(json.dumps(UNTIED))
+    piped = ["--model", str(model), "--plan", "stream", "--nproc", "2", "--pp", "2"]
+    for args, says in ((["--model", "tiny", "--plan", "stream", "--nproc", "2", "--pp", "2"], "ties its head"),
+                       ([*piped[:4], "--pp", "2"], "add --nproc 2"),
+                       ([*TINY, "--schedule", "gpipe"], "apply to a pipelined run; add --pp"),
+                       ([*piped, "--schedule", "1f1b"], "give --micro-batches 2 or more"),
+                       ([*piped[:-4], "--nproc", "2", "--pp", "3"], "--pp 3 does not divide the 2 ranks"),
+                       ([*piped, "--micro-batches", "2", "--grad-accum", "4"], "name the same count"),
+                       ([*piped[:2], "--nproc", "2", "--pp", "2"], "add --plan"),
+                       ([*piped, "--precision", "bf16"], "add --precision fp32")):
+        out = tmp_path / "r"
+        assert main(["train", *args, "--out", str(out)]) == 2, args
+        err = capsys.readouterr().err
+        assert says in err and err.count("error:") == 1 and not out.exists(), err

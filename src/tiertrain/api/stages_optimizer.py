@@ -34,6 +34,7 @@ class StagesOptimizer(torch.optim.Optimizer):
         self.param_groups = source.param_groups
         self.parts, self._pp_host, self._max_grad_norm = parts, pp_host, max_grad_norm
         self._clipped = False
+        self.loss_scaler = None  # stages run in fp32: no loss scale to keep
         for part in parts:
             part._rt.param_groups = self.param_groups  # live: what a scheduler writes, every stage's next update reads
 
@@ -58,8 +59,8 @@ class StagesOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         raise ShardedStates("a pipelined run's optimizer states are split over its stages' ranks, and torch's one-dict "
-                            "format would need every rank's at once: checkpoints of pipelined runs are not supported "
-                            "yet")
+                            "format would need every rank's at once: save the run with tiertrain.save_pipeline(run, "
+                            "out, step) and resume it with tiertrain.load_pipeline(run, out)")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if hasattr(self, "parts"):  # torch's constructor adds the groups it was given

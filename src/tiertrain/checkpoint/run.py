@@ -452,7 +452,10 @@ def saved_run_options(path: Path) -> dict[str, Any]:
 
 def saved_world(path: Path) -> int:
     """The ranks the run of the checkpoint at ``path`` trained on: a resume keeps them unless told otherwise."""
-    shards = read_trainer(find_checkpoint(path)).shards
+    trainer = read_trainer(find_checkpoint(path))
+    if trainer.pipeline is not None:
+        return int(trainer.pipeline["ranks"])
+    shards = trainer.shards
     return int(shards.get("ranks") or shards["world"]) if shards is not None else 1
 
 

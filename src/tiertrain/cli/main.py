@@ -115,6 +115,13 @@ def cli() -> None:
                                              "groups of this many consecutive ranks (one node's GPUs) and replicate it "
                                              "across the groups, so only gradient all-reduces cross between nodes "
                                              "(default: every block sharded over all N ranks).")
+@click.option("--pp", type=int, help="With --plan under --nproc N: pipeline parallel: cut the model into stages over "
+                                    "runs of this many ranks, N / pp replicas of the pipeline (default 1).")
+@click.option("--schedule", type=click.Choice(["aiao", "1f1b", "interleaved", "gpipe"]),
+              help="With --pp: the pipeline schedule (default aiao, FOLD3D's).")
+@click.option("--micro-batches", type=int, help="With --pp: micro-batches per step through the pipeline (the same "
+                                               "as --grad-accum; default 1).")
+@click.option("--segments", type=int, help="With --pp and aiao or interleaved: virtual stages per rank (default 1).")
 @click.option("--quiet", is_flag=True, help="Print only the summary.")
 @click.option("--nproc", type=POSITIVE, default=None,
               help="Data-parallel processes on this machine (runs torchrun --nproc-per-node N for you; several "
@@ -131,8 +138,8 @@ def train(config_file: str | None, quiet: bool, nproc: int | None, **flags: Any)
     from tiertrain.cli.summary import print_summary
     from tiertrain.checkpoint.run import saved_run_options, saved_world
     from tiertrain.train.config import make_config, read_config_file
-    from tiertrain.train.loop import Trainer
     from tiertrain.train.metrics import Reporter
+    from tiertrain.train.pipeline_loop import trainer_for
     from tiertrain.train.run_dir import RunDir
     from tiertrain.parallel.group import end_process_group
 
@@ -148,13 +155,20 @@ def train(config_file: str | None, quiet: bool, nproc: int | None, **flags: Any)
         if nproc is None and "LOCAL_RANK" not in os.environ:
             nproc = _resumed_world(saved_world(Path(flags["resume"])))
     nproc = nproc or 1
+    if (flags.get("schedule") or flags.get("segments") or flags.get("micro_batches")) and not (
+            flags.get("pp") or file_values.get("pp", 1)) > 1:
+        raise ConfigError("--schedule, --segments and --micro-batches apply to a pipelined run; add --pp P (and "
+                          "--nproc N)")
+    _micro_batches_as_accum(flags)
     cfg = make_config(file_values, flags)  # checked here first: a bad value is one message, not one per rank
+    if cfg.pp > 1 and nproc == 1 and "LOCAL_RANK" not in os.environ:
+        raise ConfigError(f"--pp {cfg.pp} cuts the model over ranks: add --nproc {cfg.pp} (or a multiple of it)")
     if nproc > 1 and "LOCAL_RANK" not in os.environ:
         _check_layout(cfg, nproc)
         raise SystemExit(_torchrun(nproc))
     console = _console()
     reporter = Reporter(cfg.steps, cfg.log_every, quiet=quiet)
-    trainer = Trainer(cfg, reporter)
+    trainer = trainer_for(cfg, reporter)
     if trainer.rank == 0:  # one header for the run, not one per rank
         reporter.message(trainer.describe())
     summary = trainer.run()
@@ -172,6 +186,17 @@ def _resumed_world(world: int) -> int:
     return world
 
 
+def _micro_batches_as_accum(flags: dict[str, Any]) -> None:
+    """``--micro-batches M`` is the pipeline's name for ``--grad-accum M``: one value, however it is given."""
+    micro = flags.pop("micro_batches", None)
+    if micro is None:
+        return
+    if flags.get("grad_accum") not in (None, micro):
+        raise ConfigError(f"--micro-batches {micro} and --grad-accum {flags['grad_accum']} name the same count; "
+                          "give one of them")
+    flags["grad_accum"] = micro
+
+
 def _check_layout(cfg: Any, nproc: int) -> None:
     """What the ranks would each refuse, said once before torchrun starts them: an ``--ep`` that does
     not divide the ranks, a plan file laid out for another number of ranks."""
@@ -181,6 +206,18 @@ def _check_layout(cfg: Any, nproc: int) -> None:
 
     if cfg.ep > 1 or cfg.shard_group:
         ParallelLayout(dp=nproc, ep=cfg.ep, shard_group=cfg.shard_group)  # one message where they do not divide it
+    if cfg.pp > 1:
+        from tiertrain.models import resolve_config
+        from tiertrain.plan.pipeline import PipelineLayout
+
+        model_cfg = resolve_config(cfg.model)
+        if getattr(model_cfg, "tie_embeddings", False):
+            raise ConfigError(f"--pp {cfg.pp}: the model ties its head to its token embedding, which the first and the "
+                              "last stage would each hold; give a model with \"tie_embeddings\": false (a config "
+                              "JSON)")
+        blocks = getattr(model_cfg, "n_layer", None)
+        PipelineLayout(cfg.pp, cfg.schedule, cfg.grad_accum, cfg.segments).check(
+            nproc, blocks or cfg.pp * cfg.segments, cfg.grad_accum)
     if cfg.plan and cfg.plan.endswith(".json") and os.path.isfile(cfg.plan):
         dp = Plan.from_json(Path(cfg.plan).read_text(), f"plan {cfg.plan}").parallel.dp
         if dp not in (1, nproc):

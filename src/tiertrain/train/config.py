@@ -15,6 +15,7 @@ from tiertrain import typed
 from tiertrain.errors import ConfigError
 from tiertrain.plan import COMPUTE_DTYPES as PRECISIONS
 from tiertrain.plan import UPDATE_MODES
+from tiertrain.plan.pipeline import SCHEDULES
 from tiertrain.typed import above, at_least, between, one_of
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -69,6 +70,9 @@ class TrainConfig:
     ep: int = field(default=1, metadata=at_least(1))  # expert parallel: ranks each MoE layer's experts are divided over
     reduce_dtype: str | None = field(default=None, metadata=one_of("fp32", "bf16"))  # gradients' sum over the ranks
     shard_group: int = field(default=0, metadata=at_least(0))  # hybrid sharding: ranks a block is split over (0: all)
+    pp: int = field(default=1, metadata=at_least(1))  # pipeline stages: the ranks as ranks / pp replicas of a pipeline
+    schedule: str = field(default="aiao", metadata=one_of(*SCHEDULES))  # with pp > 1; its micro-batches: grad_accum
+    segments: int = field(default=1, metadata=at_least(1))  # with pp > 1: FOLD3D's segments (virtual stages per rank)
 
     def __post_init__(self) -> None:
         typed.check(self, "config")
@@ -90,10 +94,24 @@ class TrainConfig:
         if not self.save and self.save_every:
             raise ConfigError(f"--no-save writes no checkpoint and --save-every {self.save_every} asks for them; "
                               "give one of them")
+        self._validate_pipeline()
         if self.resume and self.overwrite:
             raise ConfigError("--resume continues a run and --overwrite replaces it; give one of them")
         if self.min_lr is not None and self.min_lr > self.lr:
             raise ConfigError(f"min_lr {self.min_lr} is above lr {self.lr}; give min_lr <= lr")
+
+    def _validate_pipeline(self) -> None:
+        if self.pp == 1:  # a schedule or segments saved by a pipelined run stay in its options when it resumes at 1
+            return
+        if self.plan is None:
+            raise ConfigError(f"--pp {self.pp} tiers each stage: add --plan resident|stream|max-offload|FILE")
+        if self.plan == "auto":
+            raise ConfigError("--plan auto does not plan pipeline stages yet: plan one with tiertrain plan --nproc N "
+                              f"--pp {self.pp} --out plan.json and pass --plan plan.json, or name a built-in plan")
+        if self.precision not in (None, "fp32"):
+            raise ConfigError(f"pipeline stages train in fp32 for now, not {self.precision}: add --precision fp32")
+        if self.ep > 1 or self.shard_group:
+            raise ConfigError("--ep and --shard-group do not combine with --pp yet; leave them out")
 
     @property
     def final_lr(self) -> float:

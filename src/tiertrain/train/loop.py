@@ -146,8 +146,9 @@ class Trainer:
         if cfg.seq_len > max_len:
             raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's maximum {max_len}; use a shorter --seq-len")
         self.vocab = vocab
+        replica, replicas = self._replica()
         self.sampler = BatchSampler(load_tokens(cfg.data, vocab, cfg.tokenizer), cfg.batch_size, cfg.seq_len, cfg.seed,
-                                    rank=self.rank, world=self.world)
+                                    rank=replica, world=replicas)
         self.opt, self.param_names = make_adamw(self.model, cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay)
         self.state: TrainState = PlainState(self.model, self.opt, self.param_names)
         self.auto: AutoPlan | None = None
@@ -162,8 +163,8 @@ class Trainer:
         if cfg.resume:
             self._resume(Path(cfg.resume))
         if self.tiered and self.rank == 0:  # only once a resume is accepted: a refused one changes nothing in OUT
-            write_atomic(self.out / PLAN_FILE, self.model.runtime.plan.to_json().encode())
-        mem = self.model.runtime.mem if self.tiered else None  # setup's and a resume's disk traffic are not a step's
+            self._write_plan()
+        mem = self._tier_memory()  # setup's and a resume's disk traffic are not a step's
         self.disk_watch = DiskWatch(mem, self.budgets.budgets.disk_dir) if mem and Tier.DISK in mem.pools else None
         self.cpu_watch = CpuWatch()
         self.disk_busy, self.cpu_busy = StepMedians(), StepMedians()  # "whole" step, "kernel", per phase
@@ -224,9 +225,23 @@ class Trainer:
                 f"steps {self.step}->{self.cfg.steps}; out {self.out}"
                 + (f"; plan {self.model.runtime.plan.name} ({self.model.runtime.plan.update})" if self.tiered else ""))
 
+    def _replica(self) -> tuple[int, int]:
+        """Which data-parallel replica this rank is, of how many: each reads its own batches."""
+        return self.rank, self.world
+
+    def _write_plan(self) -> None:
+        write_atomic(self.out / PLAN_FILE, self.model.runtime.plan.to_json().encode())
+
+    def _tier_memory(self) -> Any:
+        """The tiers whose disk traffic the steps' rows report (None: no tiers)."""
+        return self.model.runtime.mem if self.tiered else None
+
+    def _load(self, ckpt: Path) -> TrainerState:
+        return load_checkpoint(ckpt, self.state)
+
     def _resume(self, path: Path) -> None:
         ckpt = find_checkpoint(path)
-        state = load_checkpoint(ckpt, self.state)
+        state = self._load(ckpt)
         if state.step >= self.cfg.steps:
             raise ConfigError(f"checkpoint {ckpt} is already at step {state.step}, so --steps {self.cfg.steps} "
                               f"leaves nothing to do; pass --steps larger than {state.step}")

@@ -52,12 +52,17 @@ def batch_moved(saved: dict[str, Any], saved_world: int, cfg: TrainConfig, world
     if any(saved.get(k) is None for k in keys):
         return None
     now = {k: getattr(cfg, k) for k in keys}
-    before, after = tokens(saved, saved_world), tokens(now, world)
-    if before == after and saved_world == world and all(saved[k] == now[k] for k in keys):
+    saved_pp = saved.get("pp") if isinstance(saved.get("pp"), int) and saved.get("pp", 0) > 0 else 1
+    # the replicas read batches: a pipeline's pp ranks read one replica's
+    was, now_replicas = saved_world // saved_pp, world // cfg.pp
+    before, after = tokens(saved, was), tokens(now, now_replicas)
+    if before == after and was == now_replicas and all(saved[k] == now[k] for k in keys):
         return None
-    changed = ([f"{saved_world} ranks -> {world}"] if saved_world != world else []) + [
+    unit = "ranks" if saved_pp == cfg.pp == 1 else "data-parallel replicas"
+    changed = ([f"{was} {unit} -> {now_replicas}"] if was != now_replicas else []) + [
         f"--{k.replace('_', '-')} {saved[k]} -> {now[k]}" for k in keys if saved[k] != now[k]]
-    keep = " ".join(([f"--nproc {saved_world}"] if saved_world != world else [])
+    keep = " ".join(([f"--nproc {saved_world}" + (f" --pp {saved_pp}" if saved_pp > 1 else "")]
+                     if was != now_replicas else [])
                     + [f"--{k.replace('_', '-')} {saved[k]}" for k in keys if saved[k] != now[k]])
     return (f"this run takes {after:,} tokens a step where the checkpoint's took {before:,} ({', '.join(changed)}): "
             f"its losses part from the uninterrupted run's; resume with {keep} to keep them")

@@ -1,0 +1,143 @@
+"""``tiertrain train --nproc N --pp P``: the training loop over a pipelined model (``tiertrain.pipeline``).
+
+The same run as ``Trainer``'s (run directory, data, schedule, metrics, stop on a signal, nothing lost)
+with a pipeline where one runtime was: each rank builds the model, keeps its stages, and every rank of a
+pipeline reads its replica's batches (the first stage uses the token ids, the last the targets). A step
+is ``--grad-accum`` micro-batches (the pipeline's M) through the schedule, the gradient norm clipped over
+every stage, each stage's update, and the rows and checkpoints every rank agrees on. Checkpoints are
+pipelined ones (``checkpoint.pipelined``): they resume at another layout, or in one process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from tiertrain.checkpoint.pipelined import PipelineRecord, load_pipeline, save_pipelined
+from tiertrain.checkpoint.run import TrainerState
+from tiertrain.errors import ConfigError
+from tiertrain.models import build, param_count
+from tiertrain.plan.pipeline import PipelineLayout
+from tiertrain.train.config import TrainConfig
+from tiertrain.train.disk_watch import BETWEEN, FORWARD, STEP
+from tiertrain.train.loop import Trainer, seed_everything
+from tiertrain.train.metrics import Reporter
+from tiertrain.train.schedule import lr_at
+from tiertrain.train.tiered import default_budgets
+from tiertrain.units import format_count
+
+
+def trainer_for(cfg: TrainConfig, reporter: Reporter | None = None) -> Trainer:
+    """The loop for ``cfg``: over a pipeline where ``--pp`` is above 1."""
+    return PipelineTrainer(cfg, reporter) if cfg.pp > 1 else Trainer(cfg, reporter)
+
+
+class _PipelineState:
+    """What ``Trainer`` reads of a run's state between steps: the model (its config, its FLOPs)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+
+class PipelineTrainer(Trainer):
+    def _replica(self) -> tuple[int, int]:
+        return self.rank // self.cfg.pp, self.world // self.cfg.pp
+
+    def _build(self, model_cfg: Any) -> nn.Module:
+        """The whole model on the host (each rank keeps its stages and lets go of the rest): a model larger
+        than one host's memory cannot be cut into stages yet."""
+        if self.precision.name != "fp32":
+            raise ConfigError(f"pipeline stages train in fp32 for now, not {self.precision.name}: add --precision fp32")
+        self.budgets = default_budgets(self.cfg, self.device)
+        if self.budgets.taken:
+            self.reporter.message(self.budgets.describe())
+        seed_everything(self.cfg.seed)
+        return build(model_cfg)
+
+    def _setup_tiered(self) -> None:
+        from tiertrain.api.pipeline import pipeline
+
+        cfg = self.cfg
+        self.layout = PipelineLayout(cfg.pp, cfg.schedule, cfg.grad_accum, cfg.segments)
+        self.pipe = pipeline(self.model, self.opt, self.layout, self.budgets.budgets, plan=cfg.plan,
+                             page_size=_page_size(cfg), update=cfg.update or "sync",
+                             max_grad_norm=cfg.grad_clip or None, reduce_dtype=cfg.reduce_dtype or "fp32")
+        self.opt = self.pipe.optimizer
+        self.state = _PipelineState(self.model)  # type: ignore[assignment]
+
+    def _write_plan(self) -> None:
+        return None  # each stage has its plan; plan.json describes one runtime's
+
+    def _tier_memory(self) -> Any:
+        return None  # the steps' rows give each of this rank's stages' page peaks, not their disk traffic
+
+    def _load(self, ckpt: Path) -> TrainerState:
+        return load_pipeline(self.pipe, ckpt)
+
+    def save(self) -> Path:
+        state = TrainerState(step=self.step, data_position=self.sampler.position, scaler={},
+                             run_config=self.cfg.to_dict())
+        record = PipelineRecord(self.layout.pp, self.layout.stages, self.world)
+        saved = save_pipelined(self.out, list(zip(self.pipe.indices, self.pipe.stages)), self.pipe.mesh.world,
+                               record, self.opt.param_groups, state, self.cfg.keep_checkpoints)
+        self.cpu_watch.reset()
+        return saved
+
+    def train_step(self) -> tuple[float, float]:
+        """The step's micro-batches through the schedule as one batch, clipped over every stage, updated."""
+        cfg = self.cfg
+        for group in self.opt.param_groups:
+            group["lr"] = lr_at(self.step, cfg.lr, cfg.final_lr, cfg.warmup, cfg.steps)
+        self.cpu_watch.mark(FORWARD)  # forward and backward interleave in a schedule: one phase
+        pairs = [self.batch() for _ in range(cfg.grad_accum)]
+        self.pipe.step(torch.cat([x for x, _ in pairs]), torch.cat([y for _, y in pairs]))
+        loss = torch.zeros(())
+        for micro in self.pipe.micro_losses:  # summed as Trainer sums its micro-batches' (fp32, in order)
+            loss += micro
+        self._stop_if_not_finite("loss", loss)
+        self.cpu_watch.mark(STEP)
+        norm = float("nan")
+        if cfg.grad_clip > 0:
+            norm = float(self.opt.clip_grad_norm_(cfg.grad_clip))
+            self._stop_if_not_finite("gradient norm", torch.tensor(norm))
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.step += 1
+        self.cpu_watch.mark(BETWEEN)
+        return float(loss), norm
+
+    def _any_rank(self, flag: bool) -> bool:
+        t = torch.tensor([1.0 if flag else 0.0])
+        self.pipe.mesh.world.host.all_reduce(t, op="max")
+        return bool(t.item())
+
+    def _tier_figures(self, row: dict[str, Any]) -> None:
+        peaks: dict[str, int] = {}
+        for stage in self.pipe.stages:  # this rank's stages' pools: page peaks add up
+            for tier, v in stage.runtime.mem.stats().items():
+                if "budget" in v:
+                    peaks[tier] = peaks.get(tier, 0) + v["pages_peak_bytes"]
+        row["peak_bytes"] = peaks
+
+    def _close_tiers(self) -> None:
+        pipe = getattr(self, "pipe", None)
+        if pipe is not None:
+            pipe.close()
+
+    def describe(self) -> str:
+        cfg, n = self.cfg, param_count(self.model.config)
+        tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum * (self.world // cfg.pp)
+        return (f"training {self.model.config.name or 'gpt'} ({format_count(n)} params) on {self.device.type}, "
+                f"fp32; pipeline of {cfg.pp} ranks x {self.world // cfg.pp} replicas, {cfg.schedule}, "
+                f"{cfg.grad_accum} micro-batches, {self.layout.stages} stages; {tokens} tokens/step; "
+                f"steps {self.step}->{cfg.steps}; out {self.out}")
+
+
+def _page_size(cfg: TrainConfig) -> int | None:
+    from tiertrain.units import parse_size
+
+    return parse_size(cfg.page_size) if cfg.page_size else None
+

@@ -202,3 +202,24 @@ def stashed_checkpoints(rank: int, micro: int) -> dict:
         return {"peak": peak, "kept": kept, "checkpoint": 2 * 16 * TINY["d_model"] * 4}
     finally:
         run.close()
+
+
+def resumed_from_one_process(rank: int, pp: int, disk: Path, out: Path) -> dict:
+    """Rank 0 trains one step in one process of plain PyTorch and saves it as ``train`` does; every rank then
+    resumes that checkpoint as an AIAO pipeline and trains the other steps."""
+    import torch.distributed as dist
+
+    from tiertrain.checkpoint.run import TrainerState, save_checkpoint
+    from tiertrain.checkpoint.train_state import PlainState
+
+    if rank == 0:
+        model, opt = fresh()
+        names = {i: n for i, n in enumerate([n for n, p in model.named_parameters() if p.dim() >= 2]
+                                            + [n for n, p in model.named_parameters() if p.dim() < 2])}
+        b = batches(0)[0]
+        for x, y in zip(b[:, :-1].chunk(4), b[:, 1:].chunk(4)):
+            (model(x, y) / 4).backward()
+        opt.step()
+        save_checkpoint(out, PlainState(model, opt, names), TrainerState(1, 0, {}, {}), keep=1)
+    dist.barrier()
+    return pipelined_losses(rank, Case("aiao", 4, 2), pp, disk, load_from=out)

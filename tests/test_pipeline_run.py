@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dp_harness import run_ranks
-from pp_harness import Case, pipelined_losses, reference, stashed_checkpoints
+from pp_harness import Case, pipelined_losses, reference, resumed_from_one_process, stashed_checkpoints
 
 SCHEDULES = [Case("gpipe", 2, 1), Case("1f1b", 4, 1), Case("interleaved", 4, 2), Case("aiao", 4, 2)]
 PP2 = SCHEDULES + [Case(c.schedule, c.micro, c.segments, plan="disk") for c in SCHEDULES] + [
@@ -47,10 +47,11 @@ def pp2(tmp_path_factory):
     disk = tmp_path_factory.mktemp("pp2d")
     jobs = _jobs(PP2, 2, disk, Case("aiao", 4, 2))
     jobs += [(("stash", m), functools.partial(stashed_checkpoints, micro=m)) for m in (4, 8)]
-    jobs += _checkpoint_jobs(2, disk, tmp_path_factory.mktemp("pp2run"), resume=True)
-    results = run_ranks(2, tmp_path_factory.mktemp("pp2"), jobs)
-    results["out"] = jobs[-1][1].keywords["load_from"]
-    return results
+    out = tmp_path_factory.mktemp("pp2run")
+    jobs += _checkpoint_jobs(2, disk, out, resume=True)
+    jobs += [(("from one",), functools.partial(resumed_from_one_process, pp=2, disk=disk / "one",
+                                               out=tmp_path_factory.mktemp("one")))]
+    return {**run_ranks(2, tmp_path_factory.mktemp("pp2"), jobs), "out": out}
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +177,14 @@ def test_a_pipelined_checkpoint_resumes_with_the_model_cut_otherwise(pp2):
     steps 2 and 3 are the uninterrupted run's, bit for bit."""
     for rank in range(2):
         assert pp2[(("resumed",), rank)]["losses"] == pp2[(("saved",), rank)]["losses"][1:], f"rank {rank}"
+
+
+def test_a_one_process_checkpoint_resumes_as_a_pipeline(pp2):
+    """One process of plain PyTorch saves after step 1; an AIAO pipeline over 4 stages goes on from it with
+    that process's steps 2 and 3, bit for bit (each stage reads its own parameters out of the whole model's)."""
+    want = reference(1, 4)
+    for rank in range(2):
+        assert pp2[(("from one",), rank)]["losses"] == [step[0] for step in want[1:]], f"rank {rank}"
 
 
 @pytest.mark.parametrize("fixture,dp", [("pp2", 1), ("pp2_dp2", 2)])

@@ -31,6 +31,7 @@ from tiertrain.checkpoint.run import (
     checked_whole,
     checkpoint_root,
     file_digest,
+    is_stage,
     model_config_dict,
     prepare_dir,
     prune,
@@ -190,11 +191,9 @@ def _open_stage(where: Path) -> tuple[Mapping, Mapping, dict[str, TensorSpec]]:
 
 
 def _check_covers(ckpt: Path, specs: dict[str, TensorSpec], ts: TrainState) -> None:
-    from tiertrain.models.gpt_stages import GPTStage
-
     expected = ts.expected_weights()
     missing = sorted(set(expected) - set(specs))
-    extra = [] if isinstance(ts.module, GPTStage) else sorted(set(specs) - set(expected))
+    extra = [] if is_stage(ts.module) else sorted(set(specs) - set(expected))
     wrong = [n for n in expected if n in specs and (specs[n].dtype, specs[n].shape) != (expected[n].dtype,
                                                                                         expected[n].shape)]
     if missing or extra or wrong:

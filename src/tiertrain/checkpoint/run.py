@@ -572,12 +572,19 @@ def check_same_model(ckpt: Path, model: nn.Module) -> None:
         )
 
 
+def is_stage(module: nn.Module) -> bool:
+    """A pipeline's stage holds some of the model's parameters: it reads its own out of a whole model's."""
+    from tiertrain.models.gpt_stages import GPTStage
+
+    return isinstance(module, GPTStage)
+
+
 def _checked_weights(ckpt: Path, ts: TrainState) -> LazyTensors:
     """The saved weights, read one tensor at a time as they are loaded, after their names, dtypes
     and shapes are checked against this model's from the file's header."""
     tensors = LazyTensors(ckpt / "model.safetensors")
     expected = ts.expected_weights()
-    odd = sorted(set(tensors) ^ set(expected))
+    odd = sorted(set(expected) - set(tensors) if is_stage(ts.module) else set(tensors) ^ set(expected))
     detail = f"{_short(odd[0])} is in only one of them" if odd else next(
         (f"{k}: checkpoint {_desc(tensors.dtype(k), tensors.shape(k))}, this model {_desc(s.dtype, s.shape)}"
          for k, s in expected.items() if (tensors.dtype(k), tensors.shape(k)) != (s.dtype, s.shape)), None)
@@ -593,10 +600,13 @@ def _checked_optimizer(ckpt: Path, ts: TrainState) -> LazyTensors:
     path = ckpt / "optimizer.safetensors"
     tensors = LazyTensors(path)
     expected = ts.expected_moments()
+    stage = is_stage(ts.module)
     kinds: dict[str, set[str]] = {}
     for key in tensors:
         name, sep, kind = key.partition("::")
         spec = expected.get(name)
+        if stage and sep and spec is None:
+            continue  # another stage's parameter
         if not sep or spec is None or kind not in ("step", *MOMENTS):
             raise CheckpointError(f"optimizer state {_short(key)} in {path} is no AdamW state of this model's "
                                   "parameters; resume the model it came from")
@@ -663,6 +673,8 @@ def load_checkpoint(ckpt: Path, ts: TrainState) -> TrainerState:
         smap = ShardMap.read(trainer.shards, f"checkpoint file {ckpt / 'trainer.json'}: shards")
         expected = ts.expected_weights()
         held_elsewhere = experts_held_elsewhere(smap, expected) if getattr(ts, "expert_parallel", False) else None
+        if is_stage(ts.module):  # the other stages' parameters
+            held_elsewhere = frozenset(n for b in smap.blocks for n, _, _ in b.params if n not in expected)
         check_shard_files(ckpt, smap, expected, held_elsewhere or frozenset())
         weights = ShardedTensors(ckpt, smap, moments=False)
         optim = weights.moments_too()

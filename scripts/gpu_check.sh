@@ -54,7 +54,7 @@ fi
 export TORCH_CUDA_ARCH_LIST=$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
 # the disk tier's and the peers' files: beside the working tree (its disk), not in /tmp (maybe in RAM)
 DISK=${GPU_DISK_DIR:-$PWD/.gpu-disk}
-mkdir -p "$DISK" "$DISK/largest/tiertrain-largest-trial"
+mkdir -p "$DISK" "$DISK/probe"
 lscpu | grep -E '^(Model name|CPU\(s\))' | tee -a "$OUT/summary.log"
 df -hT "$DISK" /tmp | tee -a "$OUT/summary.log"
 # 1. correctness on CUDA: plans against plain PyTorch, pools, train with a plan (incl. auto)
@@ -76,7 +76,7 @@ stage large_trace 200 tt train --model scripts/gpu-1.5b.json --plan auto --devic
     --precision bf16 --batch-size 4 --grad-accum 2 --seq-len 1024 --steps 4 --lr 3e-4 --log-every 1 --no-save \
     --out $OUT/large-trace
 # 4b. this machine's measured description (beside the datasheet's), cached for the stages after it
-stage probe 90 tt probe --disk $DISK/largest/tiertrain-largest-trial --out $OUT/machine.json
+stage probe 90 tt probe --disk $DISK/probe --out $OUT/machine.json
 # 4c. the largest model that really trains, at budgets one call can search (capacity bound 1.34B params)
 stage largest 220 tt bench largest --device-memory 4GiB --host-memory 12GiB --disk $DISK/largest:4GiB \
     --seq-len 512 --max-trials 4 --trial-timeout 100 --json $OUT/largest.json

@@ -91,17 +91,42 @@ def test_a_run_trained_only_if_it_exited_cleanly_after_every_step_with_finite_lo
     assert judge(cfg, 1, None, rows[:1], "", 3, 1.0, 60).why == "ran past 60 s (step 1 of 3)"
     assert judge(cfg, 1, -signal.SIGKILL, [], "", 3, 1.0, 60).why == "killed by SIGKILL (out of memory?)"
     failed = judge(cfg, 1, 1, [], "warning\nerror: the plan does not fit\n", 3, 1.0, 60)
-    assert failed.why == "exit 1: error: the plan does not fit" and not failed.trained
+    assert failed.why == "exit 1: error: the plan does not fit" and not failed.trained and not failed.fatal
+    assert not judge(cfg, 1, 2, [], "error: no plan fits device 4.00 GiB", 3, 1.0, 60).fatal  # too large
+    assert judge(cfg, 1, 2, [], "error: --seq-len 4096 exceeds the model's maximum", 3, 1.0, 60).fatal
+
+
+def test_a_trial_refused_for_its_options_ends_the_search_with_its_reason():
+    from tiertrain.errors import UserError
+
+    seed, sizes = _seed_and_sizes()
+    bad = lambda cfg, params: Trial(cfg, params, False, "exit 2: error: unknown option", fatal=True)  # noqa: E731
+    with pytest.raises(UserError, match="trial 1 was refused for another reason than its size .exit 2: error: "
+                                        "unknown option.; fix that first"):
+        search(seed, sizes, 512, bad, max_trials=6, say=lambda _: None)
+
+
+def test_a_search_stopped_before_any_failure_says_so():
+    from tiertrain.bench.largest import report
+
+    seed, sizes = _seed_and_sizes()
+    ok = lambda cfg, params: Trial(cfg, params, True, "", 1.0, {}, (1.0,), 1.0)  # noqa: E731
+    found = search(seed, sizes, 512, ok, max_trials=2, say=lambda _: None)
+    said = []
+    report(found, said.append)
+    assert found.first_failed == found.limit and "before any trial failed" in said[-1]
+    assert found.figures()["first_failed_layers"] is None
 
 
 def test_a_real_trial_trains_in_its_own_process_and_leaves_no_files(tmp_path):
     disk = tmp_path / "disk"
     disk.mkdir()
+    (disk / "yours").write_text("a file of the user's, beside the trial's pages")
     args = TrainArgs("64MiB", "512MiB", f"{disk}:256MiB", 2, 32, "fp32", 3, 300, device="cpu")
     cfg = CONFIGS["tiny"]
     trial = run_trial(cfg, param_count(cfg), args)
     assert trial.trained, trial.why
     assert len(trial.losses) == 3 and trial.step_s is not None and "host" in trial.peaks
-    assert list(disk.iterdir()) == []
+    assert [p.name for p in disk.iterdir()] == ["yours"]
     late = run_trial(cfg, param_count(cfg), TrainArgs("64MiB", "512MiB", None, 2, 32, "fp32", 3, 0.5, device="cpu"))
     assert not late.trained and late.why.startswith("ran past 0 s")

@@ -115,6 +115,29 @@ def test_no_save_writes_no_checkpoint_and_refuses_save_every(tmp_path):
         tiny_config(tmp_path, steps=4, save=False, save_every=2)
 
 
+def test_no_save_on_the_command_line_wins_over_a_resumed_runs_save_every(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--model", "tiny", "--steps", "2", "--batch-size", "2", "--seq-len", "16",
+                 "--save-every", "1", "--out", str(run), "--quiet"]) == 0
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert main(["train", "--resume", str(run), "--steps", "3", "--no-save", "--quiet"]) == 0
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+    capsys.readouterr()
+
+
+def test_micro_batches_in_a_config_file_is_grad_accum(tmp_path, capsys):
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"micro_batches": 2, "grad_accum": 4}))
+    assert main(["train", "--config", str(cfg), "--model", "tiny", "--out", str(tmp_path / "r")]) == 2
+    assert "micro_batches 2 and grad_accum 4 name the same count" in capsys.readouterr().err
+    cfg.write_text(json.dumps({"micro_batches": 2}))
+    assert main(["train", "--config", str(cfg), "--model", "tiny", "--steps", "1", "--batch-size", "2",
+                 "--seq-len", "16", "--out", str(tmp_path / "r2"), "--quiet"]) == 0
+    assert json.loads((tmp_path / "r2" / "metrics.jsonl").read_text().splitlines()[0])["tokens_per_s"] > 0
+    trainer = json.loads(next((tmp_path / "r2" / "checkpoints").glob("step-*/trainer.json")).read_text())
+    assert trainer["run_config"]["grad_accum"] == 2
+
+
 def test_nothing_in_the_package_unpickles():
     src = Path(__file__).resolve().parents[1] / "src"
     for path in src.rglob("*.py"):

@@ -206,3 +206,71 @@ def test_a_pipelined_checkpoint_resumes_in_one_process_of_plain_pytorch(request,
     for rank in range(2 * dp):
         got = results[(("saved",), rank)]
         assert got["losses"][1:] == [step[got["replica"]] for step in want], f"rank {rank}"
+
+
+def _copy_of_saved(pp2, tmp_path):
+    import shutil
+
+    from tiertrain.checkpoint.run import find_checkpoint
+
+    ckpt = tmp_path / "step-00000001"
+    shutil.copytree(find_checkpoint(pp2["out"]), ckpt)
+    return ckpt
+
+
+def _plain():
+    from pp_harness import fresh
+    from tiertrain.checkpoint.train_state import PlainState
+
+    model, opt = fresh()
+    names = {i: n for i, n in enumerate([n for n, p in model.named_parameters() if p.dim() >= 2]
+                                        + [n for n, p in model.named_parameters() if p.dim() < 2])}
+    return model, PlainState(model, opt, names)
+
+
+@pytest.mark.parametrize("damage,says", [
+    ("flip", "is missing or damaged"), ("no stage", "stage-001 is missing"), ("stage step", "is of step 7"),
+    ("record", "pipeline"), ("twice", "is saved by two stages")])
+def test_a_damaged_pipelined_checkpoint_is_refused_before_anything_loads(pp2, tmp_path, damage, says):
+    import json
+    import shutil
+
+    from tiertrain.checkpoint.run import load_checkpoint
+    from tiertrain.errors import CheckpointError
+
+    ckpt = _copy_of_saved(pp2, tmp_path)
+    stage = ckpt / "stage-001"
+    if damage == "flip":
+        data = bytearray((stage / "model.safetensors").read_bytes())
+        data[-5] ^= 0xFF
+        (stage / "model.safetensors").write_bytes(bytes(data))
+    elif damage == "no stage":
+        shutil.rmtree(stage)
+    elif damage in ("stage step", "record"):
+        path = stage / "trainer.json" if damage == "stage step" else ckpt / "trainer.json"
+        trainer = json.loads(path.read_text())
+        trainer.update({"step": 7} if damage == "stage step" else {"pipeline": {"pp": 2}})
+        path.write_text(json.dumps(trainer))
+    else:  # stage 1's files where stage 0's were: every tensor of it saved twice
+        shutil.rmtree(ckpt / "stage-000")
+        shutil.copytree(stage, ckpt / "stage-000")
+    model, state = _plain()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(CheckpointError, match=says):
+        load_checkpoint(ckpt, state)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_a_pipelined_checkpoint_exports_the_whole_models_weights(pp2, tmp_path):
+    from safetensors.torch import load_file
+
+    from tiertrain.checkpoint.export import export_checkpoint
+    from tiertrain.checkpoint.run import load_checkpoint
+
+    ckpt = _copy_of_saved(pp2, tmp_path)
+    export_checkpoint(ckpt, tmp_path / "hf", say=lambda _: None)
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    model, state = _plain()
+    load_checkpoint(ckpt, state)
+    want = model.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

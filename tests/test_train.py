@@ -248,3 +248,17 @@ def test_a_step_line_names_each_tiers_peak_and_the_disk_tiers_pages_apart():
     assert step_memory({"peak_bytes": {"host": 2 << 20}}) == "peak host 2.00 MiB"
     gpu = {"peak_bytes": {"device": 1 << 30, "device_with_activations": 3 << 30, "host": 2 << 30}}
     assert step_memory(gpu) == "peak device 3.00 GiB host 2.00 GiB"
+
+
+def test_a_resume_counts_the_replicas_that_read_batches_not_the_ranks():
+    """A pipeline's pp ranks read one replica's batches: 2 ranks at pp 2 take what one process takes."""
+    from tiertrain.train.config import TrainConfig
+    from tiertrain.train.schedule import batch_moved
+
+    saved = {"batch_size": 2, "seq_len": 16, "grad_accum": 2, "pp": 2}
+    one = TrainConfig(model="tiny", batch_size=2, seq_len=16, grad_accum=2, out="unused")
+    assert batch_moved(saved, 2, one, 1) is None
+    assert batch_moved(saved, 4, one, 2) is None  # 2 replicas of a 2-stage pipeline, 2 data-parallel ranks
+    said = batch_moved(saved, 4, one, 1)
+    assert "(2 data-parallel replicas -> 1)" in said and "resume with --nproc 4 --pp 2 to keep them" in said
+    assert "(2 ranks -> 1)" in batch_moved({**saved, "pp": 1}, 2, one, 1)

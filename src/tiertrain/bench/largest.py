@@ -12,8 +12,10 @@ the deepest that trained and the shallowest that did not still are.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
+import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,7 +26,8 @@ from tiertrain.autoplan.largest_model import (
     gpt3_shape,
     last_fitting,
 )
-from tiertrain.bench.train_trial import TrainArgs, Trial, trial_disk_dir
+from tiertrain.bench.train_trial import TrainArgs, Trial
+from tiertrain.errors import UserError
 from tiertrain.models.accounting import param_count
 from tiertrain.plan import Budgets
 from tiertrain.plan.fit import capacity_params, within_capacity
@@ -88,7 +91,8 @@ class LargestRun:
     sizes: Budgets
     trials: list[Trial]
     best: Trial | None
-    first_failed: int       # the shallowest depth that did not train, or the capacity bound's first depth
+    first_failed: int       # the shallowest depth that did not train, or ``limit`` where none failed
+    limit: int = 0          # the first depth past the capacity bound (never tried)
 
     @property
     def bound_params(self) -> int:
@@ -104,7 +108,8 @@ class LargestRun:
                 "largest": None if best is None else {"layers": best.cfg.n_layer, "width": best.cfg.d_model,
                                                       "params": best.params, "step_s": best.step_s,
                                                       "of_bound": best.params / max(self.bound_params, 1)},
-                "first_failed_layers": self.first_failed,
+                "first_failed_layers": self.first_failed if self.first_failed != self.limit else None,
+                "capacity_bound_layers": self.limit,
                 "trials": [{**{k: v for k, v in asdict(t).items() if k != "cfg"}, "layers": t.cfg.n_layer,
                             "width": t.cfg.d_model} for t in self.trials]}
 
@@ -125,10 +130,14 @@ def search(seed: Largest, sizes: Budgets, seq: int, run: Callable[..., Trial], m
         say(f"trial {len(trials) + 1}: {n} blocks x width {width} ({format_count(params)} params) ...")
         trials[n] = trial = run(cfg, params)
         say("  " + describe(trial))
+        if trial.fatal:
+            raise UserError(f"trial {len(trials)} was refused for another reason than its size ({trial.why}); "
+                            "fix that first: no trial would train")
         return trial.trained
 
-    best, hi = largest_depth(seed.cfg.n_layer, depth_limit(width, seq, sizes), trains, max_trials)
-    return LargestRun(seed, sizes, list(trials.values()), trials.get(best) if best is not None else None, hi)
+    limit = depth_limit(width, seq, sizes)
+    best, hi = largest_depth(seed.cfg.n_layer, limit, trains, max_trials)
+    return LargestRun(seed, sizes, list(trials.values()), trials.get(best) if best is not None else None, hi, limit)
 
 
 def describe(t: Trial) -> str:
@@ -150,9 +159,12 @@ def report(found: LargestRun, say: Callable[[str], None]) -> None:
     if best is None:
         say(f"no trial trained (the shallowest tried: {found.first_failed} blocks); see each trial's reason above")
         return
-    gap = "" if found.first_failed == best.cfg.n_layer + 1 else (
-        f"; the search stopped with {found.first_failed - best.cfg.n_layer - 1} depths between it and the "
-        "shallowest that did not train untried (raise --max-trials)")
+    untried = found.first_failed - best.cfg.n_layer - 1
+    gap = "" if untried == 0 else (
+        f"; the search stopped with {untried} depths between it and the shallowest that did not train untried "
+        "(raise --max-trials)" if found.first_failed != found.limit else
+        f"; the search stopped before any trial failed, {untried} depths below the capacity bound's untried "
+        "(raise --max-trials)")
     say(f"largest that trained: {best.cfg.n_layer} blocks x width {best.cfg.d_model}, {format_count(best.params)} "
         f"params: {best.params / max(bound, 1):.0%} of the capacity bound (target 90%), "
         f"{best.params / max(seed.params, 1):.2f}x plan --max-model's answer{gap}")
@@ -172,25 +184,36 @@ def seed_model(sizes: Budgets, disk_dir: str | None, args: TrainArgs) -> Largest
     return largest_model(target, sizes, shape)
 
 
+def _release_device_cache() -> None:
+    """What this process's probe cached on the GPU goes back before the trials, which take their budgets."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 def bench_largest(args: TrainArgs, max_trials: int, say: Callable[[str], None], json_path: Path | None = None,
                   run: Callable[..., Trial] | None = None) -> LargestRun:
     """Seed with ``plan --max-model``, search by real runs, print the answer beside both bounds."""
     from tiertrain.bench.train_trial import run_trial
 
     sizes = Budgets.parse(args.device_memory, args.host_memory, args.disk)
-    trial_dir = trial_disk_dir(sizes.disk_dir) if sizes.disk_dir else None
-    if trial_dir is not None:  # probed where the trials will put their pages, then removed
-        trial_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    root = None
+    if sizes.disk_dir:  # the seed probed, and every trial paged, in one private folder of this bench's
+        Path(sizes.disk_dir).mkdir(parents=True, exist_ok=True)
+        root = Path(tempfile.mkdtemp(prefix="tiertrain-largest-", dir=sizes.disk_dir))
+        args = dataclasses.replace(args, disk=f"{root}:{sizes.disk}")
     try:
-        seed = seed_model(sizes, str(trial_dir) if trial_dir else None, args)
+        seed = seed_model(sizes, str(root) if root else None, args)
+        _release_device_cache()
+        say(f"budgets: device {format_bytes(sizes.device)}, host {format_bytes(sizes.host)}, disk "
+            f"{format_bytes(sizes.disk)}; batch {args.batch_size} x {args.seq_len} tokens, {args.precision}, "
+            f"{args.steps} steps a trial, at most {max_trials} trials")
+        found = search(seed, sizes, args.seq_len, run or (lambda cfg, params: run_trial(cfg, params, args)),
+                       max_trials, say)
     finally:
-        if trial_dir is not None:
-            shutil.rmtree(trial_dir, ignore_errors=True)
-    say(f"budgets: device {format_bytes(sizes.device)}, host {format_bytes(sizes.host)}, disk "
-        f"{format_bytes(sizes.disk)}; batch {args.batch_size} x {args.seq_len} tokens, {args.precision}, "
-        f"{args.steps} steps a trial, at most {max_trials} trials")
-    found = search(seed, sizes, args.seq_len, run or (lambda cfg, params: run_trial(cfg, params, args)),
-                   max_trials, say)
+        if root is not None:
+            shutil.rmtree(root, ignore_errors=True)
     report(found, say)
     if json_path is not None:
         found.write_json(json_path)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -17,6 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tiertrain.models.config import ModelConfig
+
+# a run refused (exit 2) for its size says one of these; any other refusal is the options', fatal to the search
+SIZE_WORDS = re.compile(r"fit|budget|memory", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -48,16 +52,17 @@ class Trial:
     peaks: dict[str, int] = field(default_factory=dict)  # per tier, the run's last row's
     losses: tuple[float, ...] = ()
     seconds: float = 0.0
+    fatal: bool = False  # refused for another reason than its size (a bad option): no trial will train
 
 
-def command(cfg_file: Path, out: Path, args: TrainArgs, disk: str | None) -> list[str]:
+def command(cfg_file: Path, out: Path, args: TrainArgs) -> list[str]:
     cmd = [sys.executable, "-m", "tiertrain.cli.main", "train", "--model", str(cfg_file), "--plan", "auto",
            "--device-memory", args.device_memory, "--host-memory", args.host_memory,
            "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--precision", args.precision,
            "--steps", str(args.steps), "--warmup-steps", "0", "--lr", str(args.lr), "--log-every", "1",
            "--device", args.device,
            "--out", str(out), "--no-save", "--quiet", *args.extra]
-    return cmd + (["--disk", disk] if disk else [])
+    return cmd + (["--disk", args.disk] if args.disk else [])
 
 
 def judge(cfg: ModelConfig, params: int, rc: int | None, rows: list[dict], stderr: str, steps: int,
@@ -71,7 +76,8 @@ def judge(cfg: ModelConfig, params: int, rc: int | None, rows: list[dict], stder
     if rc is None:
         return Trial(cfg, params, False, f"ran past {timeout_s:.0f} s (step {len(rows)} of {steps})", **common)
     if rc != 0:
-        return Trial(cfg, params, False, _failure(rc, stderr), **common)
+        why = _failure(rc, stderr)
+        return Trial(cfg, params, False, why, fatal=rc == 2 and not SIZE_WORDS.search(why), **common)
     if len(rows) < steps or not all(math.isfinite(v) for v in losses):
         return Trial(cfg, params, False, f"exited 0 after {len(rows)} of {steps} steps, losses {losses}", **common)
     return Trial(cfg, params, True, "", **common)
@@ -83,10 +89,6 @@ def _failure(rc: int, stderr: str) -> str:
         return f"killed by {name}" + (" (out of memory?)" if -rc == signal.SIGKILL else "")
     lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
     return f"exit {rc}: {lines[-1][:300] if lines else 'no message'}"
-
-
-def trial_disk_dir(where: str) -> Path:
-    return Path(where) / "tiertrain-largest-trial"
 
 
 def read_rows(metrics: Path) -> list[dict]:
@@ -103,25 +105,20 @@ def read_rows(metrics: Path) -> list[dict]:
 
 def run_trial(cfg: ModelConfig, params: int, args: TrainArgs) -> Trial:
     """Train ``cfg`` for ``args.steps`` steps with ``--plan auto`` in a child process, its run directory
-    removed after (no checkpoint is written: ``--no-save``)."""
+    removed after (no checkpoint is written: ``--no-save``), and whatever it left in the disk directory
+    (a killed run's page files): only what was not there before, never the directory itself."""
     import time
 
     work = Path(tempfile.mkdtemp(prefix="tiertrain-largest-"))
-    disk_root, disk = None, None
-    if args.disk:  # each trial's disk files in a folder of their own: one killed leaves them, removed here.
-        # The same path every trial, so the machine's probe, cached by disk directory, is measured once
-        where, size = args.disk.rsplit(":", 1)  # "DIR:SIZE", as bench largest requires
-        disk_root = trial_disk_dir(where)
-        shutil.rmtree(disk_root, ignore_errors=True)  # what a bench killed before left
-        disk_root.mkdir(mode=0o700, parents=True)
-        disk = f"{disk_root}:{size}"
+    where = Path(args.disk.rsplit(":", 1)[0]) if args.disk else None
+    before = set(os.listdir(where)) if where is not None else set()
     try:
         cfg_file = work / "model.json"
         cfg_file.write_text(json.dumps(cfg.to_dict()))
         began = time.perf_counter()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         try:
-            proc = subprocess.run(command(cfg_file, work / "run", args, disk), check=False, capture_output=True,
+            proc = subprocess.run(command(cfg_file, work / "run", args), check=False, capture_output=True,
                                   text=True, timeout=args.timeout_s, env=env)
             rc, stderr = proc.returncode, proc.stderr
         except subprocess.TimeoutExpired as exc:
@@ -131,5 +128,5 @@ def run_trial(cfg: ModelConfig, params: int, args: TrainArgs) -> Trial:
                      args.steps, time.perf_counter() - began, args.timeout_s)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-        if disk_root is not None:
-            shutil.rmtree(disk_root, ignore_errors=True)
+        for name in set(os.listdir(where)) - before if where is not None else ():
+            shutil.rmtree(where / name, ignore_errors=True)

@@ -54,12 +54,7 @@ def export_checkpoint(path: Path, out: Path, dtype: str = "fp32", say: Callable[
     if dtype not in DTYPES:
         raise OutputError(f"--dtype {dtype} is not one of {', '.join(DTYPES)}")
     ckpt = find_checkpoint(path)
-    trainer = read_trainer(ckpt)
-    smap = ShardMap.read(trainer.shards, f"checkpoint file {ckpt / 'trainer.json'}: shards") if trainer.shards else None
-    read = ("config.json", *(smap.files() if smap is not None else ["model.safetensors"]))
-    listed = {k: v for k, v in trainer.files.items() if k in read or k.removesuffix(PIECES) in read}
-    verify_files(ckpt, checked_whole(listed))  # read_trainer: all of them listed; rank files checked as read
-    weights = _sharded(ckpt, smap) if smap is not None else _plain(ckpt)
+    weights = _weights(ckpt)
     config = _config(ckpt, DTYPES[dtype])
     made = _claim(out)
     say(f"exporting {len(weights.shapes)} tensors ({format_bytes(weights.nbytes)} in fp32) from {ckpt} as {dtype}")
@@ -129,6 +124,25 @@ def _write(tmp: Path, weights: Weights, dtype: torch.dtype, say: Callable[[str],
 
     specs = [TensorSpec(n, dtype, shape) for n, shape in weights.shapes.items()]
     write_streamed(tmp / "model.safetensors", TensorStream(specs, lambda: iter(()), pieces), {"format": "pt"})
+
+
+def _weights(ckpt: Path) -> Weights:
+    """The checkpoint's weights, its files verified first: a pipelined one's, every stage's together (a
+    stage's parameters keep the model's names)."""
+    trainer = read_trainer(ckpt)
+    if trainer.pipeline is not None:
+        from tiertrain.checkpoint.pipelined import PipelineRecord, stage_dir
+
+        verify_files(ckpt, checked_whole(trainer.files))
+        rec = PipelineRecord(**trainer.pipeline)  # read_trainer checked it
+        parts = [_weights(ckpt / stage_dir(v)) for v in range(rec.stages)]
+        owner = {name: part for part in parts for name in part.shapes}
+        return Weights({n: s for part in parts for n, s in part.shapes.items()}, lambda name: owner[name].pieces(name))
+    smap = ShardMap.read(trainer.shards, f"checkpoint file {ckpt / 'trainer.json'}: shards") if trainer.shards else None
+    read = ("config.json", *(smap.files() if smap is not None else ["model.safetensors"]))
+    listed = {k: v for k, v in trainer.files.items() if k in read or k.removesuffix(PIECES) in read}
+    verify_files(ckpt, checked_whole(listed))  # read_trainer: all of them listed; rank files checked as read
+    return _sharded(ckpt, smap) if smap is not None else _plain(ckpt)
 
 
 def _plain(ckpt: Path) -> Weights:

@@ -12,6 +12,7 @@ Why not ``torch.distributed.checkpoint``: as for data-parallel checkpoints, its 
 
 from __future__ import annotations
 
+import errno
 import json
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from tiertrain import typed
 from tiertrain.checkpoint.run import (
     FORMAT_VERSION,
     TrainerState,
+    UnsharedDirectory,
     agreement,
     check_sees,
     checked_whole,
@@ -101,8 +103,9 @@ def _write_top(tmp: Path, module: nn.Module, record: PipelineRecord, param_group
                state: TrainerState) -> None:
     missing = [stage_dir(v) for v in range(record.stages) if not (tmp / stage_dir(v) / "trainer.json").is_file()]
     if missing:
-        raise FileNotFoundError(f"{', '.join(missing[:2])} written by the other ranks are not in {tmp} as rank 0 "
-                                "sees it: every rank must save into one filesystem they share")
+        raise UnsharedDirectory(errno.ENOENT, f"{', '.join(missing[:2])} written by the other ranks are not in {tmp} "
+                                "as rank 0 sees it: every rank must save into one filesystem they share (--out on "
+                                "NFS, Lustre...)")
     rng_tensors, rng_plain = rng_state()
     save_file(rng_tensors, tmp / "rng.safetensors")
     (tmp / "config.json").write_text(json.dumps(model_config_dict(module), indent=2))
@@ -148,12 +151,14 @@ def stage_tensors(ckpt: Path, record: Any, ts: TrainState) -> tuple[StagedTensor
     (a stage of another pipeline needs only its own; one process, all of them and no other)."""
     rec = typed.load(PipelineRecord, record, f"checkpoint file {ckpt / 'trainer.json'}: pipeline",
                      error=CheckpointError)
+    step = read_trainer(ckpt).step
+    needed = set(ts.expected_weights())
     weights: dict[str, Mapping] = {}
     moments: dict[str, Mapping] = {}
     specs: dict[str, TensorSpec] = {}
     opened: list[Mapping] = []
     for v in range(rec.stages):
-        w, o, found = _open_stage(ckpt / stage_dir(v))
+        w, o, found = _open_stage(ckpt / stage_dir(v), step, needed if is_stage(ts.module) else None)
         opened.append(w)
         for name, spec in found.items():
             if name in specs:
@@ -167,20 +172,29 @@ def stage_tensors(ckpt: Path, record: Any, ts: TrainState) -> tuple[StagedTensor
     return StagedTensors(weights, specs, opened), StagedTensors(moments, specs, opened)
 
 
-def _open_stage(where: Path) -> tuple[Mapping, Mapping, dict[str, TensorSpec]]:
+def _open_stage(where: Path, step: int, needed: set[str] | None) -> tuple[Mapping, Mapping, dict[str, TensorSpec]]:
+    """A stage's tensors, its files verified before any is read, and their specs from the headers. ``needed``:
+    the names a stage resuming needs (None: all); a sub-checkpoint holding none of them is only listed, its
+    files not checksummed (a rank resuming its stages would read every stage's files whole otherwise)."""
     if not where.is_dir():
         raise CheckpointError(f"{where} is missing: a pipelined checkpoint needs every stage's folder; resume from "
                               "another checkpoint")
     trainer = read_trainer(where)
-    verify_files(where, checked_whole(trainer.files))
+    if trainer.step != step:
+        raise CheckpointError(f"{where} is of step {trainer.step}, its checkpoint of step {step}: the checkpoint is "
+                              "damaged or was assembled by hand; resume from another checkpoint")
     if trainer.shards is not None:
         smap = ShardMap.read(trainer.shards, f"checkpoint file {where / 'trainer.json'}: shards")
         specs = {n: TensorSpec(n, F32, tuple(shape)) for b in smap.blocks for n, _, shape in b.params}
-        check_shard_files(where, smap, specs)
+        if needed is None or needed & specs.keys():
+            verify_files(where, checked_whole(trainer.files))  # the rank files piece by piece as they are read
+            check_shard_files(where, smap, specs)
         w = ShardedTensors(where, smap, moments=False)
         return w, w.moments_too(), specs
     w, o = LazyTensors(where / "model.safetensors"), LazyTensors(where / "optimizer.safetensors")
     specs = {n: TensorSpec(n, w.dtype(n), w.shape(n)) for n in w}
+    if needed is None or needed & specs.keys():
+        verify_files(where, checked_whole(trainer.files))
     for name, spec in specs.items():
         for kind in ("step", *MOMENTS):
             key, shape = f"{name}::{kind}", () if kind == "step" else spec.shape

@@ -234,13 +234,15 @@ def agreement(comm: Any, root: Path, name: str, tmp: Path) -> Any:
         try:
             work()
             error = None
-        except (OSError, SafetensorError) as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure must reach the agreement, or the others wait in it
             error = exc
         flag = torch.tensor([1.0 if error is not None else 0.0])
         comm.host.all_reduce(flag, op="max")
         if flag.item():
             if comm.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
+            if error is not None and not isinstance(error, (OSError, SafetensorError)):
+                raise error  # not the disk's: as it was raised
             raise (_save_failed(root, name, error) if error is not None
                    else OutputError(f"cannot save checkpoint {name} in {root}: another rank could not write "
                                     "its shards (its error says why; the previous checkpoint is intact)"))
@@ -477,6 +479,13 @@ def read_trainer(ckpt: Path) -> TrainerFile:
             trainer = _replace(trainer, scaler=asdict(scaler))
     except CheckpointError as exc:
         raise CheckpointError(f"{one_line(exc)}; the file is damaged or was edited: {_FIX}") from None
+    if trainer.pipeline is not None:
+        from tiertrain.checkpoint.pipelined import PipelineRecord
+
+        try:
+            typed.load(PipelineRecord, trainer.pipeline, f"checkpoint file {path}: pipeline", error=CheckpointError)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{one_line(exc)}; the file is damaged or was edited: {_FIX}") from None
     _check_manifest(path, trainer.files, _needed(path, trainer))
     _check_plain_rng(path, trainer.rng)
     return trainer

@@ -155,14 +155,18 @@ def train(config_file: str | None, quiet: bool, nproc: int | None, **flags: Any)
         if nproc is None and "LOCAL_RANK" not in os.environ:
             nproc = _resumed_world(saved_world(Path(flags["resume"])))
     nproc = nproc or 1
-    if (flags.get("schedule") or flags.get("segments") or flags.get("micro_batches")) and not (
-            flags.get("pp") or file_values.get("pp", 1)) > 1:
+    piped = [f for f in ("schedule", "segments", "micro_batches") if flags.get(f) is not None]
+    if piped and not (flags.get("pp") or file_values.get("pp") or 1) > 1:
         raise ConfigError("--schedule, --segments and --micro-batches apply to a pipelined run; add --pp P (and "
                           "--nproc N)")
-    _micro_batches_as_accum(flags)
+    _micro_batches_as_accum(file_values, "micro_batches")
+    _micro_batches_as_accum(flags, "--micro-batches")
+    if flags.get("save") is False and flags.get("save_every") is None:
+        flags["save_every"] = 0  # --no-save over a resumed run's --save-every: the flag wins
     cfg = make_config(file_values, flags)  # checked here first: a bad value is one message, not one per rank
     if cfg.pp > 1 and nproc == 1 and "LOCAL_RANK" not in os.environ:
-        raise ConfigError(f"--pp {cfg.pp} cuts the model over ranks: add --nproc {cfg.pp} (or a multiple of it)")
+        raise ConfigError(f"--pp {cfg.pp} cuts the model over ranks: add --nproc {cfg.pp} (or a multiple of it)"
+                          + ("; or resume in one process with --pp 1" if flags.get("resume") else ""))
     if nproc > 1 and "LOCAL_RANK" not in os.environ:
         _check_layout(cfg, nproc)
         raise SystemExit(_torchrun(nproc))
@@ -186,15 +190,16 @@ def _resumed_world(world: int) -> int:
     return world
 
 
-def _micro_batches_as_accum(flags: dict[str, Any]) -> None:
-    """``--micro-batches M`` is the pipeline's name for ``--grad-accum M``: one value, however it is given."""
-    micro = flags.pop("micro_batches", None)
+def _micro_batches_as_accum(values: dict[str, Any], name: str) -> None:
+    """``--micro-batches M`` (``micro_batches`` in a config file) is the pipeline's name for ``--grad-accum M``:
+    one value, however it is given."""
+    micro = values.pop("micro_batches", None)
     if micro is None:
         return
-    if flags.get("grad_accum") not in (None, micro):
-        raise ConfigError(f"--micro-batches {micro} and --grad-accum {flags['grad_accum']} name the same count; "
-                          "give one of them")
-    flags["grad_accum"] = micro
+    if values.get("grad_accum") not in (None, micro):
+        raise ConfigError(f"{name} {micro} and grad_accum {values['grad_accum']} name the same count; give one "
+                          "of them")
+    values["grad_accum"] = micro
 
 
 def _check_layout(cfg: Any, nproc: int) -> None:
@@ -632,8 +637,8 @@ def bench_largest_cmd(device_memory: str, host_memory: str, disk: str | None, ba
     from tiertrain.bench.train_trial import TrainArgs
     from tiertrain.memory.system import compute_device
 
-    if disk is not None and ":" not in disk:
-        raise ConfigError(f"--disk {disk!r}: give DIR:SIZE, e.g. {disk}:100GiB (the capacity bound needs the size)")
+    if disk is not None and (":" not in disk or not disk.rpartition(":")[0]):
+        raise ConfigError(f"--disk {disk!r}: give DIR:SIZE, e.g. /nvme/tt:100GiB (the capacity bound needs the size)")
     precision = precision or ("bf16" if compute_device().type == "cuda" else "fp32")
     click.echo(f"machine: {describe()}")
     args = TrainArgs(device_memory, host_memory, disk, batch_size, seq_len, precision, steps, trial_timeout)

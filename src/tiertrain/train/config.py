@@ -110,6 +110,11 @@ class TrainConfig:
                               f"--pp {self.pp} --out plan.json and pass --plan plan.json, or name a built-in plan")
         if self.precision not in (None, "fp32"):
             raise ConfigError(f"pipeline stages train in fp32 for now, not {self.precision}: add --precision fp32")
+        self.precision = "fp32"  # the default on any device, where a plain run's on a GPU is bf16
+        if self.update not in (None, "sync"):
+            raise ConfigError(f"train --pp takes sync updates for now, not {self.update}: a step's loss is known only "
+                              "after the schedule's backward, where other updates would have applied a non-finite "
+                              "one (tiertrain.pipeline takes overlap in your own loop)")
         if self.ep > 1 or self.shard_group:
             raise ConfigError("--ep and --shard-group do not combine with --pp yet; leave them out")
 

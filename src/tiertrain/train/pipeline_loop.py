@@ -109,6 +109,11 @@ class PipelineTrainer(Trainer):
         self.cpu_watch.mark(BETWEEN)
         return float(loss), norm
 
+    def _row(self, loss: float, norm: float, seconds: float) -> dict[str, Any]:
+        row = super()._row(loss, norm, seconds)
+        row["tflops"] /= self.cfg.pp  # the replica's FLOPs are its pp ranks' together: each rank's share
+        return row
+
     def _any_rank(self, flag: bool) -> bool:
         t = torch.tensor([1.0 if flag else 0.0])
         self.pipe.mesh.world.host.all_reduce(t, op="max")

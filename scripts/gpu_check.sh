@@ -79,7 +79,7 @@ stage large_trace 200 tt train --model scripts/gpu-1.5b.json --plan auto --devic
 stage probe 90 tt probe --disk $DISK/probe --out $OUT/machine.json
 # 4c. the largest model that really trains, at budgets one call can search (capacity bound 1.34B params)
 stage largest 220 tt bench largest --device-memory 4GiB --host-memory 12GiB --disk $DISK/largest:4GiB \
-    --seq-len 512 --max-trials 4 --trial-timeout 100 --json $OUT/largest.json
+    --seq-len 512 --max-trials 4 --trial-timeout 100 --update overlap --grad-clip 0 --json $OUT/largest.json
 # 5. states on disk (NVMe here), the planner's fidelity on this machine
 stage offload 100 tt bench offload --disk $DISK/bench-offload --d-model 1024 --layers 8 --batch-size 4 --seq-len 512
 stage planner 100 tt bench planner --part fidelity --disk-dir $DISK/bench-planner --d-model 1024 --layers 8 --seq-len 512

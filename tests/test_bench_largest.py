@@ -130,3 +130,13 @@ def test_a_real_trial_trains_in_its_own_process_and_leaves_no_files(tmp_path):
     assert [p.name for p in disk.iterdir()] == ["yours"]
     late = run_trial(cfg, param_count(cfg), TrainArgs("64MiB", "512MiB", None, 2, 32, "fp32", 3, 0.5, device="cpu"))
     assert not late.trained and late.why.startswith("ran past 0 s")
+
+
+def test_a_trial_trains_with_the_benchs_update_mode_clipping_and_budgets(tmp_path):
+    from tiertrain.bench.train_trial import command
+
+    args = TrainArgs("1GiB", "2GiB", f"{tmp_path}:3GiB", 1, 64, "bf16", 3, 60, update="overlap", grad_clip=0.0)
+    cmd = command(tmp_path / "m.json", tmp_path / "run", args)
+    pairs = {a: b for a, b in zip(cmd, cmd[1:]) if a.startswith("--") and not b.startswith("--")}
+    assert pairs["--update"] == "overlap" and float(pairs["--grad-clip"]) == 0.0 and pairs["--plan"] == "auto"
+    assert pairs["--device-memory"] == "1GiB" and pairs["--disk"] == f"{tmp_path}:3GiB" and "--no-save" in cmd

@@ -171,15 +171,15 @@ def report(found: LargestRun, say: Callable[[str], None]) -> None:
 
 
 def seed_model(sizes: Budgets, disk_dir: str | None, args: TrainArgs) -> Largest:
-    """``plan --max-model``'s answer for this machine (probed) at the trials' budgets and batch shape, as
-    ``train --plan auto`` runs them: sync updates, gradients clipped (the default)."""
+    """``plan --max-model``'s answer for this machine (probed) at the trials' budgets, batch shape, update
+    mode and clipping, as ``train --plan auto`` runs them."""
     from tiertrain.autoplan.largest_model import RunShape, largest_model
     from tiertrain.measure.machine import probe, with_disk_gain
     from tiertrain.plan import DEFAULT_MAX_STALENESS, RunOptions
 
     target = with_disk_gain(probe(disk_dir), disk_dir)
-    needs_all = RunOptions(grad_accum=1, max_grad_norm=1.0).needs_all_grads(args.precision)
-    shape = RunShape(args.batch_size, args.seq_len, args.precision, "sync", needs_all, DEFAULT_MAX_STALENESS,
+    needs_all = RunOptions(grad_accum=1, max_grad_norm=args.grad_clip or None).needs_all_grads(args.precision)
+    shape = RunShape(args.batch_size, args.seq_len, args.precision, args.update, needs_all, DEFAULT_MAX_STALENESS,
                      target.page_size or 4 << 20)
     return largest_model(target, sizes, shape)
 
@@ -208,7 +208,8 @@ def bench_largest(args: TrainArgs, max_trials: int, say: Callable[[str], None], 
         _release_device_cache()
         say(f"budgets: device {format_bytes(sizes.device)}, host {format_bytes(sizes.host)}, disk "
             f"{format_bytes(sizes.disk)}; batch {args.batch_size} x {args.seq_len} tokens, {args.precision}, "
-            f"{args.steps} steps a trial, at most {max_trials} trials")
+            f"{args.update} updates, " + (f"clipped at {args.grad_clip:g}" if args.grad_clip else "no clipping")
+            + f"; {args.steps} steps a trial, at most {max_trials} trials")
         found = search(seed, sizes, args.seq_len, run or (lambda cfg, params: run_trial(cfg, params, args)),
                        max_trials, say)
     finally:

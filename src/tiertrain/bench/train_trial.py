@@ -37,6 +37,8 @@ class TrainArgs:
     timeout_s: float
     device: str = "auto"
     lr: float = 1e-4    # with no warm-up in 3 steps, 2e-3 (train's default) took a 0.9B's loss from 11 to 22
+    update: str = "sync"
+    grad_clip: float = 1.0  # clipping keeps every block's gradient until the norm is known (sync)
     extra: tuple[str, ...] = ()
 
 
@@ -60,7 +62,7 @@ def command(cfg_file: Path, out: Path, args: TrainArgs) -> list[str]:
            "--device-memory", args.device_memory, "--host-memory", args.host_memory,
            "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--precision", args.precision,
            "--steps", str(args.steps), "--warmup-steps", "0", "--lr", str(args.lr), "--log-every", "1",
-           "--device", args.device,
+           "--device", args.device, "--update", args.update, "--grad-clip", str(args.grad_clip),
            "--out", str(out), "--no-save", "--quiet", *args.extra]
     return cmd + (["--disk", args.disk] if args.disk else [])
 

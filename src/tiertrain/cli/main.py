@@ -624,10 +624,14 @@ def _bench_model_shape(command: Callable) -> Callable:
 @click.option("--max-trials", type=POSITIVE, default=6, show_default=True, help="Real runs at most.")
 @click.option("--trial-timeout", type=POSITIVE, default=600, show_default=True,
               help="Seconds a trial may run; one past it did not train.")
+@click.option("--update", type=click.Choice(["sync", "overlap", "lockfree"]), default="sync", show_default=True,
+              help="Every trial's update mode.")
+@click.option("--grad-clip", type=click.FloatRange(0), default=1.0, show_default=True,
+              help="Every trial's clipping (0: none; clipping keeps every block's gradient until the norm is known).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Also write the figures to this JSON file.")
 def bench_largest_cmd(device_memory: str, host_memory: str, disk: str | None, batch_size: int, seq_len: int,
-                      precision: str | None, steps: int, max_trials: int, trial_timeout: int,
-                      json_out: str | None) -> None:
+                      precision: str | None, steps: int, max_trials: int, trial_timeout: int, update: str,
+                      grad_clip: float, json_out: str | None) -> None:
     """The largest GPT-3-shaped model that really trains within the budgets: plan --max-model's answer
     as the seed, then real runs (--plan auto, each in its own process) galloped and bisected over depth."""
     from pathlib import Path
@@ -639,9 +643,13 @@ def bench_largest_cmd(device_memory: str, host_memory: str, disk: str | None, ba
 
     if disk is not None and (":" not in disk or not disk.rpartition(":")[0]):
         raise ConfigError(f"--disk {disk!r}: give DIR:SIZE, e.g. /nvme/tt:100GiB (the capacity bound needs the size)")
+    from tiertrain.plan import check_update_mode
+
     precision = precision or ("bf16" if compute_device().type == "cuda" else "fp32")
+    check_update_mode(update, precision, 1, grad_clip > 0)
     click.echo(f"machine: {describe()}")
-    args = TrainArgs(device_memory, host_memory, disk, batch_size, seq_len, precision, steps, trial_timeout)
+    args = TrainArgs(device_memory, host_memory, disk, batch_size, seq_len, precision, steps, trial_timeout,
+                     update=update, grad_clip=grad_clip)
     bench_largest(args, max_trials, click.echo, Path(json_out) if json_out else None)
 
 

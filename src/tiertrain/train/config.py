@@ -15,6 +15,7 @@ from tiertrain import typed
 from tiertrain.errors import ConfigError
 from tiertrain.plan import COMPUTE_DTYPES as PRECISIONS
 from tiertrain.plan import UPDATE_MODES
+from tiertrain.plan.update_modes import rules
 from tiertrain.plan.pipeline import SCHEDULES
 from tiertrain.typed import above, at_least, between, one_of
 
@@ -111,7 +112,7 @@ class TrainConfig:
         if self.precision not in (None, "fp32"):
             raise ConfigError(f"pipeline stages train in fp32 for now, not {self.precision}: add --precision fp32")
         self.precision = "fp32"  # the default on any device, where a plain run's on a GPU is bf16
-        if self.update not in (None, "sync"):
+        if self.update is not None and (rules(self.update).updates_as_final or rules(self.update).loops):
             raise ConfigError(f"train --pp takes sync updates for now, not {self.update}: a step's loss is known only "
                               "after the schedule's backward, where other updates would have applied a non-finite "
                               "one (tiertrain.pipeline takes overlap in your own loop)")

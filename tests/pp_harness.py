@@ -76,8 +76,12 @@ class Case:
 
 def _plan(name: str, n_blocks: int):
     from tiertrain.memory import Tier
-    from tiertrain.plan import BlockPlan, Plan
+    from tiertrain.plan import BlockPlan, Plan, builtin_plan
 
+    if name == "stash":  # every block recomputed, its input (the activation checkpoint) offloaded to the host
+        base = builtin_plan("stream", n_blocks)
+        return dataclasses.replace(base, blocks=tuple(dataclasses.replace(b, recompute=True, offload_hidden=True)
+                                                      for b in base.blocks))
     if name == "disk":
         return Plan(tuple(BlockPlan(home=Tier.DISK, stream=True) for _ in range(n_blocks)), BlockPlan(home=Tier.DISK),
                     name="disk-home")
@@ -198,8 +202,9 @@ def stashed_checkpoints(rank: int, micro: int) -> dict:
         b = torch.randint(0, 256, (2 * micro, 17), generator=torch.Generator().manual_seed(5))
         run.step(b[:, :-1], b[:, 1:])
         peak = sum(s.runtime.mem.accounting.peak(Tier.HOST, Kind.ACTIVATION) for s in run.stages)
-        kept = sum(st.kept for s in run.stages for st in s.runtime.stashes.values())
-        return {"peak": peak, "kept": kept, "checkpoint": 2 * 16 * TINY["d_model"] * 4}
+        stashes = [st for s in run.stages for st in s.runtime.stashes.values()]
+        return {"peak": peak, "kept": sum(st.kept for st in stashes), "checkpoint": 2 * 16 * TINY["d_model"] * 4,
+                "stashed": sum(st.stashed for st in stashes), "prefetched": sum(st.prefetched for st in stashes)}
     finally:
         run.close()
 

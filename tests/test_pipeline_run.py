@@ -15,7 +15,8 @@ from pp_harness import Case, pipelined_losses, reference, resumed_from_one_proce
 
 SCHEDULES = [Case("gpipe", 2, 1), Case("1f1b", 4, 1), Case("interleaved", 4, 2), Case("aiao", 4, 2)]
 PP2 = SCHEDULES + [Case(c.schedule, c.micro, c.segments, plan="disk") for c in SCHEDULES] + [
-    Case("aiao", 4, 2, update="overlap"), Case("aiao", 4, 2, clip=0.05), Case("1f1b", 4, 1, clip=0.05)]
+    Case("aiao", 4, 2, update="overlap"), Case("aiao", 4, 2, clip=0.05), Case("1f1b", 4, 1, clip=0.05),
+    Case("aiao", 4, 2, plan="stash"), Case("1f1b", 4, 1, plan="stash")]
 PP2_DP2 = SCHEDULES + [Case("aiao", 4, 2, plan="disk"), Case("aiao", 4, 2, update="overlap"),
                        Case("aiao", 4, 2, clip=0.05)]
 # Clipping: the pipeline's norm combines each stage's (sqrt of a sum of squares of per-stage norms) where torch
@@ -99,6 +100,16 @@ def test_aiaos_stashed_activation_checkpoints_wait_in_host_memory_as_eq_7_counts
         four, eight = pp2[(("stash", 4), rank)], pp2[(("stash", 8), rank)]
         assert four["kept"] == eight["kept"] == 0
         assert four["peak"] >= 4 * 2 * four["checkpoint"] and eight["peak"] == 2 * four["peak"], (four, eight)
+
+
+def test_each_backward_prefetches_the_next_micro_batchs_stashed_checkpoints(pp2):
+    """FOLD3D §4: a stage's backward of micro-batch j starts copying micro-batch j + 1's stashed checkpoints
+    back, so every micro-batch's but the first's (per stage) are on the device before their backward asks;
+    the losses with the stash equal one process's (the ``stash`` cases above)."""
+    for rank in (0, 1):
+        for m in (4, 8):
+            got = pp2[(("stash", m), rank)]
+            assert got["stashed"] > 0 and got["prefetched"] == got["stashed"] * (m - 1) // m, (m, got)
 
 
 def test_aiao_issues_each_segments_dp_sync_before_the_segment_before_it_runs_backward(pp2_dp2):

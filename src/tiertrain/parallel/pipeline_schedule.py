@@ -47,12 +47,44 @@ class AIAOSchedule(_PipelineScheduleRuntime):
             self._on_sync(action.stage_index)
 
 
+class TieredStage(PipelineStage):
+    """Torch's stage over a tiered stage module, telling the module's host stashes (``offload_hidden``) which
+    micro-batch runs: a forward's stashed activation checkpoints are tagged with its micro-batch, and each
+    backward starts copying the next micro-batch's back (FOLD3D §4's prefetch, one micro-batch ahead; every
+    schedule here runs a stage's backwards in micro-batch order). Torch's stage has no hook for either."""
+
+    def __init__(self, module: nn.Module, index: int, n_stages: int, device: torch.device, micro_batches: int,
+                 **kwargs) -> None:
+        super().__init__(module, index, n_stages, device, **kwargs)
+        self._micro_batches = micro_batches
+
+    def _stashes(self) -> list:
+        runtime = getattr(self.submod, "runtime", None)
+        return list(runtime.stashes.values()) if runtime is not None else []
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):  # type: ignore[override]
+        stashes = self._stashes()
+        for stash in stashes:
+            stash.micro = fwd_chunk_id
+        try:
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        finally:
+            for stash in stashes:
+                stash.micro = None
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):  # type: ignore[override]
+        if bwd_chunk_id + 1 < self._micro_batches:
+            for stash in self._stashes():
+                stash.prefetch(bwd_chunk_id + 1)
+        return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+
 def stages_for(modules: list[nn.Module], indices: list[int], layout: PipelineLayout, group, device: torch.device,
                inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> list[PipelineStage]:
     """Torch's stage objects over this rank's (tiered) stage modules, told their inputs' and outputs' shapes
     (meta tensors of one micro-batch), so no stage runs a forward to infer them: a tiered block's forward
     moves states, and the schedule's first step would start with one nobody asked for."""
-    return [PipelineStage(m, v, layout.stages, device, input_args=i, output_args=o, group=group)
+    return [TieredStage(m, v, layout.stages, device, layout.micro_batches, input_args=i, output_args=o, group=group)
             for m, v, i, o in zip(modules, indices, inputs, outputs)]
 
 

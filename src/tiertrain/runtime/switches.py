@@ -14,6 +14,7 @@ rebuilt on the slot the block holds when backward unpacks it.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -29,13 +30,13 @@ from tiertrain.runtime.slots import slot_base
 class _Stashed:
     """A saved tensor's bytes in a host chunk; the chunk is freed with the autograd node that holds this."""
 
-    __slots__ = ("mem", "chunk", "shape", "stride", "dtype", "device", "event")
+    __slots__ = ("mem", "chunk", "shape", "stride", "dtype", "device", "event", "ready", "__weakref__")
 
     def __init__(self, mem: MemorySystem, chunk: Chunk, t: torch.Tensor) -> None:
         self.mem, self.chunk = mem, chunk
         self.shape, self.stride, self.dtype, self.device = t.shape, t.stride(), t.dtype, t.device
         self.host_view().copy_(t.reshape(-1), non_blocking=t.device.type == "cuda")
-        self.event = None
+        self.event, self.ready = None, None
         if t.device.type == "cuda":  # freed unrestored (a graph dropped), the chunk waits for this copy
             self.event = torch.cuda.Event()
             self.event.record()
@@ -43,12 +44,36 @@ class _Stashed:
     def host_view(self) -> torch.Tensor:
         return self.chunk.typed(self.dtype)[: self.shape.numel()]
 
+    def prefetch(self, stream: torch.cuda.Stream | None) -> None:
+        """Copy the tensor back now, ahead of the backward that reads it (on a GPU on ``stream``, beside the
+        compute); ``restore`` then hands this copy over."""
+        if self.ready is not None:
+            return
+        if stream is None:
+            self.ready = self._copy()
+            return
+        stream.wait_stream(torch.cuda.current_stream())  # after the pack's copy into the chunk
+        with torch.cuda.stream(stream):
+            self.ready = self._copy()
+            self.event = torch.cuda.Event()
+            self.event.record(stream)
+
     def restore(self) -> torch.Tensor:
-        out = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
-        out.view(-1).copy_(self.host_view(), non_blocking=self.device.type == "cuda")
+        if self.ready is not None:
+            out, self.ready = self.ready, None
+            if self.device.type == "cuda":  # made on the copy stream: the compute waits for it, and it is
+                torch.cuda.current_stream().wait_event(self.event)  # freed only once the compute is done
+                out.record_stream(torch.cuda.current_stream())
+            return out
+        out = self._copy()
         if self.device.type == "cuda":  # the host chunk may be reused only once this copy has read it
             self.event = torch.cuda.Event()  # (recorded after the pack's copy, on the same stream)
             self.event.record()
+        return out
+
+    def _copy(self) -> torch.Tensor:
+        out = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
+        out.view(-1).copy_(self.host_view(), non_blocking=self.device.type == "cuda")
         return out
 
     def __del__(self) -> None:
@@ -65,6 +90,11 @@ class HostStash:
         self.mem, self.name = mem, name
         self.stashed_bytes = 0   # over the run: bytes moved to the host
         self.kept = 0            # tensors left where they were (host budget full, or not dense)
+        self.stashed = 0         # over the run: tensors moved to the host
+        self.micro: int | None = None  # the pipeline micro-batch whose forward runs (``micro_batch``)
+        self.prefetched = 0      # over the run: tensors copied back ahead of their backward (``prefetch``)
+        self._by_micro: dict[int, list[weakref.ref]] = {}
+        self._stream = torch.cuda.Stream() if mem.pool(Tier.DEVICE).device.type == "cuda" else None
 
     def pack(self, t: torch.Tensor) -> Any:
         if not t.is_contiguous():
@@ -76,7 +106,21 @@ class HostStash:
             self.kept += 1
             return t
         self.stashed_bytes += nbytes
-        return _Stashed(self.mem, chunk, t)
+        self.stashed += 1
+        stashed = _Stashed(self.mem, chunk, t)
+        if self.micro is not None:
+            self._by_micro.setdefault(self.micro, []).append(weakref.ref(stashed))
+        return stashed
+
+    def prefetch(self, micro: int) -> None:
+        """AIAO's prefetch (FOLD3D §4): the stashed tensors of pipeline micro-batch ``micro`` copied back to the
+        device now, a micro-batch ahead of their backward, so it does not wait for them; one micro-batch's
+        copies at a time beside the one computing. Those already freed (a dropped graph) are skipped."""
+        for ref in self._by_micro.pop(micro, []):
+            stashed = ref()
+            if stashed is not None:
+                stashed.prefetch(self._stream)
+                self.prefetched += 1
 
     @staticmethod
     def unpack(packed: Any) -> torch.Tensor:

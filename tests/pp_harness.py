@@ -200,11 +200,16 @@ def stashed_checkpoints(rank: int, micro: int) -> dict:
                    Budgets(64 << 20, 64 << 20), plan=plan, page_size=64 << 10)
     try:
         b = torch.randint(0, 256, (2 * micro, 17), generator=torch.Generator().manual_seed(5))
-        run.step(b[:, :-1], b[:, 1:])
-        peak = sum(s.runtime.mem.accounting.peak(Tier.HOST, Kind.ACTIVATION) for s in run.stages)
         stashes = [st for s in run.stages for st in s.runtime.stashes.values()]
+        tags = []  # the stashes' micro-batch tags left after each step: they must not pile up
+        for _ in range(2):
+            run.step(b[:, :-1], b[:, 1:])
+            run.optimizer.zero_grad()
+            tags.append(sum(len(v) for st in stashes for v in st._by_micro.values()))
+        peak = sum(s.runtime.mem.accounting.peak(Tier.HOST, Kind.ACTIVATION) for s in run.stages)
         return {"peak": peak, "kept": sum(st.kept for st in stashes), "checkpoint": 2 * 16 * TINY["d_model"] * 4,
-                "stashed": sum(st.stashed for st in stashes), "prefetched": sum(st.prefetched for st in stashes)}
+                "stashed": sum(st.stashed for st in stashes), "prefetched": sum(st.prefetched for st in stashes),
+                "tags": tags}
     finally:
         run.close()
 

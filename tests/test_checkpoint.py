@@ -122,6 +122,10 @@ def test_no_save_on_the_command_line_wins_over_a_resumed_runs_save_every(tmp_pat
     before = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert main(["train", "--resume", str(run), "--steps", "3", "--no-save", "--quiet"]) == 0
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"save": False}))  # the same said in a config file
+    assert main(["train", "--resume", str(run), "--steps", "3", "--config", str(cfg), "--quiet"]) == 0
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
     capsys.readouterr()
 
 
@@ -136,6 +140,10 @@ def test_micro_batches_in_a_config_file_is_grad_accum(tmp_path, capsys):
     assert json.loads((tmp_path / "r2" / "metrics.jsonl").read_text().splitlines()[0])["tokens_per_s"] > 0
     trainer = json.loads(next((tmp_path / "r2" / "checkpoints").glob("step-*/trainer.json")).read_text())
     assert trainer["run_config"]["grad_accum"] == 2
+    cfg.write_text(json.dumps({"micro_batches": 4}))  # over the resumed run's grad_accum 2: the file's word wins
+    assert main(["train", "--resume", str(tmp_path / "r2"), "--config", str(cfg), "--steps", "2", "--quiet"]) == 0
+    assert json.loads((tmp_path / "r2" / "checkpoints" / "step-00000002" / "trainer.json").read_text())[
+        "run_config"]["grad_accum"] == 4
 
 
 def test_nothing_in_the_package_unpickles():

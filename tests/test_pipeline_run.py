@@ -110,6 +110,7 @@ def test_each_backward_prefetches_the_next_micro_batchs_stashed_checkpoints(pp2)
         for m in (4, 8):
             got = pp2[(("stash", m), rank)]
             assert got["stashed"] > 0 and got["prefetched"] == got["stashed"] * (m - 1) // m, (m, got)
+            assert got["tags"][0] == got["tags"][1] > 0, got  # the first micro-batch's, one step's worth
 
 
 def test_aiao_issues_each_segments_dp_sync_before_the_segment_before_it_runs_backward(pp2_dp2):
@@ -278,7 +279,17 @@ def test_a_pipelined_checkpoint_exports_the_whole_models_weights(pp2, tmp_path):
     from tiertrain.checkpoint.export import export_checkpoint
     from tiertrain.checkpoint.run import load_checkpoint
 
+    import shutil
+
+    from tiertrain.errors import CheckpointError
+
     ckpt = _copy_of_saved(pp2, tmp_path)
+    twice = tmp_path / "twice" / "step-00000001"
+    shutil.copytree(ckpt, twice)
+    shutil.rmtree(twice / "stage-000")
+    shutil.copytree(twice / "stage-001", twice / "stage-000")
+    with pytest.raises(CheckpointError, match="saved by two stages"):
+        export_checkpoint(twice, tmp_path / "bad", say=lambda _: None)
     export_checkpoint(ckpt, tmp_path / "hf", say=lambda _: None)
     got = load_file(tmp_path / "hf" / "model.safetensors")
     model, state = _plain()

@@ -20,7 +20,7 @@ from pathlib import Path
 from tiertrain.models.config import ModelConfig
 
 # a run refused (exit 2) for its size says one of these; any other refusal is the options', fatal to the search
-SIZE_WORDS = re.compile(r"fit|budget|memory", re.IGNORECASE)
+SIZE_WORDS = re.compile(r"fit|budget|memory|no space", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,9 @@ def read_rows(metrics: Path) -> list[dict]:
 def run_trial(cfg: ModelConfig, params: int, args: TrainArgs) -> Trial:
     """Train ``cfg`` for ``args.steps`` steps with ``--plan auto`` in a child process, its run directory
     removed after (no checkpoint is written: ``--no-save``), and whatever it left in the disk directory
-    (a killed run's page files): only what was not there before, never the directory itself."""
+    (a killed run's page files): only what was not there before, never the directory itself. The directory
+    must be the caller's alone (``bench_largest`` makes a private one): another process's files made there
+    meanwhile would go too."""
     import time
 
     work = Path(tempfile.mkdtemp(prefix="tiertrain-largest-"))

@@ -135,8 +135,15 @@ def _weights(ckpt: Path) -> Weights:
 
         verify_files(ckpt, checked_whole(trainer.files))
         rec = PipelineRecord(**trainer.pipeline)  # read_trainer checked it
-        parts = [_weights(ckpt / stage_dir(v)) for v in range(rec.stages)]
+        parts = []
+        for v in range(rec.stages):
+            if read_trainer(ckpt / stage_dir(v)).step != trainer.step:
+                raise CheckpointError(f"{ckpt / stage_dir(v)} is of another step than its checkpoint; the checkpoint is "
+                                      "damaged or was assembled by hand")
+            parts.append(_weights(ckpt / stage_dir(v)))
         owner = {name: part for part in parts for name in part.shapes}
+        if len(owner) != sum(len(part.shapes) for part in parts):
+            raise CheckpointError(f"a parameter is saved by two stages of {ckpt}; the checkpoint is damaged")
         return Weights({n: s for part in parts for n, s in part.shapes.items()}, lambda name: owner[name].pieces(name))
     smap = ShardMap.read(trainer.shards, f"checkpoint file {ckpt / 'trainer.json'}: shards") if trainer.shards else None
     read = ("config.json", *(smap.files() if smap is not None else ["model.safetensors"]))

@@ -144,6 +144,10 @@ def train(config_file: str | None, quiet: bool, nproc: int | None, **flags: Any)
     from tiertrain.parallel.group import end_process_group
 
     file_values = read_config_file(config_file) if config_file else {}
+    _micro_batches_as_accum(file_values, "micro_batches")  # the user's file, before a checkpoint's options join it
+    no_save = flags.get("save") is False or file_values.get("save") is False
+    if no_save and flags.get("save_every") is None and "save_every" not in file_values:
+        flags["save_every"] = 0  # no checkpoints over a resumed run's --save-every: the user's word wins
     if flags.get("resume"):
         if not flags.get("out") and "out" not in file_values:
             flags["out"] = _run_dir_of(flags["resume"])
@@ -159,10 +163,7 @@ def train(config_file: str | None, quiet: bool, nproc: int | None, **flags: Any)
     if piped and not (flags.get("pp") or file_values.get("pp") or 1) > 1:
         raise ConfigError("--schedule, --segments and --micro-batches apply to a pipelined run; add --pp P (and "
                           "--nproc N)")
-    _micro_batches_as_accum(file_values, "micro_batches")
     _micro_batches_as_accum(flags, "--micro-batches")
-    if flags.get("save") is False and flags.get("save_every") is None:
-        flags["save_every"] = 0  # --no-save over a resumed run's --save-every: the flag wins
     cfg = make_config(file_values, flags)  # checked here first: a bad value is one message, not one per rank
     if cfg.pp > 1 and nproc == 1 and "LOCAL_RANK" not in os.environ:
         raise ConfigError(f"--pp {cfg.pp} cuts the model over ranks: add --nproc {cfg.pp} (or a multiple of it)"
@@ -650,6 +651,9 @@ def bench_largest_cmd(device_memory: str, host_memory: str, disk: str | None, ba
     click.echo(f"machine: {describe()}")
     args = TrainArgs(device_memory, host_memory, disk, batch_size, seq_len, precision, steps, trial_timeout,
                      update=update, grad_clip=grad_clip)
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped, it removes its trials' pages as on Ctrl-C
     bench_largest(args, max_trials, click.echo, Path(json_out) if json_out else None)
 
 

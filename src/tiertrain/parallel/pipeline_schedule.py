@@ -49,9 +49,11 @@ class AIAOSchedule(_PipelineScheduleRuntime):
 
 class TieredStage(PipelineStage):
     """Torch's stage over a tiered stage module, telling the module's host stashes (``offload_hidden``) which
-    micro-batch runs: a forward's stashed activation checkpoints are tagged with its micro-batch, and each
-    backward starts copying the next micro-batch's back (FOLD3D §4's prefetch, one micro-batch ahead; every
-    schedule here runs a stage's backwards in micro-batch order). Torch's stage has no hook for either."""
+    micro-batch runs: a forward's stashed activation checkpoints are tagged with its micro-batch, and as each
+    backward ends the next micro-batch's start coming back (FOLD3D §4's prefetch, one micro-batch ahead:
+    every schedule here runs a stage's backwards in micro-batch order; started after, not before, the
+    backward, so at most one micro-batch's copies wait beside the one computing). Torch's stage has no hook
+    for either."""
 
     def __init__(self, module: nn.Module, index: int, n_stages: int, device: torch.device, micro_batches: int,
                  **kwargs) -> None:
@@ -73,10 +75,18 @@ class TieredStage(PipelineStage):
                 stash.micro = None
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):  # type: ignore[override]
+        out = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
         if bwd_chunk_id + 1 < self._micro_batches:
             for stash in self._stashes():
                 stash.prefetch(bwd_chunk_id + 1)
-        return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        return out
+
+    def clear_runtime_states(self) -> None:
+        """Torch's, at every step's start; and the stashes' tags of the last step (its first micro-batch's
+        are never prefetched, and a step that raised leaves others)."""
+        super().clear_runtime_states()
+        for stash in self._stashes():
+            stash.new_step()
 
 
 def stages_for(modules: list[nn.Module], indices: list[int], layout: PipelineLayout, group, device: torch.device,

@@ -47,10 +47,7 @@ class _Stashed:
     def prefetch(self, stream: torch.cuda.Stream | None) -> None:
         """Copy the tensor back now, ahead of the backward that reads it (on a GPU on ``stream``, beside the
         compute); ``restore`` then hands this copy over."""
-        if self.ready is not None:
-            return
-        if stream is None:
-            self.ready = self._copy()
+        if self.ready is not None or stream is None:  # on a CPU the copy would gain nothing and hold more
             return
         stream.wait_stream(torch.cuda.current_stream())  # after the pack's copy into the chunk
         with torch.cuda.stream(stream):
@@ -94,7 +91,8 @@ class HostStash:
         self.micro: int | None = None  # the pipeline micro-batch whose forward runs (``micro_batch``)
         self.prefetched = 0      # over the run: tensors copied back ahead of their backward (``prefetch``)
         self._by_micro: dict[int, list[weakref.ref]] = {}
-        self._stream = torch.cuda.Stream() if mem.pool(Tier.DEVICE).device.type == "cuda" else None
+        device = mem.pool(Tier.DEVICE).device
+        self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
 
     def pack(self, t: torch.Tensor) -> Any:
         if not t.is_contiguous():
@@ -112,10 +110,13 @@ class HostStash:
             self._by_micro.setdefault(self.micro, []).append(weakref.ref(stashed))
         return stashed
 
+    def new_step(self) -> None:
+        self._by_micro.clear()
+
     def prefetch(self, micro: int) -> None:
         """AIAO's prefetch (FOLD3D §4): the stashed tensors of pipeline micro-batch ``micro`` copied back to the
-        device now, a micro-batch ahead of their backward, so it does not wait for them; one micro-batch's
-        copies at a time beside the one computing. Those already freed (a dropped graph) are skipped."""
+        device now, a micro-batch ahead of their backward, so it does not wait for them (on a GPU; on a CPU they
+        are counted, nothing is copied twice). Those already freed (a dropped graph) are skipped."""
         for ref in self._by_micro.pop(micro, []):
             stashed = ref()
             if stashed is not None:

@@ -26,18 +26,13 @@ from torch import nn
 from tiertrain import typed
 from tiertrain.checkpoint.run import (
     FORMAT_VERSION,
+    ManyRankSave,
     TrainerState,
     UnsharedDirectory,
-    agreement,
-    check_sees,
     checked_whole,
-    checkpoint_root,
     file_digest,
     is_stage,
     model_config_dict,
-    prepare_dir,
-    prune,
-    publish,
     read_trainer,
     rng_state,
     verify_files,
@@ -73,20 +68,11 @@ def save_pipelined(out: Path, parts: Sequence[tuple[int, nn.Module]], world: Any
     step's temporary directory (with its stage's data-parallel ranks, sharded as a data-parallel run
     saves), rank 0 adds the top level and publishes. A failure on any rank fails the save on all of them
     (``agreement`` over ``world``), the temporary directory removed and the previous checkpoint intact."""
-    root = checkpoint_root(out)
-    final = root / f"step-{state.step:08d}"
-    tmp = root / f".{final.name}.tmp-pipeline"
-    rank0 = world.rank == 0
-    agree = agreement(world, root, final.name, tmp)
-    agree(lambda: prepare_dir(root, tmp) if rank0 else None)
-    agree(lambda: check_sees(tmp, world.rank))
+    save = ManyRankSave.begin(out, state.step, world, "pipeline")
     for index, module in parts:
-        _write_stage(tmp / stage_dir(index), TieredState(module), state, agree)
-    agree(lambda: _write_top(tmp, parts[0][1], record, param_groups, state) if rank0 else None)
-    agree(lambda: publish(root, tmp, final) if rank0 else None)
-    if rank0:
-        prune(root, keep, final.name)
-    return final
+        _write_stage(save.tmp / stage_dir(index), TieredState(module), state, save.agree)
+    save.agree(lambda: _write_top(save.tmp, parts[0][1], record, param_groups, state) if world.rank == 0 else None)
+    return save.publish(keep)
 
 
 def _write_stage(where: Path, ts: TieredState, state: TrainerState, agree: Any) -> None:

@@ -268,18 +268,37 @@ def _save_sharded(out: Path, ts: TrainState, state: TrainerState, keep: int, com
     """A data-parallel run's checkpoint: every rank writes its own file into one temporary directory
     that rank 0 made, rank 0 adds the rest and publishes it. The ranks agree at each stage (a failure
     on any rank fails the save on all of them, with the temporary directory removed)."""
-    root = checkpoint_root(out)
-    final = root / f"step-{state.step:08d}"
-    tmp = root / f".{final.name}.tmp-ranks"
-    rank0 = comm.rank == 0
-    agree = agreement(comm, root, final.name, tmp)
-    agree(lambda: prepare_dir(root, tmp) if rank0 else None)
-    agree(lambda: check_sees(tmp, comm.rank))
-    write_sharded(tmp, ts, state, comm, agree)
-    agree(lambda: publish(root, tmp, final) if rank0 else None)
-    if rank0:
-        prune(root, keep, final.name)
-    return final
+    save = ManyRankSave.begin(out, state.step, comm, "ranks")
+    write_sharded(save.tmp, ts, state, comm, save.agree)
+    return save.publish(keep)
+
+
+@dataclass
+class ManyRankSave:
+    """A checkpoint every rank of ``comm`` writes into one temporary directory rank 0 made, published by rank
+    0 once every rank's part is there (``agree``: each step's failure on any rank fails it on all)."""
+
+    root: Path
+    final: Path
+    tmp: Path
+    comm: Any
+    agree: Any
+
+    @classmethod
+    def begin(cls, out: Path, step: int, comm: Any, kind: str) -> ManyRankSave:
+        root = checkpoint_root(out)
+        final = root / f"step-{step:08d}"
+        tmp = root / f".{final.name}.tmp-{kind}"
+        agree = agreement(comm, root, final.name, tmp)
+        agree(lambda: prepare_dir(root, tmp) if comm.rank == 0 else None)
+        agree(lambda: check_sees(tmp, comm.rank))
+        return cls(root, final, tmp, comm, agree)
+
+    def publish(self, keep: int) -> Path:
+        self.agree(lambda: publish(self.root, self.tmp, self.final) if self.comm.rank == 0 else None)
+        if self.comm.rank == 0:
+            prune(self.root, keep, self.final.name)
+        return self.final
 
 
 def write_sharded(tmp: Path, ts: TrainState, state: TrainerState, comm: Any, agree: Any) -> None:

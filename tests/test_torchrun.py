@@ -281,6 +281,9 @@ def test_train_pp_trains_as_one_process_and_its_checkpoint_resumes_in_one_and_cu
     r = _train(*common, "--steps", "4", "--grad-accum", "2", "--out", str(one))
     assert r.returncode == 0, r.stderr[-3000:]
     assert _losses(piped) == _losses(one)
+    # each tier's peak is the busiest rank's: the host pool held a stage's states, never the whole model's
+    piped_peak, one_peak = (read_metrics(d)[-1]["peak_bytes"] for d in (piped, one))
+    assert set(piped_peak) == {"device", "host"} and 0 < piped_peak["host"] < one_peak["host"], (piped_peak, one_peak)
     for name, args in (("in-one", ["--nproc", "1", "--pp", "1"]),
                        ("aiao", ["--nproc", "2", "--schedule", "aiao", "--segments", "2"])):
         r = _train("--resume", str(ckpt), "--steps", "4", "--out", str(tmp_path / name), *args)

@@ -120,12 +120,16 @@ class PipelineTrainer(Trainer):
         return bool(t.item())
 
     def _tier_figures(self, row: dict[str, Any]) -> None:
-        peaks: dict[str, int] = {}
+        """Each tier's page peak on the busiest rank (every rank computes its row: rank 0's stages alone
+        would leave out the last stage's head)."""
+        tiers = ("device", "host", "disk")
+        mine = torch.full((len(tiers),), -1.0, dtype=torch.float64)  # -1: no such tier on this rank
         for stage in self.pipe.stages:  # this rank's stages' pools: page peaks add up
             for tier, v in stage.runtime.mem.stats().items():
                 if "budget" in v:
-                    peaks[tier] = peaks.get(tier, 0) + v["pages_peak_bytes"]
-        row["peak_bytes"] = peaks
+                    mine[tiers.index(tier)] = max(0.0, float(mine[tiers.index(tier)])) + v["pages_peak_bytes"]
+        self.pipe.mesh.world.host.all_reduce(mine, op="max")
+        row["peak_bytes"] = {t: int(mine[i]) for i, t in enumerate(tiers) if mine[i] >= 0}
 
     def _close_tiers(self) -> None:
         pipe = getattr(self, "pipe", None)

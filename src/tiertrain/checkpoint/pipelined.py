@@ -27,6 +27,7 @@ from tiertrain import typed
 from tiertrain.checkpoint.run import (
     FORMAT_VERSION,
     ManyRankSave,
+    TrainerFile,
     TrainerState,
     UnsharedDirectory,
     checked_whole,
@@ -106,8 +107,8 @@ def _write_top(tmp: Path, module: nn.Module, record: PipelineRecord, param_group
 class StagedTensors(Mapping):
     """The stages' tensors by name, each read from the stage that holds it when it is read."""
 
-    def __init__(self, sources: dict[str, Mapping], specs: dict[str, TensorSpec], opened: list[Mapping]) -> None:
-        self._sources, self.specs, self._opened = sources, specs, opened
+    def __init__(self, sources: dict[str, Mapping], opened: list[Mapping]) -> None:
+        self._sources, self._opened = sources, opened
         self.flat_ranges = bool(opened) and all(getattr(m, "flat_ranges", False) for m in opened)
 
     def __contains__(self, key: object) -> bool:
@@ -131,13 +132,12 @@ class StagedTensors(Mapping):
                 m.close()
 
 
-def stage_tensors(ckpt: Path, record: Any, ts: TrainState) -> tuple[StagedTensors, StagedTensors]:
-    """The weights and moments of every stage of the pipelined checkpoint ``ckpt``, as one mapping each,
-    after every stage's files are verified and every tensor ``ts`` needs is found with its dtype and shape
-    (a stage of another pipeline needs only its own; one process, all of them and no other)."""
-    rec = typed.load(PipelineRecord, record, f"checkpoint file {ckpt / 'trainer.json'}: pipeline",
-                     error=CheckpointError)
-    step = read_trainer(ckpt).step
+def stage_tensors(ckpt: Path, trainer: TrainerFile, ts: TrainState) -> tuple[StagedTensors, StagedTensors]:
+    """The weights and moments of every stage of the pipelined checkpoint ``ckpt`` (its ``trainer.json`` as
+    ``read_trainer`` checked it), as one mapping each, after every stage's files are verified and every
+    tensor ``ts`` needs is found with its dtype and shape (a stage of another pipeline needs only its own;
+    one process, all of them and no other)."""
+    rec, step = PipelineRecord(**trainer.pipeline), trainer.step
     needed = set(ts.expected_weights())
     weights: dict[str, Mapping] = {}
     moments: dict[str, Mapping] = {}
@@ -155,7 +155,7 @@ def stage_tensors(ckpt: Path, record: Any, ts: TrainState) -> tuple[StagedTensor
             for kind in ("step", *MOMENTS):
                 moments[f"{name}::{kind}"] = o
     _check_covers(ckpt, specs, ts)
-    return StagedTensors(weights, specs, opened), StagedTensors(moments, specs, opened)
+    return StagedTensors(weights, opened), StagedTensors(moments, opened)
 
 
 def _open_stage(where: Path, step: int, needed: set[str] | None) -> tuple[Mapping, Mapping, dict[str, TensorSpec]]:

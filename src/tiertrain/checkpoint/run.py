@@ -696,7 +696,7 @@ def load_checkpoint(ckpt: Path, ts: TrainState) -> TrainerState:
     if trainer.pipeline is not None:
         from tiertrain.checkpoint.pipelined import stage_tensors
 
-        weights, optim = stage_tensors(ckpt, trainer.pipeline, ts)
+        weights, optim = stage_tensors(ckpt, trainer, ts)
     elif trainer.shards is not None:
         smap = ShardMap.read(trainer.shards, f"checkpoint file {ckpt / 'trainer.json'}: shards")
         expected = ts.expected_weights()

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from tiertrain.checkpoint.pipelined import PipelineRecord, load_pipeline, save_pipelined
 from tiertrain.checkpoint.run import TrainerState
@@ -27,7 +27,7 @@ from tiertrain.train.loop import Trainer, seed_everything
 from tiertrain.train.metrics import Reporter
 from tiertrain.train.schedule import lr_at
 from tiertrain.train.tiered import default_budgets
-from tiertrain.units import format_count
+from tiertrain.units import format_count, parse_size
 
 
 def trainer_for(cfg: TrainConfig, reporter: Reporter | None = None) -> Trainer:
@@ -63,7 +63,8 @@ class PipelineTrainer(Trainer):
         cfg = self.cfg
         self.layout = PipelineLayout(cfg.pp, cfg.schedule, cfg.grad_accum, cfg.segments)
         self.pipe = pipeline(self.model, self.opt, self.layout, self.budgets.budgets, plan=cfg.plan,
-                             page_size=_page_size(cfg), update=cfg.update or "sync",
+                             page_size=parse_size(cfg.page_size) if cfg.page_size else None,
+                             update=cfg.update or "sync",
                              max_grad_norm=cfg.grad_clip or None, reduce_dtype=cfg.reduce_dtype or "fp32")
         self.opt = self.pipe.optimizer
         self.state = _PipelineState(self.model)  # type: ignore[assignment]
@@ -143,10 +144,3 @@ class PipelineTrainer(Trainer):
                 f"fp32; pipeline of {cfg.pp} ranks x {self.world // cfg.pp} replicas, {cfg.schedule}, "
                 f"{cfg.grad_accum} micro-batches, {self.layout.stages} stages; {tokens} tokens/step; "
                 f"steps {self.step}->{cfg.steps}; out {self.out}")
-
-
-def _page_size(cfg: TrainConfig) -> int | None:
-    from tiertrain.units import parse_size
-
-    return parse_size(cfg.page_size) if cfg.page_size else None
-

@@ -64,6 +64,35 @@ def reference(dp: int, micro: int, clip: float | None = None, start=None, first:
     return out
 
 
+def tiered_reference(case: "Case", disk: Path) -> list[list[list[float]]]:
+    """As ``reference`` for one replica, but a tiered run in one process (``tiertrain.setup`` with the case's
+    plan and compute dtype, its forward autocast as ``train``'s loop does): a bf16 run computes in bf16
+    weights, which plain PyTorch under autocast does not (its embeddings stay fp32)."""
+    import tiertrain
+    from tiertrain.memory import Budgets
+
+    model, opt = fresh()
+    tm, topt = tiertrain.setup(model, opt, Budgets(64 << 20, 64 << 20, 64 << 20, str(disk)),
+                               plan=_plan(case.plan, TINY["n_layer"]), page_size=64 << 10, update=case.update,
+                               grad_accum=case.micro, compute_dtype=case.dtype, max_grad_norm=case.clip)
+    out = []
+    try:
+        for b in batches(0):
+            losses = []
+            for x, y in zip(b[:, :-1].chunk(case.micro), b[:, 1:].chunk(case.micro)):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.dtype == "bf16"):
+                    loss = tm(x, y) / case.micro
+                loss.backward()
+                losses.append(loss.item())
+            topt.step()
+            topt.zero_grad()
+            out.append([losses])
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     schedule: str
@@ -72,6 +101,7 @@ class Case:
     plan: str = "stream"           # "stream": states homed on the host, blocks streamed; "disk": homed on disk
     update: str = "sync"
     clip: float | None = None
+    dtype: str = "fp32"
 
 
 def _plan(name: str, n_blocks: int):
@@ -102,7 +132,7 @@ def pipelined_losses(rank: int, case: Case, pp: int, disk: Path, events: bool = 
     layout = PipelineLayout(pp=pp, schedule=case.schedule, micro_batches=case.micro, segments=case.segments)
     run = pipeline(model, opt, layout, Budgets(64 << 20, 64 << 20, 64 << 20, rank_disk(disk, rank)),
                    plan=_plan(case.plan, TINY["n_layer"]), page_size=64 << 10, update=case.update,
-                   max_grad_norm=case.clip)
+                   max_grad_norm=case.clip, compute_dtype=case.dtype)
     log: list[tuple[str, int]] = []
     if events:
         _record(run, log)

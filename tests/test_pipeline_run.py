@@ -11,12 +11,16 @@ import pytest
 import torch
 
 from dp_harness import run_ranks
-from pp_harness import Case, pipelined_losses, reference, resumed_from_one_process, stashed_checkpoints
+from pp_harness import (Case, pipelined_losses, reference, resumed_from_one_process, stashed_checkpoints,
+                        tiered_reference)
 
+# bf16 stages against one tiered process in bf16 (plain PyTorch under autocast keeps fp32 embeddings): the
+# same ops on the same bf16 weights, so bit for bit too
+BF16 = [Case("1f1b", 4, 1, dtype="bf16"), Case("aiao", 4, 2, dtype="bf16"), Case("aiao", 4, 2, plan="disk", dtype="bf16")]
 SCHEDULES = [Case("gpipe", 2, 1), Case("1f1b", 4, 1), Case("interleaved", 4, 2), Case("aiao", 4, 2)]
 PP2 = SCHEDULES + [Case(c.schedule, c.micro, c.segments, plan="disk") for c in SCHEDULES] + [
     Case("aiao", 4, 2, update="overlap"), Case("aiao", 4, 2, clip=0.05), Case("1f1b", 4, 1, clip=0.05),
-    Case("aiao", 4, 2, plan="stash"), Case("1f1b", 4, 1, plan="stash")]
+    Case("aiao", 4, 2, plan="stash"), Case("1f1b", 4, 1, plan="stash")] + BF16
 PP2_DP2 = SCHEDULES + [Case("aiao", 4, 2, plan="disk"), Case("aiao", 4, 2, update="overlap"),
                        Case("aiao", 4, 2, clip=0.05)]
 # Clipping: the pipeline's norm combines each stage's (sqrt of a sum of squares of per-stage norms) where torch
@@ -62,8 +66,8 @@ def pp2_dp2(tmp_path_factory):
     return {**run_ranks(4, tmp_path_factory.mktemp("pp2dp2"), jobs), "out": out}
 
 
-def _check(results, case, world, dp):
-    want = reference(dp, case.micro, case.clip)
+def _check(results, case, world, dp, tmp):
+    want = reference(dp, case.micro, case.clip) if case.dtype == "fp32" else tiered_reference(case, tmp)
     for rank in range(world):
         got = results[((case,), rank)]
         mine = [step[got["replica"]] for step in want]
@@ -76,13 +80,18 @@ def _check(results, case, world, dp):
 
 
 @pytest.mark.parametrize("case", PP2, ids=str)
-def test_two_stages_train_as_one_process_accumulating_the_micro_batches(pp2, case):
-    _check(pp2, case, 2, 1)
+def test_two_stages_train_as_one_process_accumulating_the_micro_batches(pp2, case, tmp_path):
+    _check(pp2, case, 2, 1, tmp_path)
 
 
 @pytest.mark.parametrize("case", PP2_DP2, ids=str)
-def test_two_stages_over_two_replicas_train_as_one_process_averaging_them(pp2_dp2, case):
-    _check(pp2_dp2, case, 4, 2)
+def test_two_stages_over_two_replicas_train_as_one_process_averaging_them(pp2_dp2, case, tmp_path):
+    _check(pp2_dp2, case, 4, 2, tmp_path)
+
+
+def test_bf16_stages_compute_in_bf16(pp2, tmp_path):
+    """The bf16 runs above are not fp32 ones under another name."""
+    assert pp2[((BF16[1],), 0)]["losses"] != pp2[((Case("aiao", 4, 2),), 0)]["losses"]
 
 
 def test_clipping_changes_the_steps_it_should(pp2):
@@ -155,7 +164,7 @@ def test_a_model_the_pipeline_cannot_cut_is_refused_before_any_rank_starts(chang
 @pytest.mark.parametrize("fields, says", [
     (dict(max_grad_norm=1.0, update="overlap"), "clipping in a pipelined run .* use --update sync"),
     (dict(grad_accum=3), "accumulates its 4 micro-batches: leave grad_accum out"),
-    (dict(compute_dtype="bf16"), "compute in fp32 for now"),
+    (dict(compute_dtype="fp16"), "in fp32 or bf16, not fp16 .* use bf16"),
     (dict(ep=2), "expert parallel inside a pipeline stage is not supported yet"),
 ])
 def test_options_a_pipeline_cannot_run_yet_are_refused_in_one_line(fields, says):

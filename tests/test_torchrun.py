@@ -305,7 +305,7 @@ def test_a_pipeline_the_ranks_would_refuse_is_one_message_before_torchrun_starts
                        ([*piped[:-4], "--nproc", "2", "--pp", "3"], "--pp 3 does not divide the 2 ranks"),
                        ([*piped, "--micro-batches", "2", "--grad-accum", "4"], "name the same count"),
                        ([*piped[:2], "--nproc", "2", "--pp", "2"], "add --plan"),
-                       ([*piped, "--precision", "bf16"], "add --precision fp32"),
+                       ([*piped, "--precision", "fp16"], "use --precision bf16"),
                        ([*piped, "--update", "overlap"], "train --pp takes sync updates for now")):
         out = tmp_path / "r"
         assert main(["train", *args, "--out", str(out)]) == 2, args

@@ -41,6 +41,7 @@ from tiertrain.plan import BUILTIN_PLANS, Plan, RunOptions
 from tiertrain.plan.pipeline import PipelineLayout, fold, stage_plan
 from tiertrain.plan.plan import plan_file
 from tiertrain.plan.update_modes import rules
+from tiertrain.precisions import torch_dtype
 from tiertrain.runtime.rank_agreement import model_signature
 
 FIX = "start every rank with the same model and pipeline flags (torchrun gives each rank the same command line)"
@@ -102,9 +103,17 @@ class Pipelined:
         self._shape = shape
 
     def _meta(self, ids: bool, rows: int, tokens: int, width: int | None = None) -> torch.Tensor:
+        """One micro-batch's tensor between stages: token ids, or hidden states (or logits) in the compute
+        dtype, as the model's blocks hand them on (a tiered block computes with its weights in that dtype, so
+        no autocast is needed: the tests find the bf16 stages equal to a loop autocasting its forward)."""
         if ids:
             return torch.empty(rows, tokens, dtype=torch.long, device="meta")
-        return torch.empty(rows, tokens, width or self.stages[0].config.d_model, device="meta", requires_grad=True)
+        return torch.empty(rows, tokens, width or self.stages[0].config.d_model, device="meta",
+                           dtype=self._dtype, requires_grad=True)
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        return torch_dtype(self.stages[0].runtime.plan.compute_dtype)
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One micro-batch's share of the batch's loss: the loop accumulating them divides so too."""
@@ -141,6 +150,7 @@ def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Pipelin
     opts = _options(options, fields, layout)
     plan = _plan_from_file(plan)
     _check_clipping(opts, plan)
+    _check_precision(opts, plan)
     gpt = check_stageable(model)
     optimizer_groups(optimizer, gpt)  # an AdamW, fresh, over every parameter: refused before anything changes
     ensure_process_group()
@@ -198,9 +208,6 @@ def _options(options: RunOptions | None, fields: dict[str, Any], layout: Pipelin
     for key, why in (("ep", "expert parallel"), ("shard_group", "hybrid sharding")):
         if getattr(opts, key) not in (None, 0, 1):
             raise ConfigError(f"{why} inside a pipeline stage is not supported yet: leave out --{key.replace('_', '-')}")
-    if opts.compute_dtype not in (None, "fp32"):
-        raise ConfigError(f"pipelined runs compute in fp32 for now (the stages are told fp32 activations): leave "
-                          f"compute_dtype ({opts.compute_dtype}) out")
     # FOLD3D's DP.sync: a stage's gradients reduced once a step, after its last micro-batch's backward (not M times)
     return dataclasses.replace(opts, grad_accum=layout.micro_batches, reduce_every=opts.reduce_every or "step")
 
@@ -213,6 +220,15 @@ def _check_clipping(opts: RunOptions, plan: "str | Plan") -> None:
         raise ConfigError(f"clipping in a pipelined run needs every stage's gradients before any update, and the "
                           f"{update} update mode updates each block as its gradients come: use --update sync, or "
                           "leave clipping out")
+
+
+def _check_precision(opts: RunOptions, plan: "str | Plan") -> None:
+    """fp32 and bf16 stages; fp16's dynamic loss scale would have to be agreed by every stage at every step
+    (a stage skipping a step the others take would part the model): refused, whether asked or a plan file's."""
+    dtype = opts.compute_dtype or (plan.compute_dtype if isinstance(plan, Plan) else "fp32")
+    if dtype == "fp16":
+        raise ConfigError("pipelined runs compute in fp32 or bf16, not fp16 (its loss scale is not agreed over the "
+                          "stages): use bf16")
 
 
 def _shares(memory: Budgets | None, n: int) -> list[Budgets]:

@@ -109,9 +109,9 @@ class TrainConfig:
         if self.plan == "auto":
             raise ConfigError("--plan auto does not plan pipeline stages yet: plan one with tiertrain plan --nproc N "
                               f"--pp {self.pp} --out plan.json and pass --plan plan.json, or name a built-in plan")
-        if self.precision not in (None, "fp32"):
-            raise ConfigError(f"pipeline stages train in fp32 for now, not {self.precision}: add --precision fp32")
-        self.precision = "fp32"  # the default on any device, where a plain run's on a GPU is bf16
+        if self.precision == "fp16":
+            raise ConfigError("pipeline stages train in fp32 or bf16, not fp16 (its loss scale is not agreed over the "
+                              "stages): use --precision bf16")
         if self.update is not None and (rules(self.update).updates_as_final or rules(self.update).loops):
             raise ConfigError(f"train --pp takes sync updates for now, not {self.update}: a step's loss is known only "
                               "after the schedule's backward, where other updates would have applied a non-finite "

@@ -18,7 +18,6 @@ from torch import nn
 
 from tiertrain.checkpoint.pipelined import PipelineRecord, load_pipeline, save_pipelined
 from tiertrain.checkpoint.run import TrainerState
-from tiertrain.errors import ConfigError
 from tiertrain.models import build, param_count
 from tiertrain.plan.pipeline import PipelineLayout
 from tiertrain.train.config import TrainConfig
@@ -49,8 +48,6 @@ class PipelineTrainer(Trainer):
     def _build(self, model_cfg: Any) -> nn.Module:
         """The whole model on the host (each rank keeps its stages and lets go of the rest): a model larger
         than one host's memory cannot be cut into stages yet."""
-        if self.precision.name != "fp32":
-            raise ConfigError(f"pipeline stages train in fp32 for now, not {self.precision.name}: add --precision fp32")
         self.budgets = default_budgets(self.cfg, self.device)
         if self.budgets.taken:
             self.reporter.message(self.budgets.describe())
@@ -65,7 +62,8 @@ class PipelineTrainer(Trainer):
         self.pipe = pipeline(self.model, self.opt, self.layout, self.budgets.budgets, plan=cfg.plan,
                              page_size=parse_size(cfg.page_size) if cfg.page_size else None,
                              update=cfg.update or "sync",
-                             max_grad_norm=cfg.grad_clip or None, reduce_dtype=cfg.reduce_dtype or "fp32")
+                             max_grad_norm=cfg.grad_clip or None, reduce_dtype=cfg.reduce_dtype or "fp32",
+                             compute_dtype=self.precision.name)
         self.opt = self.pipe.optimizer
         self.state = _PipelineState(self.model)  # type: ignore[assignment]
 
@@ -141,6 +139,6 @@ class PipelineTrainer(Trainer):
         cfg, n = self.cfg, param_count(self.model.config)
         tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum * (self.world // cfg.pp)
         return (f"training {self.model.config.name or 'gpt'} ({format_count(n)} params) on {self.device.type}, "
-                f"fp32; pipeline of {cfg.pp} ranks x {self.world // cfg.pp} replicas, {cfg.schedule}, "
+                f"{self.precision.name}; pipeline of {cfg.pp} ranks x {self.world // cfg.pp} replicas, {cfg.schedule}, "
                 f"{cfg.grad_accum} micro-batches, {self.layout.stages} stages; {tokens} tokens/step; "
                 f"steps {self.step}->{cfg.steps}; out {self.out}")

@@ -330,3 +330,38 @@ def test_plan_pp_plans_each_ranks_stage_and_chooses_the_schedule_by_fold3ds_mode
                        (["--pp", "2"], "--pp 2 does not divide --nproc 1")):
         assert main(["plan", "--model", "gpt-small", "--machine", "h100-sxm-80gb", *args, "--out", str(out)]) == 2
         assert want in capsys.readouterr().err, args
+
+
+@pytest.mark.parametrize("schedule, micro, segments, in_flight", [
+    ("gpipe", 8, 1, 8), ("1f1b", 8, 1, 2), ("aiao", 4, 2, 4), ("interleaved", 4, 2, 3)])
+def test_a_pipeline_stage_is_planned_with_its_schedules_micro_batches_in_flight(schedule, micro, segments,
+                                                                                in_flight):
+    """A stage's activations are a micro-batch's (the profile's batch over M), held for as many micro-batches
+    at once as its schedule keeps in flight (FOLD3D's eqs. 6-7 over the segments; 1F1B's first stage: pp),
+    and the offloaded ones of the micro-batch prefetched ahead of its backward are on the device too: in the
+    budget's activations, the solvers' per-block device bytes, the simulated peaks and the host's stash."""
+    from tiertrain.plan import builtin_plan
+    from tiertrain.plan.pipeline import PipelineLayout
+    from tiertrain.planner.costs import CHOICES, activation_bytes, device_bytes, stash_bytes
+    from tiertrain.planner.pipeline import for_stage
+    from tiertrain.planner.simulator import simulate
+
+    whole = _profile(1)
+    stage = for_stage(whole, PipelineLayout(2, schedule, micro, segments), 4)
+    assert len(stage.blocks) == 4 and stage.micro_in_flight == in_flight and stage.stash_ahead
+    assert stage.blocks[0].act_bytes * micro == whole.blocks[0].act_bytes  # 4 MiB over 4 or 8 rows' share
+    act, hidden = stage.blocks[0].act_bytes, stage.blocks[0].hidden_bytes
+    plain = builtin_plan("stream", 4, update="sync")
+    half = dataclasses.replace(plain, blocks=plain.blocks[:2] + tuple(
+        dataclasses.replace(b, recompute=True, offload_hidden=True) for b in plain.blocks[2:]))
+    one = dataclasses.replace(stage, micro_in_flight=1, stash_ahead=False)
+    # two blocks kept for every micro-batch in flight, two stashed: one micro-batch of those back ahead
+    assert activation_bytes(half, stage) - activation_bytes(half, one) == (in_flight - 1) * 2 * act + 2 * hidden
+    assert stash_bytes(half, stage) == in_flight * stash_bytes(half, one)
+    kept, stashed = (next(c for c in CHOICES if c.stream and c.offload_hidden == off and c.recompute == off)
+                     for off in (False, True))
+    assert device_bytes(stage, stage.blocks[0], kept) - device_bytes(one, one.blocks[0], kept) == (in_flight - 1) * act
+    assert device_bytes(stage, stage.blocks[0], stashed) - device_bytes(one, one.blocks[0], stashed) == hidden
+    sims = [simulate(half, p).peaks for p in (stage, one)]
+    assert sims[0]["device"] - sims[1]["device"] == (in_flight - 1) * 2 * act + 2 * hidden
+    assert sims[0]["host"] - sims[1]["host"] == (in_flight - 1) * 2 * hidden

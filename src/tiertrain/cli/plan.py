@@ -16,7 +16,7 @@ from tiertrain.plan import BlockPlan, Budgets
 from tiertrain.planner.auto import Candidate, run_profile
 from tiertrain.planner.machine import Machine
 from tiertrain.plan.pipeline import PipelineLayout, fold
-from tiertrain.planner.pipeline import PipelineChoice, choose_pipeline
+from tiertrain.planner.pipeline import PipelineChoice, choose_pipeline, for_stage
 from tiertrain.planner.profile import Profile, with_experts
 from tiertrain.planner.simulator import RESOURCES, Simulation
 from tiertrain.units import format_bytes, format_count
@@ -319,8 +319,7 @@ def one_stage(profile: Profile, budgets: Budgets, layout: PipelineLayout, req: P
     several micro-batches (they accumulate)."""
     runs = fold(len(profile.blocks), layout.pp, layout.segments)
     needs_all = req.needs_all_grads or layout.micro_batches > 1
-    staged = run_profile(dataclasses.replace(profile, blocks=profile.blocks[:max(map(len, runs))]), req.update,
-                         req.max_staleness, needs_all)
+    staged = run_profile(for_stage(profile, layout, max(map(len, runs))), req.update, req.max_staleness, needs_all)
     n = layout.segments
     return staged, Budgets(budgets.device // n, budgets.host // n, budgets.disk // n, budgets.disk_dir), needs_all
 

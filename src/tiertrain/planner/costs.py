@@ -60,7 +60,10 @@ def device_bytes(p: Profile, b: BlockProfile, c: Choice) -> int:
     sharded = p.network.parallel and p.network.shard
     if c.device_home and not c.stream and p.compute_bytes == GRAD_BYTES and not sharded:
         own = 0
-    acts = 0 if c.offload_hidden else saved_bytes(b, c)
+    if c.offload_hidden:  # one micro-batch's comes back ahead of its backward in a pipeline
+        acts = saved_bytes(b, c) if p.stash_ahead else 0
+    else:
+        acts = saved_bytes(b, c) * p.micro_in_flight
     return own + states + acts
 
 
@@ -151,16 +154,30 @@ def working_bytes(p: Profile) -> int:
 
 def activation_bytes(plan: Plan, p: Profile) -> int:
     """The most the compute holds beside the device pool in one step: every block's saved activations
-    that stay on the device (recomputed ones keep their input), the rest's, and ``working_bytes``. A
-    run's pool maps what its plan counts (``Plan.resolved``), so plan auto leaves it this much less."""
-    saved = sum(saved_bytes_of(b, bp.recompute) for b, bp in zip(p.blocks, plan.blocks) if not bp.offload_hidden)
-    return saved + p.rest.act_bytes + working_bytes(p)
+    that stay on the device (recomputed ones keep their input) for each micro-batch in flight at once
+    (``Profile.micro_in_flight``), the offloaded ones of the micro-batch prefetched ahead of its backward
+    (``Profile.stash_ahead``), the rest's, and ``working_bytes``. A run's pool maps what its plan counts
+    (``Plan.resolved``), so plan auto leaves it this much less."""
+    kept = sum(saved_bytes_of(b, bp.recompute) for b, bp in zip(p.blocks, plan.blocks) if not bp.offload_hidden)
+    return kept + more_micro_batches(plan, p)["device"] + p.rest.act_bytes + working_bytes(p)
+
+
+def more_micro_batches(plan: Plan, p: Profile) -> dict[str, int]:
+    """What the micro-batches in flight beside the one a block computes add (a pipeline stage's, by its
+    schedule): on the device the saved activations kept there and one micro-batch's offloaded ones
+    prefetched ahead of their backward; on the host the others' offloaded ones (none outside a pipeline)."""
+    saved = [(saved_bytes_of(b, bp.recompute), bp.offload_hidden) for b, bp in zip(p.blocks, plan.blocks)]
+    others = p.micro_in_flight - 1
+    kept = sum(n for n, off in saved if not off)
+    stashed = sum(n for n, off in saved if off)
+    return {"device": others * kept + (stashed if p.stash_ahead else 0), "host": others * stashed}
 
 
 def stash_bytes(plan: Plan, p: Profile) -> int:
-    """Host bytes the plan's offloaded activations take at once, in whole pages (``runtime.switches``)."""
-    return sum(pages(saved_bytes_of(b, bp.recompute), p.page)
-               for b, bp in zip(p.blocks, plan.blocks) if bp.offload_hidden)
+    """Host bytes the plan's offloaded activations take at once, in whole pages (``runtime.switches``), for
+    every micro-batch in flight."""
+    return p.micro_in_flight * sum(pages(saved_bytes_of(b, bp.recompute), p.page)
+                                   for b, bp in zip(p.blocks, plan.blocks) if bp.offload_hidden)
 
 
 def saved_bytes_of(b: BlockProfile, recompute: bool) -> int:
@@ -169,7 +186,7 @@ def saved_bytes_of(b: BlockProfile, recompute: bool) -> int:
 
 def switch_host_bytes(p: Profile, b: BlockProfile, c: Choice) -> int:
     """Host bytes a block's switches add (its stash, its params' host copy); states are placed later."""
-    stash = saved_bytes(b, c) if c.offload_hidden else 0
+    stash = saved_bytes(b, c) * p.micro_in_flight if c.offload_hidden else 0
     home = (c.stream or p.network.parallel and p.network.shard) and p.compute_bytes != 4
     return stash + (pages(own_numel(p.network, b) * p.compute_bytes, p.page) if home else 0)
 

@@ -12,12 +12,14 @@ memory, the other schedules' on the device.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 from tiertrain.plan.pipeline import SCHEDULES, PipelineLayout, fold
 from tiertrain.planner.fold3d import StageTimes, aiao_s, one_f_one_b_s, stash_checkpoints
 from tiertrain.planner.network import Network
-from tiertrain.planner.profile import Profile
+from tiertrain.planner.profile import BlockProfile, Profile
 
 GRAD_BYTES = 4  # fp32 gradients, as data parallel reduces them
 
@@ -88,3 +90,19 @@ def choose_pipeline(p: Profile, pp: int, dp_net: Network, pp_bps: float, rows: i
         out.append(PipelineChoice(layout, t, step_s(t, layout), stash,
                                   stash * hidden_row * (rows // layout.micro_batches), params))
     return sorted(out, key=lambda c: (round(c.step_s, 9), c.stash_bytes))
+
+
+def for_stage(p: Profile, layout: PipelineLayout, n_blocks: int) -> Profile:
+    """The profile a rank plans one of its stages by: its first ``n_blocks`` blocks (a rank's largest stage),
+    each activation at a micro-batch's rows (the profile's are the batch's; M micro-batches split it), as
+    many micro-batches' saved activations held at once as the schedule keeps in flight on a stage (the first
+    stage's eqs. 6-7 count over its segments), and the pipeline's prefetch of the next micro-batch's
+    offloaded ones."""
+    m = layout.micro_batches
+    in_flight = math.ceil(stash_checkpoints(layout.schedule, layout.pp, layout.segments, m) / layout.segments)
+    return dataclasses.replace(p, blocks=tuple(_micro(b, m) for b in p.blocks[:n_blocks]), rest=_micro(p.rest, m),
+                               micro_in_flight=max(1, min(m, in_flight)), stash_ahead=True)
+
+
+def _micro(b: BlockProfile, m: int) -> BlockProfile:
+    return dataclasses.replace(b, act_bytes=-(-b.act_bytes // m), hidden_bytes=-(-b.hidden_bytes // m))

@@ -98,6 +98,10 @@ class Profile:
     #                                  this many bytes per state, their gradients waiting on the device (0: whole)
     busy: float = field(default=0.0, metadata=at_least(0))  # cores others took while its blocks were measured
     #                                  (such a profile is used once, not cached: it reads every block slow)
+    micro_in_flight: int = field(default=1, metadata=at_least(1))  # micro-batches whose saved activations the
+    #                                  compute holds at once (a pipeline stage's, by its schedule; 1 otherwise)
+    stash_ahead: bool = False          # one micro-batch's offloaded checkpoints come back ahead of their backward
+    #                                  (a pipeline's prefetch, FOLD3D §4), beside the one computing
 
     @property
     def step_flops(self) -> float:

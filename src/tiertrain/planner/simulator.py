@@ -33,7 +33,7 @@ from tiertrain.plan import Budgets, Plan
 from tiertrain.plan.bytes import grad_tier, pages, sharded, updated_away
 from tiertrain.plan.fit import bounded_grads, bounds_grads, tier_bytes
 from tiertrain.plan.update_modes import grad_copies, rules, updates_during_backward
-from tiertrain.planner.costs import GRAD_BYTES, grads_out_s, working_bytes
+from tiertrain.planner.costs import GRAD_BYTES, grads_out_s, more_micro_batches, working_bytes
 from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
 from tiertrain.planner.timeline import RESOURCES, Timeline
 from tiertrain.planner.updates import UpdatePipeline, fills_slot_from_disk, network, own, own_of
@@ -113,6 +113,8 @@ def _replay_step(plan: Plan, p: Profile, needs_all_grads: bool, budgets: dict[Ti
     peaks = {t: max(v for _, tier, v in curve if tier == t) for t in ("device", "host", "disk")}
     # one block's activations while it computes, a gradient autograd made, and the logits the rest saves
     peaks["device"] += working_bytes(p) + p.rest.act_bytes
+    for tier, more in more_micro_batches(plan, p).items():  # a pipeline stage's other micro-batches in flight
+        peaks[tier] += more
     bottleneck = max(RESOURCES, key=tl.busy)
     return Simulation(step, peaks, bottleneck, tl, curve)
 

@@ -21,22 +21,23 @@ def batches(replica: int) -> list[torch.Tensor]:
     return [torch.randint(0, 256, (ROWS, 17), generator=g) for _ in range(STEPS)]
 
 
-def fresh():
+def fresh(tied: bool = False):
     from tiertrain.models import build
     from tiertrain.train.optimizer import make_adamw
 
     torch.manual_seed(0)
-    model = build(TINY)
+    model = build({**TINY, "tie_embeddings": tied})
     opt, _ = make_adamw(model, 1e-2, (0.9, 0.95), 1e-8, 0.1)
     return model, opt
 
 
-def reference(dp: int, micro: int, clip: float | None = None, start=None, first: int = 0) -> list[list[list[float]]]:
+def reference(dp: int, micro: int, clip: float | None = None, start=None, first: int = 0,
+              tied: bool = False) -> list[list[list[float]]]:
     """Each replica's micro-batch losses (divided by their count) per step, in one process: every replica's
     gradients accumulated over its micro-batches, averaged over the replicas (once a step, as a pipeline's
     DP.sync reduces them), clipped, one AdamW step. ``start``: (model, optimizer) to go on from, at step
     ``first`` (a resumed checkpoint's)."""
-    model, opt = start or fresh()
+    model, opt = start or fresh(tied)
     data = [batches(r) for r in range(dp)]
     out = []
     for step in range(first, STEPS):
@@ -102,6 +103,7 @@ class Case:
     update: str = "sync"
     clip: float | None = None
     dtype: str = "fp32"
+    tied: bool = False             # the head uses the token embedding's weight: across the first and last stage
 
 
 def _plan(name: str, n_blocks: int):
@@ -128,7 +130,7 @@ def pipelined_losses(rank: int, case: Case, pp: int, disk: Path, events: bool = 
     from tiertrain.memory import Budgets
     from tiertrain.plan.pipeline import PipelineLayout
 
-    model, opt = fresh()
+    model, opt = fresh(case.tied)
     layout = PipelineLayout(pp=pp, schedule=case.schedule, micro_batches=case.micro, segments=case.segments)
     run = pipeline(model, opt, layout, Budgets(64 << 20, 64 << 20, 64 << 20, rank_disk(disk, rank)),
                    plan=_plan(case.plan, TINY["n_layer"]), page_size=64 << 10, update=case.update,
@@ -244,22 +246,24 @@ def stashed_checkpoints(rank: int, micro: int) -> dict:
         run.close()
 
 
-def resumed_from_one_process(rank: int, pp: int, disk: Path, out: Path) -> dict:
-    """Rank 0 trains one step in one process of plain PyTorch and saves it as ``train`` does; every rank then
-    resumes that checkpoint as an AIAO pipeline and trains the other steps."""
+def resumed_from_one_process(rank: int, pp: int, disk: Path, out: Path, case: "Case | None" = None) -> dict:
+    """Rank 0 trains one step in one process of plain PyTorch (``case``'s micro-batches, its model tied or not)
+    and saves it as ``train`` does; every rank then resumes that checkpoint as ``case``'s pipeline (AIAO over 4
+    stages unless told) and trains the other steps."""
     import torch.distributed as dist
 
     from tiertrain.checkpoint.run import TrainerState, save_checkpoint
     from tiertrain.checkpoint.train_state import PlainState
 
+    case = case or Case("aiao", 4, 2)
     if rank == 0:
-        model, opt = fresh()
+        model, opt = fresh(case.tied)
         names = {i: n for i, n in enumerate([n for n, p in model.named_parameters() if p.dim() >= 2]
                                             + [n for n, p in model.named_parameters() if p.dim() < 2])}
-        b = batches(0)[0]
-        for x, y in zip(b[:, :-1].chunk(4), b[:, 1:].chunk(4)):
-            (model(x, y) / 4).backward()
+        b, m = batches(0)[0], case.micro
+        for x, y in zip(b[:, :-1].chunk(m), b[:, 1:].chunk(m)):
+            (model(x, y) / m).backward()
         opt.step()
         save_checkpoint(out, PlainState(model, opt, names), TrainerState(1, 0, {}, {}), keep=1)
     dist.barrier()
-    return pipelined_losses(rank, Case("aiao", 4, 2), pp, disk, load_from=out)
+    return pipelined_losses(rank, case, pp, disk, load_from=out)

@@ -17,12 +17,21 @@ from pp_harness import (Case, pipelined_losses, reference, resumed_from_one_proc
 # bf16 stages against one tiered process in bf16 (plain PyTorch under autocast keeps fp32 embeddings): the
 # same ops on the same bf16 weights, so bit for bit too
 BF16 = [Case("1f1b", 4, 1, dtype="bf16"), Case("aiao", 4, 2, dtype="bf16"), Case("aiao", 4, 2, plan="disk", dtype="bf16")]
+# A tied embedding across the first and last stage: each stage sums its micro-batches' gradients of it before
+# the two are added, where one process adds the head's and the embedding's per micro-batch (and over two
+# replicas each stage averages its side first): the same terms in another order, a few ulps apart (the losses
+# here differ by at most 2 ulps, 1.7e-7 relative); one micro-batch over one replica adds the same two terms,
+# bit for bit. Checked within TIED_RTOL, five times the largest seen and a thousand below any real fault.
+TIED = [Case("gpipe", 1, 1, tied=True), Case("1f1b", 4, 1, tied=True), Case("aiao", 4, 2, tied=True),
+        Case("aiao", 4, 2, plan="disk", tied=True), Case("aiao", 4, 2, clip=0.05, tied=True)]
+TIED_RTOL = 1e-6
 SCHEDULES = [Case("gpipe", 2, 1), Case("1f1b", 4, 1), Case("interleaved", 4, 2), Case("aiao", 4, 2)]
 PP2 = SCHEDULES + [Case(c.schedule, c.micro, c.segments, plan="disk") for c in SCHEDULES] + [
     Case("aiao", 4, 2, update="overlap"), Case("aiao", 4, 2, clip=0.05), Case("1f1b", 4, 1, clip=0.05),
-    Case("aiao", 4, 2, plan="stash"), Case("1f1b", 4, 1, plan="stash")] + BF16
+    Case("aiao", 4, 2, plan="stash"), Case("1f1b", 4, 1, plan="stash")] + BF16 + TIED
 PP2_DP2 = SCHEDULES + [Case("aiao", 4, 2, plan="disk"), Case("aiao", 4, 2, update="overlap"),
-                       Case("aiao", 4, 2, clip=0.05)]
+                       Case("aiao", 4, 2, clip=0.05), Case("aiao", 4, 2, tied=True),
+                       Case("aiao", 4, 2, clip=0.05, tied=True)]
 # Clipping: the pipeline's norm combines each stage's (sqrt of a sum of squares of per-stage norms) where torch
 # takes one norm over every parameter's: the same value within fp32 rounding of a few ulps, so the clipped
 # steps may differ in the last bits; 1e-6 relative is a hundred times that and a thousand below any real fault.
@@ -37,6 +46,7 @@ def _jobs(cases, pp, tmp, events):
 
 
 SAVED, RESUMED = Case("1f1b", 4, 1), Case("aiao", 4, 2)  # the resumed run cuts the model into 4 stages, not 2
+TIED_SAVED, TIED_RESUMED = Case("gpipe", 1, 1, tied=True), Case("aiao", 1, 2, tied=True)  # one micro-batch: exact
 
 
 def _checkpoint_jobs(pp, disk, out, resume: bool):
@@ -56,7 +66,14 @@ def pp2(tmp_path_factory):
     jobs += _checkpoint_jobs(2, disk, out, resume=True)
     jobs += [(("from one",), functools.partial(resumed_from_one_process, pp=2, disk=disk / "one",
                                                out=tmp_path_factory.mktemp("one")))]
-    return {**run_ranks(2, tmp_path_factory.mktemp("pp2"), jobs), "out": out}
+    tied_out = tmp_path_factory.mktemp("pp2tied")  # a tied run saved by 2 stages, resumed by 4; and from one process
+    jobs += [(("saved tied",), functools.partial(pipelined_losses, case=TIED_SAVED, pp=2, disk=disk / "st",
+                                                 save_to=tied_out)),
+             (("resumed tied",), functools.partial(pipelined_losses, case=TIED_RESUMED, pp=2, disk=disk / "rt",
+                                                   load_from=tied_out)),
+             (("from one tied",), functools.partial(resumed_from_one_process, pp=2, disk=disk / "ot",
+                                                    out=tmp_path_factory.mktemp("onetied"), case=TIED_RESUMED))]
+    return {**run_ranks(2, tmp_path_factory.mktemp("pp2"), jobs), "out": out, "tied out": tied_out}
 
 
 @pytest.fixture(scope="module")
@@ -67,16 +84,17 @@ def pp2_dp2(tmp_path_factory):
 
 
 def _check(results, case, world, dp, tmp):
-    want = reference(dp, case.micro, case.clip) if case.dtype == "fp32" else tiered_reference(case, tmp)
+    want = reference(dp, case.micro, case.clip, tied=case.tied) if case.dtype == "fp32" else tiered_reference(case, tmp)
     for rank in range(world):
         got = results[((case,), rank)]
         mine = [step[got["replica"]] for step in want]
-        if case.clip is None:
+        if case.clip is None and (not case.tied or (case.micro, dp) == (1, 1)):
             assert got["losses"] == mine, f"rank {rank}"
         else:
-            assert got["losses"][0] == mine[0]  # nothing clipped before the first step
+            assert got["losses"][0] == mine[0]  # nothing clipped, and no tied weight changed, before the first step
             flat = [x for step in got["losses"] for x in step]
-            assert flat == pytest.approx([x for step in mine for x in step], rel=CLIP_RTOL, abs=0), f"rank {rank}"
+            rtol = TIED_RTOL if case.tied else CLIP_RTOL
+            assert flat == pytest.approx([x for step in mine for x in step], rel=rtol, abs=0), f"rank {rank}"
 
 
 @pytest.mark.parametrize("case", PP2, ids=str)
@@ -144,7 +162,6 @@ def test_aiao_issues_each_segments_dp_sync_before_the_segment_before_it_runs_bac
 
 
 @pytest.mark.parametrize("change, says", [
-    (dict(tie_embeddings=True), "tied embeddings .* build the model with tie_embeddings=False"),
     (dict(n_experts=4), "mixture-of-experts blocks is not supported yet"),
     (dict(dropout=0.1), "dropout .* build the model with dropout=0"),
 ])
@@ -179,6 +196,23 @@ def test_options_a_pipeline_cannot_run_yet_are_refused_in_one_line(fields, says)
         pipeline(model, opt, PipelineLayout(pp=2, micro_batches=4), **fields)
     with pytest.raises(ConfigError, match="a Linear has no stages yet"):
         pipeline(torch.nn.Linear(2, 2), opt, PipelineLayout(pp=2))
+
+
+@pytest.mark.parametrize("layout, fields, says", [
+    (dict(pp=2), dict(update="overlap"), "tied embedding in a pipeline sums .* use update='sync'"),
+    (dict(pp=1, schedule="aiao", segments=2), {}, "on one rank .* give segments=1"),
+])
+def test_what_a_tied_embedding_cannot_be_split_over_is_refused_in_one_line(layout, fields, says):
+    from pp_harness import fresh
+
+    from tiertrain.api.pipeline import pipeline
+    from tiertrain.errors import ConfigError
+    from tiertrain.plan.pipeline import PipelineLayout
+
+    model, opt = fresh(tied=True)
+    with pytest.raises(ConfigError, match=says):
+        pipeline(model, opt, PipelineLayout(micro_batches=4, **layout), **fields)
+    assert model.lm_head.weight is model.tok_emb.weight  # refused before anything changed
 
 
 def test_a_lost_stage_ends_the_other_ranks_step_naming_it(tmp_path):
@@ -227,6 +261,28 @@ def test_a_pipelined_checkpoint_resumes_in_one_process_of_plain_pytorch(request,
     for rank in range(2 * dp):
         got = results[(("saved",), rank)]
         assert got["losses"][1:] == [step[got["replica"]] for step in want], f"rank {rank}"
+
+
+def test_a_tied_pipelined_checkpoint_resumes_cut_otherwise_in_one_process_and_from_one_process(pp2):
+    """A tied model's pipelined checkpoint (the first stage's weight and the last stage's copy) resumed over 4
+    stages and in one process of plain PyTorch, and a one process's checkpoint resumed as a pipeline (the
+    last stage's copy read from the embedding's weight): each goes on bit for bit (one micro-batch a step)."""
+    from pp_harness import fresh
+    from tiertrain.checkpoint.run import find_checkpoint, load_checkpoint
+    from tiertrain.checkpoint.train_state import PlainState
+
+    want = [step[0] for step in reference(1, 1, tied=True)]
+    model, opt = fresh(tied=True)
+    names = dict(enumerate([n for n, p in model.named_parameters() if p.dim() >= 2]
+                           + [n for n, p in model.named_parameters() if p.dim() < 2]))
+    assert load_checkpoint(find_checkpoint(pp2["tied out"]), PlainState(model, opt, names)).step == 1
+    plain = [step[0] for step in reference(1, 1, start=(model, opt), first=1, tied=True)]
+    for rank in range(2):
+        saved = pp2[(("saved tied",), rank)]["losses"]
+        assert saved == want and plain == want[1:], f"rank {rank}"
+        assert pp2[(("resumed tied",), rank)]["losses"] == want[1:], f"rank {rank}"
+        assert pp2[(("from one tied",), rank)]["losses"] == want[1:], f"rank {rank}"
+    assert model.lm_head.weight is model.tok_emb.weight  # the one process's model stays tied
 
 
 def _copy_of_saved(pp2, tmp_path):

@@ -31,12 +31,13 @@ from tiertrain.errors import ConfigError
 from tiertrain.memory import Budgets
 from tiertrain.memory.system import compute_device
 from tiertrain.models.gpt import token_loss
-from tiertrain.models.gpt_stages import check_stageable, release_others, stage_of
+from tiertrain.models.gpt_stages import TIED, check_stageable, release_others, stage_of
 from tiertrain.parallel.agree import same_on_every_rank
 from tiertrain.parallel.group import ensure_process_group, world_from_env
 from tiertrain.parallel.health import failure
 from tiertrain.parallel.pipeline_mesh import PipelineMesh, pipeline_mesh
 from tiertrain.parallel.pipeline_schedule import schedule_for, stages_for
+from tiertrain.parallel.tied_stages import TiedStages
 from tiertrain.plan import BUILTIN_PLANS, Plan, RunOptions
 from tiertrain.plan.pipeline import PipelineLayout, fold, stage_plan
 from tiertrain.plan.plan import plan_file
@@ -59,6 +60,7 @@ class Pipelined:
     optimizer: StagesOptimizer
     synced: list[int] = field(default_factory=list)  # the stages whose DP.sync was issued, in order, this step
     micro_losses: torch.Tensor | None = None  # the last step's micro-batches' losses (each divided by their count)
+    tie: TiedStages | None = None           # this rank's side of a weight tied across the first and last stage
     _schedule: Any = None
     _shape: tuple[int, ...] | None = None
 
@@ -77,6 +79,8 @@ class Pipelined:
             each = (torch.stack([x.detach().float().cpu() for x in losses]) if last
                     else torch.zeros(self.layout.micro_batches))
             self.mesh.pp_host.broadcast(each, src=self.mesh.pp - 1)  # from the last stage, which holds the loss
+            if self.tie is not None:
+                self.tie.sum_grads()
         except RuntimeError as exc:  # a stage's sends and receives are torch's: a lost peer is named here
             beat = self.mesh.world.heartbeat
             lost = [] if isinstance(exc, torch.OutOfMemoryError) else beat.lost()
@@ -152,11 +156,12 @@ def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Pipelin
     _check_clipping(opts, plan)
     _check_precision(opts, plan)
     gpt = check_stageable(model)
+    _check_tied(gpt, layout, opts, plan)
     optimizer_groups(optimizer, gpt)  # an AdamW, fresh, over every parameter: refused before anything changes
     ensure_process_group()
     layout.check(world_from_env(), len(gpt.blocks), layout.micro_batches)
     same_on_every_rank("the pipeline", _pipeline_fields(gpt, layout, opts, plan), FIX)
-    mesh = pipeline_mesh(layout.pp)
+    mesh = pipeline_mesh(layout.pp, tied=gpt.config.tie_embeddings)
     tiered: list[nn.Module] = []
     try:
         runs = fold(len(gpt.blocks), layout.pp, layout.segments)
@@ -172,14 +177,39 @@ def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Pipelin
             t, topt = setup(module, stage_opt, share, plan=chosen, options=opts, collectives=mesh.stage_dp)
             tiered.append(t)
             parts.append(topt)
+        tie = _tied_side(tiered, mesh)
         return Pipelined(layout, mesh, tiered, indices, StagesOptimizer(optimizer, parts, mesh.pp_host,
-                                                                       opts.max_grad_norm))
+                                                                       opts.max_grad_norm, tie), tie=tie)
     except BaseException as exc:
         try:
             _close_all(tiered, mesh)
         except BaseException as closing:  # noqa: BLE001 - the error that stopped the setup is the one to see
             exc.add_note(f"closing what was made also failed: {closing!r}")
         raise
+
+
+def _check_tied(gpt: nn.Module, layout: PipelineLayout, opts: RunOptions, plan: "str | Plan") -> None:
+    """A tied weight's two stages sum their gradients before the step: none may be updated during backward,
+    and the two ends must be on two ranks."""
+    if not gpt.config.tie_embeddings:
+        return
+    update = opts.update or (plan.update if isinstance(plan, Plan) else "sync")
+    if rules(update).updates_as_final or rules(update).loops:
+        raise ConfigError(f"a tied embedding in a pipeline sums the first and the last stage's gradients of it before "
+                          f"the step, and the {update} update mode updates blocks before that: use update='sync', or "
+                          "build the model with tie_embeddings=False")
+    if layout.pp == 1 and layout.stages > 1:
+        raise ConfigError("a tied embedding's first and last stage on one rank (pp = 1) is not supported: give "
+                          "segments=1, or more pipeline ranks")
+
+
+def _tied_side(tiered: list[nn.Module], mesh: PipelineMesh) -> TiedStages | None:
+    """This rank's side of the tied embedding (the first stage's weight, or the last stage's copy), if any."""
+    for stage in tiered:
+        if stage.tied:
+            param = dict(stage.named_parameters())[TIED]  # the tiered stage's (setup registers its own)
+            return TiedStages(mesh.tied, mesh.stage_dp, stage.runtime, param, copy=stage.heads)
+    return None
 
 
 def _plan_from_file(plan: "str | Plan") -> "str | Plan":
@@ -245,8 +275,11 @@ def _shares(memory: Budgets | None, n: int) -> list[Budgets]:
 
 def _stage_adamw(source: torch.optim.Optimizer, stage: nn.Module) -> torch.optim.Optimizer:
     """An AdamW over the stage's parameters with the user's groups' hyperparameters, group for group (a
-    group with none of the stage's parameters stays, empty, so group indices match the user's)."""
-    mine = {id(p) for p in stage.parameters()}
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [p for p in g["params"] if id(p) in mine]}
+    group with none of the stage's parameters stays, empty, so group indices match the user's); a tied
+    weight's copy in the group of the weight it copies."""
+    mine = {id(p): p for p in stage.parameters()}
+    mine.update({id(original): copy for copy, original in stage.copy_of.items()})
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [mine[id(p)] for p in g["params"]
+                                                                          if id(p) in mine]}
               for g in source.param_groups]
     return torch.optim.AdamW(groups)

@@ -44,6 +44,7 @@ from tiertrain.checkpoint.run import (
 from tiertrain.checkpoint.sharded import ShardedTensors, ShardMap, check_shard_files
 from tiertrain.checkpoint.train_state import TieredState, TrainState, plain_hparams
 from tiertrain.errors import CheckpointError
+from tiertrain.models.gpt_stages import TIED
 from tiertrain.optim.hparams import MOMENTS
 from tiertrain.tensor_file import LazyTensors, TensorSpec
 
@@ -147,6 +148,8 @@ def stage_tensors(ckpt: Path, trainer: TrainerFile, ts: TrainState) -> tuple[Sta
         w, o, found = _open_stage(ckpt / stage_dir(v), step, needed if is_stage(ts.module) else None)
         opened.append(w)
         for name, spec in found.items():
+            if name in specs and _tied_copy(name, v, rec, spec, specs[name]):
+                continue  # the last stage's copy of a tied weight: the first stage's is read (they are equal)
             if name in specs:
                 raise CheckpointError(f"{name} is saved by two stages of {ckpt}; the checkpoint is damaged: resume "
                                       "from another checkpoint")
@@ -156,6 +159,11 @@ def stage_tensors(ckpt: Path, trainer: TrainerFile, ts: TrainState) -> tuple[Sta
                 moments[f"{name}::{kind}"] = o
     _check_covers(ckpt, specs, ts)
     return StagedTensors(weights, opened), StagedTensors(moments, opened)
+
+
+def _tied_copy(name: str, stage: int, rec: PipelineRecord, spec: TensorSpec, first: TensorSpec) -> bool:
+    """Whether ``name`` in ``stage`` is the last stage's copy of a tied embedding (``models.gpt_stages``)."""
+    return name == TIED and stage == rec.stages - 1 and spec == first
 
 
 def _open_stage(where: Path, step: int, needed: set[str] | None) -> tuple[Mapping, Mapping, dict[str, TensorSpec]]:

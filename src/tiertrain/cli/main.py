@@ -217,10 +217,6 @@ def _check_layout(cfg: Any, nproc: int) -> None:
         from tiertrain.plan.pipeline import PipelineLayout
 
         model_cfg = resolve_config(cfg.model)
-        if getattr(model_cfg, "tie_embeddings", False):
-            raise ConfigError(f"--pp {cfg.pp}: the model ties its head to its token embedding, which the first and the "
-                              "last stage would each hold; give a model with \"tie_embeddings\": false (a config "
-                              "JSON)")
         blocks = getattr(model_cfg, "n_layer", None)
         PipelineLayout(cfg.pp, cfg.schedule, cfg.grad_accum, cfg.segments).check(
             nproc, blocks or cfg.pp * cfg.segments, cfg.grad_accum)

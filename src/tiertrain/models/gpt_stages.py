@@ -7,8 +7,10 @@ names (``blocks.3.attn.qkv.weight`` keeps the model's index) and its forward are
 stage's ops are the model's ops in the model's order, so a pipelined run computes what one process
 computes, bit for bit.
 
-A tied embedding (the head using ``tok_emb``'s weight) would span the first and the last stage, whose
-ranks would each hold and update a copy: not supported yet, refused with the fix.
+A tied embedding (the head using ``tok_emb``'s weight) spans the first and the last stage, on two ranks:
+as Megatron does, the last stage holds a copy of the weight (``TiedCopy``, registered as ``tok_emb.weight``
+and used by its head, so its checkpoint entries keep the model's name), the two stages' gradients of it are
+summed before every step (``parallel.tied_stages``), and both update it alike.
 """
 
 from __future__ import annotations
@@ -39,19 +41,44 @@ class StageBlocks(nn.ModuleList):
     append = extend = insert = __setitem__ = __delitem__ = _fixed  # type: ignore[assignment]
 
 
+TIED = "tok_emb.weight"  # a tied model's embedding weight, which its head uses too
+
+
+class TiedCopy(nn.Module):
+    """The last stage's copy of a tied embedding weight, under the embedding's name (never called: the head
+    uses it)."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+
 class GPTStage(nn.Module):
     """A run of a GPT's blocks; ``embeds``: the model's input side before them (token ids in),
-    ``heads``: its output side after them (logits out). Hidden states in and out otherwise."""
+    ``heads``: its output side after them (logits out). Hidden states in and out otherwise.
+    ``copy_of``: a tied weight's copy here (the last stage's) -> the model's own parameter."""
 
     def __init__(self, model: GPT, blocks: range, embeds: bool, heads: bool) -> None:
         super().__init__()
         self.config, self.embeds, self.heads = model.config, embeds, heads
         self.first_block = blocks.start
+        self.copy_of: dict[nn.Parameter, nn.Parameter] = {}
         if embeds:
             self.tok_emb, self.pos_emb, self.drop = model.tok_emb, model.pos_emb, model.drop
+        elif heads and model.config.tie_embeddings:  # registered before the head: the copy's name is the model's
+            original = model.tok_emb.weight
+            copy = nn.Parameter(original.detach().clone(), original.requires_grad)
+            self.tok_emb = TiedCopy(copy)
+            model.lm_head.weight = copy  # this rank's head (the model's module) uses the copy from now on
+            self.copy_of[copy] = original
         self.blocks = StageBlocks(model.blocks, blocks)
         if heads:
             self.ln_f, self.lm_head = model.ln_f, model.lm_head
+
+    @property
+    def tied(self) -> bool:
+        """Whether it holds one side of a tied weight split over the first and the last stage."""
+        return self.config.tie_embeddings and self.embeds != self.heads and (self.embeds or self.heads)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embeds:  # GPT.forward's first lines
@@ -67,10 +94,6 @@ def check_stageable(model: nn.Module) -> GPT:
     if not isinstance(model, GPT):
         raise ConfigError(f"pipeline parallel cuts tiertrain's GPT into stages; a {type(model).__name__} has no "
                           "stages yet: train it with data parallel (--nproc N without --pp)")
-    if model.config.tie_embeddings:
-        raise ConfigError("pipeline parallel with tied embeddings (the head sharing the token embedding's weight) "
-                          "is not supported yet: the first and the last stage would each hold it; build the model "
-                          "with tie_embeddings=False")
     if model.config.is_moe:
         raise ConfigError("pipeline parallel with mixture-of-experts blocks is not supported yet: train the MoE model "
                           "with data and expert parallel (--nproc N --ep E)")

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from tiertrain.parallel.collectives import Collectives
 from tiertrain.parallel.distributed import ProcessGroupCollectives
 from tiertrain.parallel.local import LocalCollectives
+from tiertrain.parallel.tied_stages import pair_groups
 
 NAMES = ("dp", "pp")
 
@@ -30,6 +31,8 @@ class PipelineMesh:
     stage_dp: Collectives           # this rank's stages' data-parallel group (one process: the identity)
     world: ProcessGroupCollectives  # every rank: its heartbeat names a lost rank wherever a collective fails
     groups: tuple[dist.ProcessGroup, ...] = ()  # every group the mesh made (its twins' too), destroyed at close
+    tied: Collectives | None = None  # this pipeline's first- and last-stage ranks (gloo), where a weight is tied
+    #                                  across them (``parallel.tied_stages``) and this rank holds one end
 
     def close(self) -> None:
         """The heartbeat stopped and the mesh's groups destroyed (a run makes a pipeline once, a test many)."""
@@ -42,8 +45,9 @@ class PipelineMesh:
                 continue
 
 
-def pipeline_mesh(pp: int) -> PipelineMesh:
-    """The run's ranks (the default process group's) as dp x pp; ``pp`` must divide them (checked before)."""
+def pipeline_mesh(pp: int, tied: bool = False) -> PipelineMesh:
+    """The run's ranks (the default process group's) as dp x pp; ``pp`` must divide them (checked before);
+    ``tied``: with each pipeline's (first, last) stage pair as a group too."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = ProcessGroupCollectives()
@@ -61,4 +65,6 @@ def pipeline_mesh(pp: int) -> PipelineMesh:
     world_group = dist.distributed_c10d._get_default_group()  # a dimension of every rank may be it: not the mesh's
     made = {id(g): g for m in (mesh, twins) for g in (m.get_group("dp"), m.get_group("pp")) if g is not world_group}
     pp_host = ProcessGroupCollectives(twins.get_group("pp"), heartbeat=world.heartbeat)
-    return PipelineMesh(pp, dp, dist.get_rank(pp_group), pp_group, pp_host, stage_dp, world, tuple(made.values()))
+    pair, pairs = pair_groups(pp, dp, world.heartbeat) if tied else (None, [])
+    return PipelineMesh(pp, dp, dist.get_rank(pp_group), pp_group, pp_host, stage_dp, world,
+                        (*made.values(), *pairs), pair)

@@ -525,6 +525,20 @@ class BlockGroup:
             return []
         return [v for v, i in zip(self.state_views(chunk), self._view_params) if self._grads.has_grad[i]]
 
+    def grad_piece(self, i: int) -> tuple[torch.Tensor, int] | None:
+        """This rank's piece of parameter ``i``'s final gradient, an fp32 view into the grad chunk (flat), and
+        where the piece starts in the flattened parameter: the whole of it, or its part in this rank's shard;
+        None where the rank holds none of it or it got no gradient."""
+        chunk = self._grads.chunk
+        if chunk is None or not self._grads.has_grad[i]:
+            return None
+        if self._shard is None:
+            return self.views(chunk)[i].view(-1), 0
+        for (lo, hi), owner in zip(self._cuts, self._view_params):
+            if owner == i:
+                return chunk.typed(F32)[lo:hi], self._shard[0] + lo - self._layout.slots[i].offset
+        return None
+
     def holds_grads(self) -> bool:
         """Whether any gradient chunk of its is alive (its stage, the grad chunk) or its update runs."""
         return self._grads.chunk is not None or self._stage is not None or not self.update_idle()

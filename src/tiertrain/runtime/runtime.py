@@ -198,6 +198,19 @@ class Runtime:
         if torch.is_grad_enabled():
             self.ctx.cache.new_pass()
 
+    def grad_piece(self, param: nn.Parameter) -> tuple[torch.Tensor, int, bool] | None:
+        """After backward, every reduction landed: this rank's piece of ``param``'s final gradient (a flat fp32
+        view into its block's grad chunk, to be changed in place before the step: a tied weight's sum over
+        the pipeline stages holding it), where the piece starts in the flattened parameter, and whether the
+        block is sharded (its other pieces on the other data-parallel ranks). None where the rank holds none."""
+        self.backward.land()
+        for g in self.groups:
+            for i, p in enumerate(g.params):
+                if p is param:
+                    piece = g.grad_piece(i)
+                    return None if piece is None else (*piece, g.shard is not None)
+        raise ValueError("the parameter is not one of this runtime's")
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """The loop's ``clip_grad_norm_``, as the update mode answers it."""
         self.backward.land()

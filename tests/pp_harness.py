@@ -267,3 +267,31 @@ def resumed_from_one_process(rank: int, pp: int, disk: Path, out: Path, case: "C
         save_checkpoint(out, PlainState(model, opt, names), TrainerState(1, 0, {}, {}), keep=1)
     dist.barrier()
     return pipelined_losses(rank, case, pp, disk, load_from=out)
+
+
+def segment_inbox(rank: int, micro: int) -> dict:
+    """Two AIAO steps (pp = 2, 2 segments, ``micro`` micro-batches of 2 rows): what the stages receiving a
+    segment's outputs from the one before took into host memory (FOLD3D's lazy inter-segment hand-off), and
+    the host pool's activations left after each step."""
+    from tiertrain.api.pipeline import pipeline
+    from tiertrain.memory import Budgets, Kind, Tier
+    from tiertrain.plan.pipeline import PipelineLayout
+
+    model, opt = fresh()
+    run = pipeline(model, opt, PipelineLayout(pp=2, schedule="aiao", micro_batches=micro, segments=2),
+                   Budgets(64 << 20, 64 << 20), plan="stream", page_size=64 << 10)
+    try:
+        b = torch.randint(0, 256, (2 * micro, 17), generator=torch.Generator().manual_seed(5))
+        left = []
+        for _ in range(2):
+            run.step(b[:, :-1], b[:, 1:])
+            run.optimizer.step()
+            run.optimizer.zero_grad()
+            left.append(sum(s.runtime.mem.accounting.live(Tier.HOST, Kind.ACTIVATION) for s in run.stages))
+        inboxes = [s._handoff.inbox for s in run._schedule._stages if s._handoff.inbox is not None]
+        return {"received": sum(i.received for i in inboxes), "kept": sum(i.kept for i in inboxes),
+                "most": max((i.most_held for i in inboxes), default=0), "left": left,
+                "peak": sum(s.runtime.mem.accounting.peak(Tier.HOST, Kind.ACTIVATION) for s in run.stages),
+                "input": 2 * 16 * TINY["d_model"] * 4}
+    finally:
+        run.close()

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from dp_harness import run_ranks
-from pp_harness import (Case, pipelined_losses, reference, resumed_from_one_process, stashed_checkpoints,
-                        tiered_reference)
+from pp_harness import (Case, pipelined_losses, reference, resumed_from_one_process, segment_inbox,
+                        stashed_checkpoints, tiered_reference)
 
 # bf16 stages against one tiered process in bf16 (plain PyTorch under autocast keeps fp32 embeddings): the
 # same ops on the same bf16 weights, so bit for bit too
@@ -62,6 +62,7 @@ def pp2(tmp_path_factory):
     disk = tmp_path_factory.mktemp("pp2d")
     jobs = _jobs(PP2, 2, disk, Case("aiao", 4, 2))
     jobs += [(("stash", m), functools.partial(stashed_checkpoints, micro=m)) for m in (4, 8)]
+    jobs += [(("inbox", 4), functools.partial(segment_inbox, micro=4))]
     out = tmp_path_factory.mktemp("pp2run")
     jobs += _checkpoint_jobs(2, disk, out, resume=True)
     jobs += [(("from one",), functools.partial(resumed_from_one_process, pp=2, disk=disk / "one",
@@ -127,6 +128,17 @@ def test_aiaos_stashed_activation_checkpoints_wait_in_host_memory_as_eq_7_counts
         four, eight = pp2[(("stash", 4), rank)], pp2[(("stash", 8), rank)]
         assert four["kept"] == eight["kept"] == 0
         assert four["peak"] >= 4 * 2 * four["checkpoint"] and eight["peak"] == 2 * four["peak"], (four, eight)
+
+
+def test_aiaos_inter_segment_outputs_wait_in_the_receivers_host_memory(pp2):
+    """FOLD3D §4's lazy inter-segment communication: rank 0's second-segment stage receives each of the M
+    micro-batches segment 1 sends it (every step) into its host pool, several waiting at once for the forward
+    of its own first segment to end, each freed as its forward takes it; rank 1 receives none so (its stages
+    take inputs inside a segment). The AIAO losses above are one process's with it."""
+    zero, one = pp2[(("inbox", 4), 0)], pp2[(("inbox", 4), 1)]
+    assert zero["received"] == 2 * 4 and zero["kept"] == 0 and zero["most"] >= 2, zero
+    assert zero["peak"] >= zero["most"] * zero["input"] and zero["left"] == [0, 0], zero
+    assert one["received"] == one["kept"] == 0 and one["left"] == [0, 0], one
 
 
 def test_each_backward_prefetches_the_next_micro_batchs_stashed_checkpoints(pp2):
@@ -361,3 +373,24 @@ def test_a_pipelined_checkpoint_exports_the_whole_models_weights(pp2, tmp_path):
     load_checkpoint(ckpt, state)
     want = model.state_dict()
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_tied_pipelined_checkpoint_exports_the_weight_once(pp2, tmp_path):
+    """The tied embedding (the first stage's weight, the last stage's copy) is exported once, as a one-process
+    checkpoint of the tied model stores it; every tensor is the resumed model's."""
+    from safetensors.torch import load_file
+
+    from pp_harness import fresh
+    from tiertrain.checkpoint.export import export_checkpoint
+    from tiertrain.checkpoint.run import find_checkpoint, load_checkpoint
+    from tiertrain.checkpoint.train_state import PlainState
+
+    ckpt = find_checkpoint(pp2["tied out"])
+    export_checkpoint(ckpt, tmp_path / "hf", say=lambda _: None)
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    model, opt = fresh(tied=True)
+    names = dict(enumerate([n for n, p in model.named_parameters() if p.dim() >= 2]
+                           + [n for n, p in model.named_parameters() if p.dim() < 2]))
+    load_checkpoint(ckpt, PlainState(model, opt, names))
+    want = dict(model.named_parameters())  # the tied weight under its one name
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k].detach()) for k in want)

@@ -320,9 +320,10 @@ def test_plan_pp_plans_each_ranks_stage_and_chooses_the_schedule_by_fold3ds_mode
     from tiertrain.models import resolve_config
     from tiertrain.plan.pipeline import fold
 
-    chosen = re.search(r"pipeline: --pp 2 --schedule (\w+) --segments (\d+) --micro-batches (\d+): predicted step "
-                       r"([\d.]+) ms", said)
+    chosen = re.search(r"pipeline: --pp 2 --schedule (\w+) --segments (\d+) --micro-batches (\d+) --batch-size "
+                       r"(\d+): predicted step ([\d.]+) ms", said)
     assert chosen and int(chosen[3]) in (1, 2, 4, 8) and "why: DP.sync" in said, said
+    assert int(chosen[3]) * int(chosen[4]) == 8  # train --pp's --batch-size is a micro-batch's
     largest = max(map(len, fold(resolve_config("gpt-small").n_layer, 2, int(chosen[2]))))
     assert len(plan["blocks"]) == largest and plan["parallel"] == {"dp": 8}  # no hybrid sharding inside a stage
     assert "activation checkpoints" in said and "between the 2 nodes" in said
@@ -342,26 +343,35 @@ def test_a_pipeline_stage_is_planned_with_its_schedules_micro_batches_in_flight(
     budget's activations, the solvers' per-block device bytes, the simulated peaks and the host's stash."""
     from tiertrain.plan import builtin_plan
     from tiertrain.plan.pipeline import PipelineLayout
+    from tiertrain.planner import costs
     from tiertrain.planner.costs import CHOICES, activation_bytes, device_bytes, stash_bytes
     from tiertrain.planner.pipeline import for_stage
     from tiertrain.planner.simulator import simulate
 
     whole = _profile(1)
+    whole = dataclasses.replace(whole, rest=dataclasses.replace(whole.rest, act_bytes=8 * MiB))  # the logits
     stage = for_stage(whole, PipelineLayout(2, schedule, micro, segments), 4)
     assert len(stage.blocks) == 4 and stage.micro_in_flight == in_flight and stage.stash_ahead
     assert stage.blocks[0].act_bytes * micro == whole.blocks[0].act_bytes  # 4 MiB over 4 or 8 rows' share
-    act, hidden = stage.blocks[0].act_bytes, stage.blocks[0].hidden_bytes
+    act, hidden, logits = stage.blocks[0].act_bytes, stage.blocks[0].hidden_bytes, stage.rest.act_bytes
     plain = builtin_plan("stream", 4, update="sync")
     half = dataclasses.replace(plain, blocks=plain.blocks[:2] + tuple(
         dataclasses.replace(b, recompute=True, offload_hidden=True) for b in plain.blocks[2:]))
-    one = dataclasses.replace(stage, micro_in_flight=1, stash_ahead=False)
-    # two blocks kept for every micro-batch in flight, two stashed: one micro-batch of those back ahead
-    assert activation_bytes(half, stage) - activation_bytes(half, one) == (in_flight - 1) * 2 * act + 2 * hidden
+    one = dataclasses.replace(stage, micro_in_flight=1, stash_ahead=False, micro_batches=1)
+    # two blocks and the logits kept for every micro-batch in flight, two stashed: one micro-batch of those back
+    more = (in_flight - 1) * (2 * act + logits) + 2 * hidden
+    assert activation_bytes(half, stage) - activation_bytes(half, one) == more
     assert stash_bytes(half, stage) == in_flight * stash_bytes(half, one)
     kept, stashed = (next(c for c in CHOICES if c.stream and c.offload_hidden == off and c.recompute == off)
                      for off in (False, True))
     assert device_bytes(stage, stage.blocks[0], kept) - device_bytes(one, one.blocks[0], kept) == (in_flight - 1) * act
     assert device_bytes(stage, stage.blocks[0], stashed) - device_bytes(one, one.blocks[0], stashed) == hidden
-    sims = [simulate(half, p).peaks for p in (stage, one)]
-    assert sims[0]["device"] - sims[1]["device"] == (in_flight - 1) * 2 * act + 2 * hidden
-    assert sims[0]["host"] - sims[1]["host"] == (in_flight - 1) * 2 * hidden
+    sims = [simulate(half, p) for p in (stage, one)]
+    assert sims[0].peaks["device"] - sims[1].peaks["device"] == more
+    assert sims[0].peaks["host"] - sims[1].peaks["host"] == (in_flight - 1) * 2 * hidden
+    # each micro-batch's stash moves: the copies take M micro-batches' time, in the solvers' costs and the simulator
+    copies = [sum(e - s for _, s, e, label in sim.timeline.tasks if "stash" in label) for sim in sims]
+    assert copies[0] == pytest.approx(micro * copies[1])
+    m = stage.machine
+    seconds = [costs.block_seconds(stage.blocks[0], stashed, m, 4, 1, micro_batches=k) for k in (micro, 1)]
+    assert seconds[0] - seconds[1] == pytest.approx((micro - 1) * hidden * (1 / m.d2h_bps + 1 / m.h2d_bps))

@@ -36,14 +36,15 @@ from tiertrain.parallel.agree import same_on_every_rank
 from tiertrain.parallel.group import ensure_process_group, world_from_env
 from tiertrain.parallel.health import failure
 from tiertrain.parallel.pipeline_mesh import PipelineMesh, pipeline_mesh
-from tiertrain.parallel.pipeline_schedule import schedule_for, stages_for
-from tiertrain.parallel.tied_stages import TiedStages
+from tiertrain.parallel.pipeline_schedule import Handoff, crosses_segments, schedule_for, stages_for
+from tiertrain.parallel.tied_stages import TiedStages, tied_side
 from tiertrain.plan import BUILTIN_PLANS, Plan, RunOptions
 from tiertrain.plan.pipeline import PipelineLayout, fold, stage_plan
 from tiertrain.plan.plan import plan_file
 from tiertrain.plan.update_modes import rules
 from tiertrain.precisions import torch_dtype
 from tiertrain.runtime.rank_agreement import model_signature
+from tiertrain.runtime.segment_inbox import SegmentInbox
 
 FIX = "start every rank with the same model and pipeline flags (torchrun gives each rank the same command line)"
 
@@ -102,9 +103,21 @@ class Pipelined:
         rows, tokens = shape[0] // m, shape[1]
         ins = [self._meta(s.embeds, rows, tokens) for s in self.stages]
         outs = [self._meta(False, rows, tokens, s.config.vocab_size if s.heads else None) for s in self.stages]
-        stages = stages_for(self.stages, self.indices, self.layout, self.mesh.pp_group, compute_device(), ins, outs)
+        stages = stages_for(self.stages, self.indices, self.layout, self.mesh.pp_group, compute_device(), ins, outs,
+                            self._handoffs())
         self._schedule = schedule_for(stages, self.layout, self._loss, self.synced.append)
         self._shape = shape
+
+    def _handoffs(self) -> list[Handoff]:
+        """Each stage's part in FOLD3D's inter-segment lazy communication (AIAO): a segment's outputs sent to
+        the next from host memory, received into the receiver's host pool (``runtime.segment_inbox``)."""
+        host = self.mesh.pp_host.group
+        out = []
+        for module, v in zip(self.stages, self.indices):
+            sends, receives = crosses_segments(self.layout, v)
+            inbox = SegmentInbox(module.runtime.mem, host, compute_device()) if receives else None
+            out.append(Handoff(host if sends else None, inbox))
+        return out
 
     def _meta(self, ids: bool, rows: int, tokens: int, width: int | None = None) -> torch.Tensor:
         """One micro-batch's tensor between stages: token ids, or hidden states (or logits) in the compute
@@ -161,7 +174,7 @@ def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Pipelin
     ensure_process_group()
     layout.check(world_from_env(), len(gpt.blocks), layout.micro_batches)
     same_on_every_rank("the pipeline", _pipeline_fields(gpt, layout, opts, plan), FIX)
-    mesh = pipeline_mesh(layout.pp, tied=gpt.config.tie_embeddings)
+    mesh = pipeline_mesh(layout.pp, tied=gpt.config.tie_embeddings and layout.pp > 1)
     tiered: list[nn.Module] = []
     try:
         runs = fold(len(gpt.blocks), layout.pp, layout.segments)
@@ -177,9 +190,8 @@ def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Pipelin
             t, topt = setup(module, stage_opt, share, plan=chosen, options=opts, collectives=mesh.stage_dp)
             tiered.append(t)
             parts.append(topt)
-        tie = _tied_side(tiered, mesh)
         return Pipelined(layout, mesh, tiered, indices, StagesOptimizer(optimizer, parts, mesh.pp_host,
-                                                                       opts.max_grad_norm, tie), tie=tie)
+                                                                       opts.max_grad_norm), tie=_tied_side(tiered, mesh))
     except BaseException as exc:
         try:
             _close_all(tiered, mesh)
@@ -208,7 +220,7 @@ def _tied_side(tiered: list[nn.Module], mesh: PipelineMesh) -> TiedStages | None
     for stage in tiered:
         if stage.tied:
             param = dict(stage.named_parameters())[TIED]  # the tiered stage's (setup registers its own)
-            return TiedStages(mesh.tied, mesh.stage_dp, stage.runtime, param, copy=stage.heads)
+            return tied_side(stage.runtime, param, stage.heads, mesh.tied, mesh.stage_dp)
     return None
 
 

@@ -17,16 +17,14 @@ import torch
 from tiertrain.api.tiered_optimizer import ShardedStates, TieredOptimizer
 from tiertrain.parallel.collectives import Collectives
 from tiertrain.parallel.norm import sharded_norm
-from tiertrain.parallel.tied_stages import TiedStages
 
 
 class StagesOptimizer(torch.optim.Optimizer):
     def __init__(self, source: torch.optim.Optimizer, parts: list[TieredOptimizer], pp_host: Collectives,
-                 max_grad_norm: float | None, tie: TiedStages | None = None) -> None:
+                 max_grad_norm: float | None) -> None:
         """``source``: the user's AdamW (its groups' hyperparameters); ``parts``: each stage's optimizer,
         built over the same groups (by index); ``pp_host``: the pipeline's ranks over gloo; ``max_grad_norm``:
-        the run's declared clipping, applied at each step the loop did not clip itself; ``tie``: this rank's
-        side of a weight tied across stages (counted once in the norm)."""
+        the run's declared clipping, applied at each step the loop did not clip itself."""
         groups = [{**{k: v for k, v in g.items() if k != "params"},
                    "params": [p for part in parts for p in part.param_groups[i]["params"]]}
                   for i, g in enumerate(source.param_groups)]
@@ -34,9 +32,9 @@ class StagesOptimizer(torch.optim.Optimizer):
         for mine, theirs in zip(self.param_groups, source.param_groups):  # one dict per group: a scheduler built
             theirs["params"] = mine["params"]                              # over either writes what both read
         self.param_groups = source.param_groups
-        self.parts, self._pp_host, self._max_grad_norm, self._tie = parts, pp_host, max_grad_norm, tie
+        self.parts, self._pp_host, self._max_grad_norm = parts, pp_host, max_grad_norm
         self._clipped = False
-        self.loss_scaler = None  # stages run in fp32: no loss scale to keep
+        self.loss_scaler = None  # stages run in fp32 or bf16: no loss scale to keep
         for part in parts:
             part._rt.param_groups = self.param_groups  # live: what a scheduler writes, every stage's next update reads
 
@@ -52,14 +50,10 @@ class StagesOptimizer(torch.optim.Optimizer):
                 part.step()
         finally:
             self._clipped = False
-            if self._tie is not None:
-                self._tie.end_step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._clipped = False
-        if self._tie is not None:
-            self._tie.end_step()
         for part in self.parts:
             part.zero_grad(set_to_none)
 
@@ -78,14 +72,10 @@ class StagesOptimizer(torch.optim.Optimizer):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """The norm of every stage's gradients together; each stage clips by it at the next step."""
-        norms = [self._counted(part._rt, part._rt.clip_grad_norm_(max_norm, norm_type).float().cpu(), norm_type)
-                 for part in self.parts]
+        norms = [part._rt.clip_grad_norm_(max_norm, norm_type).float().cpu() for part in self.parts]
         total = sharded_norm([(self._pp_host, norms)], [], norm_type)  # the stages' norms over the pipeline
         for part in self.parts:
             part._rt.norm.take(total, max_norm)
         self._clipped = True
         return total
 
-    def _counted(self, rt: object, norm: torch.Tensor, norm_type: float) -> torch.Tensor:
-        """A stage's norm as the global norm counts it (a tied weight's copy left out: its first stage counts it)."""
-        return self._tie.stage_norm(norm, norm_type) if self._tie is not None and self._tie.runtime is rt else norm

@@ -131,7 +131,7 @@ def _weights(ckpt: Path) -> Weights:
     stage's parameters keep the model's names)."""
     trainer = read_trainer(ckpt)
     if trainer.pipeline is not None:
-        from tiertrain.checkpoint.pipelined import PipelineRecord, stage_dir
+        from tiertrain.checkpoint.pipelined import PipelineRecord, stage_dir, tied_copy
 
         verify_files(ckpt, checked_whole(trainer.files))
         rec = PipelineRecord(**trainer.pipeline)  # read_trainer checked it
@@ -141,10 +141,15 @@ def _weights(ckpt: Path) -> Weights:
                 raise CheckpointError(f"{ckpt / stage_dir(v)} is of another step than its checkpoint; the checkpoint is "
                                       "damaged or was assembled by hand")
             parts.append(_weights(ckpt / stage_dir(v)))
-        owner = {name: part for part in parts for name in part.shapes}
-        if len(owner) != sum(len(part.shapes) for part in parts):
-            raise CheckpointError(f"a parameter is saved by two stages of {ckpt}; the checkpoint is damaged")
-        return Weights({n: s for part in parts for n, s in part.shapes.items()}, lambda name: owner[name].pieces(name))
+        owner: dict[str, Weights] = {}
+        for v, part in enumerate(parts):
+            for name, shape in part.shapes.items():
+                if name in owner and tied_copy(name, v, rec, owner[name].shapes[name] == shape):
+                    continue  # a tied embedding's copy in the last stage: the first stage's is the weight
+                if name in owner:
+                    raise CheckpointError(f"{name} is saved by two stages of {ckpt}; the checkpoint is damaged")
+                owner[name] = part
+        return Weights({n: w.shapes[n] for n, w in owner.items()}, lambda name: owner[name].pieces(name))
     smap = ShardMap.read(trainer.shards, f"checkpoint file {ckpt / 'trainer.json'}: shards") if trainer.shards else None
     read = ("config.json", *(smap.files() if smap is not None else ["model.safetensors"]))
     listed = {k: v for k, v in trainer.files.items() if k in read or k.removesuffix(PIECES) in read}

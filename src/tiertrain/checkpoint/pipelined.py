@@ -148,7 +148,7 @@ def stage_tensors(ckpt: Path, trainer: TrainerFile, ts: TrainState) -> tuple[Sta
         w, o, found = _open_stage(ckpt / stage_dir(v), step, needed if is_stage(ts.module) else None)
         opened.append(w)
         for name, spec in found.items():
-            if name in specs and _tied_copy(name, v, rec, spec, specs[name]):
+            if name in specs and tied_copy(name, v, rec, spec == specs[name]):
                 continue  # the last stage's copy of a tied weight: the first stage's is read (they are equal)
             if name in specs:
                 raise CheckpointError(f"{name} is saved by two stages of {ckpt}; the checkpoint is damaged: resume "
@@ -161,9 +161,10 @@ def stage_tensors(ckpt: Path, trainer: TrainerFile, ts: TrainState) -> tuple[Sta
     return StagedTensors(weights, opened), StagedTensors(moments, opened)
 
 
-def _tied_copy(name: str, stage: int, rec: PipelineRecord, spec: TensorSpec, first: TensorSpec) -> bool:
-    """Whether ``name`` in ``stage`` is the last stage's copy of a tied embedding (``models.gpt_stages``)."""
-    return name == TIED and stage == rec.stages - 1 and spec == first
+def tied_copy(name: str, stage: int, rec: PipelineRecord, alike: bool) -> bool:
+    """Whether ``name`` in ``stage``, already in an earlier stage (``alike``: with the same dtype and shape), is
+    the last stage's copy of a tied embedding (``models.gpt_stages``): read from the first stage instead."""
+    return name == TIED and stage == rec.stages - 1 and alike
 
 
 def _open_stage(where: Path, step: int, needed: set[str] | None) -> tuple[Mapping, Mapping, dict[str, TensorSpec]]:

@@ -306,7 +306,7 @@ def run_plan(req: PlanRequest, console: Console) -> Candidate:
         console.print(f"{req.nproc} ranks, each with these budgets; network: {profile.network.source}")
     print_plan(chosen, cands, profile, console, target.matmul(req.precision))
     if pipeline is not None:
-        print_pipeline(pipeline, console)
+        print_pipeline(pipeline, req.batch, console)
         _say_if_once_a_step_overflows(chosen, profile, sizes, needs_all, console)
     return chosen
 
@@ -359,13 +359,15 @@ def _pp_bps(target: Machine, here: Machine, profile: Profile) -> float:
     return measure_network(2, max(b.hidden_bytes for b in profile.blocks) or 1 << 20).all_gather_bps
 
 
-def print_pipeline(choices: list[PipelineChoice], console: Console) -> None:
-    """The chosen schedule, segments and micro-batches with FOLD3D's prediction and why, and the runners-up."""
+def print_pipeline(choices: list[PipelineChoice], rows: int, console: Console) -> None:
+    """The chosen schedule, segments and micro-batches with FOLD3D's prediction and why, and the runners-up;
+    ``rows``: the sequences of a replica's step (``train --pp`` takes ``--batch-size`` per micro-batch)."""
     best = choices[0]
     lay = best.layout
     where = "host" if lay.schedule == "aiao" else "device"
     console.print(f"pipeline: --pp {lay.pp} --schedule {lay.schedule} --segments {lay.segments} --micro-batches "
-                  f"{lay.micro_batches}: predicted step {best.step_s * 1e3:.1f} ms (FOLD3D's model)")
+                  f"{lay.micro_batches} --batch-size {rows // lay.micro_batches}: predicted step "
+                  f"{best.step_s * 1e3:.1f} ms (FOLD3D's model; --batch-size is a micro-batch's, {rows} a step)")
     console.print(f"  why: {best.why()}")
     console.print(f"  per rank: {best.params:,} parameters (each stage's tiers as the plan above); stash "
                   f"{best.stash} activation checkpoints, {format_bytes(best.stash_bytes)} in {where} memory")

@@ -65,15 +65,20 @@ class GPTStage(nn.Module):
         self.copy_of: dict[nn.Parameter, nn.Parameter] = {}
         if embeds:
             self.tok_emb, self.pos_emb, self.drop = model.tok_emb, model.pos_emb, model.drop
-        elif heads and model.config.tie_embeddings:  # registered before the head: the copy's name is the model's
-            original = model.tok_emb.weight
-            copy = nn.Parameter(original.detach().clone(), original.requires_grad)
-            self.tok_emb = TiedCopy(copy)
-            model.lm_head.weight = copy  # this rank's head (the model's module) uses the copy from now on
-            self.copy_of[copy] = original
         self.blocks = StageBlocks(model.blocks, blocks)
         if heads:
-            self.ln_f, self.lm_head = model.ln_f, model.lm_head
+            self.ln_f = model.ln_f
+            if model.config.tie_embeddings and not embeds:  # before the head: the copy's name is the model's
+                self.tok_emb = self._tied_copy(model)
+            self.lm_head = model.lm_head
+
+    def _tied_copy(self, model: GPT) -> TiedCopy:
+        """The last stage's copy of the tied weight, which this rank's head (the model's module) uses from now on."""
+        original = model.tok_emb.weight
+        copy = nn.Parameter(original.detach().clone(), original.requires_grad)
+        model.lm_head.weight = copy
+        self.copy_of[copy] = original
+        return TiedCopy(copy)
 
     @property
     def tied(self) -> bool:

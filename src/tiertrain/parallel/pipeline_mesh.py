@@ -47,7 +47,7 @@ class PipelineMesh:
 
 def pipeline_mesh(pp: int, tied: bool = False) -> PipelineMesh:
     """The run's ranks (the default process group's) as dp x pp; ``pp`` must divide them (checked before);
-    ``tied``: with each pipeline's (first, last) stage pair as a group too."""
+    ``tied``: with each pipeline's (first, last) stage pair as a group too (pp > 1)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = ProcessGroupCollectives()
@@ -65,6 +65,12 @@ def pipeline_mesh(pp: int, tied: bool = False) -> PipelineMesh:
     world_group = dist.distributed_c10d._get_default_group()  # a dimension of every rank may be it: not the mesh's
     made = {id(g): g for m in (mesh, twins) for g in (m.get_group("dp"), m.get_group("pp")) if g is not world_group}
     pp_host = ProcessGroupCollectives(twins.get_group("pp"), heartbeat=world.heartbeat)
-    pair, pairs = pair_groups(pp, dp, world.heartbeat) if tied else (None, [])
-    return PipelineMesh(pp, dp, dist.get_rank(pp_group), pp_group, pp_host, stage_dp, world,
-                        (*made.values(), *pairs), pair)
+    out = PipelineMesh(pp, dp, dist.get_rank(pp_group), pp_group, pp_host, stage_dp, world, tuple(made.values()))
+    if tied:
+        try:
+            out.tied, pairs = pair_groups(pp, dp, world.heartbeat)
+        except BaseException:
+            out.close()
+            raise
+        out.groups += tuple(pairs)
+    return out

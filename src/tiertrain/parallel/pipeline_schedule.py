@@ -14,8 +14,11 @@ a pipelined step computes what that loop computes.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
@@ -47,6 +50,24 @@ class AIAOSchedule(_PipelineScheduleRuntime):
             self._on_sync(action.stage_index)
 
 
+class Inbox(Protocol):
+    """Where a segment's first stage receives its inputs ahead of their forward (``runtime.segment_inbox``)."""
+
+    def recv_ops(self, infos: tuple, micro: int, peer_of: Callable[[int], int]) -> list[dist.P2POp]: ...
+    def take(self, infos: tuple, micro: int) -> None: ...
+    def drop(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """FOLD3D's inter-segment lazy communication for one stage (§4): ``host_group`` (gloo) where the stage is
+    a segment's last and sends its outputs to the next segment from host memory; ``inbox`` where it is a
+    segment's first and takes them into host memory until its forward. Neither: torch's sends and receives."""
+
+    host_group: dist.ProcessGroup | None = None
+    inbox: Inbox | None = None
+
+
 class TieredStage(PipelineStage):
     """Torch's stage over a tiered stage module, telling the module's host stashes (``offload_hidden``) which
     micro-batch runs: a forward's stashed activation checkpoints are tagged with its micro-batch, and as each
@@ -56,15 +77,35 @@ class TieredStage(PipelineStage):
     for either."""
 
     def __init__(self, module: nn.Module, index: int, n_stages: int, device: torch.device, micro_batches: int,
-                 **kwargs) -> None:
+                 handoff: Handoff | None = None, **kwargs) -> None:
         super().__init__(module, index, n_stages, device, **kwargs)
         self._micro_batches = micro_batches
+        self._handoff = handoff or Handoff()
+
+    def _peer(self, stage: int) -> int:
+        return dist.get_global_rank(self.group, self.stage_index_to_group_rank[stage])
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:  # type: ignore[override]
+        inbox = self._handoff.inbox
+        if inbox is None:
+            return super().get_fwd_recv_ops(fwd_chunk_id)
+        return inbox.recv_ops(self.args_recv_info[fwd_chunk_id], fwd_chunk_id, self._peer)
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:  # type: ignore[override]
+        group = self._handoff.host_group
+        if group is None:
+            return super().get_fwd_send_ops(fwd_chunk_id)
+        outputs, _ = self.fwd_cache[fwd_chunk_id]
+        return [dist.P2POp(dist.isend, out.detach().to("cpu"), self._peer(dst), group)
+                for idx, out in enumerate(outputs) for dst in self.act_send_info[idx] if dst is not None]
 
     def _stashes(self) -> list:
         runtime = getattr(self.submod, "runtime", None)
         return list(runtime.stashes.values()) if runtime is not None else []
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):  # type: ignore[override]
+        if self._handoff.inbox is not None:
+            self._handoff.inbox.take(self.args_recv_info[fwd_chunk_id], fwd_chunk_id)
         stashes = self._stashes()
         for stash in stashes:
             stash.micro = fwd_chunk_id
@@ -87,15 +128,27 @@ class TieredStage(PipelineStage):
         super().clear_runtime_states()
         for stash in self._stashes():
             stash.new_step()
+        if self._handoff.inbox is not None:
+            self._handoff.inbox.drop()
 
 
 def stages_for(modules: list[nn.Module], indices: list[int], layout: PipelineLayout, group, device: torch.device,
-               inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> list[PipelineStage]:
+               inputs: list[torch.Tensor], outputs: list[torch.Tensor],
+               handoffs: list[Handoff] | None = None) -> list[PipelineStage]:
     """Torch's stage objects over this rank's (tiered) stage modules, told their inputs' and outputs' shapes
     (meta tensors of one micro-batch), so no stage runs a forward to infer them: a tiered block's forward
     moves states, and the schedule's first step would start with one nobody asked for."""
-    return [TieredStage(m, v, layout.stages, device, layout.micro_batches, input_args=i, output_args=o, group=group)
-            for m, v, i, o in zip(modules, indices, inputs, outputs)]
+    handoffs = handoffs or [Handoff()] * len(modules)
+    return [TieredStage(m, v, layout.stages, device, layout.micro_batches, h, input_args=i, output_args=o,
+                        group=group) for m, v, i, o, h in zip(modules, indices, inputs, outputs, handoffs)]
+
+
+def crosses_segments(layout: PipelineLayout, stage: int) -> tuple[bool, bool]:
+    """Whether ``stage`` sends its outputs to the next segment, and whether it receives them from the last
+    (AIAO only: there they wait for the rest of the segment's forward; FOLD3D's lazy communication)."""
+    if layout.schedule != "aiao" or layout.pp == 1:
+        return False, False
+    return stage % layout.pp == layout.pp - 1 and stage < layout.stages - 1, stage % layout.pp == 0 and stage > 0
 
 
 def schedule_for(stages: list[PipelineStage], layout: PipelineLayout, loss_fn: LossFn,

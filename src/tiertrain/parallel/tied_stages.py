@@ -4,18 +4,20 @@ stage's head (Megatron's "embedding group").
 Each of the two stages holds the weight (the last a copy, ``models.gpt_stages.TiedCopy``) and makes its own
 share of the gradient; before every step the two shares are summed, so both stages update the weight alike
 and it stays one weight. Per replica of the pipeline, the pair of ranks holding its first and last stage
-sum them over a gloo group of their own; where a stage's states are sharded over its data-parallel replicas,
-its pieces are gathered first (each rank's piece in place, zeros elsewhere, summed: the gather exact) and
-each keeps its piece of the sum. In one process autograd adds the head's and the embedding's gradient per
-micro-batch; here each stage sums its micro-batches first: the same terms in another order.
+sum them over a gloo group of their own, a slice at a time (the host never holds a whole copy of a
+vocabulary-sized gradient); where a stage's states are sharded over its data-parallel replicas, each slice
+is first gathered over them (each rank's piece in place, zeros elsewhere, summed: exact) and each keeps its
+piece of the sum. The copy's side leaves the weight out of its norm, so the pipeline's norm counts it once.
+In one process autograd adds the head's and the embedding's gradient per micro-batch; here each stage sums
+its micro-batches first: the same terms in another order.
 
 Why by hand: torch's pipelining has no notion of a parameter shared between stages.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -23,48 +25,54 @@ import torch.nn as nn
 
 from tiertrain.parallel.collectives import Collectives
 from tiertrain.parallel.distributed import ProcessGroupCollectives
+from tiertrain.parallel.health import Heartbeat
+
+SLICE = 4 << 20  # elements summed at a time (16 MiB of fp32)
+
+
+class HoldsGrads(Protocol):
+    """What a stage's runtime offers (``runtime.Runtime``)."""
+
+    def grad_piece(self, param: nn.Parameter) -> tuple[torch.Tensor | None, int, bool]: ...
+    def leave_out_of_norm(self, param: nn.Parameter) -> None: ...
 
 
 @dataclass
 class TiedStages:
-    """This rank's side of a tied weight: ``runtime`` (the stage's) holds ``param``; ``copy``: the last
-    stage's side, whose norm leaves the weight out (the first stage's counts it once)."""
+    """This rank's side of a tied weight: ``runtime`` (its stage's) holds ``param``."""
 
     pair: Collectives       # the pipeline's first- and last-stage ranks (gloo)
     stage_dp: Collectives   # the stage's data-parallel group (its ``host`` side)
-    runtime: object         # the stage's ``Runtime`` (``grad_piece``)
+    runtime: HoldsGrads
     param: nn.Parameter
-    copy: bool
-    _summed: torch.Tensor | None = None  # the weight's summed gradient, whole, this step
 
     def sum_grads(self) -> None:
         """The two stages' gradients of the weight summed into each (every reduction of theirs landed first)."""
-        found = self.runtime.grad_piece(self.param)  # type: ignore[attr-defined]
-        full = torch.zeros(self.param.numel(), dtype=torch.float32)
-        piece, start, sharded = found if found is not None else (None, 0, True)
-        if piece is not None:
-            full[start : start + piece.numel()] = piece.detach().to("cpu")
-        if sharded:  # the stage's pieces of it, on its data-parallel ranks: gathered (disjoint, zeros elsewhere)
-            self.stage_dp.host.all_reduce(full)
-        self.pair.all_reduce(full)
-        if piece is not None:
-            piece.copy_(full[start : start + piece.numel()])
-        self._summed = full
-
-    def stage_norm(self, norm: torch.Tensor, norm_type: float) -> torch.Tensor:
-        """This stage's gradient norm as the pipeline's global norm should count it: the copy's side without
-        the weight (the first stage's side counts it), so the pipeline counts it once as one process does."""
-        if not self.copy or self._summed is None or math.isinf(norm_type):  # a maximum counts it once either way
-            return norm
-        p = float(norm_type)
-        rest = max(float(norm) ** p - float(self._summed.norm(p)) ** p, 0.0)
-        return torch.tensor(rest ** (1 / p), dtype=norm.dtype)
-
-    def end_step(self) -> None:
-        self._summed = None
+        piece, start, sharded = self.runtime.grad_piece(self.param)
+        end = start + (piece.numel() if piece is not None else 0)
+        n = self.param.numel()
+        for lo in range(0, n, SLICE):
+            hi = min(n, lo + SLICE)
+            part = torch.zeros(hi - lo, dtype=torch.float32)
+            a, b = max(lo, start), min(hi, end)  # this rank's piece within the slice
+            if a < b:
+                part[a - lo : b - lo] = piece[a - start : b - start].to("cpu")
+            if sharded:  # the stage's pieces of the slice, on its data-parallel ranks (disjoint, zeros elsewhere)
+                self.stage_dp.host.all_reduce(part)
+            self.pair.all_reduce(part)
+            if a < b:
+                piece[a - start : b - start].copy_(part[a - lo : b - lo])
 
 
-def pair_groups(pp: int, dp: int, heartbeat) -> tuple[Collectives | None, list[dist.ProcessGroup]]:
+def tied_side(runtime: HoldsGrads, param: nn.Parameter, copy: bool, pair: Collectives,
+              stage_dp: Collectives) -> TiedStages:
+    """This rank's side of a tied weight (``copy``: the last stage's, left out of its runtime's norm)."""
+    if copy:
+        runtime.leave_out_of_norm(param)
+    return TiedStages(pair, stage_dp, runtime, param)
+
+
+def pair_groups(pp: int, dp: int, heartbeat: Heartbeat) -> tuple[Collectives | None, list[dist.ProcessGroup]]:
     """Every pipeline's (first stage, last stage) pair of ranks as a gloo group, made by every rank in one
     order; this rank's (None where it holds neither end) and every group made (destroyed at close)."""
     mine, made = None, []

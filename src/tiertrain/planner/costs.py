@@ -98,17 +98,19 @@ def grads_out_s(b: BlockProfile, device_home: bool, m: MachineProfile) -> float:
 
 
 def block_seconds(b: BlockProfile, c: Choice, m: MachineProfile, compute_bytes: int, window: int,
-                  disk_home: bool = False, disk_passes: float = 1.0, net: Network = Network()) -> float:
+                  disk_home: bool = False, disk_passes: float = 1.0, net: Network = Network(),
+                  micro_batches: int = 1) -> float:
     """Forward plus the longer of backward and the update it hides. ``disk_passes``: a disk-homed
     block's update passes per step (lockfree passes every few steps: each step carries its share).
     Over several ranks (``net``): a streamed sharded block's fetch is its shard's copy then the
     all-gather (prefetched, as a fetch is); the gradients' reduction runs under the next block's
     backward (one in flight, as the runtime keeps); a resident sharded block's update ends with an all-gather of its
-    new params; each rank updates its own share."""
+    new params; each rank updates its own share. ``micro_batches``: a pipeline stage's (``b``'s activations
+    one micro-batch's, each micro-batch's stashed)."""
     numel = own_numel(net, b)
     gather = net.gather_s(b.shared * compute_bytes) if net.shard else 0.0
     fetch = net.per_rank(b.shared) * compute_bytes / m.h2d_bps + gather if c.stream else 0.0
-    saved = saved_bytes(b, c)
+    saved = saved_bytes(b, c) * micro_batches
     stash_out = saved / m.d2h_bps if c.offload_hidden else 0.0
     stash_in = saved / m.h2d_bps if c.offload_hidden else 0.0
     grads_out = grads_out_s(b, c.device_home, m)
@@ -168,7 +170,7 @@ def more_micro_batches(plan: Plan, p: Profile) -> dict[str, int]:
     prefetched ahead of their backward; on the host the others' offloaded ones (none outside a pipeline)."""
     saved = [(saved_bytes_of(b, bp.recompute), bp.offload_hidden) for b, bp in zip(p.blocks, plan.blocks)]
     others = p.micro_in_flight - 1
-    kept = sum(n for n, off in saved if not off)
+    kept = sum(n for n, off in saved if not off) + p.rest.act_bytes  # the logits (the last stage's) too
     stashed = sum(n for n, off in saved if off)
     return {"device": others * kept + (stashed if p.stash_ahead else 0), "host": others * stashed}
 

@@ -96,13 +96,14 @@ def for_stage(p: Profile, layout: PipelineLayout, n_blocks: int) -> Profile:
     """The profile a rank plans one of its stages by: its first ``n_blocks`` blocks (a rank's largest stage),
     each activation at a micro-batch's rows (the profile's are the batch's; M micro-batches split it), as
     many micro-batches' saved activations held at once as the schedule keeps in flight on a stage (the first
-    stage's eqs. 6-7 count over its segments), and the pipeline's prefetch of the next micro-batch's
-    offloaded ones."""
+    stage's eqs. 6-7 count over its segments), the pipeline's prefetch of the next micro-batch's offloaded
+    ones, and each micro-batch's stash moved (its copies' time M of one micro-batch's)."""
     m = layout.micro_batches
     in_flight = math.ceil(stash_checkpoints(layout.schedule, layout.pp, layout.segments, m) / layout.segments)
     return dataclasses.replace(p, blocks=tuple(_micro(b, m) for b in p.blocks[:n_blocks]), rest=_micro(p.rest, m),
-                               micro_in_flight=max(1, min(m, in_flight)), stash_ahead=True)
+                               micro_in_flight=max(1, min(m, in_flight)), stash_ahead=True, micro_batches=m)
 
 
 def _micro(b: BlockProfile, m: int) -> BlockProfile:
+    """``b`` with one micro-batch's activations (of ``m``); its times stay the step's."""
     return dataclasses.replace(b, act_bytes=-(-b.act_bytes // m), hidden_bytes=-(-b.hidden_bytes // m))

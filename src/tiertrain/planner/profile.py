@@ -102,6 +102,8 @@ class Profile:
     #                                  compute holds at once (a pipeline stage's, by its schedule; 1 otherwise)
     stash_ahead: bool = False          # one micro-batch's offloaded checkpoints come back ahead of their backward
     #                                  (a pipeline's prefetch, FOLD3D §4), beside the one computing
+    micro_batches: int = field(default=1, metadata=at_least(1))  # a pipeline stage's: its blocks' times are the
+    #                                  step's, their activations one micro-batch's (each micro-batch's stash moves)
 
     @property
     def step_flops(self) -> float:

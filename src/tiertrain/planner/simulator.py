@@ -159,7 +159,7 @@ class _Replay:
             saved = b.hidden_bytes if bp.recompute else b.act_bytes
             change(e, "device", saved)
             if bp.offload_hidden:
-                _, off = tl.run("d2h", e, saved / m.d2h_bps, f"stash {b.name}")
+                _, off = tl.run("d2h", e, saved * p.micro_batches / m.d2h_bps, f"stash {b.name}")
                 change(off, "device", -saved)
                 change(off, "host", saved)
         return needed, tl.run("compute", last_done, p.rest.forward_s / 2 + p.rest.backward_s / 2, "head")[1]
@@ -185,7 +185,7 @@ class _Replay:
                 if params_in:
                     arrived = filled = max(last_done, _fetch(tl, plan, bp, p, arrived, params_in, f"fetch {b.name} (bwd)")[1])
                 if bp.offload_hidden:
-                    arrived = tl.run("h2d", arrived, saved / m.h2d_bps, f"unstash {b.name}")[1]
+                    arrived = tl.run("h2d", arrived, saved * p.micro_batches / m.h2d_bps, f"unstash {b.name}")[1]
                     change(arrived, "host", -saved)
                     change(arrived, "device", saved)
                 ready = max(ready, arrived)

@@ -96,7 +96,7 @@ class Problem:
     def seconds(self, i: int, c: Choice, window: int, disk_home: bool = False) -> float:
         p = self.profile
         return costs.block_seconds(p.blocks[i], c, p.machine, p.compute_bytes, window, disk_home, p.disk_passes,
-                                   p.network)
+                                   p.network, p.micro_batches)
 
 
 @dataclass(frozen=True)

@@ -518,12 +518,13 @@ class BlockGroup:
         views = self.views(chunk)
         return [v if has else None for v, has in zip(views, self._grads.has_grad)]
 
-    def shard_grad_pieces(self) -> list[torch.Tensor]:
-        """This rank's pieces of its gradients (a sharded block), those of parameters that got one."""
+    def shard_grad_pieces(self) -> list[tuple[torch.Tensor, int]]:
+        """This rank's pieces of its gradients (a sharded block), those of parameters that got one, each with
+        its parameter's index."""
         chunk = self._grads.chunk
         if chunk is None:
             return []
-        return [v for v, i in zip(self.state_views(chunk), self._view_params) if self._grads.has_grad[i]]
+        return [(v, i) for v, i in zip(self.state_views(chunk), self._view_params) if self._grads.has_grad[i]]
 
     def grad_piece(self, i: int) -> tuple[torch.Tensor, int] | None:
         """This rank's piece of parameter ``i``'s final gradient, an fp32 view into the grad chunk (flat), and

@@ -198,17 +198,25 @@ class Runtime:
         if torch.is_grad_enabled():
             self.ctx.cache.new_pass()
 
-    def grad_piece(self, param: nn.Parameter) -> tuple[torch.Tensor, int, bool] | None:
+    def grad_piece(self, param: nn.Parameter) -> tuple[torch.Tensor | None, int, bool]:
         """After backward, every reduction landed: this rank's piece of ``param``'s final gradient (a flat fp32
         view into its block's grad chunk, to be changed in place before the step: a tied weight's sum over
-        the pipeline stages holding it), where the piece starts in the flattened parameter, and whether the
-        block is sharded (its other pieces on the other data-parallel ranks). None where the rank holds none."""
+        the pipeline stages holding it; None where the rank holds none of it), where the piece starts in the
+        flattened parameter, and whether the block is sharded (its other pieces on the other replicas)."""
         self.backward.land()
+        g, i = self._find(param)
+        piece = g.grad_piece(i)
+        return (None, 0, g.shard is not None) if piece is None else (*piece, g.shard is not None)
+
+    def leave_out_of_norm(self, param: nn.Parameter) -> None:
+        """``param``'s gradient out of this runtime's norm (a tied weight's copy: another stage counts it)."""
+        self.norm.leave_out(*self._find(param))
+
+    def _find(self, param: nn.Parameter) -> tuple[BlockGroup, int]:
         for g in self.groups:
             for i, p in enumerate(g.params):
                 if p is param:
-                    piece = g.grad_piece(i)
-                    return None if piece is None else (*piece, g.shard is not None)
+                    return g, i
         raise ValueError("the parameter is not one of this runtime's")
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

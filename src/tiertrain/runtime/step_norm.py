@@ -33,6 +33,12 @@ class StepNorm:
         self.scaler, self._clock = scaler, clock
         self.last_norm: torch.Tensor | None = None
         self.clip_coef: torch.Tensor | None = None
+        self.left_out: set[tuple[int, int]] = set()  # (group, parameter) another runtime's norm counts instead
+
+    def leave_out(self, g: "BlockGroup", i: int) -> None:
+        """Parameter ``i`` of ``g`` out of this runtime's norm: a tied weight's copy, which the norm over the
+        pipeline's stages counts once, in the stage holding the weight itself (``parallel.tied_stages``)."""
+        self.left_out.add((g.index, i))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """The norm of the true (unscaled) gradients, and the clip coefficient that follows from it."""
@@ -72,11 +78,12 @@ class StepNorm:
 
     def _total(self, norm_type: float = 2.0) -> torch.Tensor:
         expert = {id(g.experts) for g in self._groups if g.experts is not None}
-        mine = [(g, i) for g, i in self._order if g.shard is not None]
+        order = [(g, i) for g, i in self._order if (g.index, i) not in self.left_out]
+        mine = [(g, i) for g, i in order if g.shard is not None]
         if self._comm.world_size == 1 or not mine and self._experts is None:  # every rank holds every gradient:
-            return total_norm(_grad_views(self._order), norm_type)            # torch's own norm, as DDP clips
-        held = [(g, i) for g, i in self._order if id(g) in expert]
-        whole = [(g, i) for g, i in self._order if g.shard is None and id(g) not in expert]
+            return total_norm(_grad_views(order), norm_type)                  # torch's own norm, as DDP clips
+        held = [(g, i) for g, i in order if id(g) in expert]
+        whole = [(g, i) for g, i in order if g.shard is None and id(g) not in expert]
         parts = [(self._comm, _shard_views(mine))]
         if self._experts is not None:  # experts' gradients: split over the ranks of an expert group
             parts.append((self._experts.a2a, _grad_views(held)))
@@ -97,11 +104,12 @@ def _grad_views(order: list[tuple["BlockGroup", int]]) -> list[torch.Tensor]:
 
 
 def _shard_views(order: list[tuple["BlockGroup", int]]) -> list[torch.Tensor]:
-    """This rank's pieces of the sharded blocks' gradients."""
+    """This rank's pieces of the sharded blocks' gradients, of the parameters in ``order``."""
+    counted = {(g.index, i) for g, i in order}
     out, done = [], set()
     for g, _ in order:
         if g.index in done:
             continue
         done.add(g.index)
-        out += g.shard_grad_pieces()
+        out += [v for v, i in g.shard_grad_pieces() if (g.index, i) in counted]
     return out

@@ -292,6 +292,27 @@ def test_train_pp_trains_as_one_process_and_its_checkpoint_resumes_in_one_and_cu
         assert _losses(tmp_path / name) == _losses(piped)[2:], name
 
 
+def test_train_pp_plan_auto_plans_the_stages_once_and_the_ranks_and_the_resume_take_that_plan(tmp_path):
+    """``--plan auto`` with ``--pp``: the stages are planned before torchrun starts (for the given layout, as
+    ``plan --pp`` plans them) into the run directory's stage-plan.json, which every rank trains with and the
+    resumed run takes again (its options name the file)."""
+    from tiertrain.plan import Plan
+    from tiertrain.plan.pipeline import fold
+
+    out = tmp_path / "auto"
+    r = _train("--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--plan", "auto", "--nproc", "2", "--pp",
+               "2", "--schedule", "aiao", "--micro-batches", "2", "--steps", "2", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    staged = out / "stage-plan.json"
+    plan = Plan.from_json(staged.read_text(), "stage plan")
+    assert plan.name.startswith("auto/") and len(plan.blocks) == max(map(len, fold(2, 2, 1)))  # a stage's blocks
+    assert "--schedule aiao --segments 1 --micro-batches 2 --batch-size 2" in r.stdout, r.stdout
+    assert json.loads((out / "checkpoints" / "step-00000002" / "trainer.json").read_text())["run_config"]["plan"] \
+        == str(staged)
+    r = _train("--resume", str(out), "--steps", "3")
+    assert r.returncode == 0 and len(_losses(out)) == 3, r.stderr[-3000:]
+
+
 def test_a_pipeline_the_ranks_would_refuse_is_one_message_before_torchrun_starts(tmp_path, capsys):
     from tiertrain.cli.main import main
 

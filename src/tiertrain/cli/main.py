@@ -151,7 +151,8 @@ def train(config_file: str | None, quiet: bool, nproc: int | None, **flags: Any)
     if flags.get("resume"):
         if not flags.get("out") and "out" not in file_values:
             flags["out"] = _run_dir_of(flags["resume"])
-        RunDir(Path(_run_dir_of(flags["resume"]))).refuse_if_busy()
+        if "LOCAL_RANK" not in os.environ:  # a rank would find its own run's rank 0 holding it: its launcher tested
+            RunDir(Path(_run_dir_of(flags["resume"]))).refuse_if_busy()
         saved = saved_run_options(Path(flags["resume"]))
         if saved.get("plan") and not (flags.get("disk") or file_values.get("disk")):
             _refuse_resume_without_disk(Path(flags["resume"]))
@@ -170,7 +171,12 @@ def train(config_file: str | None, quiet: bool, nproc: int | None, **flags: Any)
                           + ("; or resume in one process with --pp 1" if flags.get("resume") else ""))
     if nproc > 1 and "LOCAL_RANK" not in os.environ:
         _check_layout(cfg, nproc)
-        raise SystemExit(_torchrun(nproc))
+        staged = None
+        if cfg.pp > 1 and cfg.plan == "auto":
+            from tiertrain.cli.stage_plan import plan_stages
+
+            staged = plan_stages(cfg, nproc, _console())
+        raise SystemExit(_torchrun(nproc, staged))
     console = _console()
     reporter = Reporter(cfg.steps, cfg.log_every, quiet=quiet)
     trainer = trainer_for(cfg, reporter)
@@ -227,20 +233,16 @@ def _check_layout(cfg: Any, nproc: int) -> None:
                               f"--nproc {dp}, or make the plan for {nproc} (tiertrain plan --nproc {nproc} ...)")
 
 
-def _torchrun(nproc: int) -> int:
-    """``tiertrain train ... --nproc N``: the same command under torchrun, N processes on this machine."""
+def _torchrun(nproc: int, plan: "Path | None" = None) -> int:
+    """``tiertrain train ... --nproc N``: the same command under torchrun, N processes on this machine
+    (``plan``: the plan file they take in place of ``--plan auto``)."""
     import shutil
     import subprocess
     import tempfile
 
-    args = sys.argv[1:]
-    for i, a in enumerate(args):
-        if a == "--nproc":
-            del args[i : i + 2]
-            break
-        if a.startswith("--nproc="):
-            del args[i]
-            break
+    args = _without(sys.argv[1:], "--nproc")
+    if plan is not None:
+        args = [*_without(args, "--plan"), "--plan", str(plan)]
     # torchrun keeps its agent's logs in a temporary directory it never removes (one per launch, left in
     # TMPDIR): given one of ours, it is removed when the ranks are done
     logs = tempfile.mkdtemp(prefix="tiertrain-torchrun-")
@@ -252,6 +254,19 @@ def _torchrun(nproc: int) -> int:
         return _relay_ranks(proc)
     finally:
         shutil.rmtree(logs, ignore_errors=True)
+
+
+def _without(args: list[str], flag: str) -> list[str]:
+    """``args`` less ``flag`` and its value (``--flag V`` or ``--flag=V``)."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = True
+        elif not a.startswith(f"{flag}="):
+            out.append(a)
+    return out
 
 
 _LAUNCHER = re.compile(r"^[WEI]\d{4} .*torch/distributed/elastic/.*")
@@ -310,7 +325,7 @@ def _run_dir_of(resume: str) -> str:
 
 @cli.command(context_settings=CONTEXT)
 @click.option("--model", default=None, help="Model name or config file.")
-@click.option("--batch-size", type=POSITIVE, default=1, show_default=True, help="Sequences per micro-batch.")
+@click.option("--batch-size", type=POSITIVE, default=1, show_default=True, help="Sequences per micro-batch (with --pp: a step's, split into its micro-batches).")
 @click.option("--seq-len", type=POSITIVE, default=None, help="Tokens per sequence (default: the model's maximum).")
 @click.option("--precision", type=click.Choice(PRECISIONS), default="bf16", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
@@ -699,7 +714,7 @@ def bench_description_cmd(d_model: int, layers: int, batch_size: int, seq_len: i
 
 @cli.command("plan", context_settings=CONTEXT)
 @click.option("--model", help="Model name or config file (one block measured here within the measurement bounds).")
-@click.option("--batch", "batch", type=POSITIVE, default=1, show_default=True, help="Sequences per micro-batch.")
+@click.option("--batch", "batch", type=POSITIVE, default=1, show_default=True, help="Sequences per micro-batch (with --pp: a step's, split into its micro-batches).")
 @click.option("--seq", "seq", type=POSITIVE, default=None, help="Tokens per sequence (default: the model's maximum).")
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True)
 @click.option("--device-memory", help='Device budget, e.g. "8GiB" (default with --machine: 90% of its device memory).')

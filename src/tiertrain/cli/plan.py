@@ -16,7 +16,7 @@ from tiertrain.plan import BlockPlan, Budgets
 from tiertrain.planner.auto import Candidate, run_profile
 from tiertrain.planner.machine import Machine
 from tiertrain.plan.pipeline import PipelineLayout, fold
-from tiertrain.planner.pipeline import PipelineChoice, choose_pipeline, for_stage
+from tiertrain.planner.pipeline import PipelineChoice, choose_pipeline, for_stage, predict
 from tiertrain.planner.profile import Profile, with_experts
 from tiertrain.planner.simulator import RESOURCES, Simulation
 from tiertrain.units import format_bytes, format_count
@@ -54,6 +54,7 @@ class PlanRequest:
     nproc_per_node: int = 0            # ranks per node (0: all on one); fewer than nproc: plan over nodes
     ep: int = 1                        # expert parallel: ranks a mixture-of-experts layer's experts are divided over
     pp: int = 1                        # pipeline stages: the nproc ranks as nproc / pp replicas of a pipeline
+    layout: PipelineLayout | None = None  # the pipeline's layout where it is given (train --pp --plan auto), not chosen
 
     @property
     def needs_all_grads(self) -> bool:
@@ -296,7 +297,9 @@ def run_plan(req: PlanRequest, console: Console) -> Candidate:
         profile = with_experts(profile, held)
     needs_all, pipeline = req.needs_all_grads, None
     if req.pp > 1:  # the layout first: a rank plans the largest of its stages within its share of the budgets
-        pipeline = choose_pipeline(profile, req.pp, profile.network, _pp_bps(target, here, profile), req.batch)
+        bps = _pp_bps(target, here, profile)
+        pipeline = ([predict(profile, req.layout, profile.network, bps, req.batch)] if req.layout is not None
+                    else choose_pipeline(profile, req.pp, profile.network, bps, req.batch))
         profile, sizes, needs_all = one_stage(profile, sizes, pipeline[0].layout, req)
     pb = Problem.sized(profile, sizes, req.levels)
     chosen, cands = choose_layout(pb, req.solvers or tuple(SOLVERS), req.update, needs_all, req.max_staleness)

@@ -82,14 +82,17 @@ def candidates(n_blocks: int, pp: int, rows: int) -> list[PipelineLayout]:
 
 def choose_pipeline(p: Profile, pp: int, dp_net: Network, pp_bps: float, rows: int) -> list[PipelineChoice]:
     """Every candidate layout predicted, fastest first (a smaller stash first among equals)."""
-    hidden_row = max(b.hidden_bytes for b in p.blocks) // rows  # a micro-batch's checkpoint is its rows' share
-    out = []
-    for layout in candidates(len(p.blocks), pp, rows):
-        t, params = stage_times(p, layout, dp_net, pp_bps)
-        stash = stash_checkpoints(layout.schedule, pp, layout.segments, layout.micro_batches)
-        out.append(PipelineChoice(layout, t, step_s(t, layout), stash,
-                                  stash * hidden_row * (rows // layout.micro_batches), params))
+    out = [predict(p, layout, dp_net, pp_bps, rows) for layout in candidates(len(p.blocks), pp, rows)]
     return sorted(out, key=lambda c: (round(c.step_s, 9), c.stash_bytes))
+
+
+def predict(p: Profile, layout: PipelineLayout, dp_net: Network, pp_bps: float, rows: int) -> PipelineChoice:
+    """``layout``'s step by FOLD3D's model, and its stash, for a step of ``rows`` sequences per replica."""
+    hidden_row = max(b.hidden_bytes for b in p.blocks) // rows  # a micro-batch's checkpoint is its rows' share
+    t, params = stage_times(p, layout, dp_net, pp_bps)
+    stash = stash_checkpoints(layout.schedule, layout.pp, layout.segments, layout.micro_batches)
+    return PipelineChoice(layout, t, step_s(t, layout), stash, stash * hidden_row * (rows // layout.micro_batches),
+                          params)
 
 
 def for_stage(p: Profile, layout: PipelineLayout, n_blocks: int) -> Profile:

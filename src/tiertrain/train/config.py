@@ -106,9 +106,6 @@ class TrainConfig:
             return
         if self.plan is None:
             raise ConfigError(f"--pp {self.pp} tiers each stage: add --plan resident|stream|max-offload|FILE")
-        if self.plan == "auto":
-            raise ConfigError("--plan auto does not plan pipeline stages yet: plan one with tiertrain plan --nproc N "
-                              f"--pp {self.pp} --out plan.json and pass --plan plan.json, or name a built-in plan")
         if self.precision == "fp16":
             raise ConfigError("pipeline stages train in fp32 or bf16, not fp16 (its loss scale is not agreed over the "
                               "stages): use --precision bf16")

@@ -18,6 +18,7 @@ from torch import nn
 
 from tiertrain.checkpoint.pipelined import PipelineRecord, load_pipeline, save_pipelined
 from tiertrain.checkpoint.run import TrainerState
+from tiertrain.errors import ConfigError
 from tiertrain.models import build, param_count
 from tiertrain.plan.pipeline import PipelineLayout
 from tiertrain.train.config import TrainConfig
@@ -58,6 +59,10 @@ class PipelineTrainer(Trainer):
         from tiertrain.api.pipeline import pipeline
 
         cfg = self.cfg
+        if cfg.plan == "auto":  # `tiertrain train --nproc N` plans the stages before it starts the ranks
+            raise ConfigError("--plan auto for a pipeline is planned by tiertrain train --nproc N before the ranks "
+                              f"start; under your own torchrun plan the stages with tiertrain plan --nproc N --pp "
+                              f"{cfg.pp} --out plan.json and pass --plan plan.json")
         self.layout = PipelineLayout(cfg.pp, cfg.schedule, cfg.grad_accum, cfg.segments)
         self.pipe = pipeline(self.model, self.opt, self.layout, self.budgets.budgets, plan=cfg.plan,
                              page_size=parse_size(cfg.page_size) if cfg.page_size else None,

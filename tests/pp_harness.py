@@ -295,3 +295,38 @@ def segment_inbox(rank: int, micro: int) -> dict:
                 "input": 2 * 16 * TINY["d_model"] * 4}
     finally:
         run.close()
+
+
+def meta_built(rank: int, pp: int, disk: Path) -> dict:
+    """A tied model built on the meta device, each rank seeded otherwise (each draws its stages' weights where
+    they live): two 1F1B steps; the tied weight as this rank's stage holds it (the first stage's, or the last
+    stage's copy; None on the others and where the stage is sharded) before and after them, and the losses
+    (every replica on the same batches)."""
+    from tiertrain.api.pipeline import pipeline
+    from tiertrain.memory import Budgets
+    from tiertrain.models import build
+    from tiertrain.plan.pipeline import PipelineLayout
+    from tiertrain.runtime.state_io import export_state
+    from tiertrain.train.optimizer import make_adamw
+
+    torch.manual_seed(100 + rank)
+    model = build({**TINY, "tie_embeddings": True}, device="meta")
+    opt, _ = make_adamw(model, 1e-2, (0.9, 0.95), 1e-8, 0.1)
+    run = pipeline(model, opt, PipelineLayout(pp=pp, schedule="1f1b", micro_batches=2),
+                   Budgets(64 << 20, 64 << 20, 64 << 20, rank_disk(disk, rank)), plan="stream", page_size=64 << 10)
+
+    def tied():  # read whole where the stage is not sharded (dp = 1)
+        held = [export_state(s.runtime)[0].get("tok_emb.weight") for s in run.stages if s.tied
+                and s.runtime.comm.world_size == 1]
+        return held[0] if held else None
+    try:
+        before, losses = tied(), []
+        for b in batches(0)[:2]:  # every replica the same batches: they train alike where their weights are alike
+            run.step(b[:, :-1], b[:, 1:])
+            losses.append(run.micro_losses.tolist())
+            run.optimizer.step()
+            run.optimizer.zero_grad()
+        others = all(p.is_meta for p in model.blocks[-1].parameters()) if run.mesh.pp_rank == 0 else None
+        return {"before": before, "after": tied(), "losses": losses, "others_meta": others}
+    finally:
+        run.close()

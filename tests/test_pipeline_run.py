@@ -6,12 +6,13 @@ gives alike); with clipping within a stated tolerance. AIAO's per-segment DP.syn
 events."""
 
 import functools
+import math
 
 import pytest
 import torch
 
 from dp_harness import run_ranks
-from pp_harness import (Case, pipelined_losses, reference, resumed_from_one_process, segment_inbox,
+from pp_harness import (Case, meta_built, pipelined_losses, reference, resumed_from_one_process, segment_inbox,
                         stashed_checkpoints, tiered_reference)
 
 # bf16 stages against one tiered process in bf16 (plain PyTorch under autocast keeps fp32 embeddings): the
@@ -74,6 +75,7 @@ def pp2(tmp_path_factory):
                                                    load_from=tied_out)),
              (("from one tied",), functools.partial(resumed_from_one_process, pp=2, disk=disk / "ot",
                                                     out=tmp_path_factory.mktemp("onetied"), case=TIED_RESUMED))]
+    jobs += [(("meta",), functools.partial(meta_built, pp=2, disk=disk / "meta"))]
     return {**run_ranks(2, tmp_path_factory.mktemp("pp2"), jobs), "out": out, "tied out": tied_out}
 
 
@@ -81,6 +83,7 @@ def pp2(tmp_path_factory):
 def pp2_dp2(tmp_path_factory):
     disk, out = tmp_path_factory.mktemp("pp2dp2d"), tmp_path_factory.mktemp("pp2dp2run")
     jobs = _jobs(PP2_DP2, 2, disk, Case("aiao", 4, 2)) + _checkpoint_jobs(2, disk, out, resume=False)
+    jobs += [(("meta",), functools.partial(meta_built, pp=2, disk=disk / "meta"))]
     return {**run_ranks(4, tmp_path_factory.mktemp("pp2dp2"), jobs), "out": out}
 
 
@@ -394,3 +397,19 @@ def test_a_tied_pipelined_checkpoint_exports_the_weight_once(pp2, tmp_path):
     load_checkpoint(ckpt, PlainState(model, opt, names))
     want = dict(model.named_parameters())  # the tied weight under its one name
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k].detach()) for k in want)
+
+
+@pytest.mark.parametrize("fixture,world", [("pp2", 2), ("pp2_dp2", 4)])
+def test_a_model_built_on_the_meta_device_trains_as_a_pipeline_with_its_tied_weight_one(request, fixture, world):
+    """No rank builds the whole model: each draws its stages' weights where they live (seeded otherwise on
+    every rank); the tied weight is drawn once and sent to the last stage, so the first stage's weight and
+    the last stage's copy are equal before and after training, on every replica (which take their first
+    replica's weights); the parts other ranks hold never leave the meta device."""
+    got = [request.getfixturevalue(fixture)[(("meta",), rank)] for rank in range(world)]
+    if world == 2:  # each stage whole on its rank: the two ends' tied weights read back
+        assert torch.equal(got[0]["before"], got[1]["before"]) and torch.equal(got[0]["after"], got[1]["after"])
+        assert not torch.equal(got[0]["before"], got[0]["after"])  # trained
+    else:  # sharded stages: both replicas, on the same batches, take the same steps (their weights are one)
+        assert got[0]["losses"] == got[2]["losses"] and got[1]["losses"] == got[3]["losses"]
+    assert all(math.isfinite(x) for g in got for step in g["losses"] for x in step)
+    assert all(g["others_meta"] for g in got if g["others_meta"] is not None)  # rank 0 never drew the last blocks

@@ -32,6 +32,7 @@ from tiertrain.memory import Budgets
 from tiertrain.memory.system import compute_device
 from tiertrain.models.gpt import token_loss
 from tiertrain.models.gpt_stages import TIED, check_stageable, release_others, stage_of
+from tiertrain.models.init import init_in_place
 from tiertrain.parallel.agree import same_on_every_rank
 from tiertrain.parallel.group import ensure_process_group, world_from_env
 from tiertrain.parallel.health import failure
@@ -177,6 +178,7 @@ def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Pipelin
     mesh = pipeline_mesh(layout.pp, tied=gpt.config.tie_embeddings and layout.pp > 1)
     tiered: list[nn.Module] = []
     try:
+        _materialize_tied(gpt, mesh)
         runs = fold(len(gpt.blocks), layout.pp, layout.segments)
         indices = [v for v in range(layout.stages) if v % layout.pp == mesh.pp_rank]
         modules = [stage_of(gpt, runs[v]) for v in indices]
@@ -213,6 +215,20 @@ def _check_tied(gpt: nn.Module, layout: PipelineLayout, opts: RunOptions, plan: 
     if layout.pp == 1 and layout.stages > 1:
         raise ConfigError("a tied embedding's first and last stage on one rank (pp = 1) is not supported: give "
                           "segments=1, or more pipeline ranks")
+
+
+def _materialize_tied(gpt: nn.Module, mesh: PipelineMesh) -> None:
+    """A tied weight of a model built on the meta device, drawn on the first stage's rank and sent to the
+    last's, so the last stage's copy starts equal to it (each stage's other weights are drawn where they
+    live, and its replicas take its first replica's); only the two ends hold it, one tensor at a time."""
+    original = getattr(gpt.tok_emb, "weight", None)
+    if mesh.tied is None or original is None or not original.is_meta:
+        return
+    value = torch.empty(original.shape, dtype=torch.float32)
+    if mesh.pp_rank == 0:
+        init_in_place(TIED, value)
+    mesh.tied.broadcast(value, src=0)  # the pair's first rank: the first stage's
+    torch.utils.swap_tensors(original, nn.Parameter(value.to(original.dtype), original.requires_grad))
 
 
 def _tied_side(tiered: list[nn.Module], mesh: PipelineMesh) -> TiedStages | None:

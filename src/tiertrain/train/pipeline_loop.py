@@ -1,8 +1,10 @@
 """``tiertrain train --nproc N --pp P``: the training loop over a pipelined model (``tiertrain.pipeline``).
 
 The same run as ``Trainer``'s (run directory, data, schedule, metrics, stop on a signal, nothing lost)
-with a pipeline where one runtime was: each rank builds the model, keeps its stages, and every rank of a
-pipeline reads its replica's batches (the first stage uses the token ids, the last the targets). A step
+with a pipeline where one runtime was: each rank builds the model as a tiered run does (on the meta device
+where its fp32 weights exceed the budgets: then each rank's stages are drawn where they live, and a model
+larger than one host's memory is cut into stages), keeps its stages, and every rank of a pipeline reads its
+replica's batches (the first stage uses the token ids, the last the targets). A step
 is ``--grad-accum`` micro-batches (the pipeline's M) through the schedule, the gradient norm clipped over
 every stage, each stage's update, and the rows and checkpoints every rank agrees on. Checkpoints are
 pipelined ones (``checkpoint.pipelined``): they resume at another layout, or in one process.
@@ -19,14 +21,13 @@ from torch import nn
 from tiertrain.checkpoint.pipelined import PipelineRecord, load_pipeline, save_pipelined
 from tiertrain.checkpoint.run import TrainerState
 from tiertrain.errors import ConfigError
-from tiertrain.models import build, param_count
+from tiertrain.models import param_count
 from tiertrain.plan.pipeline import PipelineLayout
 from tiertrain.train.config import TrainConfig
 from tiertrain.train.disk_watch import BETWEEN, FORWARD, STEP
-from tiertrain.train.loop import Trainer, seed_everything
+from tiertrain.train.loop import Trainer
 from tiertrain.train.metrics import Reporter
 from tiertrain.train.schedule import lr_at
-from tiertrain.train.tiered import default_budgets
 from tiertrain.units import format_count, parse_size
 
 
@@ -45,15 +46,6 @@ class _PipelineState:
 class PipelineTrainer(Trainer):
     def _replica(self) -> tuple[int, int]:
         return self.rank // self.cfg.pp, self.world // self.cfg.pp
-
-    def _build(self, model_cfg: Any) -> nn.Module:
-        """The whole model on the host (each rank keeps its stages and lets go of the rest): a model larger
-        than one host's memory cannot be cut into stages yet."""
-        self.budgets = default_budgets(self.cfg, self.device)
-        if self.budgets.taken:
-            self.reporter.message(self.budgets.describe())
-        seed_everything(self.cfg.seed)
-        return build(model_cfg)
 
     def _setup_tiered(self) -> None:
         from tiertrain.api.pipeline import pipeline

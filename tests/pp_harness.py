@@ -269,30 +269,34 @@ def resumed_from_one_process(rank: int, pp: int, disk: Path, out: Path, case: "C
     return pipelined_losses(rank, case, pp, disk, load_from=out)
 
 
-def segment_inbox(rank: int, micro: int) -> dict:
+def segment_inbox(rank: int, micro: int, host: int = 64 << 20) -> dict:
     """Two AIAO steps (pp = 2, 2 segments, ``micro`` micro-batches of 2 rows): what the stages receiving a
-    segment's outputs from the one before took into host memory (FOLD3D's lazy inter-segment hand-off), and
-    the host pool's activations left after each step."""
+    segment's outputs from the one before took into host memory (FOLD3D's lazy inter-segment hand-off), the
+    host pool's activations left after each step, whether the received inputs' buffers hold no memory after
+    it, and the losses. ``host``: the host budget (0: no room in the pool; the states stay on the device)."""
     from tiertrain.api.pipeline import pipeline
     from tiertrain.memory import Budgets, Kind, Tier
     from tiertrain.plan.pipeline import PipelineLayout
 
     model, opt = fresh()
     run = pipeline(model, opt, PipelineLayout(pp=2, schedule="aiao", micro_batches=micro, segments=2),
-                   Budgets(64 << 20, 64 << 20), plan="stream", page_size=64 << 10)
+                   Budgets(64 << 20, host), plan="stream" if host else "resident", page_size=64 << 10)
     try:
         b = torch.randint(0, 256, (2 * micro, 17), generator=torch.Generator().manual_seed(5))
-        left = []
+        left, losses = [], []
         for _ in range(2):
             run.step(b[:, :-1], b[:, 1:])
+            losses.append(run.micro_losses.tolist())
             run.optimizer.step()
             run.optimizer.zero_grad()
             left.append(sum(s.runtime.mem.accounting.live(Tier.HOST, Kind.ACTIVATION) for s in run.stages))
-        inboxes = [s._handoff.inbox for s in run._schedule._stages if s._handoff.inbox is not None]
+        staged = [s for s in run._schedule._stages if s._handoff.inbox is not None]
+        inboxes = [s._handoff.inbox for s in staged]
+        buffers = [a.buffer for s in staged for infos in s.args_recv_info.values() for a in infos if not a.is_root_arg]
         return {"received": sum(i.received for i in inboxes), "kept": sum(i.kept for i in inboxes),
-                "most": max((i.most_held for i in inboxes), default=0), "left": left,
+                "most": max((i.most_held for i in inboxes), default=0), "left": left, "losses": losses,
                 "peak": sum(s.runtime.mem.accounting.peak(Tier.HOST, Kind.ACTIVATION) for s in run.stages),
-                "input": 2 * 16 * TINY["d_model"] * 4}
+                "input": 2 * 16 * TINY["d_model"] * 4, "let_go": bool(buffers) and all(t.is_meta for t in buffers)}
     finally:
         run.close()
 
@@ -300,8 +304,8 @@ def segment_inbox(rank: int, micro: int) -> dict:
 def meta_built(rank: int, pp: int, disk: Path) -> dict:
     """A tied model built on the meta device, each rank seeded otherwise (each draws its stages' weights where
     they live): two 1F1B steps; the tied weight as this rank's stage holds it (the first stage's, or the last
-    stage's copy; None on the others and where the stage is sharded) before and after them, and the losses
-    (every replica on the same batches)."""
+    stage's copy; None on the others) before and after them, and the losses (every replica on the same
+    batches)."""
     from tiertrain.api.pipeline import pipeline
     from tiertrain.memory import Budgets
     from tiertrain.models import build
@@ -313,11 +317,11 @@ def meta_built(rank: int, pp: int, disk: Path) -> dict:
     model = build({**TINY, "tie_embeddings": True}, device="meta")
     opt, _ = make_adamw(model, 1e-2, (0.9, 0.95), 1e-8, 0.1)
     run = pipeline(model, opt, PipelineLayout(pp=pp, schedule="1f1b", micro_batches=2),
-                   Budgets(64 << 20, 64 << 20, 64 << 20, rank_disk(disk, rank)), plan="stream", page_size=64 << 10)
+                   Budgets(64 << 20, 64 << 20, 64 << 20, rank_disk(disk, rank)), plan="stream", page_size=64 << 10,
+                   shard=False)  # replicated stages: each rank reads its tied weight whole
 
-    def tied():  # read whole where the stage is not sharded (dp = 1)
-        held = [export_state(s.runtime)[0].get("tok_emb.weight") for s in run.stages if s.tied
-                and s.runtime.comm.world_size == 1]
+    def tied():
+        held = [export_state(s.runtime)[0].get("tok_emb.weight") for s in run.stages if s.tied]
         return held[0] if held else None
     try:
         before, losses = tied(), []

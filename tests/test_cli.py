@@ -154,3 +154,15 @@ def test_a_plan_that_does_not_fit_and_bad_plan_flags(tmp_path):
     assert_user_error(run_cli("train", *TINY, "--out", str(tmp_path), *PLAN, "--update", "lockfree"),
                       "lockfree updates take gradients as they come")
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_the_ranks_command_line_drops_a_flag_and_its_value_however_it_was_written():
+    """``train --nproc N`` hands the ranks its command line less ``--nproc`` (and, after planning the stages,
+    less ``--plan auto``): ``--flag V`` and ``--flag=V``, every time, and nothing else."""
+    from tiertrain.cli.main import _without
+
+    args = ["--model", "tiny", "--plan=auto", "--nproc", "2", "--out", "r", "--plan", "auto", "--steps", "3"]
+    assert _without(args, "--plan") == ["--model", "tiny", "--nproc", "2", "--out", "r", "--steps", "3"]
+    assert _without(args, "--nproc") == ["--model", "tiny", "--plan=auto", "--out", "r", "--plan", "auto",
+                                         "--steps", "3"]
+    assert _without(["--planner", "x", "--plan-file", "y"], "--plan") == ["--planner", "x", "--plan-file", "y"]

@@ -327,8 +327,16 @@ def test_plan_pp_plans_each_ranks_stage_and_chooses_the_schedule_by_fold3ds_mode
     largest = max(map(len, fold(resolve_config("gpt-small").n_layer, 2, int(chosen[2]))))
     assert len(plan["blocks"]) == largest and plan["parallel"] == {"dp": 8}  # no hybrid sharding inside a stage
     assert "activation checkpoints" in said and "between the 2 nodes" in said
+    # a given layout is planned, not chosen (train --pp --plan auto plans so)
+    assert main(["plan", "--model", "gpt-small", "--batch", "8", "--seq", "64", "--machine", "h100-sxm-80gb",
+                 "--nproc", "4", "--pp", "2", "--schedule", "1f1b", "--grad-accum", "4", "--solver", "dp",
+                 "--out", str(out)]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "pipeline: --pp 2 --schedule 1f1b --segments 1 --micro-batches 4 --batch-size 2" in said, said
     for args, want in ((["--nproc", "6", "--pp", "4"], "--pp 4 does not divide --nproc 6"),
-                       (["--pp", "2"], "--pp 2 does not divide --nproc 1")):
+                       (["--pp", "2"], "--pp 2 does not divide --nproc 1"),
+                       (["--schedule", "aiao"], "--schedule plans a pipeline's stages: add --pp"),
+                       (["--nproc", "2", "--pp", "2", "--schedule", "1f1b"], "give --micro-batches 2 or more")):
         assert main(["plan", "--model", "gpt-small", "--machine", "h100-sxm-80gb", *args, "--out", str(out)]) == 2
         assert want in capsys.readouterr().err, args
 

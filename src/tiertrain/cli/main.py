@@ -151,7 +151,7 @@ def train(config_file: str | None, quiet: bool, nproc: int | None, **flags: Any)
     if flags.get("resume"):
         if not flags.get("out") and "out" not in file_values:
             flags["out"] = _run_dir_of(flags["resume"])
-        if "LOCAL_RANK" not in os.environ:  # a rank would find its own run's rank 0 holding it: its launcher tested
+        if os.environ.get("RANK", "0") == "0":  # rank 0 tests before it locks; another would find rank 0's lock
             RunDir(Path(_run_dir_of(flags["resume"]))).refuse_if_busy()
         saved = saved_run_options(Path(flags["resume"]))
         if saved.get("plan") and not (flags.get("disk") or file_values.get("disk")):
@@ -175,7 +175,7 @@ def train(config_file: str | None, quiet: bool, nproc: int | None, **flags: Any)
         if cfg.pp > 1 and cfg.plan == "auto":
             from tiertrain.cli.stage_plan import plan_stages
 
-            staged = plan_stages(cfg, nproc, _console())
+            staged = plan_stages(cfg, nproc)
         raise SystemExit(_torchrun(nproc, staged))
     console = _console()
     reporter = Reporter(cfg.steps, cfg.log_every, quiet=quiet)
@@ -737,6 +737,11 @@ def bench_description_cmd(d_model: int, layers: int, batch_size: int, seq_len: i
 @click.option("--pp", type=POSITIVE, default=1, show_default=True,
               help="With --nproc N: pipeline stages (the ranks as N / pp replicas of a pipeline). Each rank's stages "
                    "are planned, and FOLD3D's model chooses the schedule, segments and micro-batches (of --batch-size).")
+@click.option("--schedule", type=click.Choice(["aiao", "1f1b", "interleaved", "gpipe"]), default=None,
+              help="With --pp: plan the stages for this schedule (with --segments, and --grad-accum micro-batches "
+                   "splitting --batch) instead of choosing one.")
+@click.option("--segments", type=POSITIVE, default=1, show_default=True,
+              help="With --pp and --schedule: the segments (AIAO) or virtual stages per rank (interleaved).")
 @click.option("--profile", "profile_file", type=click.Path(dir_okay=False), help="Plan from this profile JSON instead.")
 @click.option("--solver", "solvers", multiple=True, type=click.Choice(["dp", "greedy", "random", "stronghold"]),
               help="Solvers to run (default: all); the best predicted plan is chosen.")
@@ -749,7 +754,8 @@ def bench_description_cmd(d_model: int, layers: int, batch_size: int, seq_len: i
               help="With --update lockfree: steps a block's params may lag.")
 @click.option("--grad-clip", type=Finite(min=0), default=1.0, show_default=True,
               help="The run's clipping norm (0: off). Clipping waits for every gradient, so the host holds them all.")
-@click.option("--grad-accum", type=POSITIVE, default=1, show_default=True, help="The run's micro-batches per step.")
+@click.option("--grad-accum", type=POSITIVE, default=1, show_default=True,
+              help="The run's micro-batches per step (train --pp's --micro-batches).")
 @click.option("--measure-memory", help='Memory measuring one block may take (default: half of what is free now).')
 @click.option("--measure-seconds", type=Finite(min=0), default=None,
               help="Seconds measuring one block may take (default 5); beyond them a reduced shape, or the FLOP estimate.")

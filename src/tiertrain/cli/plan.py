@@ -54,7 +54,15 @@ class PlanRequest:
     nproc_per_node: int = 0            # ranks per node (0: all on one); fewer than nproc: plan over nodes
     ep: int = 1                        # expert parallel: ranks a mixture-of-experts layer's experts are divided over
     pp: int = 1                        # pipeline stages: the nproc ranks as nproc / pp replicas of a pipeline
-    layout: PipelineLayout | None = None  # the pipeline's layout where it is given (train --pp --plan auto), not chosen
+    schedule: str | None = None        # with pp: the pipeline's schedule where it is given, not chosen (and its
+    segments: int = 1                  # segments; grad_accum micro-batches splitting batch)
+
+    @property
+    def layout(self) -> PipelineLayout | None:
+        """The pipeline's layout where it is given (``--schedule``), else None: FOLD3D's model chooses one."""
+        if self.pp == 1 or self.schedule is None:
+            return None
+        return PipelineLayout(self.pp, self.schedule, self.grad_accum, self.segments)
 
     @property
     def needs_all_grads(self) -> bool:
@@ -344,12 +352,19 @@ def _say_if_once_a_step_overflows(chosen: Candidate, profile: Profile, budgets: 
 def _check_pipeline(req: PlanRequest) -> None:
     """What a pipelined plan cannot be, refused before anything is measured."""
     if req.pp == 1:
+        if req.schedule is not None:
+            raise ConfigError("--schedule plans a pipeline's stages: add --pp P (and --nproc N)")
         return
     if req.nproc % req.pp:
         raise ConfigError(f"--pp {req.pp} does not divide --nproc {req.nproc}: the ranks form --nproc / --pp "
                           "replicas of the pipeline")
     if req.ep > 1:
         raise ConfigError("--pp plans a pipeline of a dense model: leave out --ep")
+    if req.layout is not None:
+        from tiertrain.models import resolve_config
+
+        blocks = getattr(resolve_config(req.model), "n_layer", None) if req.model else None
+        req.layout.check(req.nproc, blocks or req.layout.stages, req.batch)
 
 
 def _pp_bps(target: Machine, here: Machine, profile: Profile) -> float:

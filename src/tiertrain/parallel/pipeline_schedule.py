@@ -55,6 +55,7 @@ class Inbox(Protocol):
 
     def recv_ops(self, infos: tuple, micro: int, peer_of: Callable[[int], int]) -> list[dist.P2POp]: ...
     def take(self, infos: tuple, micro: int) -> None: ...
+    def taken(self, infos: tuple) -> None: ...
     def drop(self) -> None: ...
 
 
@@ -114,6 +115,8 @@ class TieredStage(PipelineStage):
         finally:
             for stash in stashes:
                 stash.micro = None
+            if self._handoff.inbox is not None:
+                self._handoff.inbox.taken(self.args_recv_info[fwd_chunk_id])
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):  # type: ignore[override]
         out = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)

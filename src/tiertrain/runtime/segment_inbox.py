@@ -43,6 +43,7 @@ class SegmentInbox:
             if info.is_root_arg or info.buffer is None:
                 continue
             chunk, view = self._host_buffer(info.buffer)
+            info.buffer = _shell(info.buffer)  # torch's device buffer for it let go: nothing waits on the device
             self.held.setdefault(micro, []).append((arg, chunk, view))
             self.received += chunk is not None
             self.kept += chunk is None
@@ -58,6 +59,13 @@ class SegmentInbox:
             info.buffer = view.to(self.device, copy=True)  # a leaf of its own: torch makes it the input
             if chunk is not None:
                 self.mem.release(chunk)
+
+    def taken(self, infos: tuple) -> None:
+        """That forward ran: autograd holds the inputs it needs (torch's forward cache, until backward); the
+        buffers let go, so the device holds no micro-batch's input before or after its own use."""
+        for info in infos:
+            if not info.is_root_arg and info.buffer is not None and not info.buffer.is_meta:
+                info.buffer = _shell(info.buffer)
 
     def drop(self) -> None:
         """A step that raised leaves inputs never taken: their chunks freed."""
@@ -77,3 +85,8 @@ class SegmentInbox:
             return None, torch.empty(like.shape, dtype=like.dtype)
         return chunk, chunk.typed(like.dtype)[: like.numel()].view(like.shape)
 
+
+def _shell(t: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``t``'s shape and dtype holding no memory (what torch's stage reads of a buffer it has not
+    been handed yet)."""
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")

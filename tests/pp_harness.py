@@ -21,23 +21,36 @@ def batches(replica: int) -> list[torch.Tensor]:
     return [torch.randint(0, 256, (ROWS, 17), generator=g) for _ in range(STEPS)]
 
 
-def fresh(tied: bool = False):
+LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "bos_token_id": 0,
+         "eos_token_id": 0, "pad_token_id": 0}
+
+
+def fresh(tied: bool = False, family: str = "gpt"):
     from tiertrain.models import build
     from tiertrain.train.optimizer import make_adamw
 
     torch.manual_seed(0)
-    model = build({**TINY, "tie_embeddings": tied})
+    model = build({**TINY, "tie_embeddings": tied} if family == "gpt" else {**LLAMA, "tie_word_embeddings": tied})
     opt, _ = make_adamw(model, 1e-2, (0.9, 0.95), 1e-8, 0.1)
     return model, opt
 
 
+def loss_of(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """One micro-batch's loss as a loop over the plain model computes it (our GPT's own; a transformers
+    model's logits through the same mean cross-entropy the pipeline's last stage takes)."""
+    from tiertrain.models.gpt import GPT, token_loss
+
+    return model(x, y) if isinstance(model, GPT) else token_loss(model(input_ids=x).logits, y)
+
+
 def reference(dp: int, micro: int, clip: float | None = None, start=None, first: int = 0,
-              tied: bool = False) -> list[list[list[float]]]:
+              tied: bool = False, family: str = "gpt") -> list[list[list[float]]]:
     """Each replica's micro-batch losses (divided by their count) per step, in one process: every replica's
     gradients accumulated over its micro-batches, averaged over the replicas (once a step, as a pipeline's
     DP.sync reduces them), clipped, one AdamW step. ``start``: (model, optimizer) to go on from, at step
     ``first`` (a resumed checkpoint's)."""
-    model, opt = start or fresh(tied)
+    model, opt = start or fresh(tied, family)
     data = [batches(r) for r in range(dp)]
     out = []
     for step in range(first, STEPS):
@@ -46,7 +59,7 @@ def reference(dp: int, micro: int, clip: float | None = None, start=None, first:
             b = data[r][step]
             losses = []
             for x, y in zip(b[:, :-1].chunk(micro), b[:, 1:].chunk(micro)):
-                loss = model(x, y) / micro
+                loss = loss_of(model, x, y) / micro
                 loss.backward()
                 losses.append(loss.item())
             per_replica.append(losses)
@@ -104,6 +117,7 @@ class Case:
     clip: float | None = None
     dtype: str = "fp32"
     tied: bool = False             # the head uses the token embedding's weight: across the first and last stage
+    family: str = "gpt"            # "gpt": tiertrain's; "llama": a transformers Llama
 
 
 def _plan(name: str, n_blocks: int):
@@ -130,7 +144,7 @@ def pipelined_losses(rank: int, case: Case, pp: int, disk: Path, events: bool = 
     from tiertrain.memory import Budgets
     from tiertrain.plan.pipeline import PipelineLayout
 
-    model, opt = fresh(case.tied)
+    model, opt = fresh(case.tied, case.family)
     layout = PipelineLayout(pp=pp, schedule=case.schedule, micro_batches=case.micro, segments=case.segments)
     run = pipeline(model, opt, layout, Budgets(64 << 20, 64 << 20, 64 << 20, rank_disk(disk, rank)),
                    plan=_plan(case.plan, TINY["n_layer"]), page_size=64 << 10, update=case.update,

@@ -26,13 +26,16 @@ BF16 = [Case("1f1b", 4, 1, dtype="bf16"), Case("aiao", 4, 2, dtype="bf16"), Case
 TIED = [Case("gpipe", 1, 1, tied=True), Case("1f1b", 4, 1, tied=True), Case("aiao", 4, 2, tied=True),
         Case("aiao", 4, 2, plan="disk", tied=True), Case("aiao", 4, 2, clip=0.05, tied=True)]
 TIED_RTOL = 1e-6
+# a transformers Llama cut into stages (its base model's own forward over each stage's layers)
+LLAMA = [Case("1f1b", 4, 1, family="llama"), Case("aiao", 4, 2, plan="disk", family="llama"),
+         Case("aiao", 4, 2, tied=True, family="llama")]
 SCHEDULES = [Case("gpipe", 2, 1), Case("1f1b", 4, 1), Case("interleaved", 4, 2), Case("aiao", 4, 2)]
 PP2 = SCHEDULES + [Case(c.schedule, c.micro, c.segments, plan="disk") for c in SCHEDULES] + [
     Case("aiao", 4, 2, update="overlap"), Case("aiao", 4, 2, clip=0.05), Case("1f1b", 4, 1, clip=0.05),
-    Case("aiao", 4, 2, plan="stash"), Case("1f1b", 4, 1, plan="stash")] + BF16 + TIED
+    Case("aiao", 4, 2, plan="stash"), Case("1f1b", 4, 1, plan="stash")] + BF16 + TIED + LLAMA
 PP2_DP2 = SCHEDULES + [Case("aiao", 4, 2, plan="disk"), Case("aiao", 4, 2, update="overlap"),
                        Case("aiao", 4, 2, clip=0.05), Case("aiao", 4, 2, tied=True),
-                       Case("aiao", 4, 2, clip=0.05, tied=True)]
+                       Case("aiao", 4, 2, clip=0.05, tied=True), Case("aiao", 4, 2, family="llama")]
 # Clipping: the pipeline's norm combines each stage's (sqrt of a sum of squares of per-stage norms) where torch
 # takes one norm over every parameter's: the same value within fp32 rounding of a few ulps, so the clipped
 # steps may differ in the last bits; 1e-6 relative is a hundred times that and a thousand below any real fault.
@@ -47,6 +50,7 @@ def _jobs(cases, pp, tmp, events):
 
 
 SAVED, RESUMED = Case("1f1b", 4, 1), Case("aiao", 4, 2)  # the resumed run cuts the model into 4 stages, not 2
+LLAMA_SAVED = Case("1f1b", 4, 1, family="llama")
 TIED_SAVED, TIED_RESUMED = Case("gpipe", 1, 1, tied=True), Case("aiao", 1, 2, tied=True)  # one micro-batch: exact
 
 
@@ -77,7 +81,11 @@ def pp2(tmp_path_factory):
              (("from one tied",), functools.partial(resumed_from_one_process, pp=2, disk=disk / "ot",
                                                     out=tmp_path_factory.mktemp("onetied"), case=TIED_RESUMED))]
     jobs += [(("meta",), functools.partial(meta_built, pp=2, disk=disk / "meta"))]
-    return {**run_ranks(2, tmp_path_factory.mktemp("pp2"), jobs), "out": out, "tied out": tied_out}
+    llama_out = tmp_path_factory.mktemp("pp2llama")
+    jobs += [(("saved llama",), functools.partial(pipelined_losses, case=LLAMA_SAVED, pp=2, disk=disk / "sl",
+                                                  save_to=llama_out))]
+    return {**run_ranks(2, tmp_path_factory.mktemp("pp2"), jobs), "out": out, "tied out": tied_out,
+            "llama out": llama_out}
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +97,8 @@ def pp2_dp2(tmp_path_factory):
 
 
 def _check(results, case, world, dp, tmp):
-    want = reference(dp, case.micro, case.clip, tied=case.tied) if case.dtype == "fp32" else tiered_reference(case, tmp)
+    want = (reference(dp, case.micro, case.clip, tied=case.tied, family=case.family) if case.dtype == "fp32"
+            else tiered_reference(case, tmp))
     for rank in range(world):
         got = results[((case,), rank)]
         mine = [step[got["replica"]] for step in want]
@@ -195,6 +204,24 @@ def test_a_model_the_pipeline_cannot_cut_is_refused_before_any_rank_starts(chang
     from tiertrain.plan.pipeline import PipelineLayout
 
     model = build({**TINY, **change})
+    with pytest.raises(ConfigError, match=says):
+        pipeline(model, torch.optim.AdamW(model.parameters()), PipelineLayout(pp=2))
+
+
+@pytest.mark.parametrize("spec, says", [
+    ({"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 32, "n_positions": 64, "vocab_size": 256},
+     "built as Llama, Qwen2 or Mistral; a GPT2LMHeadModel has no stages yet"),
+    ({"model_type": "qwen2", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+      "num_attention_heads": 4, "num_key_value_heads": 2, "layer_types": ["full_attention", "sliding_attention"]},
+     "layers differ in attention .* give every layer one attention type"),
+])
+def test_a_transformers_model_a_stage_could_not_compute_is_refused_in_one_line(spec, says):
+    from tiertrain.api.pipeline import pipeline
+    from tiertrain.errors import ConfigError
+    from tiertrain.models import build
+    from tiertrain.plan.pipeline import PipelineLayout
+
+    model = build(spec)
     with pytest.raises(ConfigError, match=says):
         pipeline(model, torch.optim.AdamW(model.parameters()), PipelineLayout(pp=2))
 
@@ -418,3 +445,19 @@ def test_a_model_built_on_the_meta_device_trains_as_a_pipeline_with_its_tied_wei
     assert not torch.equal(got[0]["before"], got[0]["after"])  # trained
     assert all(math.isfinite(x) for g in got for step in g["losses"] for x in step)
     assert all(g["others_meta"] for g in got if g["others_meta"] is not None)  # rank 0 never drew the last blocks
+
+
+def test_a_pipelined_llama_checkpoint_resumes_in_one_process_of_plain_transformers(pp2):
+    """A transformers Llama's stages save under the model's names: the checkpoint after step 1 loads into the
+    plain model and its AdamW, and their steps 2 and 3 are the pipelined run's, bit for bit."""
+    from pp_harness import fresh
+    from tiertrain.checkpoint.run import find_checkpoint, load_checkpoint
+    from tiertrain.checkpoint.train_state import PlainState
+
+    model, opt = fresh(family="llama")
+    names = dict(enumerate([n for n, p in model.named_parameters() if p.dim() >= 2]
+                           + [n for n, p in model.named_parameters() if p.dim() < 2]))
+    assert load_checkpoint(find_checkpoint(pp2["llama out"]), PlainState(model, opt, names)).step == 1
+    want = reference(1, LLAMA_SAVED.micro, start=(model, opt), first=1, family="llama")
+    for rank in range(2):
+        assert pp2[(("saved llama",), rank)]["losses"][1:] == [step[0] for step in want], f"rank {rank}"

@@ -31,7 +31,7 @@ from tiertrain.errors import ConfigError
 from tiertrain.memory import Budgets
 from tiertrain.memory.system import compute_device
 from tiertrain.models.gpt import token_loss
-from tiertrain.models.gpt_stages import TIED, check_stageable, release_others, stage_of
+from tiertrain.models.stages import StageCut, check_stageable, release_others
 from tiertrain.models.init import init_in_place
 from tiertrain.parallel.agree import same_on_every_rank
 from tiertrain.parallel.group import ensure_process_group, world_from_env
@@ -126,7 +126,7 @@ class Pipelined:
         no autocast is needed: the tests find the bf16 stages equal to a loop autocasting its forward)."""
         if ids:
             return torch.empty(rows, tokens, dtype=torch.long, device="meta")
-        return torch.empty(rows, tokens, width or self.stages[0].config.d_model, device="meta",
+        return torch.empty(rows, tokens, width or self.stages[0].hidden_size, device="meta",
                            dtype=self._dtype, requires_grad=True)
 
     @property
@@ -169,26 +169,26 @@ def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Pipelin
     plan = _plan_from_file(plan)
     _check_clipping(opts, plan)
     _check_precision(opts, plan)
-    gpt = check_stageable(model)
-    _check_tied(gpt, layout, opts, plan)
-    optimizer_groups(optimizer, gpt)  # an AdamW, fresh, over every parameter: refused before anything changes
+    cut = check_stageable(model)
+    _check_tied(cut, layout, opts, plan)
+    optimizer_groups(optimizer, model)  # an AdamW, fresh, over every parameter: refused before anything changes
     ensure_process_group()
-    layout.check(world_from_env(), len(gpt.blocks), layout.micro_batches)
-    same_on_every_rank("the pipeline", _pipeline_fields(gpt, layout, opts, plan), FIX)
-    mesh = pipeline_mesh(layout.pp, tied=gpt.config.tie_embeddings and layout.pp > 1)
+    layout.check(world_from_env(), cut.n_blocks, layout.micro_batches)
+    same_on_every_rank("the pipeline", _pipeline_fields(model, layout, opts, plan), FIX)
+    mesh = pipeline_mesh(layout.pp, tied=cut.ties and layout.pp > 1)
     tiered: list[nn.Module] = []
     try:
-        _materialize_tied(gpt, mesh)
-        runs = fold(len(gpt.blocks), layout.pp, layout.segments)
+        _materialize_tied(cut, mesh)
+        runs = fold(cut.n_blocks, layout.pp, layout.segments)
         indices = [v for v in range(layout.stages) if v % layout.pp == mesh.pp_rank]
-        modules = [stage_of(gpt, runs[v]) for v in indices]
+        modules = [cut.stage(runs[v]) for v in indices]
         stage_opts = [_stage_adamw(optimizer, m) for m in modules]
-        release_others(gpt, modules)
+        release_others(model, modules)
         for group in optimizer.param_groups:  # the stages' optimizers hold this rank's originals now, each let
             group["params"] = []               # go of as setup replaces it
         parts = []
         for module, stage_opt, v, share in zip(modules, stage_opts, indices, _shares(memory, len(modules))):
-            chosen = stage_plan(plan, runs[v], len(gpt.blocks), max(map(len, runs))) if isinstance(plan, Plan) else plan
+            chosen = stage_plan(plan, runs[v], cut.n_blocks, max(map(len, runs))) if isinstance(plan, Plan) else plan
             t, topt = setup(module, stage_opt, share, plan=chosen, options=opts, collectives=mesh.stage_dp)
             tiered.append(t)
             parts.append(topt)
@@ -202,10 +202,10 @@ def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Pipelin
         raise
 
 
-def _check_tied(gpt: nn.Module, layout: PipelineLayout, opts: RunOptions, plan: "str | Plan") -> None:
+def _check_tied(cut: StageCut, layout: PipelineLayout, opts: RunOptions, plan: "str | Plan") -> None:
     """A tied weight's two stages sum their gradients before the step: none may be updated during backward,
     and the two ends must be on two ranks."""
-    if not gpt.config.tie_embeddings:
+    if not cut.ties:
         return
     update = opts.update or (plan.update if isinstance(plan, Plan) else "sync")
     if rules(update).updates_as_final or rules(update).loops:
@@ -217,16 +217,16 @@ def _check_tied(gpt: nn.Module, layout: PipelineLayout, opts: RunOptions, plan: 
                           "segments=1, or more pipeline ranks")
 
 
-def _materialize_tied(gpt: nn.Module, mesh: PipelineMesh) -> None:
+def _materialize_tied(cut: StageCut, mesh: PipelineMesh) -> None:
     """A tied weight of a model built on the meta device, drawn on the first stage's rank and sent to the
     last's, so the last stage's copy starts equal to it (each stage's other weights are drawn where they
     live, and its replicas take its first replica's); only the two ends hold it, one tensor at a time."""
-    original = getattr(gpt.tok_emb, "weight", None)
+    original = getattr(cut.embedding, "weight", None)
     if mesh.tied is None or original is None or not original.is_meta:
         return
     value = torch.empty(original.shape, dtype=torch.float32)
     if mesh.pp_rank == 0:
-        init_in_place(TIED, value)
+        init_in_place("weight", value)  # a matrix: drawn as any
     mesh.tied.broadcast(value, src=0)  # the pair's first rank: the first stage's
     torch.utils.swap_tensors(original, nn.Parameter(value.to(original.dtype), original.requires_grad))
 
@@ -235,7 +235,7 @@ def _tied_side(tiered: list[nn.Module], mesh: PipelineMesh) -> TiedStages | None
     """This rank's side of the tied embedding (the first stage's weight, or the last stage's copy), if any."""
     for stage in tiered:
         if stage.tied:
-            param = dict(stage.named_parameters())[TIED]  # the tiered stage's (setup registers its own)
+            param = dict(stage.named_parameters())[stage.tied_name]  # the tiered stage's (setup registers its own)
             return tied_side(stage.runtime, param, stage.heads, mesh.tied, mesh.stage_dp)
     return None
 
@@ -248,10 +248,10 @@ def _plan_from_file(plan: "str | Plan") -> "str | Plan":
     return plan_file(plan)
 
 
-def _pipeline_fields(gpt: nn.Module, layout: PipelineLayout, opts: RunOptions, plan: "str | Plan") -> dict[str, str]:
+def _pipeline_fields(model: nn.Module, layout: PipelineLayout, opts: RunOptions, plan: "str | Plan") -> dict[str, str]:
     """What every rank of a pipeline must hold alike (a stage's ranks compare the rest among themselves):
     a rank that clips, or runs another schedule, would wait for sends or sums the others never make."""
-    return {"the layout": repr(layout), "the model (its parameters' names, shapes and dtypes)": model_signature(gpt),
+    return {"the layout": repr(layout), "the model (its parameters' names, shapes and dtypes)": model_signature(model),
             "the run's options": json.dumps(dataclasses.asdict(opts), sort_keys=True),
             "the plan": plan.to_json() if isinstance(plan, Plan) else plan}
 

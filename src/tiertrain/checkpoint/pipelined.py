@@ -44,7 +44,7 @@ from tiertrain.checkpoint.run import (
 from tiertrain.checkpoint.sharded import ShardedTensors, ShardMap, check_shard_files
 from tiertrain.checkpoint.train_state import TieredState, TrainState, plain_hparams
 from tiertrain.errors import CheckpointError
-from tiertrain.models.gpt_stages import TIED
+from tiertrain.models.stages import TIED_NAMES
 from tiertrain.optim.hparams import MOMENTS
 from tiertrain.tensor_file import LazyTensors, TensorSpec
 
@@ -163,8 +163,8 @@ def stage_tensors(ckpt: Path, trainer: TrainerFile, ts: TrainState) -> tuple[Sta
 
 def tied_copy(name: str, stage: int, rec: PipelineRecord, alike: bool) -> bool:
     """Whether ``name`` in ``stage``, already in an earlier stage (``alike``: with the same dtype and shape), is
-    the last stage's copy of a tied embedding (``models.gpt_stages``): read from the first stage instead."""
-    return name == TIED and stage == rec.stages - 1 and alike
+    the last stage's copy of a tied embedding (``models.stages``): read from the first stage instead."""
+    return name in TIED_NAMES and stage == rec.stages - 1 and alike
 
 
 def _open_stage(where: Path, step: int, needed: set[str] | None) -> tuple[Mapping, Mapping, dict[str, TensorSpec]]:

@@ -602,9 +602,9 @@ def check_same_model(ckpt: Path, model: nn.Module) -> None:
 
 def is_stage(module: nn.Module) -> bool:
     """A pipeline's stage holds some of the model's parameters: it reads its own out of a whole model's."""
-    from tiertrain.models.gpt_stages import GPTStage
+    from tiertrain.models.stages import PipelineStageModule
 
-    return isinstance(module, GPTStage)
+    return isinstance(module, PipelineStageModule)
 
 
 def _checked_weights(ckpt: Path, ts: TrainState) -> LazyTensors:

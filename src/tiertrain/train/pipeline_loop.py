@@ -21,7 +21,7 @@ from torch import nn
 from tiertrain.checkpoint.pipelined import PipelineRecord, load_pipeline, save_pipelined
 from tiertrain.checkpoint.run import TrainerState
 from tiertrain.errors import ConfigError
-from tiertrain.models import param_count
+from tiertrain.models import ModelConfig, param_count
 from tiertrain.plan.pipeline import PipelineLayout
 from tiertrain.train.config import TrainConfig
 from tiertrain.train.disk_watch import BETWEEN, FORWARD, STEP
@@ -133,9 +133,12 @@ class PipelineTrainer(Trainer):
             pipe.close()
 
     def describe(self) -> str:
-        cfg, n = self.cfg, param_count(self.model.config)
+        cfg, model_cfg = self.cfg, self.model.config
+        name = getattr(model_cfg, "name", "") or type(self.model).__name__
+        # the whole model's count (rank 0's model keeps the others' parameters' shapes on the meta device)
+        n = param_count(model_cfg) if isinstance(model_cfg, ModelConfig) else sum(p.numel() for p in self.model.parameters())
         tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum * (self.world // cfg.pp)
-        return (f"training {self.model.config.name or 'gpt'} ({format_count(n)} params) on {self.device.type}, "
+        return (f"training {name} ({format_count(n)} params) on {self.device.type}, "
                 f"{self.precision.name}; pipeline of {cfg.pp} ranks x {self.world // cfg.pp} replicas, {cfg.schedule}, "
                 f"{cfg.grad_accum} micro-batches, {self.layout.stages} stages; {tokens} tokens/step; "
                 f"steps {self.step}->{cfg.steps}; out {self.out}")

@@ -1,0 +1,140 @@
+"""A model cut into pipeline stages: what every kind of stage shares (the model's blocks under their own
+indices, a tied weight's copy, the names the stage keeps) and which models can be cut (``check_stageable``:
+tiertrain's GPT, ``models.gpt_stages``; transformers decoders built as Llama, ``models.hf_stages``).
+
+Stages are built by hand, as the pipelining issue asks: torch's tracing front end (``pipeline()`` over an
+exported graph) breaks on real models, and a stage here is the model's own modules, so its parameters,
+their names and its forward are the model's.
+
+A tied embedding (the head using the input embedding's weight) spans the first and the last stage, on two
+ranks: as Megatron does, the last stage holds a copy of the weight (``TiedCopy``, registered under the
+embedding's name and used by its head, so its checkpoint entries keep the model's name), the two stages'
+gradients of it are summed before every step (``parallel.tied_stages``), and both update it alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from tiertrain.errors import ConfigError
+
+TIED_NAMES = frozenset({"tok_emb.weight", "model.embed_tokens.weight"})  # the tied weights stages may both hold
+
+
+class StageBlocks(nn.ModuleList):
+    """A run of a model's blocks under the model's own indices (``blocks.7.attn.qkv.weight`` in a stage
+    holding blocks 6 and 7, as in the model), so a stage's parameter names, state dict and checkpoint
+    entries are the whole model's; indexed by position like any list."""
+
+    def __init__(self, blocks: nn.ModuleList, run: range) -> None:
+        super().__init__()
+        for i in run:
+            self._modules[str(i)] = blocks[i]
+
+    def __getitem__(self, idx: int | slice) -> nn.Module | nn.ModuleList:  # type: ignore[override]
+        return list(self._modules.values())[idx]
+
+    def _fixed(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("a pipeline stage's blocks are the model's, under its indices: they are not changed in place")
+
+    append = extend = insert = __setitem__ = __delitem__ = _fixed  # type: ignore[assignment]
+
+
+class TiedCopy(nn.Module):
+    """The last stage's copy of a tied embedding weight, under the embedding's name (never called: the head
+    uses it)."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+
+class PipelineStageModule(nn.Module):
+    """A run of a model's blocks; ``embeds``: with the model's input side before them (token ids in),
+    ``heads``: with its output side after them (logits out); hidden states in and out otherwise.
+    ``copy_of``: a tied weight's copy here (the last stage's) -> the model's own parameter."""
+
+    tied_name = ""  # the name of the weight the head shares with the input embedding, where it ties
+
+    def __init__(self, config: object, embeds: bool, heads: bool, first_block: int) -> None:
+        super().__init__()
+        self.config, self.embeds, self.heads, self.first_block = config, embeds, heads, first_block
+        self.copy_of: dict[nn.Parameter, nn.Parameter] = {}
+
+    @property
+    def ties(self) -> bool:
+        """Whether the model's head uses its input embedding's weight."""
+        raise NotImplementedError
+
+    @property
+    def hidden_size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def tied(self) -> bool:
+        """Whether it holds one side of a tied weight split over the first and the last stage."""
+        return self.ties and self.embeds != self.heads
+
+    @property
+    def tied_across(self) -> bool:
+        """Whether it is the last stage of a tied model, without the first's embedding: it holds a copy."""
+        return self.ties and self.heads and not self.embeds
+
+    def _tied_copy(self, original: nn.Parameter, head: nn.Module) -> TiedCopy:
+        """The last stage's copy of the tied weight, which this rank's head (the model's module) uses from now on."""
+        copy = nn.Parameter(original.detach().clone(), original.requires_grad)
+        head.weight = copy
+        self.copy_of[copy] = original
+        return TiedCopy(copy)
+
+
+@dataclass(frozen=True)
+class StageCut:
+    """How a model is cut: its blocks' count, its tied weight (if its head ties), and a stage of a run of blocks."""
+
+    model: nn.Module
+    n_blocks: int
+    ties: bool
+    embedding: nn.Module                       # the module whose ``weight`` a tied head uses
+    make: Callable[[nn.Module, range, bool, bool], PipelineStageModule]
+
+    def stage(self, blocks: range) -> PipelineStageModule:
+        """The stage holding ``blocks`` (the input side with block 0, the output side with the last)."""
+        return self.make(self.model, blocks, blocks.start == 0, blocks.stop == self.n_blocks)
+
+
+def check_stageable(model: nn.Module) -> StageCut:
+    """How ``model`` is cut into stages, or one message naming why it cannot be and the fix."""
+    from tiertrain.models import hf_stages
+    from tiertrain.models.gpt import GPT
+    from tiertrain.models.gpt_stages import GPTStage, check_gpt
+
+    if isinstance(model, GPT):
+        check_gpt(model)
+        return StageCut(model, len(model.blocks), model.config.tie_embeddings, model.tok_emb, GPTStage)
+    if hf_stages.is_decoder(model):
+        hf_stages.check_decoder(model)
+        return StageCut(model, len(model.model.layers), bool(getattr(model.config, "tie_word_embeddings", False)),
+                        model.model.embed_tokens, hf_stages.DecoderStage)
+    raise ConfigError(f"pipeline parallel cuts tiertrain's GPT and transformers decoders built as Llama, Qwen2 or "
+                      f"Mistral; a {type(model).__name__} has no stages yet: train it with data parallel (--nproc N "
+                      "without --pp)")
+
+
+def release_others(model: nn.Module, stages: list[nn.Module]) -> None:
+    """Put every parameter of ``model`` no stage of this rank holds on the meta device, in place (the same
+    parameter objects, whoever else holds them): other ranks hold and train those, and their weights would
+    otherwise stay in this rank's memory for the whole run. ``Module.to("meta")`` would make new objects
+    and leave the old ones, and their memory, to anyone still holding them."""
+    kept = {id(p) for s in stages for p in s.parameters()}
+    for name, p in model.named_parameters():
+        if id(p) not in kept and not p.is_meta:
+            try:
+                torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad))
+            except RuntimeError as exc:  # a weak reference to it, or a graph that saved it
+                raise ConfigError(f"cannot release {name}, which another rank's stage holds: {exc}; pass the model "
+                                  "before compiling it or running it") from None

@@ -31,7 +31,8 @@ def fresh(tied: bool = False, family: str = "gpt"):
     from tiertrain.train.optimizer import make_adamw
 
     torch.manual_seed(0)
-    model = build({**TINY, "tie_embeddings": tied} if family == "gpt" else {**LLAMA, "tie_word_embeddings": tied})
+    model = build({**TINY, "tie_embeddings": tied} if family == "gpt" else
+                  {**LLAMA, "model_type": family, "tie_word_embeddings": tied})
     opt, _ = make_adamw(model, 1e-2, (0.9, 0.95), 1e-8, 0.1)
     return model, opt
 
@@ -85,7 +86,7 @@ def tiered_reference(case: "Case", disk: Path) -> list[list[list[float]]]:
     import tiertrain
     from tiertrain.memory import Budgets
 
-    model, opt = fresh()
+    model, opt = fresh(case.tied, case.family)
     tm, topt = tiertrain.setup(model, opt, Budgets(64 << 20, 64 << 20, 64 << 20, str(disk)),
                                plan=_plan(case.plan, TINY["n_layer"]), page_size=64 << 10, update=case.update,
                                grad_accum=case.micro, compute_dtype=case.dtype, max_grad_norm=case.clip)
@@ -95,7 +96,7 @@ def tiered_reference(case: "Case", disk: Path) -> list[list[list[float]]]:
             losses = []
             for x, y in zip(b[:, :-1].chunk(case.micro), b[:, 1:].chunk(case.micro)):
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.dtype == "bf16"):
-                    loss = tm(x, y) / case.micro
+                    loss = loss_of(tm, x, y) / case.micro
                 loss.backward()
                 losses.append(loss.item())
             topt.step()
@@ -164,7 +165,8 @@ def pipelined_losses(rank: int, case: Case, pp: int, disk: Path, events: bool = 
                 tiertrain.save_pipeline(run, save_to, step=1)
             if events:
                 events, recorded = False, list(log)
-        out = {"replica": replica, "losses": losses, "pp_rank": run.mesh.pp_rank, "indices": run.indices}
+        out = {"replica": replica, "losses": losses, "pp_rank": run.mesh.pp_rank, "indices": run.indices,
+               "head_released": model.lm_head.weight.is_meta}  # no rank keeps a head it does not train
         if log:
             out["events"] = recorded
             out["synced"] = run.synced

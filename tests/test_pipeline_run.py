@@ -28,7 +28,8 @@ TIED = [Case("gpipe", 1, 1, tied=True), Case("1f1b", 4, 1, tied=True), Case("aia
 TIED_RTOL = 1e-6
 # a transformers Llama cut into stages (its base model's own forward over each stage's layers)
 LLAMA = [Case("1f1b", 4, 1, family="llama"), Case("aiao", 4, 2, plan="disk", family="llama"),
-         Case("aiao", 4, 2, tied=True, family="llama")]
+         Case("aiao", 4, 2, tied=True, family="llama"), Case("aiao", 4, 2, plan="stash", family="llama"),
+         Case("1f1b", 4, 1, family="qwen2"), Case("aiao", 4, 2, family="mistral")]
 SCHEDULES = [Case("gpipe", 2, 1), Case("1f1b", 4, 1), Case("interleaved", 4, 2), Case("aiao", 4, 2)]
 PP2 = SCHEDULES + [Case(c.schedule, c.micro, c.segments, plan="disk") for c in SCHEDULES] + [
     Case("aiao", 4, 2, update="overlap"), Case("aiao", 4, 2, clip=0.05), Case("1f1b", 4, 1, clip=0.05),
@@ -210,7 +211,10 @@ def test_a_model_the_pipeline_cannot_cut_is_refused_before_any_rank_starts(chang
 
 @pytest.mark.parametrize("spec, says", [
     ({"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 32, "n_positions": 64, "vocab_size": 256},
-     "built as Llama, Qwen2 or Mistral; a GPT2LMHeadModel has no stages yet"),
+     "transformers llama, qwen2, mistral models; a GPT2LMHeadModel has no stages yet"),
+    ({"model_type": "granite", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+      "num_attention_heads": 4, "num_key_value_heads": 2, "embedding_multiplier": 12.0},
+     "a GraniteForCausalLM has no stages yet"),
     ({"model_type": "qwen2", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
       "num_attention_heads": 4, "num_key_value_heads": 2, "layer_types": ["full_attention", "sliding_attention"]},
      "layers differ in attention .* give every layer one attention type"),
@@ -330,6 +334,8 @@ def test_a_tied_pipelined_checkpoint_resumes_cut_otherwise_in_one_process_and_fr
         assert saved == want and plain == want[1:], f"rank {rank}"
         assert pp2[(("resumed tied",), rank)]["losses"] == want[1:], f"rank {rank}"
         assert pp2[(("from one tied",), rank)]["losses"] == want[1:], f"rank {rank}"
+    # the head is the last stage's (rank 1's); rank 0's model lets its registration of the tied weight go too
+    assert pp2[(("saved tied",), 0)]["head_released"] and not pp2[(("saved tied",), 1)]["head_released"]
     assert model.lm_head.weight is model.tok_emb.weight  # the one process's model stays tied
 
 

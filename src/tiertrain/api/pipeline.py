@@ -211,7 +211,7 @@ def _check_tied(cut: StageCut, layout: PipelineLayout, opts: RunOptions, plan: "
     if rules(update).updates_as_final or rules(update).loops:
         raise ConfigError(f"a tied embedding in a pipeline sums the first and the last stage's gradients of it before "
                           f"the step, and the {update} update mode updates blocks before that: use update='sync', or "
-                          "build the model with tie_embeddings=False")
+                          "untie the model's head (tie_embeddings / tie_word_embeddings=False)")
     if layout.pp == 1 and layout.stages > 1:
         raise ConfigError("a tied embedding's first and last stage on one rank (pp = 1) is not supported: give "
                           "segments=1, or more pipeline ranks")

@@ -223,7 +223,7 @@ def _check_layout(cfg: Any, nproc: int) -> None:
         from tiertrain.plan.pipeline import PipelineLayout
 
         model_cfg = resolve_config(cfg.model)
-        blocks = getattr(model_cfg, "n_layer", None)
+        blocks = getattr(model_cfg, "n_layer", None) or getattr(model_cfg, "num_hidden_layers", None)
         PipelineLayout(cfg.pp, cfg.schedule, cfg.grad_accum, cfg.segments).check(
             nproc, blocks or cfg.pp * cfg.segments, cfg.grad_accum)
     if cfg.plan and cfg.plan.endswith(".json") and os.path.isfile(cfg.plan):

@@ -363,7 +363,8 @@ def _check_pipeline(req: PlanRequest) -> None:
     if req.layout is not None:
         from tiertrain.models import resolve_config
 
-        blocks = getattr(resolve_config(req.model), "n_layer", None) if req.model else None
+        cfg = resolve_config(req.model) if req.model else None
+        blocks = getattr(cfg, "n_layer", None) or getattr(cfg, "num_hidden_layers", None)
         req.layout.check(req.nproc, blocks or req.layout.stages, req.batch)
 
 

@@ -17,8 +17,8 @@ TIED = "tok_emb.weight"  # a tied model's embedding weight, which its head uses 
 class GPTStage(PipelineStageModule):
     tied_name = TIED
 
-    def __init__(self, model: GPT, blocks: range, embeds: bool, heads: bool) -> None:
-        super().__init__(model.config, embeds, heads, blocks.start)
+    def __init__(self, model: GPT, blocks: range, embeds: bool, heads: bool, ties: bool) -> None:
+        super().__init__(model.config, embeds, heads, blocks.start, ties)
         if embeds:
             self.tok_emb, self.pos_emb, self.drop = model.tok_emb, model.pos_emb, model.drop
         self.blocks = StageBlocks(model.blocks, blocks)
@@ -27,10 +27,6 @@ class GPTStage(PipelineStageModule):
             if self.tied_across:  # before the head: the copy's name is the model's
                 self.tok_emb = self._tied_copy(model.tok_emb.weight, model.lm_head)
             self.lm_head = model.lm_head
-
-    @property
-    def ties(self) -> bool:
-        return self.config.tie_embeddings
 
     @property
     def hidden_size(self) -> int:
@@ -57,4 +53,5 @@ def check_gpt(model: GPT) -> None:
 
 def stage_of(model: GPT, blocks: range) -> GPTStage:
     """The stage holding ``blocks`` of ``model`` (the embeddings with block 0, the head with the last)."""
-    return GPTStage(model, blocks, embeds=blocks.start == 0, heads=blocks.stop == len(model.blocks))
+    return GPTStage(model, blocks, blocks.start == 0, blocks.stop == len(model.blocks),
+                    model.lm_head.weight is model.tok_emb.weight)

@@ -19,12 +19,17 @@ from tiertrain.models.stages import PipelineStageModule, StageBlocks
 
 PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
 TIED_HF = "model.embed_tokens.weight"
+# the families whose base forward is embed, layers, norm and nothing else, and whose causal LM's forward is the
+# head and nothing else (Granite scales its embeddings and logits, Cohere its logits: cut so, they would not be
+# the model), checked against the plain model bit for bit
+FAMILIES = ("llama", "qwen2", "mistral")
 
 
 def is_decoder(model: nn.Module) -> bool:
-    """Whether ``model`` is a transformers causal LM built as the families this module cuts."""
+    """Whether ``model`` is a transformers causal LM of one of ``FAMILIES``."""
     base = getattr(model, "model", None)
-    return (base is not None and isinstance(getattr(model, "lm_head", None), nn.Module)
+    return (getattr(getattr(model, "config", None), "model_type", None) in FAMILIES and base is not None
+            and isinstance(getattr(model, "lm_head", None), nn.Module)
             and all(isinstance(getattr(base, p, None), nn.Module) for p in PARTS)
             and isinstance(base.layers, nn.ModuleList))
 
@@ -32,6 +37,9 @@ def is_decoder(model: nn.Module) -> bool:
 def check_decoder(model: nn.Module) -> None:
     """Refuse, in one line, what a stage of it could not compute as the whole model does."""
     cfg = model.config
+    if any(b.is_meta for b in model.buffers()):
+        raise ConfigError(f"a {type(model).__name__} built on the meta device cannot be cut into stages yet (its "
+                          "rotary embedding's frequencies are not drawn): build it in memory")
     kinds = set(getattr(cfg, "layer_types", None) or ())
     if len(kinds) > 1:
         raise ConfigError(f"pipeline stages of a {type(model).__name__} whose layers differ in attention "
@@ -46,8 +54,8 @@ class DecoderStage(PipelineStageModule):
     """A run of a transformers decoder's layers (``embeds``: with the token embedding before them, token ids
     in; ``heads``: with the final norm and the head after them, logits out)."""
 
-    def __init__(self, model: nn.Module, blocks: range, embeds: bool, heads: bool) -> None:
-        super().__init__(model.config, embeds, heads, blocks.start)
+    def __init__(self, model: nn.Module, blocks: range, embeds: bool, heads: bool, ties: bool) -> None:
+        super().__init__(model.config, embeds, heads, blocks.start, ties)
         base = model.model
         object.__setattr__(self, "_base", base)  # not registered: the stage holds only its own parts
         self.model = nn.Module()
@@ -64,10 +72,6 @@ class DecoderStage(PipelineStageModule):
     tied_name = TIED_HF
 
     @property
-    def ties(self) -> bool:
-        return bool(getattr(self.config, "tie_word_embeddings", False))
-
-    @property
     def hidden_size(self) -> int:
         return self.config.hidden_size
 
@@ -76,7 +80,8 @@ class DecoderStage(PipelineStageModule):
         kept = base.layers, base.norm
         base.layers, base.norm = mine.layers, (mine.norm if self.heads else nn.Identity())
         try:
-            out = base(input_ids=x, use_cache=False) if self.embeds else base(inputs_embeds=x, use_cache=False)
+            flags = dict(use_cache=False, return_dict=True, output_hidden_states=False, output_attentions=False)
+            out = base(input_ids=x, **flags) if self.embeds else base(inputs_embeds=x, **flags)
         finally:
             base.layers, base.norm = kept
         return self.lm_head(out.last_hidden_state) if self.heads else out.last_hidden_state

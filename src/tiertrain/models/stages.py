@@ -60,15 +60,11 @@ class PipelineStageModule(nn.Module):
 
     tied_name = ""  # the name of the weight the head shares with the input embedding, where it ties
 
-    def __init__(self, config: object, embeds: bool, heads: bool, first_block: int) -> None:
+    def __init__(self, config: object, embeds: bool, heads: bool, first_block: int, ties: bool) -> None:
         super().__init__()
         self.config, self.embeds, self.heads, self.first_block = config, embeds, heads, first_block
+        self.ties = ties  # the model's head uses its input embedding's weight (as registered, not as configured)
         self.copy_of: dict[nn.Parameter, nn.Parameter] = {}
-
-    @property
-    def ties(self) -> bool:
-        """Whether the model's head uses its input embedding's weight."""
-        raise NotImplementedError
 
     @property
     def hidden_size(self) -> int:
@@ -100,11 +96,11 @@ class StageCut:
     n_blocks: int
     ties: bool
     embedding: nn.Module                       # the module whose ``weight`` a tied head uses
-    make: Callable[[nn.Module, range, bool, bool], PipelineStageModule]
+    make: Callable[[nn.Module, range, bool, bool, bool], PipelineStageModule]
 
     def stage(self, blocks: range) -> PipelineStageModule:
         """The stage holding ``blocks`` (the input side with block 0, the output side with the last)."""
-        return self.make(self.model, blocks, blocks.start == 0, blocks.stop == self.n_blocks)
+        return self.make(self.model, blocks, blocks.start == 0, blocks.stop == self.n_blocks, self.ties)
 
 
 def check_stageable(model: nn.Module) -> StageCut:
@@ -115,13 +111,15 @@ def check_stageable(model: nn.Module) -> StageCut:
 
     if isinstance(model, GPT):
         check_gpt(model)
-        return StageCut(model, len(model.blocks), model.config.tie_embeddings, model.tok_emb, GPTStage)
+        return StageCut(model, len(model.blocks), model.lm_head.weight is model.tok_emb.weight, model.tok_emb,
+                        GPTStage)
     if hf_stages.is_decoder(model):
         hf_stages.check_decoder(model)
-        return StageCut(model, len(model.model.layers), bool(getattr(model.config, "tie_word_embeddings", False)),
-                        model.model.embed_tokens, hf_stages.DecoderStage)
-    raise ConfigError(f"pipeline parallel cuts tiertrain's GPT and transformers decoders built as Llama, Qwen2 or "
-                      f"Mistral; a {type(model).__name__} has no stages yet: train it with data parallel (--nproc N "
+        embedding = model.model.embed_tokens
+        return StageCut(model, len(model.model.layers), model.lm_head.weight is embedding.weight, embedding,
+                        hf_stages.DecoderStage)
+    raise ConfigError(f"pipeline parallel cuts tiertrain's GPT and transformers {', '.join(hf_stages.FAMILIES)} "
+                      f"models; a {type(model).__name__} has no stages yet: train it with data parallel (--nproc N "
                       "without --pp)")
 
 
@@ -138,3 +136,17 @@ def release_others(model: nn.Module, stages: list[nn.Module]) -> None:
             except RuntimeError as exc:  # a weak reference to it, or a graph that saved it
                 raise ConfigError(f"cannot release {name}, which another rank's stage holds: {exc}; pass the model "
                                   "before compiling it or running it") from None
+    _unregister_outside(model, stages, kept)
+
+
+def _unregister_outside(model: nn.Module, stages: list[nn.Module], kept: set[int]) -> None:
+    """A module no stage of this rank holds that registers a parameter one does (the head of a tied model on
+    the first stage's rank) gets a meta stand-in: setup installs its own tensors in the stage's modules only,
+    and the old registration would keep the original's memory for the whole run."""
+    inside = {id(m) for s in stages for m in s.modules()}
+    for module in model.modules():
+        if id(module) in inside:
+            continue
+        for key, p in list(module._parameters.items()):
+            if p is not None and id(p) in kept:
+                module._parameters[key] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)

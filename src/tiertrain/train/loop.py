@@ -103,11 +103,12 @@ def model_vocab_and_len(model: nn.Module) -> tuple[int, int]:
     return cfg.vocab_size, getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 1 << 30)
 
 
-def model_flops_per_token(model: nn.Module, seq_len: int) -> int:
-    """By formula for our models; 6 N + 12 L d s from the module for transformers models."""
+def model_flops_per_token(model: nn.Module, seq_len: int, params: int | None = None) -> int:
+    """By formula for our models; 6 N + 12 L d s from the module for transformers models (``params``: N where
+    the module's own registrations no longer say it, as in a pipeline's cut model)."""
     if isinstance(model.config, ModelConfig):
         return flops_per_token(model.config, seq_len)
-    n = sum(p.numel() for p in model.parameters())
+    n = params if params is not None else sum(p.numel() for p in model.parameters())
     cfg = model.config
     layers = getattr(cfg, "num_hidden_layers", 0)
     hidden = getattr(cfg, "hidden_size", 0)
@@ -159,7 +160,7 @@ class Trainer:
         self.loss_scaler = self.opt.loss_scaler if self.tiered else (self.scaler if self.scaler.is_enabled() else None)
         self.step = 0
         self.step_seconds: list[float] = []
-        self.flops_per_token = model_flops_per_token(self.state.module, cfg.seq_len)
+        self.flops_per_token = self._flops_per_token()
         if cfg.resume:
             self._resume(Path(cfg.resume))
         if self.tiered and self.rank == 0:  # only once a resume is accepted: a refused one changes nothing in OUT
@@ -173,6 +174,9 @@ class Trainer:
         if self.metrics.dropped:
             self.reporter.message(f"metrics.jsonl: {self.metrics.dropped} line(s) that were not whole rows "
                                   "(a run killed mid-write) cut off")
+
+    def _flops_per_token(self) -> int:
+        return model_flops_per_token(self.state.module, self.cfg.seq_len)
 
     def _build(self, model_cfg: Any) -> nn.Module:
         """A plain run's model on its device. A tiered run's stays on the host (setup places its

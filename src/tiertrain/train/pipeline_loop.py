@@ -25,7 +25,7 @@ from tiertrain.models import ModelConfig, param_count
 from tiertrain.plan.pipeline import PipelineLayout
 from tiertrain.train.config import TrainConfig
 from tiertrain.train.disk_watch import BETWEEN, FORWARD, STEP
-from tiertrain.train.loop import Trainer
+from tiertrain.train.loop import Trainer, model_flops_per_token
 from tiertrain.train.metrics import Reporter
 from tiertrain.train.schedule import lr_at
 from tiertrain.units import format_count, parse_size
@@ -56,6 +56,7 @@ class PipelineTrainer(Trainer):
                               f"start; under your own torchrun plan the stages with tiertrain plan --nproc N --pp "
                               f"{cfg.pp} --out plan.json and pass --plan plan.json")
         self.layout = PipelineLayout(cfg.pp, cfg.schedule, cfg.grad_accum, cfg.segments)
+        self.whole_params = sum(p.numel() for p in self.model.parameters())  # before the cut re-registers a tie
         self.pipe = pipeline(self.model, self.opt, self.layout, self.budgets.budgets, plan=cfg.plan,
                              page_size=parse_size(cfg.page_size) if cfg.page_size else None,
                              update=cfg.update or "sync",
@@ -63,6 +64,9 @@ class PipelineTrainer(Trainer):
                              compute_dtype=self.precision.name)
         self.opt = self.pipe.optimizer
         self.state = _PipelineState(self.model)  # type: ignore[assignment]
+
+    def _flops_per_token(self) -> int:
+        return model_flops_per_token(self.model, self.cfg.seq_len, self.whole_params)
 
     def _write_plan(self) -> None:
         return None  # each stage has its plan; plan.json describes one runtime's
@@ -135,8 +139,8 @@ class PipelineTrainer(Trainer):
     def describe(self) -> str:
         cfg, model_cfg = self.cfg, self.model.config
         name = getattr(model_cfg, "name", "") or type(self.model).__name__
-        # the whole model's count (rank 0's model keeps the others' parameters' shapes on the meta device)
-        n = param_count(model_cfg) if isinstance(model_cfg, ModelConfig) else sum(p.numel() for p in self.model.parameters())
+        # the whole model's count (counted before the cut; the others' parameters keep their shapes on meta)
+        n = param_count(model_cfg) if isinstance(model_cfg, ModelConfig) else self.whole_params
         tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum * (self.world // cfg.pp)
         return (f"training {name} ({format_count(n)} params) on {self.device.type}, "
                 f"{self.precision.name}; pipeline of {cfg.pp} ranks x {self.world // cfg.pp} replicas, {cfg.schedule}, "

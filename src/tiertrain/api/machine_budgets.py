@@ -60,8 +60,14 @@ def machine_budgets(device: torch.device, given_device: int | None = None, given
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         room = host_available() - (dev if device.type == "cpu" else 0)
         host = max(0, min(ram // 2, int(HOST_SHARE * room)))
-    dev, host = _agreed(dev, host, "device" in taken and device.type == "cpu", "host" in taken)
+    dev, host = _agreed(dev, host, *shared_tiers(taken, device))
     return TakenBudgets(Budgets(dev, host, disk, disk_dir), tuple(taken))
+
+
+def shared_tiers(taken: "list[str] | tuple[str, ...]", device: torch.device) -> tuple[bool, bool]:
+    """Whether the device and the host budget taken from the machine are shared by its ranks (the host's
+    memory is; a GPU's is its rank's own; a given budget is already each rank's)."""
+    return "device" in taken and device.type == "cpu", "host" in taken
 
 
 def _agreed(dev: int, host: int, divide_dev: bool, divide_host: bool) -> tuple[int, int]:

@@ -38,7 +38,7 @@ from tiertrain.parallel.group import ensure_process_group, world_from_env
 from tiertrain.parallel.health import failure
 from tiertrain.parallel.pipeline_mesh import PipelineMesh, pipeline_mesh
 from tiertrain.parallel.pipeline_schedule import Handoff, crosses_segments, schedule_for, stages_for
-from tiertrain.parallel.tied_stages import TiedStages, tied_side
+from tiertrain.parallel.tied_stages import TiedStages
 from tiertrain.plan import BUILTIN_PLANS, Plan, RunOptions
 from tiertrain.plan.pipeline import PipelineLayout, fold, stage_plan
 from tiertrain.plan.plan import plan_file
@@ -236,7 +236,9 @@ def _tied_side(tiered: list[nn.Module], mesh: PipelineMesh) -> TiedStages | None
     for stage in tiered:
         if stage.tied:
             param = dict(stage.named_parameters())[stage.tied_name]  # the tiered stage's (setup registers its own)
-            return tied_side(stage.runtime, param, stage.heads, mesh.tied, mesh.stage_dp)
+            if stage.heads:  # the last stage's copy: its norm leaves it out (the first stage's counts it)
+                stage.runtime.leave_out_of_norm(param)
+            return TiedStages(mesh.tied, mesh.stage_dp, stage.runtime, param)
     return None
 
 

@@ -219,11 +219,11 @@ def _check_layout(cfg: Any, nproc: int) -> None:
     if cfg.ep > 1 or cfg.shard_group:
         ParallelLayout(dp=nproc, ep=cfg.ep, shard_group=cfg.shard_group)  # one message where they do not divide it
     if cfg.pp > 1:
-        from tiertrain.models import resolve_config
+        from tiertrain.models import config_blocks, resolve_config
         from tiertrain.plan.pipeline import PipelineLayout
 
         model_cfg = resolve_config(cfg.model)
-        blocks = getattr(model_cfg, "n_layer", None) or getattr(model_cfg, "num_hidden_layers", None)
+        blocks = config_blocks(model_cfg)
         PipelineLayout(cfg.pp, cfg.schedule, cfg.grad_accum, cfg.segments).check(
             nproc, blocks or cfg.pp * cfg.segments, cfg.grad_accum)
     if cfg.plan and cfg.plan.endswith(".json") and os.path.isfile(cfg.plan):

@@ -361,10 +361,9 @@ def _check_pipeline(req: PlanRequest) -> None:
     if req.ep > 1:
         raise ConfigError("--pp plans a pipeline of a dense model: leave out --ep")
     if req.layout is not None:
-        from tiertrain.models import resolve_config
+        from tiertrain.models import config_blocks, resolve_config
 
-        cfg = resolve_config(req.model) if req.model else None
-        blocks = getattr(cfg, "n_layer", None) or getattr(cfg, "num_hidden_layers", None)
+        blocks = config_blocks(resolve_config(req.model)) if req.model else None
         req.layout.check(req.nproc, blocks or req.layout.stages, req.batch)
 
 

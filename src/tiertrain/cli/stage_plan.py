@@ -50,14 +50,14 @@ def plan_stages(cfg: TrainConfig, nproc: int) -> Path:
 def _per_rank(cfg: TrainConfig, nproc: int) -> Budgets:
     """Each rank's budgets as the ranks take them (``api.machine_budgets``): what is taken from the machine
     (its host memory; on a CPU its device memory too) shared by the ``nproc`` ranks on it."""
+    from tiertrain.api.machine_budgets import shared_tiers
     from tiertrain.memory.system import compute_device
     from tiertrain.train.tiered import default_budgets
 
     device = compute_device()
     taken = default_budgets(cfg, device)
-    b = taken.budgets
-    share_device = "device" in taken.taken and device.type == "cpu"
-    return Budgets(b.device // (nproc if share_device else 1), b.host // (nproc if "host" in taken.taken else 1),
+    b, (share_device, share_host) = taken.budgets, shared_tiers(taken.taken, device)
+    return Budgets(b.device // (nproc if share_device else 1), b.host // (nproc if share_host else 1),
                    b.disk, b.disk_dir)
 
 
@@ -67,11 +67,10 @@ def _plan_args(cfg: TrainConfig, nproc: int, budgets: Budgets) -> list[str]:
     from tiertrain.memory.system import compute_device
     from tiertrain.runtime.precision import choose_precision
 
-    from tiertrain.models import resolve_config
+    from tiertrain.models import config_vocab_and_len, resolve_config
     from tiertrain.train.config import SEQ_LEN
 
-    longest = getattr(resolve_config(cfg.model), "max_seq_len", SEQ_LEN)
-    seq = cfg.seq_len or min(SEQ_LEN, longest)  # as the run takes it (``Trainer``)
+    seq = cfg.seq_len or min(SEQ_LEN, config_vocab_and_len(resolve_config(cfg.model))[1])  # as ``Trainer`` takes it
     args = ["--model", cfg.model, "--batch", str(cfg.batch_size * cfg.grad_accum), "--seq", str(seq),
             "--precision", choose_precision(cfg.precision, compute_device()).name,
             "--device-memory", str(budgets.device), "--host-memory", str(budgets.host),

@@ -16,8 +16,20 @@ from tiertrain.models.config import ModelConfig
 from tiertrain.models.configs import CONFIGS, DEFAULT_MODEL
 from tiertrain.models.gpt import GPT
 
-__all__ = ["CONFIGS", "DEFAULT_MODEL", "GPT", "ModelConfig", "build", "resolve_config",
+__all__ = ["CONFIGS", "DEFAULT_MODEL", "GPT", "ModelConfig", "build", "config_blocks", "config_vocab_and_len", "resolve_config",
            "flops_per_token", "param_count", "state_bytes"]
+
+
+def config_blocks(cfg: Any) -> int | None:
+    """The repeated blocks a model config names (ours, or a transformers one's), if it names them."""
+    return getattr(cfg, "n_layer", None) or getattr(cfg, "num_hidden_layers", None)
+
+
+def config_vocab_and_len(cfg: Any) -> tuple[int, int]:
+    """A model config's vocabulary and longest sequence (ours, or a transformers one's)."""
+    if isinstance(cfg, ModelConfig):
+        return cfg.vocab_size, cfg.max_seq_len
+    return cfg.vocab_size, getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 1 << 30)
 
 
 def resolve_config(spec: Any) -> Any:

@@ -9,16 +9,14 @@ import torch
 
 from tiertrain.errors import ConfigError
 from tiertrain.models.gpt import GPT
-from tiertrain.models.stages import PipelineStageModule, StageBlocks
-
-TIED = "tok_emb.weight"  # a tied model's embedding weight, which its head uses too
+from tiertrain.models.stages import TIED_GPT, PipelineStageModule, StageBlocks
 
 
 class GPTStage(PipelineStageModule):
-    tied_name = TIED
+    tied_name = TIED_GPT
 
     def __init__(self, model: GPT, blocks: range, embeds: bool, heads: bool, ties: bool) -> None:
-        super().__init__(model.config, embeds, heads, blocks.start, ties)
+        super().__init__(model.config, embeds, heads, ties)
         if embeds:
             self.tok_emb, self.pos_emb, self.drop = model.tok_emb, model.pos_emb, model.drop
         self.blocks = StageBlocks(model.blocks, blocks)

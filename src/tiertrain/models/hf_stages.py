@@ -15,10 +15,9 @@ import torch
 import torch.nn as nn
 
 from tiertrain.errors import ConfigError
-from tiertrain.models.stages import PipelineStageModule, StageBlocks
+from tiertrain.models.stages import TIED_HF, PipelineStageModule, StageBlocks
 
 PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
-TIED_HF = "model.embed_tokens.weight"
 # the families whose base forward is embed, layers, norm and nothing else, and whose causal LM's forward is the
 # head and nothing else (Granite scales its embeddings and logits, Cohere its logits: cut so, they would not be
 # the model), checked against the plain model bit for bit
@@ -55,7 +54,7 @@ class DecoderStage(PipelineStageModule):
     in; ``heads``: with the final norm and the head after them, logits out)."""
 
     def __init__(self, model: nn.Module, blocks: range, embeds: bool, heads: bool, ties: bool) -> None:
-        super().__init__(model.config, embeds, heads, blocks.start, ties)
+        super().__init__(model.config, embeds, heads, ties)
         base = model.model
         object.__setattr__(self, "_base", base)  # not registered: the stage holds only its own parts
         self.model = nn.Module()

@@ -22,7 +22,8 @@ import torch.nn as nn
 
 from tiertrain.errors import ConfigError
 
-TIED_NAMES = frozenset({"tok_emb.weight", "model.embed_tokens.weight"})  # the tied weights stages may both hold
+TIED_GPT, TIED_HF = "tok_emb.weight", "model.embed_tokens.weight"  # the embedding weight a tied head uses
+TIED_NAMES = frozenset({TIED_GPT, TIED_HF})  # the tied weights the first and the last stage may both hold
 
 
 class StageBlocks(nn.ModuleList):
@@ -60,9 +61,9 @@ class PipelineStageModule(nn.Module):
 
     tied_name = ""  # the name of the weight the head shares with the input embedding, where it ties
 
-    def __init__(self, config: object, embeds: bool, heads: bool, first_block: int, ties: bool) -> None:
+    def __init__(self, config: object, embeds: bool, heads: bool, ties: bool) -> None:
         super().__init__()
-        self.config, self.embeds, self.heads, self.first_block = config, embeds, heads, first_block
+        self.config, self.embeds, self.heads = config, embeds, heads
         self.ties = ties  # the model's head uses its input embedding's weight (as registered, not as configured)
         self.copy_of: dict[nn.Parameter, nn.Parameter] = {}
 

@@ -16,7 +16,7 @@ Why by hand: torch's pipelining has no notion of a parameter shared between stag
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -45,6 +45,10 @@ class TiedStages:
     stage_dp: Collectives   # the stage's data-parallel group (its ``host`` side)
     runtime: HoldsGrads
     param: nn.Parameter
+    _part: torch.Tensor = field(init=False, repr=False)  # one slice's buffer, kept for every step
+
+    def __post_init__(self) -> None:
+        self._part = torch.empty(min(SLICE, self.param.numel()), dtype=torch.float32)
 
     def sum_grads(self) -> None:
         """The two stages' gradients of the weight summed into each (every reduction of theirs landed first)."""
@@ -53,23 +57,15 @@ class TiedStages:
         n = self.param.numel()
         for lo in range(0, n, SLICE):
             hi = min(n, lo + SLICE)
-            part = torch.zeros(hi - lo, dtype=torch.float32)
+            part = self._part[: hi - lo].zero_()
             a, b = max(lo, start), min(hi, end)  # this rank's piece within the slice
             if a < b:
-                part[a - lo : b - lo] = piece[a - start : b - start].to("cpu")
+                part[a - lo : b - lo].copy_(piece[a - start : b - start])
             if sharded:  # the stage's pieces of the slice, on its data-parallel ranks (disjoint, zeros elsewhere)
                 self.stage_dp.host.all_reduce(part)
             self.pair.all_reduce(part)
             if a < b:
                 piece[a - start : b - start].copy_(part[a - lo : b - lo])
-
-
-def tied_side(runtime: HoldsGrads, param: nn.Parameter, copy: bool, pair: Collectives,
-              stage_dp: Collectives) -> TiedStages:
-    """This rank's side of a tied weight (``copy``: the last stage's, left out of its runtime's norm)."""
-    if copy:
-        runtime.leave_out_of_norm(param)
-    return TiedStages(pair, stage_dp, runtime, param)
 
 
 def pair_groups(pp: int, dp: int, heartbeat: Heartbeat) -> tuple[Collectives | None, list[dist.ProcessGroup]]:

@@ -39,6 +39,7 @@ class StepNorm:
         """Parameter ``i`` of ``g`` out of this runtime's norm: a tied weight's copy, which the norm over the
         pipeline's stages counts once, in the stage holding the weight itself (``parallel.tied_stages``)."""
         self.left_out.add((g.index, i))
+        self._order = [(h, j) for h, j in self._order if (h.index, j) not in self.left_out]
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """The norm of the true (unscaled) gradients, and the clip coefficient that follows from it."""
@@ -78,7 +79,7 @@ class StepNorm:
 
     def _total(self, norm_type: float = 2.0) -> torch.Tensor:
         expert = {id(g.experts) for g in self._groups if g.experts is not None}
-        order = [(g, i) for g, i in self._order if (g.index, i) not in self.left_out]
+        order = self._order
         mine = [(g, i) for g, i in order if g.shard is not None]
         if self._comm.world_size == 1 or not mine and self._experts is None:  # every rank holds every gradient:
             return total_norm(_grad_views(order), norm_type)                  # torch's own norm, as DDP clips

@@ -49,8 +49,7 @@ class _Stashed:
         compute); ``restore`` then hands this copy over."""
         if self.ready is not None or stream is None:  # on a CPU the copy would gain nothing and hold more
             return
-        stream.wait_stream(torch.cuda.current_stream())  # after the pack's copy into the chunk
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream):  # ``HostStash.prefetch`` made it wait for the packs' copies first
             self.ready = self._copy()
             self.event = torch.cuda.Event()
             self.event.record(stream)
@@ -91,8 +90,8 @@ class HostStash:
         self.micro: int | None = None  # the pipeline micro-batch whose forward runs (``micro_batch``)
         self.prefetched = 0      # over the run: tensors copied back ahead of their backward (``prefetch``)
         self._by_micro: dict[int, list[weakref.ref]] = {}
-        device = mem.pool(Tier.DEVICE).device
-        self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        self._device = mem.pool(Tier.DEVICE).device
+        self._stream: torch.cuda.Stream | None = None  # the prefetch's copy stream, made at its first use (GPU)
 
     def pack(self, t: torch.Tensor) -> Any:
         if not t.is_contiguous():
@@ -117,11 +116,20 @@ class HostStash:
         """AIAO's prefetch (FOLD3D §4): the stashed tensors of pipeline micro-batch ``micro`` copied back to the
         device now, a micro-batch ahead of their backward, so it does not wait for them (on a GPU; on a CPU they
         are counted, nothing is copied twice). Those already freed (a dropped graph) are skipped."""
-        for ref in self._by_micro.pop(micro, []):
+        refs = self._by_micro.pop(micro, [])
+        stream = self._copy_stream() if refs else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())  # after the packs' copies into their chunks
+        for ref in refs:
             stashed = ref()
             if stashed is not None:
-                stashed.prefetch(self._stream)
+                stashed.prefetch(stream)
                 self.prefetched += 1
+
+    def _copy_stream(self) -> torch.cuda.Stream | None:
+        if self._stream is None and self._device.type == "cuda":
+            self._stream = torch.cuda.Stream(device=self._device)
+        return self._stream
 
     @staticmethod
     def unpack(packed: Any) -> torch.Tensor:

@@ -43,7 +43,7 @@ from tiertrain.train.tiered import default_budgets, setup_tiered
 from tiertrain.checkpoint.train_state import PlainState, TieredState, TrainState
 from tiertrain.errors import CheckpointError, ConfigError, OutputError, UserError
 from tiertrain.memory import Tier
-from tiertrain.models import build, flops_per_token, param_count, resolve_config
+from tiertrain.models import build, config_vocab_and_len, flops_per_token, param_count, resolve_config
 from tiertrain.models.config import ModelConfig
 from tiertrain.units import format_bytes, format_count
 
@@ -97,10 +97,7 @@ def seed_everything(seed: int) -> None:
 
 
 def model_vocab_and_len(model: nn.Module) -> tuple[int, int]:
-    cfg = model.config
-    if isinstance(cfg, ModelConfig):
-        return cfg.vocab_size, cfg.max_seq_len
-    return cfg.vocab_size, getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 1 << 30)
+    return config_vocab_and_len(model.config)
 
 
 def model_flops_per_token(model: nn.Module, seq_len: int, params: int | None = None) -> int:

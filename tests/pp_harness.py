@@ -46,11 +46,11 @@ def loss_of(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def reference(dp: int, micro: int, clip: float | None = None, start=None, first: int = 0,
-              tied: bool = False, family: str = "gpt") -> list[list[list[float]]]:
+              tied: bool = False, family: str = "gpt", norms: list | None = None) -> list[list[list[float]]]:
     """Each replica's micro-batch losses (divided by their count) per step, in one process: every replica's
     gradients accumulated over its micro-batches, averaged over the replicas (once a step, as a pipeline's
     DP.sync reduces them), clipped, one AdamW step. ``start``: (model, optimizer) to go on from, at step
-    ``first`` (a resumed checkpoint's)."""
+    ``first`` (a resumed checkpoint's). ``norms``: each clipped step's gradient norm appended to it."""
     model, opt = start or fresh(tied, family)
     data = [batches(r) for r in range(dp)]
     out = []
@@ -72,7 +72,9 @@ def reference(dp: int, micro: int, clip: float | None = None, start=None, first:
                 total = total + g[k]
             p.grad = total / dp if dp > 1 else total
         if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            if norms is not None:
+                norms.append(float(norm))
         opt.step()
         opt.zero_grad()
         out.append(per_replica)

@@ -30,13 +30,14 @@ class SelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=2)
-        q, k, v = (t.view(b, s, self.n_head, d // self.n_head).transpose(1, 2) for t in (q, k, v))
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=2)  # a tensor-parallel rank's qkv holds its heads of each
+        width = q.shape[-1]
+        q, k, v = (t.view(b, s, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=self.causal, dropout_p=self.dropout if self.training else 0.0
         )
-        return self.proj(y.transpose(1, 2).reshape(b, s, d))
+        return self.proj(y.transpose(1, 2).reshape(b, s, width))
 
 
 class MLP(nn.Module):

@@ -34,12 +34,18 @@ class StepNorm:
         self.last_norm: torch.Tensor | None = None
         self.clip_coef: torch.Tensor | None = None
         self.left_out: set[tuple[int, int]] = set()  # (group, parameter) another runtime's norm counts instead
+        self.across: Collectives | None = None  # ranks holding the model's other parts (a tensor-parallel group)
 
     def leave_out(self, g: "BlockGroup", i: int) -> None:
         """Parameter ``i`` of ``g`` out of this runtime's norm: a tied weight's copy, which the norm over the
         pipeline's stages counts once, in the stage holding the weight itself (``parallel.tied_stages``)."""
         self.left_out.add((g.index, i))
         self._order = [(h, j) for h, j in self._order if (h.index, j) not in self.left_out]
+
+    def sum_over(self, group: Collectives) -> None:
+        """The norm is the norm over ``group``'s ranks' gradients together (tensor parallel: each rank holds
+        its shard of every block; a whole parameter is counted on one rank, the others leave it out)."""
+        self.across = group
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """The norm of the true (unscaled) gradients, and the clip coefficient that follows from it."""
@@ -78,6 +84,12 @@ class StepNorm:
         self.clip_coef = None
 
     def _total(self, norm_type: float = 2.0) -> torch.Tensor:
+        own = self._own_total(norm_type)
+        if self.across is None or self.across.world_size == 1:
+            return own
+        return sharded_norm([(self.across, [own])], [], norm_type)
+
+    def _own_total(self, norm_type: float) -> torch.Tensor:
         expert = {id(g.experts) for g in self._groups if g.experts is not None}
         order = self._order
         mine = [(g, i) for g, i in order if g.shard is not None]

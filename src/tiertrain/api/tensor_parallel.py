@@ -1,0 +1,115 @@
+"""``tiertrain.tensor_parallel``: a model's blocks cut over groups of ``tp`` ranks (Megatron's layout:
+attention heads and MLP features split), each rank's shards in tiers::
+
+    run = tiertrain.tensor_parallel(model, torch.optim.AdamW(model.parameters(), lr=3e-4), tp=2, plan="stream")
+    for x, y in batches[run.mesh.dp_rank]:   # every rank of a tensor-parallel group reads the same batch
+        loss = lm_loss(run.model, x, y); loss.backward()
+        torch.nn.utils.clip_grad_norm_(run.model.parameters(), 1.0)   # the norm over every shard
+        run.optimizer.step(); scheduler.step(); run.optimizer.zero_grad()
+
+The ranks form a dp x tp mesh (``parallel.tensor_mesh``); each rank tiers its shards with
+``tiertrain.setup`` over its shard's data-parallel group, so every tier plan and data-parallel layout
+works on them unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tiertrain.api.setup import optimizer_groups, run_options, setup
+from tiertrain.api.tiered_optimizer import TieredOptimizer
+from tiertrain.errors import ConfigError
+from tiertrain.memory import Budgets
+from tiertrain.parallel.agree import same_on_every_rank
+from tiertrain.parallel.group import ensure_process_group, world_from_env
+from tiertrain.parallel.tensor_gpt import (
+    check_tensor_parallel,
+    parallelize_gpt,
+    split_of,
+)
+from tiertrain.parallel.tensor_mesh import TensorMesh, tensor_mesh
+from tiertrain.plan import Plan, RunOptions
+from tiertrain.runtime.rank_agreement import model_signature
+
+FIX = "start every rank with the same model, --tp and plan (torchrun gives each rank the same command line)"
+
+
+@dataclass
+class TensorParallel:
+    """One rank's part of a tensor-parallel run: its shards of the model (tiered), the optimizer its loop
+    steps, and the mesh (``mesh.dp_rank``: the replica whose batches this rank reads)."""
+
+    model: nn.Module
+    optimizer: TieredOptimizer
+    mesh: TensorMesh
+
+    def close(self) -> None:
+        """The runtime and its memory, then the mesh's heartbeat."""
+        try:
+            self.model.runtime.close()
+            self.model.runtime.mem.close()
+        finally:
+            self.mesh.close()
+
+
+def tensor_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, tp: int, memory: Budgets | None = None,
+                    plan: str | Plan = "stream", options: RunOptions | None = None, **fields: Any) -> TensorParallel:
+    """Cut ``model``'s blocks over groups of ``tp`` ranks, tier this rank's shards as ``plan`` says within
+    ``memory`` (this rank's budgets), and return what the loop drives. ``options`` (or its fields as
+    keywords) as ``tiertrain.setup`` takes them. The user's optimizer is pointed at this rank's shards."""
+    opts = run_options(options, fields)
+    if tp < 1:
+        raise ConfigError(f"--tp must be at least 1, not {tp}")
+    check_tensor_parallel(model, tp)
+    _check_plan(plan)
+    optimizer_groups(optimizer, model)  # an AdamW, fresh, over every parameter: refused before anything changes
+    world = world_from_env()
+    if world % tp:
+        raise ConfigError(f"--tp {tp} must divide the run's {world} ranks: give --nproc a multiple of --tp")
+    ensure_process_group()
+    same_on_every_rank("tensor parallel", _fields(model, tp, opts, plan), FIX)
+    mesh = tensor_mesh(tp)
+    try:
+        new_of = parallelize_gpt(model, mesh.tp_rank, mesh.tp_group)
+        for group in optimizer.param_groups:
+            group["params"] = [new_of.get(id(p), p) for p in group["params"]]
+        tiered, topt = setup(model, optimizer, memory, plan=plan, options=opts, collectives=mesh.dp_group)
+    except BaseException:
+        mesh.close()
+        raise
+    _norm_over_group(tiered, mesh)
+    return TensorParallel(tiered, topt, mesh)
+
+
+def _norm_over_group(tiered: nn.Module, mesh: TensorMesh) -> None:
+    """The step's gradient norm over every shard: each rank's own, summed over its group, with a whole
+    parameter (the same gradient on every rank of the group) counted on the group's first rank only."""
+    runtime = tiered.runtime
+    runtime.norm.sum_over(mesh.tp_group)
+    if mesh.tp_rank == 0:
+        return
+    for name, param in tiered.named_parameters():
+        if split_of(name) is None:
+            runtime.leave_out_of_norm(param)
+
+
+def _check_plan(plan: str | Plan) -> None:
+    """Every rank of a group must run its blocks alike (a recomputed block sums its activations again):
+    a plan each rank finds for itself could differ."""
+    if isinstance(plan, str) and plan == "auto":
+        raise ConfigError("tensor parallel takes a named plan or a plan file, not plan 'auto' yet (each rank would "
+                          "profile and choose alone): give --plan stream, max-offload, ... or a file from "
+                          "`tiertrain plan`")
+
+
+def _fields(model: nn.Module, tp: int, opts: RunOptions, plan: str | Plan) -> dict[str, str]:
+    """What every rank must hold alike: a rank that recomputes, clips or cuts otherwise issues other sums."""
+    return {"--tp": str(tp), "the model (its parameters' names, shapes and dtypes)": model_signature(model),
+            "the run's options": json.dumps(dataclasses.asdict(opts), sort_keys=True),
+            "the plan": plan.to_json() if isinstance(plan, Plan) else str(plan)}

@@ -1,0 +1,95 @@
+"""Linear layers whose weights are one rank's shard of a tensor-parallel group, and the rule that cuts a
+whole weight into shards and puts the shards back together (``Split``): the same rule cuts a model for a
+run and reshards a checkpoint across group sizes.
+
+Column-parallel (Megatron's A in ``Y = GeLU(XA)``): the output features are split; each rank computes its
+columns of the output from the whole input. Row-parallel (B in ``Z = YB``): the input features are split;
+each rank's output is a partial sum, summed over the group before the bias is added (once, not per rank).
+Both keep ``weight`` and ``bias`` as their parameters' names, so a parameter's name in a cut model is its
+name in the whole one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tiertrain.parallel.collectives import Collectives
+from tiertrain.parallel.tensor_ops import enter_region, leave_region
+
+
+@dataclass(frozen=True)
+class Split:
+    """How a tensor is cut over a tensor-parallel group: along ``dim`` into equal slices; a fused tensor
+    (q, k and v in one weight: ``parts`` = 3) has each of its parts cut alike, so every rank holds whole
+    heads of all three."""
+
+    dim: int
+    parts: int = 1
+
+    def shard(self, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+        """Rank ``rank``'s shard of ``full`` (a new contiguous tensor)."""
+        pieces = full.chunk(self.parts, self.dim)
+        return torch.cat([p.chunk(size, self.dim)[rank] for p in pieces], self.dim).contiguous()
+
+    def merge(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        """The whole tensor from every rank's shard, in rank order (the inverse of ``shard``)."""
+        per_rank = [s.chunk(self.parts, self.dim) for s in shards]
+        return torch.cat([piece[k] for k in range(self.parts) for piece in per_rank], self.dim)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y_r = x W_r^T + b_r``: this rank's output features of a linear layer, from the whole input."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: Collectives) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.bias = nn.Parameter(bias) if bias is not None else None
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(enter_region(x, self.group), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = sum_r x_r W_r^T + b``: a linear layer's output from this rank's slice of its input features;
+    the bias (whole on every rank) added after the sum."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: Collectives) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.bias = nn.Parameter(bias) if bias is not None else None
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = leave_region(F.linear(x, self.weight), self.group)
+        return y if self.bias is None else y + self.bias
+
+
+def column_parallel(linear: nn.Linear, split: Split, rank: int, group: Collectives) -> ColumnParallelLinear:
+    """``linear`` cut by output features (``split`` along dim 0, its bias alike), this rank's shard."""
+    size = group.world_size
+    bias = None if linear.bias is None else Split(0, split.parts).shard(linear.bias.detach(), rank, size)
+    return ColumnParallelLinear(split.shard(linear.weight.detach(), rank, size), bias, group)
+
+
+def row_parallel(linear: nn.Linear, rank: int, group: Collectives) -> RowParallelLinear:
+    """``linear`` cut by input features, this rank's shard; the bias kept whole."""
+    bias = None if linear.bias is None else linear.bias.detach().clone()
+    return RowParallelLinear(ROWS.shard(linear.weight.detach(), rank, group.world_size), bias, group)
+
+
+ROWS = Split(1)   # a row-parallel weight: its input features (dim 1 of torch's [out, in])
+COLUMNS = Split(0)  # a column-parallel weight or bias: its output features
+
+
+def tensor_rank(module: nn.Module) -> tuple[int, int]:
+    """(this rank's place in its tensor-parallel group, the group's size) of a model cut by one; (0, 1) for
+    a whole model."""
+    for m in module.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            return m.group.rank, m.group.world_size
+    return 0, 1

@@ -1,0 +1,63 @@
+"""Tensor-parallel runs for the tests (issue 39): every configuration trained in one set of spawned gloo
+ranks, against one process of plain PyTorch on the same batches (pp_harness's reference: over
+data-parallel replicas, their gradients averaged as DDP does) with the same fused AdamW."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+from dp_harness import rank_disk
+from pp_harness import TINY, _plan, batches, fresh, loss_of
+
+STATES = ("master", "exp_avg", "exp_avg_sq")
+
+
+@dataclasses.dataclass(frozen=True)
+class TpCase:
+    tp: int
+    plan: str = "stream"         # "stream": states on the host, blocks streamed; "disk": homed on disk; "stash"
+    clip: float | None = None    # clipped by the loop's torch.nn.utils.clip_grad_norm_
+    update: str = "sync"
+    tied: bool = False
+
+
+def state_bytes(runtime) -> dict[str, int]:
+    """The optimizer's states this rank holds, in every tier, from the memory system's accounting."""
+    from tiertrain.plan.tiers import Kind, Tier
+
+    return {k: sum(runtime.mem.accounting.live(t, Kind(k)) for t in Tier) for k in STATES}
+
+
+def tp_losses(rank: int, case: TpCase, disk: Path, save_to: Path | None = None, load_from: Path | None = None) -> dict:
+    """This rank's replica, its loss per step, the bytes its tensor-parallel group sent per step, and the
+    optimizer-state bytes it holds. ``save_to``: a checkpoint after the first step; ``load_from``: the
+    run starts from that checkpoint's step."""
+    import tiertrain
+    from tiertrain.memory import Budgets
+
+    model, opt = fresh(case.tied)
+    run = tiertrain.tensor_parallel(model, opt, case.tp, Budgets(64 << 20, 64 << 20, 64 << 20, rank_disk(disk, rank)),
+                                    plan=_plan(case.plan, TINY["n_layer"]), page_size=64 << 10, update=case.update)
+    out = {"replica": run.mesh.dp_rank, "losses": [], "sent": [], "tp_rank": run.mesh.tp_rank}
+    try:
+        first = tiertrain.load_tensor_parallel(run, load_from).step if load_from is not None else 0
+        for step, b in enumerate(batches(run.mesh.dp_rank)[first:], start=first):
+            if save_to is not None and step == 1:
+                tiertrain.save_tensor_parallel(run, save_to, step)
+            before = run.mesh.tp_group.sent
+            loss = loss_of(run.model, b[:, :-1], b[:, 1:])
+            loss.backward()
+            if case.clip is not None:
+                out.setdefault("norms", []).append(float(torch.nn.utils.clip_grad_norm_(run.model.parameters(),
+                                                                                        case.clip)))
+            run.optimizer.step()
+            run.optimizer.zero_grad()
+            out["losses"].append([loss.item()])
+            out["sent"].append(run.mesh.tp_group.sent - before)
+        out["states"] = state_bytes(run.model.runtime)
+        out["shapes"] = {n: tuple(p.shape) for n, p in run.model.named_parameters()}
+        return out
+    finally:
+        run.close()

@@ -4,7 +4,8 @@ from tiertrain.errors import CheckpointError, ConfigError, DataError, OutputErro
 
 __version__ = "0.1.0"
 __all__ = ["Budgets", "CheckpointError", "ConfigError", "DataError", "OutputError", "PipelineLayout", "Plan",
-           "UserError", "__version__", "load_pipeline", "pipeline", "save_pipeline", "setup"]
+           "UserError", "__version__", "load_pipeline", "pipeline", "save_pipeline", "setup", "tensor_parallel",
+           "save_tensor_parallel", "load_tensor_parallel"]
 
 
 def __getattr__(name: str):
@@ -17,6 +18,14 @@ def __getattr__(name: str):
         from tiertrain.api.pipeline import pipeline
 
         return pipeline
+    if name == "tensor_parallel":
+        from tiertrain.api.tensor_parallel import tensor_parallel
+
+        return tensor_parallel
+    if name in ("save_tensor_parallel", "load_tensor_parallel"):
+        from tiertrain.checkpoint import tensor_parallel
+
+        return getattr(tensor_parallel, name)
     if name in ("save_pipeline", "load_pipeline"):
         from tiertrain.checkpoint import pipelined
 

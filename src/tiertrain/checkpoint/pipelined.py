@@ -72,12 +72,15 @@ def save_pipelined(out: Path, parts: Sequence[tuple[int, nn.Module]], world: Any
     (``agreement`` over ``world``), the temporary directory removed and the previous checkpoint intact."""
     save = ManyRankSave.begin(out, state.step, world, "pipeline")
     for index, module in parts:
-        _write_stage(save.tmp / stage_dir(index), TieredState(module), state, save.agree)
-    save.agree(lambda: _write_top(save.tmp, parts[0][1], record, param_groups, state) if world.rank == 0 else None)
+        write_part(save.tmp / stage_dir(index), TieredState(module), state, save.agree)
+    subdirs = [stage_dir(v) for v in range(record.stages)]
+    top = {"pipeline": {"pp": record.pp, "stages": record.stages, "ranks": record.ranks}}
+    save.agree(lambda: write_top(save.tmp, parts[0][1], subdirs, top, param_groups, state) if world.rank == 0 else None)
     return save.publish(keep)
 
 
-def _write_stage(where: Path, ts: TieredState, state: TrainerState, agree: Any) -> None:
+def write_part(where: Path, ts: TieredState, state: TrainerState, agree: Any) -> None:
+    """One sub-checkpoint (a stage's, a tensor-parallel rank's) as a run of that part alone writes it."""
     comm = ts.rt.comm
     agree(lambda: where.mkdir(exist_ok=True) if comm.rank == 0 else None)
     if comm.world_size > 1:
@@ -87,9 +90,11 @@ def _write_stage(where: Path, ts: TieredState, state: TrainerState, agree: Any) 
     agree(lambda: write_files(where, ts, state))
 
 
-def _write_top(tmp: Path, module: nn.Module, record: PipelineRecord, param_groups: list[dict[str, Any]],
-               state: TrainerState) -> None:
-    missing = [stage_dir(v) for v in range(record.stages) if not (tmp / stage_dir(v) / "trainer.json").is_file()]
+def write_top(tmp: Path, module: nn.Module, subdirs: list[str], layout: dict[str, dict[str, int]],
+              param_groups: list[dict[str, Any]], state: TrainerState) -> None:
+    """The top level of a checkpoint of sub-checkpoints (``subdirs``, each written by its ranks): the whole
+    model's config, rank 0's RNG, and a trainer.json with ``layout`` (its record of the parts)."""
+    missing = [d for d in subdirs if not (tmp / d / "trainer.json").is_file()]
     if missing:
         raise UnsharedDirectory(errno.ENOENT, f"{', '.join(missing[:2])} written by the other ranks are not in {tmp} "
                                 "as rank 0 sees it: every rank must save into one filesystem they share (--out on "
@@ -101,7 +106,7 @@ def _write_top(tmp: Path, module: nn.Module, record: PipelineRecord, param_group
     trainer = {"format_version": FORMAT_VERSION, "step": state.step, "data_position": state.data_position,
                "scaler": state.scaler, "run_config": state.run_config, "rng": rng_plain,
                "param_groups": plain_hparams(param_groups), "files": manifest, "saved_at_ns": write_stamp(),
-               "pipeline": {"pp": record.pp, "stages": record.stages, "ranks": record.ranks}}
+               **layout}
     (tmp / "trainer.json").write_text(json.dumps(trainer, indent=1))
 
 
@@ -145,7 +150,7 @@ def stage_tensors(ckpt: Path, trainer: TrainerFile, ts: TrainState) -> tuple[Sta
     specs: dict[str, TensorSpec] = {}
     opened: list[Mapping] = []
     for v in range(rec.stages):
-        w, o, found = _open_stage(ckpt / stage_dir(v), step, needed if is_stage(ts.module) else None)
+        w, o, found = open_part(ckpt / stage_dir(v), step, needed if is_stage(ts.module) else None)
         opened.append(w)
         for name, spec in found.items():
             if name in specs and tied_copy(name, v, rec, spec == specs[name]):
@@ -157,7 +162,7 @@ def stage_tensors(ckpt: Path, trainer: TrainerFile, ts: TrainState) -> tuple[Sta
             weights[name] = w
             for kind in ("step", *MOMENTS):
                 moments[f"{name}::{kind}"] = o
-    _check_covers(ckpt, specs, ts)
+    check_covers(ckpt, specs, ts)
     return StagedTensors(weights, opened), StagedTensors(moments, opened)
 
 
@@ -167,7 +172,7 @@ def tied_copy(name: str, stage: int, rec: PipelineRecord, alike: bool) -> bool:
     return name in TIED_NAMES and stage == rec.stages - 1 and alike
 
 
-def _open_stage(where: Path, step: int, needed: set[str] | None) -> tuple[Mapping, Mapping, dict[str, TensorSpec]]:
+def open_part(where: Path, step: int, needed: set[str] | None) -> tuple[Mapping, Mapping, dict[str, TensorSpec]]:
     """A stage's tensors, its files verified before any is read, and their specs from the headers. ``needed``:
     the names a stage resuming needs (None: all); a sub-checkpoint holding none of them is only listed, its
     files not checksummed (a rank resuming its stages would read every stage's files whole otherwise)."""
@@ -199,7 +204,7 @@ def _open_stage(where: Path, step: int, needed: set[str] | None) -> tuple[Mappin
     return w, o, specs
 
 
-def _check_covers(ckpt: Path, specs: dict[str, TensorSpec], ts: TrainState) -> None:
+def check_covers(ckpt: Path, specs: dict[str, TensorSpec], ts: TrainState) -> None:
     expected = ts.expected_weights()
     missing = sorted(set(expected) - set(specs))
     extra = [] if is_stage(ts.module) else sorted(set(specs) - set(expected))
@@ -208,7 +213,7 @@ def _check_covers(ckpt: Path, specs: dict[str, TensorSpec], ts: TrainState) -> N
     if missing or extra or wrong:
         what = (f"{missing[0]} is in none of its stages" if missing else f"{extra[0]} is not this model's" if extra
                 else f"{wrong[0]}: checkpoint {list(specs[wrong[0]].shape)}, this model {list(expected[wrong[0]].shape)}")
-        raise CheckpointError(f"the stages of {ckpt} do not hold this model's parameters ({what}); resume the model "
+        raise CheckpointError(f"the parts of {ckpt} do not hold this model's parameters ({what}); resume the model "
                               "they came from")
 
 

@@ -121,6 +121,7 @@ class TrainerFile:
     files: dict[str, Any]
     shards: dict[str, Any] | None = None  # a data-parallel run's: which rank file holds what (sharded_checkpoint)
     pipeline: dict[str, Any] | None = None  # a pipelined run's: its stages' sub-checkpoints (checkpoint.pipelined)
+    tensor: dict[str, Any] | None = None  # a tensor-parallel run's: its ranks' shards (checkpoint.tensor_parallel)
     saved_at_ns: int | None = field(default=None, metadata=typed.between(0, _MAX_COUNT))  # older ones lack it
 
 
@@ -474,8 +475,9 @@ def saved_run_options(path: Path) -> dict[str, Any]:
 def saved_world(path: Path) -> int:
     """The ranks the run of the checkpoint at ``path`` trained on: a resume keeps them unless told otherwise."""
     trainer = read_trainer(find_checkpoint(path))
-    if trainer.pipeline is not None:
-        return int(trainer.pipeline["ranks"])
+    parts = trainer.pipeline or trainer.tensor
+    if parts is not None:
+        return int(parts["ranks"])
     shards = trainer.shards
     return int(shards.get("ranks") or shards["world"]) if shards is not None else 1
 
@@ -498,22 +500,31 @@ def read_trainer(ckpt: Path) -> TrainerFile:
             trainer = _replace(trainer, scaler=asdict(scaler))
     except CheckpointError as exc:
         raise CheckpointError(f"{one_line(exc)}; the file is damaged or was edited: {_FIX}") from None
-    if trainer.pipeline is not None:
-        from tiertrain.checkpoint.pipelined import PipelineRecord
-
-        try:
-            typed.load(PipelineRecord, trainer.pipeline, f"checkpoint file {path}: pipeline", error=CheckpointError)
-        except CheckpointError as exc:
-            raise CheckpointError(f"{one_line(exc)}; the file is damaged or was edited: {_FIX}") from None
+    _check_parts_record(path, trainer)
     _check_manifest(path, trainer.files, _needed(path, trainer))
     _check_plain_rng(path, trainer.rng)
     return trainer
 
 
+def _check_parts_record(path: Path, trainer: TrainerFile) -> None:
+    """A pipelined or tensor-parallel checkpoint's record of its sub-checkpoints, every field checked."""
+    from tiertrain.checkpoint.pipelined import PipelineRecord
+    from tiertrain.checkpoint.tensor_parallel import TensorRecord
+
+    for kind, value in (("pipeline", trainer.pipeline), ("tensor", trainer.tensor)):
+        if value is None:
+            continue
+        try:
+            typed.load(PipelineRecord if kind == "pipeline" else TensorRecord, value, f"checkpoint file {path}: {kind}",
+                       error=CheckpointError)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{one_line(exc)}; the file is damaged or was edited: {_FIX}") from None
+
+
 def _needed(path: Path, trainer: TrainerFile) -> tuple[str, ...]:
     """The files loading reads: a sharded checkpoint's rank files instead of the model and optimizer files;
     a pipelined one's stages are sub-checkpoints, each with its own manifest."""
-    if trainer.pipeline is not None:
+    if trainer.pipeline is not None or trainer.tensor is not None:
         return ("config.json", "rng.safetensors")
     if trainer.shards is None:
         return NEEDED
@@ -697,6 +708,10 @@ def load_checkpoint(ckpt: Path, ts: TrainState) -> TrainerState:
         from tiertrain.checkpoint.pipelined import stage_tensors
 
         weights, optim = stage_tensors(ckpt, trainer, ts)
+    elif trainer.tensor is not None:
+        from tiertrain.checkpoint.tensor_parallel import shard_tensors
+
+        weights, optim = shard_tensors(ckpt, trainer, ts)
     elif trainer.shards is not None:
         smap = ShardMap.read(trainer.shards, f"checkpoint file {ckpt / 'trainer.json'}: shards")
         expected = ts.expected_weights()
@@ -715,8 +730,8 @@ def load_checkpoint(ckpt: Path, ts: TrainState) -> TrainerState:
         if hasattr(weights, "close"):
             weights.close()
     _restore_rng(rng, trainer.rng)
-    world = trainer.pipeline["ranks"] if trainer.pipeline is not None else (
-        smap.run_ranks if trainer.shards is not None else 1)
+    parts = trainer.pipeline or trainer.tensor
+    world = parts["ranks"] if parts is not None else (smap.run_ranks if trainer.shards is not None else 1)
     return TrainerState(step=trainer.step, data_position=trainer.data_position,
                         scaler=dict(trainer.scaler), run_config=dict(trainer.run_config), world=world)
 

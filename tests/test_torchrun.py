@@ -331,3 +331,45 @@ def test_a_pipeline_the_ranks_would_refuse_is_one_message_before_torchrun_starts
         assert main(["train", *args, "--out", str(out)]) == 2, args
         err = capsys.readouterr().err
         assert says in err and err.count("error:") == 1 and not out.exists(), err
+
+
+def test_train_tp_trains_as_one_process_and_its_checkpoint_resumes_in_one(tmp_path):
+    """``train --nproc 2 --tp 2`` (the tiny GPT's heads and MLP features cut over two ranks, clipped) takes
+    one process's steps within the tensor-parallel tests' tolerance (tests/test_tensor_parallel.py says
+    why); its checkpoint after step 2 (a sub-checkpoint per rank) resumes in one process with the
+    uninterrupted run's losses."""
+    common = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--plan", "stream", "--log-every", "1"]
+    cut = tmp_path / "tp"
+    r = _train(*common, "--steps", "4", "--save-every", "2", "--nproc", "2", "--tp", "2", "--out", str(cut))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "tensor parallel over 2 ranks x 1 replicas" in r.stdout
+    ckpt = cut / "checkpoints" / "step-00000002"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["config.json", "rng.safetensors", "tp-000", "tp-001",
+                                                      "trainer.json"]
+    one = tmp_path / "one"
+    r = _train(*common, "--steps", "4", "--out", str(one))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _losses(cut) == pytest.approx(_losses(one), rel=1e-5, abs=0)
+    r = _train("--resume", str(ckpt), "--steps", "4", "--out", str(tmp_path / "in-one"), "--nproc", "1", "--tp", "1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "tokens a step" not in r.stdout, r.stdout  # one replica either way
+    assert _losses(tmp_path / "in-one") == pytest.approx(_losses(cut)[2:], rel=1e-5, abs=0)
+
+
+def test_a_tensor_parallel_layout_the_ranks_would_refuse_is_one_message_before_torchrun_starts(tmp_path, capsys):
+    from tiertrain.cli.main import main
+
+    cut = ["--model", "tiny", "--plan", "stream", "--nproc", "2", "--tp", "2"]
+    moe = tmp_path / "moe.json"
+    moe.write_text(json.dumps({**UNTIED, "n_experts": 2}))
+    for args, says in (([*cut[:4], "--tp", "2"], "add --nproc 2"),
+                       ([*cut[:4], "--nproc", "3", "--tp", "2"], "--tp 2 must divide --nproc 3"),
+                       ([*cut[:2], "--nproc", "2", "--tp", "2"], "add --plan"),
+                       ([*cut, "--pp", "2"], "--pp do not combine with --tp yet"),
+                       ([*cut, "--precision", "fp16"], "use --precision bf16"),
+                       ([*cut, "--update", "lockfree"], "use --update sync or overlap"),
+                       (["--model", str(moe), *cut[2:]], "divide its experts over the ranks with --ep")):
+        out = tmp_path / "r"
+        assert main(["train", *args, "--out", str(out)]) == 2, args
+        err = capsys.readouterr().err
+        assert says in err and err.count("error:") == 1 and not out.exists(), err

@@ -122,6 +122,9 @@ def cli() -> None:
 @click.option("--micro-batches", type=int, help="With --pp: micro-batches per step through the pipeline (the same "
                                                "as --grad-accum; default 1).")
 @click.option("--segments", type=int, help="With --pp and aiao or interleaved: virtual stages per rank (default 1).")
+@click.option("--tp", type=int, help="With --plan under --nproc N: tensor parallel: cut every block (attention "
+                                    "heads, MLP features) over groups of this many consecutive ranks, N / tp replicas "
+                                    "of the group (default 1; tiertrain's GPT).")
 @click.option("--quiet", is_flag=True, help="Print only the summary.")
 @click.option("--nproc", type=POSITIVE, default=None,
               help="Data-parallel processes on this machine (runs torchrun --nproc-per-node N for you; several "
@@ -169,6 +172,9 @@ def train(config_file: str | None, quiet: bool, nproc: int | None, **flags: Any)
     if cfg.pp > 1 and nproc == 1 and "LOCAL_RANK" not in os.environ:
         raise ConfigError(f"--pp {cfg.pp} cuts the model over ranks: add --nproc {cfg.pp} (or a multiple of it)"
                           + ("; or resume in one process with --pp 1" if flags.get("resume") else ""))
+    if cfg.tp > 1 and nproc == 1 and "LOCAL_RANK" not in os.environ:
+        raise ConfigError(f"--tp {cfg.tp} cuts the model over ranks: add --nproc {cfg.tp} (or a multiple of it)"
+                          + ("; or resume in one process with --tp 1" if flags.get("resume") else ""))
     if nproc > 1 and "LOCAL_RANK" not in os.environ:
         _check_layout(cfg, nproc)
         staged = None
@@ -226,11 +232,23 @@ def _check_layout(cfg: Any, nproc: int) -> None:
         blocks = config_blocks(model_cfg)
         PipelineLayout(cfg.pp, cfg.schedule, cfg.grad_accum, cfg.segments).check(
             nproc, blocks or cfg.pp * cfg.segments, cfg.grad_accum)
+    if cfg.tp > 1:
+        _check_tensor_layout(cfg, nproc)
     if cfg.plan and cfg.plan.endswith(".json") and os.path.isfile(cfg.plan):
         dp = Plan.from_json(Path(cfg.plan).read_text(), f"plan {cfg.plan}").parallel.dp
         if dp not in (1, nproc):
             raise ConfigError(f"the plan {cfg.plan} is laid out for {dp} ranks but --nproc is {nproc}: use "
                               f"--nproc {dp}, or make the plan for {nproc} (tiertrain plan --nproc {nproc} ...)")
+
+
+def _check_tensor_layout(cfg: Any, nproc: int) -> None:
+    """--tp's layout and the model's cut, refused before torchrun starts (the model built on the meta device)."""
+    from tiertrain.models import build, resolve_config
+    from tiertrain.parallel.tensor_gpt import check_tensor_parallel
+
+    if nproc % cfg.tp:
+        raise ConfigError(f"--tp {cfg.tp} must divide --nproc {nproc}: give --nproc a multiple of --tp")
+    check_tensor_parallel(build(resolve_config(cfg.model), device="meta"), cfg.tp)
 
 
 def _torchrun(nproc: int, plan: "Path | None" = None) -> int:

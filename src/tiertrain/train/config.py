@@ -74,6 +74,7 @@ class TrainConfig:
     pp: int = field(default=1, metadata=at_least(1))  # pipeline stages: the ranks as ranks / pp replicas of a pipeline
     schedule: str = field(default="aiao", metadata=one_of(*SCHEDULES))  # with pp > 1; its micro-batches: grad_accum
     segments: int = field(default=1, metadata=at_least(1))  # with pp > 1: FOLD3D's segments (virtual stages per rank)
+    tp: int = field(default=1, metadata=at_least(1))  # tensor parallel: each block cut over groups of tp ranks
 
     def __post_init__(self) -> None:
         typed.check(self, "config")
@@ -96,6 +97,7 @@ class TrainConfig:
             raise ConfigError(f"--no-save writes no checkpoint and --save-every {self.save_every} asks for them; "
                               "give one of them")
         self._validate_pipeline()
+        self._validate_tensor()
         if self.resume and self.overwrite:
             raise ConfigError("--resume continues a run and --overwrite replaces it; give one of them")
         if self.min_lr is not None and self.min_lr > self.lr:
@@ -115,6 +117,22 @@ class TrainConfig:
                               "one (tiertrain.pipeline takes overlap in your own loop)")
         if self.ep > 1 or self.shard_group:
             raise ConfigError("--ep and --shard-group do not combine with --pp yet; leave them out")
+
+    def _validate_tensor(self) -> None:
+        if self.tp == 1:
+            return
+        if self.plan is None or self.plan == "auto":
+            raise ConfigError(f"--tp {self.tp} tiers each rank's shards under a named plan: add --plan "
+                              "resident|stream|max-offload|FILE (not auto yet)")
+        others = {"--pp": self.pp > 1, "--ep": self.ep > 1, "--shard-group": bool(self.shard_group)}
+        if any(others.values()):
+            raise ConfigError(f"{' and '.join(k for k, v in others.items() if v)} do not combine with --tp yet; "
+                              "leave them out")
+        if self.precision == "fp16":
+            raise ConfigError("tensor-parallel runs train in fp32 or bf16, not fp16: use --precision bf16")
+        if self.update == "lockfree":
+            raise ConfigError("--update lockfree lets each rank read params of another age, and a tensor-parallel "
+                              "group's ranks must read the same: use --update sync or overlap")
 
     @property
     def final_lr(self) -> float:

@@ -326,11 +326,14 @@ class Trainer:
         state = TrainerState(step=self.step, data_position=self.sampler.position,
                              scaler=self.loss_scaler.state_dict() if self.loss_scaler is not None else {},
                              run_config=self.cfg.to_dict())
-        saved = save_checkpoint(self.out, self.state, state, self.cfg.keep_checkpoints)
+        saved = self._write_checkpoint(state)
         if self.disk_watch is not None:  # what the checkpoint read from the disk tier is not the next step's traffic
             self.disk_watch.reset()
         self.cpu_watch.reset()
         return saved
+
+    def _write_checkpoint(self, state: TrainerState) -> Path:
+        return save_checkpoint(self.out, self.state, state, self.cfg.keep_checkpoints)
 
     def run(self) -> RunSummary:
         cfg, losses, tokens_s, tflops, start_step = self.cfg, [], [], [], self.step

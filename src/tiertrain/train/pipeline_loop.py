@@ -32,7 +32,11 @@ from tiertrain.units import format_count, parse_size
 
 
 def trainer_for(cfg: TrainConfig, reporter: Reporter | None = None) -> Trainer:
-    """The loop for ``cfg``: over a pipeline where ``--pp`` is above 1."""
+    """The loop for ``cfg``: over a pipeline where ``--pp`` is above 1, over tensor-parallel groups where ``--tp`` is."""
+    if cfg.tp > 1:
+        from tiertrain.train.tensor_loop import TensorTrainer
+
+        return TensorTrainer(cfg, reporter)
     return PipelineTrainer(cfg, reporter) if cfg.pp > 1 else Trainer(cfg, reporter)
 
 

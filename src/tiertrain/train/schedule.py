@@ -52,17 +52,18 @@ def batch_moved(saved: dict[str, Any], saved_world: int, cfg: TrainConfig, world
     if any(saved.get(k) is None for k in keys):
         return None
     now = {k: getattr(cfg, k) for k in keys}
-    saved_pp = saved.get("pp") if isinstance(saved.get("pp"), int) and saved.get("pp", 0) > 0 else 1
-    # the replicas read batches: a pipeline's pp ranks read one replica's
-    was, now_replicas = saved_world // saved_pp, world // cfg.pp
+    saved_pp, saved_tp = (saved.get(k) if isinstance(saved.get(k), int) and saved.get(k, 0) > 0 else 1
+                          for k in ("pp", "tp"))
+    # the replicas read batches: a pipeline's pp ranks read one replica's, a tensor-parallel group's tp ranks too
+    was, now_replicas = saved_world // (saved_pp * saved_tp), world // (cfg.pp * cfg.tp)
     before, after = tokens(saved, was), tokens(now, now_replicas)
     if before == after and was == now_replicas and all(saved[k] == now[k] for k in keys):
         return None
-    unit = "ranks" if saved_pp == cfg.pp == 1 else "data-parallel replicas"
+    unit = "ranks" if saved_pp * saved_tp == cfg.pp * cfg.tp == 1 else "data-parallel replicas"
     changed = ([f"{was} {unit} -> {now_replicas}"] if was != now_replicas else []) + [
         f"--{k.replace('_', '-')} {saved[k]} -> {now[k]}" for k in keys if saved[k] != now[k]]
-    keep = " ".join(([f"--nproc {saved_world}" + (f" --pp {saved_pp}" if saved_pp > 1 else "")]
-                     if was != now_replicas else [])
+    layout = (f" --pp {saved_pp}" if saved_pp > 1 else "") + (f" --tp {saved_tp}" if saved_tp > 1 else "")
+    keep = " ".join(([f"--nproc {saved_world}{layout}"] if was != now_replicas else [])
                     + [f"--{k.replace('_', '-')} {saved[k]}" for k in keys if saved[k] != now[k]])
     return (f"this run takes {after:,} tokens a step where the checkpoint's took {before:,} ({', '.join(changed)}): "
             f"its losses part from the uninterrupted run's; resume with {keep} to keep them")

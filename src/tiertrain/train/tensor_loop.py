@@ -1,0 +1,76 @@
+"""``tiertrain train --nproc N --tp T``: the training loop over a model whose blocks are cut over groups of
+T ranks (``tiertrain.tensor_parallel``).
+
+The same run as ``Trainer``'s (run directory, data, schedule, metrics, stop on a signal, nothing lost)
+with each rank's shards where one runtime held the model: every rank of a tensor-parallel group reads its
+replica's batches (N / T replicas), the gradient norm spans every shard, and checkpoints are
+tensor-parallel ones (``checkpoint.tensor_parallel``): they resume at another tp, or in one process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tiertrain.checkpoint.run import TrainerState
+from tiertrain.checkpoint.tensor_parallel import save_shards
+from tiertrain.checkpoint.train_state import TieredState
+from tiertrain.errors import ConfigError
+from tiertrain.models import ModelConfig, param_count
+from tiertrain.train.loop import Trainer, model_flops_per_token
+from tiertrain.units import format_count, parse_size
+
+
+class TensorTrainer(Trainer):
+    def _replica(self) -> tuple[int, int]:
+        return self.rank // self.cfg.tp, self.world // self.cfg.tp
+
+    def _setup_tiered(self) -> None:
+        from tiertrain.api.tensor_parallel import tensor_parallel
+
+        cfg = self.cfg
+        if cfg.plan == "auto":
+            raise ConfigError("--tp takes a named plan or a plan file, not --plan auto yet (each rank would profile "
+                              "and choose alone): give --plan stream, max-offload, ... or a file from tiertrain plan")
+        self.whole_params = sum(p.numel() for p in self.model.parameters())  # before the cut
+        self.tensor = tensor_parallel(self.model, self.opt, cfg.tp, self.budgets.budgets, plan=cfg.plan,
+                                      page_size=parse_size(cfg.page_size) if cfg.page_size else None,
+                                      grad_accum=cfg.grad_accum, update=cfg.update, max_staleness=cfg.max_staleness,
+                                      max_grad_norm=cfg.grad_clip or None, reduce_dtype=cfg.reduce_dtype,
+                                      compute_dtype=self.precision.name, init_states=not cfg.resume)
+        self.model, self.opt = self.tensor.model, self.tensor.optimizer
+        self.state = TieredState(self.model)
+
+    def _flops_per_token(self) -> int:
+        return model_flops_per_token(self.model, self.cfg.seq_len, self.whole_params)
+
+    def _row(self, loss: float, norm: float, seconds: float) -> dict[str, Any]:
+        row = super()._row(loss, norm, seconds)
+        row["tflops"] /= self.cfg.tp  # the replica's FLOPs are its tp ranks' together: each rank's share
+        return row
+
+    def _any_rank(self, flag: bool) -> bool:
+        t = torch.tensor([1.0 if flag else 0.0])
+        self.tensor.mesh.world.host.all_reduce(t, op="max")
+        return bool(t.item())
+
+    def _write_checkpoint(self, state: TrainerState) -> Path:
+        return save_shards(self.out, self.model, self.tensor.mesh, self.opt.param_groups, state,
+                           self.cfg.keep_checkpoints)
+
+    def _close_tiers(self) -> None:
+        tensor = getattr(self, "tensor", None)
+        if tensor is not None:
+            tensor.close()
+        else:
+            super()._close_tiers()
+
+    def describe(self) -> str:
+        cfg, model_cfg = self.cfg, self.model.config
+        n = param_count(model_cfg) if isinstance(model_cfg, ModelConfig) else self.whole_params
+        tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum * (self.world // cfg.tp)
+        return (f"training {model_cfg.name or 'gpt'} ({format_count(n)} params) on {self.device.type}, "
+                f"{self.precision.name}; tensor parallel over {cfg.tp} ranks x {self.world // cfg.tp} replicas; "
+                f"{tokens} tokens/step; steps {self.step}->{cfg.steps}; out {self.out}; plan {self.model.runtime.plan.name}")

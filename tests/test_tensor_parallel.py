@@ -1,0 +1,247 @@
+"""Tensor parallel (issue 39): our GPT's blocks cut over gloo ranks, each rank's shards in tiers, against
+one process of plain PyTorch on the same batches. Two launches: tp = 2, and dp = 2 x tp = 2.
+
+Tolerance: a row-parallel layer sums its input features in two halves, one per rank, and adds the halves
+(plain PyTorch sums them in one pass): each such output may differ by an ulp or so, and AdamW's first steps
+(update about lr x sign) carry that on without growing it. Losses over 3 steps within 1e-5 relative
+(about 80 fp32 ulps) allow that and nothing more: a shard cut wrong, a head misplaced or a sum missing
+moves the loss by 1e-3 or more. (At this model's widths they came out equal bit for bit.)"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from dp_harness import run_ranks
+from pp_harness import TINY, reference
+from tp_harness import TpCase, tp_losses
+
+RTOL = 1e-5
+TP2 = [TpCase(2), TpCase(2, plan="disk", clip=0.05), TpCase(2, plan="stash", clip=0.05, tied=True),
+       TpCase(2, update="overlap")]
+DP2_TP2 = [TpCase(2, clip=0.05), TpCase(2, plan="disk")]
+
+
+def _jobs(cases, disk):
+    return [((c,), functools.partial(tp_losses, case=c, disk=disk / f"{i}")) for i, c in enumerate(cases)]
+
+
+SAVED = TpCase(2, plan="disk")  # saved after its first step; its steps 2 and 3 are what a resume must give
+
+
+@pytest.fixture(scope="module")
+def dp2_tp2(tmp_path_factory):
+    disk, out = tmp_path_factory.mktemp("dp2tp2d"), tmp_path_factory.mktemp("dp2tp2run")
+    jobs = _jobs(DP2_TP2, disk) + [(("saved",), functools.partial(tp_losses, case=SAVED, disk=disk / "s", save_to=out))]
+    return {**run_ranks(4, tmp_path_factory.mktemp("dp2tp2"), jobs), "out": out}
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory, dp2_tp2):
+    disk, out = tmp_path_factory.mktemp("tp2d"), tmp_path_factory.mktemp("tp2run")
+    jobs = _jobs(TP2, disk) + [
+        (("saved",), functools.partial(tp_losses, case=SAVED, disk=disk / "s", save_to=out)),
+        (("resumed",), functools.partial(tp_losses, case=TpCase(2), disk=disk / "r", load_from=dp2_tp2["out"]))]
+    return {**run_ranks(2, tmp_path_factory.mktemp("tp2"), jobs), "out": out}
+
+
+def _check(results, case, world, dp):
+    norms: list[float] = []
+    want = reference(dp, 1, case.clip, tied=case.tied, norms=norms)
+    for rank in range(world):
+        got = results[((case,), rank)]
+        assert got.get("norms", []) == pytest.approx(norms, rel=RTOL, abs=0), f"rank {rank}: the norm over every shard"
+        assert got["replica"] == rank // case.tp and got["tp_rank"] == rank % case.tp
+        mine = [step[got["replica"]] for step in want]
+        assert got["losses"][0] == pytest.approx(mine[0], rel=RTOL, abs=0), f"rank {rank}"
+        flat = [x for step in got["losses"] for x in step]
+        assert flat == pytest.approx([x for step in mine for x in step], rel=RTOL, abs=0), f"rank {rank}"
+        assert len(set(flat)) == len(flat)  # the model moved at every step
+
+
+@pytest.mark.parametrize("case", TP2, ids=str)
+def test_two_ranks_of_tensor_parallel_train_as_one_process(tp2, case):
+    _check(tp2, case, 2, 1)
+
+
+@pytest.mark.parametrize("case", DP2_TP2, ids=str)
+def test_two_replicas_of_two_tensor_parallel_ranks_train_as_one_process_averaging_them(dp2_tp2, case):
+    _check(dp2_tp2, case, 4, 2)
+
+
+def _block_counts(tp: int) -> tuple[int, int]:
+    """One block's parameters the group cuts, and those every rank holds whole, of the test model."""
+    from pp_harness import fresh
+
+    from tiertrain.parallel.tensor_gpt import split_of
+
+    model, _ = fresh()
+    cut = sum(p.numel() for n, p in model.named_parameters() if n.startswith("blocks.0.") and split_of(n))
+    whole = sum(p.numel() for n, p in model.named_parameters() if n.startswith("blocks.0.") and not split_of(n))
+    return cut, whole
+
+
+@pytest.mark.parametrize("fixture,world", [("tp2", 2), ("dp2_tp2", 4)])
+def test_each_rank_holds_its_share_of_a_blocks_optimizer_states(request, fixture, world):
+    """From the memory system's accounting: each rank's states of a block are 1/T of the block's cut
+    parameters plus its whole ones (norms, projection biases), the embeddings and head whole, all of it
+    split over the replicas where there are two (ZeRO-3-like), within one chunk's padding per block."""
+    from pp_harness import fresh
+
+    from tiertrain.memory.layout import DEFAULT_ALIGN
+
+    results = request.getfixturevalue(fixture)
+    cut, whole = _block_counts(2)
+    blocks = TINY["n_layer"]
+    for rank in range(world):
+        for case in (TP2 if fixture == "tp2" else DP2_TP2):
+            model, _ = fresh(case.tied)  # a tied head's weight is the embedding's: counted once
+            rest = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("blocks."))
+            got = results[((case,), rank)]
+            for kind, nbytes in got["states"].items():
+                mine = nbytes // 4  # fp32 states, split over the replicas where there are two
+                want = (blocks * (cut // 2 + whole) + rest) // (world // 2)
+                assert want <= mine < want + (blocks + 1) * DEFAULT_ALIGN, (rank, case, kind)
+
+
+def test_each_rank_sends_four_sums_of_a_blocks_activations_per_step_five_where_recomputed(tp2):
+    """Bytes each rank's tensor-parallel group sent per step, against the formula: per block, two all-reduces
+    of (rows x tokens x d_model) fp32 activations forward, two backward, and a recomputed block's attention
+    sum again (torch's checkpoint stops recomputing at the last tensor backward needs, which the MLP's sum
+    is past); a ring all-reduce of B bytes sends 2 (T-1)/T x B; a clipping step adds the norm (one fp32)."""
+    from pp_harness import ROWS
+
+    act = ROWS * 16 * TINY["d_model"] * 4
+    for case in TP2:
+        sums = 5 if case.plan == "stash" else 4
+        want = TINY["n_layer"] * sums * 2 * (case.tp - 1) * act // case.tp + (4 if case.clip else 0)
+        for rank in range(2):
+            assert tp2[((case,), rank)]["sent"] == [want] * 3, (case, rank)
+
+
+def test_the_shards_are_the_ranks_heads_and_features():
+    """Rank r's qkv rows are its heads' rows of q, of k and of v; fc's its output features, the projections'
+    its input features; merging every rank's shards gives the tensor back."""
+    from tiertrain.parallel.tensor_gpt import QKV
+    from tiertrain.parallel.tensor_layers import COLUMNS, ROWS
+
+    d, tp = 8, 2
+    w = torch.arange(3 * d * d, dtype=torch.float32).reshape(3 * d, d)
+    shards = [QKV.shard(w, r, tp) for r in range(tp)]
+    half = d // tp
+    for r, s in enumerate(shards):
+        assert s.shape == (3 * half, d)
+        for part in range(3):  # q, k, v
+            assert torch.equal(s[part * half:(part + 1) * half], w[part * d + r * half:part * d + (r + 1) * half])
+    assert torch.equal(QKV.merge(shards), w)
+    m = torch.randn(6, 4)
+    assert torch.equal(COLUMNS.merge([COLUMNS.shard(m, r, 2) for r in range(2)]), m)
+    assert torch.equal(ROWS.shard(m, 1, 2), m[:, 2:])
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"n_head": 3, "d_model": 33}, "--tp 2 must divide the model's attention heads (n_head), 3"),
+    ({"d_ffn": 63}, "--tp 2 must divide the model's MLP features (d_ffn), 63"),
+    ({"dropout": 0.1}, "tensor parallel needs dropout 0"),
+    ({"n_experts": 2}, "--ep"),
+])
+def test_a_model_the_plan_cannot_cut_is_refused_in_one_line(change, words):
+    import tiertrain
+    from tiertrain.errors import ConfigError
+    from tiertrain.models import build
+    from tiertrain.train.optimizer import make_adamw
+
+    model = build({**TINY, **change})
+    opt, _ = make_adamw(model, 1e-2, (0.9, 0.95), 1e-8, 0.1)
+    with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        tiertrain.tensor_parallel(model, opt, 2)
+    assert all(p.shape == q.shape for p, q in zip(model.parameters(), build({**TINY, **change}).parameters()))
+
+
+def test_an_architecture_without_a_plan_and_plan_auto_are_refused_before_any_group_is_made():
+    from pp_harness import LLAMA, fresh
+
+    import tiertrain
+    from tiertrain.errors import ConfigError
+    from tiertrain.models import build
+    from tiertrain.train.optimizer import make_adamw
+
+    llama = build(LLAMA)
+    opt, _ = make_adamw(llama, 1e-2, (0.9, 0.95), 1e-8, 0.1)
+    with pytest.raises(ConfigError, match="parallelize plan for tiertrain's GPT .* got LlamaForCausalLM"):
+        tiertrain.tensor_parallel(llama, opt, 2)
+    model, opt = fresh()
+    with pytest.raises(ConfigError, match="not plan 'auto'"):
+        tiertrain.tensor_parallel(model, opt, 2, plan="auto")
+    with pytest.raises(ConfigError, match="--tp 2 must divide the run's 1 ranks"):
+        tiertrain.tensor_parallel(model, opt, 2)
+    assert not torch.distributed.is_initialized()
+
+
+def _plain_from(ckpt_dir):
+    """One process of plain PyTorch (the whole model, torch's AdamW) from a tensor-parallel checkpoint."""
+    from pp_harness import fresh
+
+    from tiertrain.checkpoint.run import find_checkpoint, load_checkpoint
+    from tiertrain.checkpoint.train_state import PlainState
+
+    model, opt = fresh()
+    names = dict(enumerate([n for n, p in model.named_parameters() if p.dim() >= 2]
+                           + [n for n, p in model.named_parameters() if p.dim() < 2]))
+    state = load_checkpoint(find_checkpoint(ckpt_dir), PlainState(model, opt, names))
+    return model, opt, state
+
+
+@pytest.mark.parametrize("fixture,world", [("tp2", 2), ("dp2_tp2", 4)])
+def test_a_tensor_parallel_checkpoint_resumes_in_one_process_of_plain_pytorch(request, fixture, world):
+    """Saved at tp = 2 (each rank's shards one process's files) and at dp = 2 x tp = 2 (each rank's shards
+    sharded over its two replicas) after step 1: the shards put back together load into one process's
+    model and AdamW, and its steps 2 and 3 are the tensor-parallel run's."""
+    results = request.getfixturevalue(fixture)
+    model, opt, state = _plain_from(results["out"])
+    assert (state.step, state.world) == (1, world)
+    want = reference(world // 2, 1, start=(model, opt), first=state.step)
+    for rank in range(world):
+        got = results[(("saved",), rank)]
+        flat = [x for step in got["losses"][1:] for x in step]
+        assert flat == pytest.approx([step[got["replica"]][0] for step in want], rel=RTOL, abs=0), f"rank {rank}"
+
+
+def test_a_checkpoint_of_two_replicas_resumes_at_one_replica_of_the_same_group(tp2, dp2_tp2):
+    """Saved at dp = 2 x tp = 2, resumed at tp = 2 alone: each rank reads its own shards out of its
+    sub-checkpoint (sharded over the saved replicas), and trains on as one process from that checkpoint does."""
+    model, opt, state = _plain_from(dp2_tp2["out"])
+    want = [step[0][0] for step in reference(1, 1, start=(model, opt), first=state.step)]
+    for rank in range(2):
+        got = [step[0] for step in tp2[(("resumed",), rank)]["losses"]]
+        assert got == pytest.approx(want, rel=RTOL, abs=0), f"rank {rank}"
+
+
+def test_a_tensor_parallel_checkpoint_resumes_as_one_tiered_process(tp2, tmp_path):
+    """tp = 2's checkpoint resumed by one process under tiertrain.setup (tp = 1, the disk plan): its steps
+    2 and 3 are the tensor-parallel run's."""
+    from pp_harness import _plan, batches, fresh, loss_of
+
+    import tiertrain
+    from tiertrain.checkpoint.run import find_checkpoint, load_checkpoint
+    from tiertrain.checkpoint.train_state import TieredState
+    from tiertrain.memory import Budgets
+
+    model, opt = fresh()
+    tm, topt = tiertrain.setup(model, opt, Budgets(64 << 20, 64 << 20, 64 << 20, str(tmp_path)),
+                               plan=_plan("disk", TINY["n_layer"]), page_size=64 << 10)
+    try:
+        first = load_checkpoint(find_checkpoint(tp2["out"]), TieredState(tm)).step
+        losses = []
+        for b in batches(0)[first:]:
+            loss = loss_of(tm, b[:, :-1], b[:, 1:])
+            loss.backward()
+            topt.step()
+            topt.zero_grad()
+            losses.append(loss.item())
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()
+    saved = [step[0] for step in tp2[(("saved",), 0)]["losses"][1:]]
+    assert first == 1 and losses == pytest.approx(saved, rel=RTOL, abs=0)

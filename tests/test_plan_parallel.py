@@ -133,8 +133,9 @@ def test_plan_nproc_for_a_described_machine_takes_its_link_and_refuses_one_witho
     assert main(["plan", "--model", "gpt-small", "--machine", str(tmp_path / "lonely.json"), "--nproc", "2",
                  "--out", str(out)]) == 2
     assert "describes no network link" in capsys.readouterr().err
-    assert main(["plan", "--max-model", "--machine", "h100-sxm-80gb", "--nproc", "2", "--out", str(out)]) == 2
-    assert "drop --nproc" in capsys.readouterr().err
+    assert main(["plan", "--max-model", "--machine", "h100-sxm-80gb", "--nproc", "2", "--pp", "2", "--out",
+                 str(out)]) == 2
+    assert "leave out --pp and --ep" in capsys.readouterr().err
 
 
 def test_plan_nproc_measures_this_machines_collectives_and_train_nproc_runs_the_plan(tmp_path):

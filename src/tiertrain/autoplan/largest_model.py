@@ -13,19 +13,22 @@ so no model is built or run, and the answer's predicted step comes from every so
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
-from tiertrain.measure.analytic import analytic_profile
 from tiertrain.errors import UserError
+from tiertrain.measure.analytic import analytic_profile
 from tiertrain.models.accounting import param_count
 from tiertrain.models.config import ModelConfig
-from tiertrain.planner.auto import Candidate, choose, fits, run_profile
+from tiertrain.parallel.tensor_gpt import whole_per_block
 from tiertrain.plan import Budgets
 from tiertrain.plan.fit import capacity_params, within_capacity
+from tiertrain.planner.auto import Candidate, choose, fits, run_profile, solvable
 from tiertrain.planner.machine import Machine
+from tiertrain.planner.network import Network
 from tiertrain.planner.profile import Profile
 from tiertrain.planner.solvers import Problem
+from tiertrain.planner.tensor import for_tensor
 
 HEAD_DIM = 128
 VOCAB = 50257
@@ -36,6 +39,20 @@ def gpt3_shape(layers: int, width: int | None = None, seq: int = 2048) -> ModelC
     d = width or HEAD_DIM * layers
     return ModelConfig(n_layer=layers, n_head=max(1, d // HEAD_DIM), d_model=d, d_ffn=4 * d, vocab_size=VOCAB,
                        max_seq_len=max(2048, seq), name=f"gpt3-shape-{layers}x{d}")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The ranks a --max-model answer spans: each block cut over ``tp`` ranks of a node (over a link of
+    ``tp_bps``), the shards' states split over the ``network.dp`` ranks holding each (ZeRO-3-like)."""
+
+    tp: int
+    tp_bps: float
+    network: Network
+
+    @property
+    def ranks(self) -> int:
+        return self.tp * self.network.dp
 
 
 @dataclass(frozen=True)
@@ -50,6 +67,15 @@ class RunShape:
     max_staleness: int
     page: int
     levels: int | None = None   # the DP's device levels (default: 4 per block, at least 128)
+    cluster: Cluster | None = None  # several ranks (None: one process)
+
+    @property
+    def ranks(self) -> int:
+        return self.cluster.ranks if self.cluster is not None else 1
+
+    @property
+    def tp(self) -> int:
+        return self.cluster.tp if self.cluster is not None else 1
 
 
 @dataclass(frozen=True)
@@ -60,11 +86,13 @@ class Largest:
     candidates: list[Candidate]
     profile: Profile
     family: ModelConfig          # the family's largest before deepening
-    sizes: Budgets
+    sizes: Budgets               # each rank's
+    run: RunShape
 
     @property
     def bound_params(self) -> int:
-        return capacity_params(self.sizes)
+        """The capacity bound of every rank together."""
+        return capacity_params(self.sizes) * self.run.ranks
 
 
 class NothingFits(UserError):
@@ -72,13 +100,24 @@ class NothingFits(UserError):
 
 
 def profile_for(cfg: ModelConfig, machine: Machine, run: RunShape) -> Profile:
+    """One rank's profile of ``cfg``: its share of each block under tensor parallel, and the ranks its
+    shards' states are split over."""
     profile = analytic_profile(cfg, run.batch, run.seq, run.precision, machine=machine)
-    return run_profile(dataclasses.replace(profile, page=run.page), run.update, run.max_staleness, run.needs_all_grads)
+    profile = run_profile(dataclasses.replace(profile, page=run.page), run.update, run.max_staleness,
+                          run.needs_all_grads)
+    if run.cluster is None:
+        return profile
+    c = run.cluster
+    return dataclasses.replace(for_tensor(profile, c.tp, c.tp_bps, whole_per_block(cfg)), network=c.network)
 
 
 def model_fits(cfg: ModelConfig, machine: Machine, sizes: Budgets, run: RunShape) -> bool:
+    """Whether any plan fits; over several ranks, whether the DP's plan also resolves there (the DP alone
+    leaves out a sharded block's gathered copy beside its slot, which the resolved plan counts)."""
     pb = Problem.sized(profile_for(cfg, machine, run), sizes, run.levels)
-    return fits(pb)
+    if run.cluster is None:
+        return fits(pb)
+    return fits(pb) and solvable(pb, run.update, run.needs_all_grads, run.max_staleness)
 
 
 def last_fitting(lo: int, hi: int, fit: Callable[[int], bool]) -> int:
@@ -98,29 +137,36 @@ def _gallop(lo: int, limit: int, fit: Callable[[int], bool]) -> int:
     return last_fitting(lo, min(lo + step, limit), fit)
 
 
-def beyond_capacity(sizes: Budgets, params: Callable[[int], int]) -> int:
-    """The first n whose model exceeds the capacity bound: it cannot fit, so the search stops there."""
+def beyond_capacity(sizes: Budgets, params: Callable[[int], int], ranks: int = 1) -> int:
+    """The first n whose model exceeds the capacity bound of ``ranks`` ranks of ``sizes`` each: it cannot
+    fit, so the search stops there."""
     n = 1
-    while within_capacity(params(n), sizes):
+    while within_capacity(params(n) // ranks, sizes):
         n *= 2
     return n
 
 
 def largest_model(machine: Machine, sizes: Budgets, run: RunShape) -> Largest:
-    """The largest family member that fits, deepened at its width while it fits, and its best plan."""
-    def family(layers: int) -> bool:
-        return model_fits(gpt3_shape(layers, seq=run.seq), machine, sizes, run)
+    """The largest family member that fits, deepened at its width while it fits, and its best plan. Under
+    tensor parallel the family's depths are multiples of tp (its heads, one per 128 of width, divide
+    over the group)."""
+    tp = run.tp
 
-    if not family(1):
-        raise NothingFits(f"not even a 1-block GPT-3-shaped model (width {HEAD_DIM}) fits {machine.name} with "
-                          f"device {sizes.device >> 20} MiB, host {sizes.host >> 20} MiB, disk {sizes.disk >> 20} MiB "
-                          "at this batch shape; give more memory, a disk, or a smaller --batch/--seq")
-    layers = last_fitting(1, beyond_capacity(sizes, lambda n: param_count(gpt3_shape(n, seq=run.seq))), family)
+    def member(k: int) -> ModelConfig:
+        return gpt3_shape(k * tp, seq=run.seq)
+
+    if not model_fits(member(1), machine, sizes, run):
+        raise NothingFits(f"not even a {tp}-block GPT-3-shaped model (width {HEAD_DIM * tp}) fits {machine.name} "
+                          f"with device {sizes.device >> 20} MiB, host {sizes.host >> 20} MiB, disk "
+                          f"{sizes.disk >> 20} MiB a rank at this batch shape; give more memory, a disk, or a "
+                          "smaller --batch/--seq")
+    top = beyond_capacity(sizes, lambda k: param_count(member(k)), run.ranks)
+    layers = tp * last_fitting(1, top, lambda k: model_fits(member(k), machine, sizes, run))
     width = HEAD_DIM * layers
-    deeper = beyond_capacity(sizes, lambda n: param_count(gpt3_shape(n, width, run.seq)))
+    deeper = beyond_capacity(sizes, lambda n: param_count(gpt3_shape(n, width, run.seq)), run.ranks)
     deep = _gallop(layers, deeper, lambda n: model_fits(gpt3_shape(n, width, run.seq), machine, sizes, run))
     cfg = gpt3_shape(deep, width, run.seq)
     profile = profile_for(cfg, machine, run)
-    chosen, cands = choose(Problem.sized(profile, sizes, run.levels),
-                           update=run.update, needs_all_grads=run.needs_all_grads, max_staleness=run.max_staleness)
-    return Largest(cfg, param_count(cfg), chosen, cands, profile, gpt3_shape(layers, seq=run.seq), sizes)
+    chosen, cands = choose(Problem.sized(profile, sizes, run.levels), update=run.update,
+                           needs_all_grads=run.needs_all_grads, max_staleness=run.max_staleness)
+    return Largest(cfg, param_count(cfg), chosen, cands, profile, gpt3_shape(layers, seq=run.seq), sizes, run)

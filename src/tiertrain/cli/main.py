@@ -575,6 +575,26 @@ def bench_pipeline_cmd(rate: str | None, schedules: str, plan_name: str, d_model
                                  plan=plan_name, schedules=chosen), rate, click.echo)
 
 
+@bench.command("tensor", context_settings=CONTEXT)
+@click.option("--plan", "plan_name", type=click.Choice(["resident", "stream", "max-offload"]), default="stream",
+              show_default=True, help="Where the states live (max-offload: on disk).")
+@click.option("--d-model", type=POSITIVE, default=512, show_default=True)
+@click.option("--layers", type=POSITIVE, default=8, show_default=True)
+@click.option("--rows", type=POSITIVE, default=8, show_default=True, help="Sequences per step.")
+@click.option("--seq-len", type=click.IntRange(1, 1024), default=128, show_default=True)
+@click.option("--steps", type=POSITIVE, default=4, show_default=True, help="Timed steps, after one warm-up step.")
+def bench_tensor_cmd(plan_name: str, d_model: int, layers: int, rows: int, seq_len: int, steps: int) -> None:
+    """tp=2 (two ranks) beside tp=1 (one process) on the same cores: step time, and the bytes each rank sent
+    per step beside the formula."""
+    from tiertrain.bench.machine import describe
+    from tiertrain.bench.tensor import TensorBench, bench_tensor
+
+    if d_model % 8:
+        raise ConfigError(f"--d-model {d_model}: the bench model has 8 heads; give a multiple of 8")
+    click.echo(f"machine: {describe()}")
+    bench_tensor(TensorBench(d_model, layers, rows, seq_len, steps, plan_name), click.echo)
+
+
 @bench.command("peers", context_settings=CONTEXT)
 @click.option("--model", default="gpt-small", show_default=True,
               help="A named model (tiertrain info --list) or one of our model config JSONs.")
@@ -760,6 +780,10 @@ def bench_description_cmd(d_model: int, layers: int, batch_size: int, seq_len: i
                    "splitting --batch) instead of choosing one.")
 @click.option("--segments", type=POSITIVE, default=1, show_default=True,
               help="With --pp and --schedule: the segments (AIAO) or virtual stages per rank (interleaved).")
+@click.option("--tp", type=POSITIVE, default=1, show_default=True,
+              help="With --nproc N and --model: tensor parallel, each block cut over groups of this many ranks (inside "
+                   "a node, on --machine's first link); each rank is planned with its share of every block and the "
+                   "group's sums in its times. With --max-model: the largest over every tp a node's ranks allow.")
 @click.option("--profile", "profile_file", type=click.Path(dir_okay=False), help="Plan from this profile JSON instead.")
 @click.option("--solver", "solvers", multiple=True, type=click.Choice(["dp", "greedy", "random", "stronghold"]),
               help="Solvers to run (default: all); the best predicted plan is chosen.")

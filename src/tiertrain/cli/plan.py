@@ -13,16 +13,22 @@ from rich.table import Table
 
 from tiertrain.errors import ConfigError
 from tiertrain.plan import BlockPlan, Budgets
+from tiertrain.plan.pipeline import PipelineLayout, fold
 from tiertrain.planner.auto import Candidate, run_profile
 from tiertrain.planner.machine import Machine
-from tiertrain.plan.pipeline import PipelineLayout, fold
-from tiertrain.planner.pipeline import PipelineChoice, choose_pipeline, for_stage, predict
+from tiertrain.planner.pipeline import (
+    PipelineChoice,
+    choose_pipeline,
+    for_stage,
+    predict,
+)
 from tiertrain.planner.profile import Profile, with_experts
 from tiertrain.planner.simulator import RESOURCES, Simulation
 from tiertrain.units import format_bytes, format_count
 
 if TYPE_CHECKING:
-    from tiertrain.autoplan.largest_model import Largest
+    from tiertrain.autoplan.largest_model import Largest, RunShape
+    from tiertrain.models import ModelConfig
     from tiertrain.plan.fit import Sizes
     from tiertrain.planner.network import Network
 
@@ -56,6 +62,7 @@ class PlanRequest:
     pp: int = 1                        # pipeline stages: the nproc ranks as nproc / pp replicas of a pipeline
     schedule: str | None = None        # with pp: the pipeline's schedule where it is given, not chosen (and its
     segments: int = 1                  # segments; grad_accum micro-batches splitting batch)
+    tp: int = 1                        # tensor parallel: each block cut over groups of tp ranks inside a node
 
     @property
     def layout(self) -> PipelineLayout | None:
@@ -157,15 +164,22 @@ def explain_step(step_s: float, p: Profile, matmul_flops: float) -> list[str]:
     return out
 
 
-def print_largest(found: "Largest", machine: Machine, console: Console) -> None:
+def print_largest(found: Largest, machine: Machine, console: Console) -> None:
     """``--max-model``'s answer beside the capacity bound."""
     cfg, sim, sizes = found.cfg, found.chosen.sim, found.sizes
+    ranks = found.run.ranks
+    each = f" a rank, {ranks} ranks" if ranks > 1 else ""
     console.print(f"machine {machine.name}: device {format_bytes(sizes.device)}, host {format_bytes(sizes.host)}, "
-                  f"disk {format_bytes(sizes.disk)} ({machine.source or 'described'})")
+                  f"disk {format_bytes(sizes.disk)}{each} ({machine.source or 'described'})")
+    if found.run.cluster is not None:
+        c = found.run.cluster
+        console.print(f"layout: --nproc {ranks} --tp {c.tp}: each block cut over {c.tp} ranks of a node, its shards' "
+                      f"states split over their {c.network.dp} replicas ({c.network.source})")
     console.print(f"largest GPT-3-shaped model that fits: {cfg.n_layer} blocks x width {cfg.d_model} "
                   f"({format_count(found.params)} params; the family's largest at 128 x depth: "
                   f"{found.family.n_layer} x {found.family.d_model})")
-    console.print(f"capacity bound (device + host + disk) / 16 B per param: {format_count(found.bound_params)} params; "
+    console.print(f"capacity bound (device + host + disk){' x ranks' if ranks > 1 else ''} / 16 B per param: "
+                  f"{format_count(found.bound_params)} params; "
                   f"the answer is {found.params / max(found.bound_params, 1) * 100:.0f}% of it")
     streamed = sum(b.stream for b in found.chosen.plan.blocks)
     homes = {t: sum(b.home.value == t for b in found.chosen.plan.blocks) for t in ("device", "host", "disk")}
@@ -282,6 +296,7 @@ def run_plan(req: PlanRequest, console: Console) -> Candidate:
         target.matmul(req.precision)  # a machine without this precision is refused before anything is measured
     held = _check_experts(req) if req.ep > 1 else None  # refused before anything is measured too
     _check_pipeline(req)
+    _check_tensor(req)
     if 0 < req.nproc_per_node < req.nproc:  # over nodes: refused before anything is measured too
         from tiertrain.measure.collectives import network_for
 
@@ -295,6 +310,11 @@ def run_plan(req: PlanRequest, console: Console) -> Candidate:
     profile = dataclasses.replace(profile, machine=dataclasses.replace(
         profile.machine, disk_together_gain=_disk_gain(req, profile, here, target, disk_dir)))
     profile = run_profile(profile, req.update, req.max_staleness, req.needs_all_grads)
+    tensor_line = None
+    if req.tp > 1:  # the data-parallel ranks are a group's replicas: each holds its rank's share of every block
+        profile, tensor_line = _cut_over_group(req, profile, target, here)
+        per_node = req.nproc_per_node // req.tp if req.nproc_per_node else 0
+        req = dataclasses.replace(req, nproc=req.nproc // req.tp, nproc_per_node=per_node)
     if req.pp > 1:  # the data-parallel ranks are a stage's replicas: those of one node hold the same stage
         per_node = max(1, req.nproc_per_node // req.pp) if req.nproc_per_node else 0
         req = dataclasses.replace(req, nproc=req.nproc // req.pp, nproc_per_node=per_node)
@@ -316,6 +336,8 @@ def run_plan(req: PlanRequest, console: Console) -> Candidate:
     if req.nproc > 1:
         console.print(f"{req.nproc} ranks, each with these budgets; network: {profile.network.source}")
     print_plan(chosen, cands, profile, console, target.matmul(req.precision))
+    if tensor_line is not None:
+        console.print(tensor_line)
     if pipeline is not None:
         print_pipeline(pipeline, req.batch, console)
         _say_if_once_a_step_overflows(chosen, profile, sizes, needs_all, console)
@@ -370,11 +392,60 @@ def _check_pipeline(req: PlanRequest) -> None:
 def _pp_bps(target: Machine, here: Machine, profile: Profile) -> float:
     """The rate of a pipeline's sends between its stages (one node's ranks): the described machine's first
     link, else this machine's all-gather rate between two local ranks, measured."""
+    return _node_link(target, here, profile, 2).all_gather_bps
+
+
+def _node_link(target: Machine, here: Machine, profile: Profile, ranks: int) -> Network:
+    """The collectives' rates between ``ranks`` ranks of one node at a block's output size: the described
+    machine's first link, else measured here."""
     from tiertrain.measure.collectives import measure_network
+    from tiertrain.planner.network import Network
 
     if target is not here and target.network:
-        return target.network[0].bps
-    return measure_network(2, max(b.hidden_bytes for b in profile.blocks) or 1 << 20).all_gather_bps
+        link = target.network[0]
+        return Network.from_link(ranks, link.bps, f"{target.name}'s link {link.name}")
+    return measure_network(ranks, max(b.hidden_bytes for b in profile.blocks) or 1 << 20)
+
+
+def _check_tensor(req: PlanRequest) -> None:
+    """What a tensor-parallel plan cannot be, refused before anything is measured."""
+    if req.tp == 1:
+        return
+    if req.nproc % req.tp or (req.nproc_per_node and req.nproc_per_node % req.tp):
+        raise ConfigError(f"--tp {req.tp} must divide --nproc {req.nproc}"
+                          + (f" and --nproc-per-node {req.nproc_per_node} (a group stays inside a node)"
+                             if req.nproc_per_node else ""))
+    if req.pp > 1 or req.ep > 1:
+        raise ConfigError("--tp does not combine with --pp or --ep yet (train does not run them together); leave "
+                          "them out")
+    if not req.model or req.profile_file:
+        raise ConfigError("--tp plans tiertrain's GPT cut over ranks: give --model (a name or config file), not "
+                          "--profile")
+    _gpt_config(req.model, req.tp)
+
+
+def _gpt_config(model: str, tp: int) -> ModelConfig:
+    """``model``'s config, refused in one line where the tensor-parallel plan cannot cut it into ``tp``."""
+    from tiertrain.models import build, resolve_config
+    from tiertrain.parallel.tensor_gpt import check_tensor_parallel
+
+    cfg = resolve_config(model)
+    check_tensor_parallel(build(cfg, device="meta"), tp)
+    return cfg
+
+
+def _cut_over_group(req: PlanRequest, profile: Profile, target: Machine, here: Machine) -> tuple[Profile, str]:
+    """One rank's profile of a tensor-parallel group (``planner.tensor``), and what the plan says of it."""
+    from tiertrain.parallel.tensor_gpt import whole_per_block
+    from tiertrain.planner.tensor import for_tensor, sums_s
+
+    link = _node_link(target, here, profile, req.tp)
+    cut = for_tensor(profile, req.tp, link.all_reduce_bps, whole_per_block(_gpt_config(req.model, req.tp)))
+    compute = sum(b.forward_s + b.backward_s for b in cut.blocks)
+    sums = sums_s(profile, req.tp, link.all_reduce_bps)
+    return cut, (f"tensor parallel: --tp {req.tp}, each rank {cut.blocks[0].params:,} of a block's "
+                 f"{profile.blocks[0].params:,} parameters; the group's sums {sums * 1e3:.1f} ms a step of its "
+                 f"blocks' {compute * 1e3:.1f} ms, on the critical path ({link.source or 'measured here'})")
 
 
 def print_pipeline(choices: list[PipelineChoice], rows: int, console: Console) -> None:
@@ -413,7 +484,7 @@ def _disk_gain(req: PlanRequest, profile: Profile, here: Machine, target: Machin
     return target.disk_together_gain if target is not here else with_disk_gain(here, disk_dir).disk_together_gain
 
 
-def _network(req: PlanRequest, target: Machine, here: Machine, profile: Profile) -> "Network":
+def _network(req: PlanRequest, target: Machine, here: Machine, profile: Profile) -> Network:
     """The ranks' collective rates: measured between local ranks at the largest block's size where the
     plan is for this machine, else the described machine's link."""
     from tiertrain.measure.collectives import network_for
@@ -444,7 +515,7 @@ def _page(req: PlanRequest, profile: Profile, target: Machine, disk_dir: str | N
     return page_for_states(numels, page_size_for(None, disk_dir, compute_device()))
 
 
-def run_max_model(req: PlanRequest, console: Console) -> "Largest":
+def run_max_model(req: PlanRequest, console: Console) -> Largest:
     """``--max-model``: the largest GPT-3-shaped model for ``req.machine`` (default: this one, probed)."""
     from tiertrain.autoplan.largest_model import RunShape, largest_model
     from tiertrain.measure.machine import probe, with_disk_gain
@@ -455,15 +526,53 @@ def run_max_model(req: PlanRequest, console: Console) -> "Largest":
     check_update_mode(req.update, req.precision, req.grad_accum, req.grad_clip > 0)
     if req.model or req.profile_file:
         raise ConfigError("--max-model searches the GPT-3 family itself; drop --model/--profile")
-    if req.nproc > 1:
-        raise ConfigError("--max-model answers for one process; drop --nproc (or plan a model with --model ... "
-                          "--nproc N)")
+    if req.pp > 1 or req.ep > 1:
+        raise ConfigError("--max-model lays a cluster out over tensor and data parallel: leave out --pp and --ep")
+    _check_tensor_ranks(req)
     disk_dir = _disk_dir(req)
     target = find_machine(req.machine) if req.machine else with_disk_gain(probe(disk_dir), disk_dir)
     sizes, _ = sizes_for(req, target)
     page = parse_size(req.page_size) if req.page_size else target.page_size or 4 << 20
     run = RunShape(req.batch, req.seq or 2048, req.precision, req.update, req.needs_all_grads, req.max_staleness,
                    page, req.levels)
-    found = largest_model(target, sizes, run)
+    if req.nproc == 1:
+        found = largest_model(target, sizes, run)
+    else:
+        found = _largest_over_layouts(req, target, sizes, run, console)
     print_largest(found, target, console)
     return found
+
+
+def _check_tensor_ranks(req: PlanRequest) -> None:
+    if req.tp > 1 and (req.nproc % req.tp or (req.nproc_per_node and req.nproc_per_node % req.tp)):
+        raise ConfigError(f"--tp {req.tp} must divide --nproc {req.nproc}"
+                          + (f" and --nproc-per-node {req.nproc_per_node}" if req.nproc_per_node else ""))
+
+
+def _largest_over_layouts(req: PlanRequest, target: Machine, sizes: Budgets, run: RunShape,
+                          console: Console) -> Largest:
+    """The largest model over every layout of ``req.nproc`` ranks: tensor parallel over each group size
+    that divides a node's ranks (or ``--tp`` as given), the rest data parallel with every state split
+    over its ranks; the most parameters win, then the fastest step."""
+    from tiertrain.autoplan.largest_model import Cluster, NothingFits, largest_model
+    from tiertrain.measure.collectives import measure_network, network_for
+
+    node = req.nproc_per_node or req.nproc
+    tps = [req.tp] if req.tp > 1 else [t for t in range(1, node + 1) if node % t == 0]
+    found = []
+    for tp in tps:
+        dp = req.nproc // tp
+        links = target.network if req.machine else None
+        tp_bps = links[0].bps if links else measure_network(tp, 64 << 20).all_reduce_bps if tp > 1 else 0.0
+        net = network_for(dp, links, target.name, 64 << 20, req.nproc_per_node // tp if req.nproc_per_node else 0)
+        try:
+            got = largest_model(target, sizes, dataclasses.replace(run, cluster=Cluster(tp, tp_bps, net)))
+        except NothingFits:
+            console.print(f"  --tp {tp:<3d} dp {dp:<4d} nothing fits")
+            continue
+        console.print(f"  --tp {tp:<3d} dp {dp:<4d} {got.cfg.n_layer} x {got.cfg.d_model} "
+                      f"({format_count(got.params)} params), predicted step {got.chosen.sim.step_s:.2f} s")
+        found.append(got)
+    if not found:
+        raise NothingFits(f"no layout of {req.nproc} ranks fits even the smallest model: give more memory a rank")
+    return max(found, key=lambda f: (f.params, -f.chosen.sim.step_s))

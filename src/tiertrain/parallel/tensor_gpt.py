@@ -15,7 +15,8 @@ import re
 from torch import nn
 
 from tiertrain.errors import ConfigError
-from tiertrain.models.gpt import GPT
+from tiertrain.models.config import ModelConfig
+from tiertrain.models.gpt import GPT, Block
 from tiertrain.parallel.collectives import Collectives
 from tiertrain.parallel.tensor_layers import (
     COLUMNS,
@@ -74,3 +75,13 @@ def parallelize_gpt(model: GPT, rank: int, group: Collectives) -> dict[int, nn.P
             setattr(parent, name, cut)
         attn.n_head //= group.world_size
     return new_of
+
+
+def whole_per_block(cfg: ModelConfig) -> int:
+    """Elements of one block that every rank of a group holds whole (norms, projection biases), as the plan
+    above cuts it: what the planner keeps whole per rank (``planner.tensor``)."""
+    import torch
+
+    with torch.device("meta"):
+        block = Block(cfg)
+    return sum(p.numel() for name, p in block.named_parameters() if name not in SPLITS)

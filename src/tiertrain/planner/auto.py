@@ -286,6 +286,13 @@ def _fallbacks(pb: Problem) -> list[Problem]:
 PIECES_TRIED = (MAX_PIECE, MAX_PIECE // 4, MAX_PIECE // 16, MAX_PIECE // 64)
 
 
+def solvable(pb: Problem, update: str, needs_all_grads: bool, max_staleness: int = DEFAULT_MAX_STALENESS) -> bool:
+    """Whether the DP's plan, resolved and simulated as ``choose`` takes it, fits ``pb`` or one of the
+    fallbacks ``choose`` tries: its answer without the other solvers' cost."""
+    return any(best(candidates(tried, update, ("dp",), needs_all_grads, max_staleness)) is not None
+               for tried in [pb, *_fallbacks(pb)])
+
+
 def fits(pb: Problem) -> bool:
     """Whether any plan fits the budgets: the DP finds one wherever one exists (within its device
     discretisation), with the default disk pipeline or the fallbacks ``choose`` tries. No

@@ -1,0 +1,53 @@
+"""Tensor parallel in the planner (issue 39): what one rank of a group of T plans for, and what the group's
+sums cost it.
+
+A rank holds 1/T of each block's cut parameters (Megatron's layout, ``parallel.tensor_gpt``) and the whole
+of the rest (its norms and projection biases: ``whole`` elements a block, which the caller counts from the
+model), computes 1/T of the block's matrix products and attention, and saves 1/T of what its cut layers
+keep for backward. What stays whole on every rank is taken as five times the block's input bytes: of a
+layer's 34 s b h bytes of saved activations (Korthikanti et al. 2022, §4.1, 16-bit, without sequence
+parallel), the 10 s b h its norms, dropout masks and residual keep whole are 5 inputs' worth.
+
+Each forward waits for two sums of the block's output (its input's size, in the compute dtype), each
+backward for two more and a recompute for one (torch's checkpoint stops at the last tensor backward
+needs, short of the MLP's sum): ring all-reduces over the group's link, on the compute's critical path
+(FOLD3D's T_ip, what never overlaps), so they are added to the block's times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tiertrain.planner.profile import BlockProfile, Profile
+
+WHOLE_INPUTS = 5      # saved activations every rank keeps whole, in block inputs' worth (module docstring)
+FORWARD_SUMS, BACKWARD_SUMS, RECOMPUTE_SUMS = 2, 2, 1
+
+
+def all_reduce_s(nbytes: float, ranks: int, bps: float) -> float:
+    """A ring all-reduce of ``nbytes`` over ``ranks`` at ``bps`` a rank: 2 (T-1)/T of the buffer each way."""
+    return 2 * (ranks - 1) / ranks * nbytes / bps if ranks > 1 and bps > 0 else 0.0
+
+
+def for_tensor(p: Profile, tp: int, bps: float, whole: int) -> Profile:
+    """The profile of one rank of a tensor-parallel group of ``tp`` over a link of ``bps`` (each block's
+    ``whole`` elements on every rank); the rest (embeddings, head) whole, as the ranks hold it."""
+    if tp == 1:
+        return p
+    return dataclasses.replace(p, blocks=tuple(_cut(b, tp, bps, whole) for b in p.blocks))
+
+
+def sums_s(p: Profile, tp: int, bps: float) -> float:
+    """A step's sums over the group, forward and backward, without recompute: what ``for_tensor`` adds."""
+    return sum((FORWARD_SUMS + BACKWARD_SUMS) * all_reduce_s(b.hidden_bytes, tp, bps) for b in p.blocks)
+
+
+def _cut(b: BlockProfile, tp: int, bps: float, whole: int) -> BlockProfile:
+    one = all_reduce_s(b.hidden_bytes, tp, bps)
+    whole = min(whole, b.params)
+    kept = min(b.act_bytes, WHOLE_INPUTS * b.hidden_bytes)
+    return dataclasses.replace(
+        b, params=-(-(b.params - whole) // tp) + whole, largest=-(-b.largest // tp),
+        forward_s=b.forward_s / tp + FORWARD_SUMS * one, backward_s=b.backward_s / tp + BACKWARD_SUMS * one,
+        recompute_s=b.recompute_seconds / tp + RECOMPUTE_SUMS * one, flops=b.flops / tp,
+        traffic_bytes=b.traffic_bytes / tp, act_bytes=kept + -(-(b.act_bytes - kept) // tp))

@@ -1,0 +1,111 @@
+"""Tensor parallel in the planner (issue 39): one rank's share of a block and the group's sums in its
+times, `plan --tp`, and `plan --max-model` over a cluster's layouts. No process is started: the planner
+is pure."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_machines import small_machine
+
+GiB = 1 << 30
+
+
+def _profile(cfg, machine):
+    from tiertrain.measure.analytic import analytic_profile
+
+    return analytic_profile(cfg, 4, 256, "bf16", machine=machine)
+
+
+def test_a_ranks_profile_holds_its_share_of_each_block_and_waits_for_the_groups_sums():
+    """Each block: its cut parameters over T plus its whole ones; its forward and backward times over T
+    plus two all-reduces of its output each, a recompute's over T plus one; its saved activations over T
+    beyond the five inputs' worth every rank keeps; its FLOPs over T. The rest (embeddings, head) whole.
+    The sums cost what the runtime's collectives count: 2 (T-1)/T of the buffer at the link's rate."""
+    from tiertrain.models import build
+    from tiertrain.models.configs import CONFIGS
+    from tiertrain.parallel.tensor_gpt import split_of, whole_per_block
+    from tiertrain.planner.tensor import WHOLE_INPUTS, all_reduce_s, for_tensor, sums_s
+
+    cfg = CONFIGS["gpt-small"]
+    p, tp, bps = _profile(cfg, small_machine()), 4, 1e10
+    whole = whole_per_block(cfg)
+    model = build(cfg, device="meta")
+    assert whole == sum(t.numel() for n, t in model.named_parameters() if n.startswith("blocks.0.") and not split_of(n))
+    cut = for_tensor(p, tp, bps, whole)
+    assert cut.rest == p.rest and len(cut.blocks) == len(p.blocks)
+    for b, c in zip(p.blocks, cut.blocks):
+        one = all_reduce_s(b.hidden_bytes, tp, bps)
+        assert one == pytest.approx(2 * (tp - 1) / tp * b.hidden_bytes / bps)
+        assert c.params == -(-(b.params - whole) // tp) + whole
+        assert c.forward_s == pytest.approx(b.forward_s / tp + 2 * one)
+        assert c.backward_s == pytest.approx(b.backward_s / tp + 2 * one)
+        assert c.recompute_seconds == pytest.approx(b.recompute_seconds / tp + one)
+        kept = min(b.act_bytes, WHOLE_INPUTS * b.hidden_bytes)
+        assert c.act_bytes == kept + -(-(b.act_bytes - kept) // tp) and c.flops == pytest.approx(b.flops / tp)
+    added = sum(c.forward_s + c.backward_s - (b.forward_s + b.backward_s) / tp for b, c in zip(p.blocks, cut.blocks))
+    assert sums_s(p, tp, bps) == pytest.approx(added) and sums_s(p, tp, bps) > 0
+    assert for_tensor(p, 1, bps, whole) is p
+
+
+def _main(*args: str) -> int:
+    from tiertrain.cli.main import main
+
+    return main(list(args))
+
+
+def test_plan_tp_plans_each_ranks_share_and_says_what_the_sums_cost(tmp_path, capsys):
+    """`plan --nproc 4 --tp 2` plans a rank of two replicas of a group of two: fewer parameters a rank than
+    --tp 1's, and the group's sums named; the plan is laid out for the two replicas."""
+    out = tmp_path / "plan.json"
+    base = ["plan", "--model", "gpt-small", "--machine", "h100-sxm-80gb", "--precision", "bf16", "--batch", "4",
+            "--seq", "256", "--solver", "dp", "--out", str(out)]
+    assert _main(*base, "--nproc", "4", "--tp", "2") == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "2 ranks, each with these budgets" in said
+    assert "tensor parallel: --tp 2, each rank" in said and "on the critical path (h100-sxm-80gb's link nvlink4" in said
+    assert json.loads(out.read_text())["parallel"]["dp"] == 2
+
+
+@pytest.mark.parametrize("extra,says", [
+    (["--nproc", "2", "--tp", "3"], "--tp 3 must divide --nproc 2"),
+    (["--nproc", "8", "--nproc-per-node", "2", "--tp", "4"], "must divide --nproc 8 and --nproc-per-node 2"),
+    (["--nproc", "4", "--tp", "2", "--pp", "2"], "--tp does not combine with --pp"),
+    (["--nproc", "8", "--tp", "8"], "--tp 8 must divide the model's attention heads (n_head), 2"),
+])
+def test_a_tensor_parallel_plan_it_cannot_make_is_refused_in_one_line(tmp_path, capsys, extra, says):
+    assert _main("plan", "--model", "tiny", "--machine", "h100-sxm-80gb", *extra, "--out", str(tmp_path / "p")) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("error:") == 1, err
+
+
+def test_max_model_over_a_cluster_answers_with_the_layout_that_reaches_it(tmp_path, capsys):
+    """Two ranks of a small machine: each tensor-parallel size they allow is searched and printed (tp 1: the
+    states split over two replicas; tp 2: each block cut over both); the answer is the one with the most
+    parameters, with its layout, beside the capacity bound of both ranks, and above what one rank alone
+    trains."""
+    from tiertrain.autoplan.largest_model import RunShape, largest_model
+    from tiertrain.plan import Budgets
+    from tiertrain.plan.fit import capacity_params
+
+    machine = tmp_path / "small.json"
+    machine.write_text(small_machine().to_json())
+    sizes = Budgets(GiB, GiB, small_machine().disk_bytes)
+    assert _main("plan", "--max-model", "--machine", str(machine), "--batch", "1", "--seq", "64", "--page-size",
+                 "64KiB", "--device-memory", "1GiB", "--host-memory", "1GiB", "--nproc", "2",
+                 "--out", str(tmp_path / "p.json")) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    layouts = {tp: int(said.split(f"--tp {tp} dp {2 // tp} ")[1].split(" x ")[0]) for tp in (1, 2)}
+    best = max(layouts, key=layouts.get)
+    assert f"layout: --nproc 2 --tp {best}:" in said, said
+    assert f"model that fits: {layouts[best]} blocks" in said or layouts[1] == layouts[2]
+    assert f"x ranks / 16 B per param: {_count(2 * capacity_params(sizes))} params" in said, said
+    one = largest_model(small_machine(), sizes, RunShape(1, 64, "fp32", "sync", True, 1, 64 << 10))
+    assert one.params < int(float(said.split("fits: ")[1].split("(")[1].split("M params")[0]) * 1e6)
+
+
+def _count(n: int) -> str:
+    from tiertrain.units import format_count
+
+    return format_count(n)

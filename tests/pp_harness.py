@@ -8,7 +8,6 @@ import dataclasses
 from pathlib import Path
 
 import torch
-
 from dp_harness import rank_disk
 
 TINY = {"n_layer": 4, "n_head": 2, "d_model": 32, "d_ffn": 64, "vocab_size": 256, "max_seq_len": 64,
@@ -81,7 +80,7 @@ def reference(dp: int, micro: int, clip: float | None = None, start=None, first:
     return out
 
 
-def tiered_reference(case: "Case", disk: Path) -> list[list[list[float]]]:
+def tiered_reference(case: Case, disk: Path) -> list[list[list[float]]]:
     """As ``reference`` for one replica, but a tiered run in one process (``tiertrain.setup`` with the case's
     plan and compute dtype, its forward autocast as ``train``'s loop does): a bf16 run computes in bf16
     weights, which plain PyTorch under autocast does not (its embeddings stay fp32)."""
@@ -138,10 +137,11 @@ def _plan(name: str, n_blocks: int):
 
 
 def pipelined_losses(rank: int, case: Case, pp: int, disk: Path, events: bool = False, save_to: Path | None = None,
-                     load_from: Path | None = None) -> dict:
+                     load_from: Path | None = None, tp: int = 1) -> dict:
     """This rank's replica index and its micro-batch losses per step; with ``events``, the order in which each
     of its stages' backward began and its gradients' reductions were issued (first step only). ``save_to``:
-    a checkpoint after the first step there; ``load_from``: the steps after a checkpoint's, from it."""
+    a checkpoint after the first step there; ``load_from``: the steps after a checkpoint's, from it. ``tp``:
+    each stage's blocks cut over that many ranks (each clipped step's norm in ``norms``)."""
     import tiertrain
     from tiertrain.api.pipeline import pipeline
     from tiertrain.memory import Budgets
@@ -151,23 +151,25 @@ def pipelined_losses(rank: int, case: Case, pp: int, disk: Path, events: bool = 
     layout = PipelineLayout(pp=pp, schedule=case.schedule, micro_batches=case.micro, segments=case.segments)
     run = pipeline(model, opt, layout, Budgets(64 << 20, 64 << 20, 64 << 20, rank_disk(disk, rank)),
                    plan=_plan(case.plan, TINY["n_layer"]), page_size=64 << 10, update=case.update,
-                   max_grad_norm=case.clip, compute_dtype=case.dtype)
+                   max_grad_norm=case.clip, compute_dtype=case.dtype, tp=tp)
     log: list[tuple[str, int]] = []
     if events:
         _record(run, log)
-    replica = rank // pp
+    replica, norms = rank // (pp * tp), []
     try:
         losses, first = [], tiertrain.load_pipeline(run, load_from).step if load_from else 0
         for step, b in enumerate(batches(replica)[first:], start=first):
             run.step(b[:, :-1], b[:, 1:])
             losses.append(run.micro_losses.tolist())
+            if tp > 1 and case.clip is not None:
+                norms.append(float(run.optimizer.clip_grad_norm_(case.clip)))
             run.optimizer.step()
             run.optimizer.zero_grad()
             if save_to is not None and step == 0:
                 tiertrain.save_pipeline(run, save_to, step=1)
             if events:
                 events, recorded = False, list(log)
-        out = {"replica": replica, "losses": losses, "pp_rank": run.mesh.pp_rank, "indices": run.indices,
+        out = {"replica": replica, "losses": losses, "pp_rank": run.mesh.pp_rank, "indices": run.indices, "norms": norms,
                "head_released": model.lm_head.weight.is_meta}  # no rank keeps a head it does not train
         if log:
             out["events"] = recorded
@@ -264,7 +266,7 @@ def stashed_checkpoints(rank: int, micro: int) -> dict:
         run.close()
 
 
-def resumed_from_one_process(rank: int, pp: int, disk: Path, out: Path, case: "Case | None" = None) -> dict:
+def resumed_from_one_process(rank: int, pp: int, disk: Path, out: Path, case: Case | None = None) -> dict:
     """Rank 0 trains one step in one process of plain PyTorch (``case``'s micro-batches, its model tied or not)
     and saves it as ``train`` does; every rank then resumes that checkpoint as ``case``'s pipeline (AIAO over 4
     stages unless told) and trains the other steps."""

@@ -14,7 +14,7 @@ import functools
 import pytest
 import torch
 from dp_harness import run_ranks
-from pp_harness import TINY, reference
+from pp_harness import TINY, Case, pipelined_losses, reference
 from tp_harness import TpCase, tp_losses
 
 RTOL = 1e-5
@@ -30,10 +30,16 @@ def _jobs(cases, disk):
 SAVED = TpCase(2, plan="disk")  # saved after its first step; its steps 2 and 3 are what a resume must give
 
 
+PP2_TP2 = [Case("1f1b", 2, 1, clip=0.05), Case("aiao", 4, 2, plan="disk"), Case("aiao", 2, 2, plan="stash", clip=0.05)]
+
+
 @pytest.fixture(scope="module")
 def dp2_tp2(tmp_path_factory):
+    """The 4-rank launch: dp = 2 x tp = 2, and pp = 2 x tp = 2 in the same processes."""
     disk, out = tmp_path_factory.mktemp("dp2tp2d"), tmp_path_factory.mktemp("dp2tp2run")
     jobs = _jobs(DP2_TP2, disk) + [(("saved",), functools.partial(tp_losses, case=SAVED, disk=disk / "s", save_to=out))]
+    jobs += [(("pp", c), functools.partial(pipelined_losses, case=c, pp=2, disk=disk / f"pp{i}", tp=2))
+             for i, c in enumerate(PP2_TP2)]
     return {**run_ranks(4, tmp_path_factory.mktemp("dp2tp2"), jobs), "out": out}
 
 
@@ -245,3 +251,35 @@ def test_a_tensor_parallel_checkpoint_resumes_as_one_tiered_process(tp2, tmp_pat
         tm.runtime.mem.close()
     saved = [step[0] for step in tp2[(("saved",), 0)]["losses"][1:]]
     assert first == 1 and losses == pytest.approx(saved, rel=RTOL, abs=0)
+
+
+@pytest.mark.parametrize("case", PP2_TP2, ids=str)
+def test_a_pipeline_of_two_stages_each_cut_over_two_ranks_trains_as_one_process(dp2_tp2, case):
+    """pp = 2 x tp = 2: each stage's blocks cut over its two ranks, under 1F1B and AIAO (2 segments), with
+    host- and disk-homed states and recompute with offloaded checkpoints: each micro-batch's loss, and each
+    clipped step's norm over every stage and shard, as one process accumulating the same micro-batches."""
+    norms: list[float] = []
+    want = reference(1, case.micro, case.clip, norms=norms)
+    for rank in range(4):
+        got = dp2_tp2[(("pp", case), rank)]
+        assert got["replica"] == 0 and got["pp_rank"] == (rank // 2) % 2, rank
+        flat = [x for step in got["losses"] for x in step]
+        assert flat == pytest.approx([x for step in want for x in step[0]], rel=RTOL, abs=0), f"rank {rank}"
+        assert got["norms"] == pytest.approx(norms, rel=RTOL, abs=0), f"rank {rank}"
+
+
+def test_a_tied_pipeline_cut_over_tensor_parallel_ranks_is_refused_before_any_group_is_made(monkeypatch):
+    from pp_harness import fresh
+
+    import tiertrain
+    from tiertrain.errors import ConfigError
+    from tiertrain.plan.pipeline import PipelineLayout
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    model, opt = fresh(tied=True)
+    with pytest.raises(ConfigError, match="tied embedding in a pipeline cut over tensor-parallel ranks"):
+        tiertrain.pipeline(model, opt, PipelineLayout(2, "1f1b", 2, 1), tp=2)
+    model, opt = fresh()
+    with pytest.raises(ConfigError, match="--tp 3 must divide the run's 4 ranks"):
+        tiertrain.pipeline(model, opt, PipelineLayout(2, "1f1b", 2, 1), tp=3)
+    assert not torch.distributed.is_initialized()

@@ -22,22 +22,30 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from tiertrain.api.machine_budgets import machine_budgets
 from tiertrain.api.setup import optimizer_groups, run_options, setup
 from tiertrain.api.stages_optimizer import StagesOptimizer
+from tiertrain.api.tensor_parallel import norm_over_group
 from tiertrain.errors import ConfigError
 from tiertrain.memory import Budgets
 from tiertrain.memory.system import compute_device
 from tiertrain.models.gpt import token_loss
-from tiertrain.models.stages import StageCut, check_stageable, release_others
 from tiertrain.models.init import init_in_place
+from tiertrain.models.stages import StageCut, check_stageable, release_others
 from tiertrain.parallel.agree import same_on_every_rank
+from tiertrain.parallel.collectives import Collectives
 from tiertrain.parallel.group import ensure_process_group, world_from_env
 from tiertrain.parallel.health import failure
 from tiertrain.parallel.pipeline_mesh import PipelineMesh, pipeline_mesh
-from tiertrain.parallel.pipeline_schedule import Handoff, crosses_segments, schedule_for, stages_for
+from tiertrain.parallel.pipeline_schedule import (
+    Handoff,
+    crosses_segments,
+    schedule_for,
+    stages_for,
+)
+from tiertrain.parallel.tensor_gpt import check_tensor_parallel, parallelize_blocks
 from tiertrain.parallel.tied_stages import TiedStages
 from tiertrain.plan import BUILTIN_PLANS, Plan, RunOptions
 from tiertrain.plan.pipeline import PipelineLayout, fold, stage_plan
@@ -156,8 +164,8 @@ def _close_all(stages: list[nn.Module], mesh: PipelineMesh) -> None:
 
 
 def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, layout: PipelineLayout,
-             memory: Budgets | None = None, plan: "str | Plan" = "stream", options: RunOptions | None = None,
-             **fields: Any) -> Pipelined:
+             memory: Budgets | None = None, plan: str | Plan = "stream", options: RunOptions | None = None,
+             tp: int = 1, **fields: Any) -> Pipelined:
     """Cut ``model`` into ``layout``'s stages over the run's ranks, tier this rank's stages as ``plan``
     says within ``memory`` (this rank's budgets, shared by its stages), and return what the loop drives.
     ``options`` (or its fields as keywords) as ``tiertrain.setup`` takes them; ``grad_accum`` is the
@@ -172,16 +180,19 @@ def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Pipelin
     cut = check_stageable(model)
     _check_tied(cut, layout, opts, plan)
     optimizer_groups(optimizer, model)  # an AdamW, fresh, over every parameter: refused before anything changes
+    _check_tensor(model, cut, tp)
     ensure_process_group()
-    layout.check(world_from_env(), cut.n_blocks, layout.micro_batches)
-    same_on_every_rank("the pipeline", _pipeline_fields(model, layout, opts, plan), FIX)
-    mesh = pipeline_mesh(layout.pp, tied=cut.ties and layout.pp > 1)
+    layout.check(world_from_env() // tp, cut.n_blocks, layout.micro_batches)
+    same_on_every_rank("the pipeline", {**_pipeline_fields(model, layout, opts, plan), "--tp": str(tp)}, FIX)
+    mesh = pipeline_mesh(layout.pp, tied=cut.ties and layout.pp > 1, tp=tp)
     tiered: list[nn.Module] = []
     try:
         _materialize_tied(cut, mesh)
         runs = fold(cut.n_blocks, layout.pp, layout.segments)
         indices = [v for v in range(layout.stages) if v % layout.pp == mesh.pp_rank]
         modules = [cut.stage(runs[v]) for v in indices]
+        if mesh.tp_group is not None:
+            _cut_blocks(modules, optimizer, mesh.tp_group)
         stage_opts = [_stage_adamw(optimizer, m) for m in modules]
         release_others(model, modules)
         for group in optimizer.param_groups:  # the stages' optimizers hold this rank's originals now, each let
@@ -190,6 +201,8 @@ def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Pipelin
         for module, stage_opt, v, share in zip(modules, stage_opts, indices, _shares(memory, len(modules))):
             chosen = stage_plan(plan, runs[v], cut.n_blocks, max(map(len, runs))) if isinstance(plan, Plan) else plan
             t, topt = setup(module, stage_opt, share, plan=chosen, options=opts, collectives=mesh.stage_dp)
+            if mesh.tp_group is not None:
+                norm_over_group(t, mesh.tp_group)
             tiered.append(t)
             parts.append(topt)
         return Pipelined(layout, mesh, tiered, indices, StagesOptimizer(optimizer, parts, mesh.pp_host,
@@ -202,7 +215,31 @@ def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Pipelin
         raise
 
 
-def _check_tied(cut: StageCut, layout: PipelineLayout, opts: RunOptions, plan: "str | Plan") -> None:
+def _check_tensor(model: nn.Module, cut: StageCut, tp: int) -> None:
+    """A pipeline whose stages' blocks are cut over ``tp`` ranks: a model the tensor-parallel plan cuts, the
+    ranks in whole groups, no weight tied across the first and the last stage (its pair of ranks is one
+    per pipeline, not per group, yet)."""
+    if tp == 1:
+        return
+    if tp < 1 or world_from_env() % tp:
+        raise ConfigError(f"--tp {tp} must divide the run's {world_from_env()} ranks: give --nproc a multiple of "
+                          "--pp x --tp")
+    check_tensor_parallel(model, tp)
+    if cut.ties:
+        raise ConfigError("a tied embedding in a pipeline cut over tensor-parallel ranks is not supported yet: untie "
+                          "the model's head (tie_embeddings: false)")
+
+
+def _cut_blocks(modules: list[nn.Module], optimizer: torch.optim.Optimizer, group: Collectives) -> None:
+    """Each stage's blocks cut into this rank's shards over ``group``, the user's optimizer pointed at them."""
+    new_of: dict[int, nn.Parameter] = {}
+    for module in modules:
+        new_of.update(parallelize_blocks(module.blocks, group.rank, group))
+    for g in optimizer.param_groups:
+        g["params"] = [new_of.get(id(p), p) for p in g["params"]]
+
+
+def _check_tied(cut: StageCut, layout: PipelineLayout, opts: RunOptions, plan: str | Plan) -> None:
     """A tied weight's two stages sum their gradients before the step: none may be updated during backward,
     and the two ends must be on two ranks."""
     if not cut.ties:
@@ -242,7 +279,7 @@ def _tied_side(tiered: list[nn.Module], mesh: PipelineMesh) -> TiedStages | None
     return None
 
 
-def _plan_from_file(plan: "str | Plan") -> "str | Plan":
+def _plan_from_file(plan: str | Plan) -> str | Plan:
     """A plan named by its file, read (a whole model's, or a stage's from ``tiertrain plan --pp``: each stage
     takes its blocks' plans from it); a built-in name as it is."""
     if isinstance(plan, Plan) or plan in BUILTIN_PLANS or plan == "auto":
@@ -250,7 +287,7 @@ def _plan_from_file(plan: "str | Plan") -> "str | Plan":
     return plan_file(plan)
 
 
-def _pipeline_fields(model: nn.Module, layout: PipelineLayout, opts: RunOptions, plan: "str | Plan") -> dict[str, str]:
+def _pipeline_fields(model: nn.Module, layout: PipelineLayout, opts: RunOptions, plan: str | Plan) -> dict[str, str]:
     """What every rank of a pipeline must hold alike (a stage's ranks compare the rest among themselves):
     a rank that clips, or runs another schedule, would wait for sends or sums the others never make."""
     return {"the layout": repr(layout), "the model (its parameters' names, shapes and dtypes)": model_signature(model),
@@ -272,7 +309,7 @@ def _options(options: RunOptions | None, fields: dict[str, Any], layout: Pipelin
     return dataclasses.replace(opts, grad_accum=layout.micro_batches, reduce_every=opts.reduce_every or "step")
 
 
-def _check_clipping(opts: RunOptions, plan: "str | Plan") -> None:
+def _check_clipping(opts: RunOptions, plan: str | Plan) -> None:
     """The global norm spans every stage: no block may be updated before the last stage's backward ends
     (a plan file is read first)."""
     update = opts.update or (plan.update if isinstance(plan, Plan) else "sync")
@@ -282,7 +319,7 @@ def _check_clipping(opts: RunOptions, plan: "str | Plan") -> None:
                           "leave clipping out")
 
 
-def _check_precision(opts: RunOptions, plan: "str | Plan") -> None:
+def _check_precision(opts: RunOptions, plan: str | Plan) -> None:
     """fp32 and bf16 stages; fp16's dynamic loss scale would have to be agreed by every stage at every step
     (a stage skipping a step the others take would part the model): refused, whether asked or a plan file's."""
     dtype = opts.compute_dtype or (plan.compute_dtype if isinstance(plan, Plan) else "fp32")

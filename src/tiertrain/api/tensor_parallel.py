@@ -27,6 +27,7 @@ from tiertrain.api.tiered_optimizer import TieredOptimizer
 from tiertrain.errors import ConfigError
 from tiertrain.memory import Budgets
 from tiertrain.parallel.agree import same_on_every_rank
+from tiertrain.parallel.collectives import Collectives
 from tiertrain.parallel.group import ensure_process_group, world_from_env
 from tiertrain.parallel.tensor_gpt import (
     check_tensor_parallel,
@@ -83,16 +84,17 @@ def tensor_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, tp: int,
     except BaseException:
         mesh.close()
         raise
-    _norm_over_group(tiered, mesh)
+    norm_over_group(tiered, mesh.tp_group)
     return TensorParallel(tiered, topt, mesh)
 
 
-def _norm_over_group(tiered: nn.Module, mesh: TensorMesh) -> None:
-    """The step's gradient norm over every shard: each rank's own, summed over its group, with a whole
-    parameter (the same gradient on every rank of the group) counted on the group's first rank only."""
+def norm_over_group(tiered: nn.Module, group: Collectives) -> None:
+    """The step's gradient norm over every shard: each rank's own, summed over its tensor-parallel
+    ``group``, with a whole parameter (the same gradient on every rank of the group) counted on the
+    group's first rank only."""
     runtime = tiered.runtime
-    runtime.norm.sum_over(mesh.tp_group)
-    if mesh.tp_rank == 0:
+    runtime.norm.sum_over(group)
+    if group.rank == 0:
         return
     for name, param in tiered.named_parameters():
         if split_of(name) is None:

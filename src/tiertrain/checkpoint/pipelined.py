@@ -46,6 +46,7 @@ from tiertrain.checkpoint.train_state import TieredState, TrainState, plain_hpar
 from tiertrain.errors import CheckpointError
 from tiertrain.models.stages import TIED_NAMES
 from tiertrain.optim.hparams import MOMENTS
+from tiertrain.parallel.tensor_layers import tensor_rank
 from tiertrain.tensor_file import LazyTensors, TensorSpec
 
 F32 = torch.float32
@@ -70,6 +71,9 @@ def save_pipelined(out: Path, parts: Sequence[tuple[int, nn.Module]], world: Any
     step's temporary directory (with its stage's data-parallel ranks, sharded as a data-parallel run
     saves), rank 0 adds the top level and publishes. A failure on any rank fails the save on all of them
     (``agreement`` over ``world``), the temporary directory removed and the previous checkpoint intact."""
+    if any(tensor_rank(module)[1] > 1 for _, module in parts):  # every rank alike: each holds such stages
+        raise CheckpointError("a pipeline whose stages are cut over tensor-parallel ranks is not saved yet; train it "
+                              "without checkpoints (--no-save), or save a pipeline without --tp")
     save = ManyRankSave.begin(out, state.step, world, "pipeline")
     for index, module in parts:
         write_part(save.tmp / stage_dir(index), TieredState(module), state, save.agree)

@@ -61,8 +61,13 @@ def parallelize_gpt(model: GPT, rank: int, group: Collectives) -> dict[int, nn.P
     """Cut ``model``'s blocks in place into this rank's shards; returns each replaced parameter's new one
     by the old one's ``id`` (an optimizer built over the whole model is pointed at them)."""
     check_tensor_parallel(model, group.world_size)
+    return parallelize_blocks(model.blocks, rank, group)
+
+
+def parallelize_blocks(blocks: nn.ModuleList, rank: int, group: Collectives) -> dict[int, nn.Parameter]:
+    """``parallelize_gpt`` of some of a checked model's blocks (a pipeline stage's)."""
     new_of: dict[int, nn.Parameter] = {}
-    for block in model.blocks:
+    for block in blocks:
         attn, ffn = block.attn, block.ffn
         swaps = [(attn, "qkv", column_parallel(attn.qkv, QKV, rank, group)),
                  (attn, "proj", row_parallel(attn.proj, rank, group)),

@@ -180,6 +180,10 @@ def test_an_architecture_without_a_plan_and_plan_auto_are_refused_before_any_gro
     model, opt = fresh()
     with pytest.raises(ConfigError, match="not plan 'auto'"):
         tiertrain.tensor_parallel(model, opt, 2, plan="auto")
+    with pytest.raises(ConfigError, match="the lockfree update mode lets each rank read params of another age"):
+        tiertrain.tensor_parallel(model, opt, 2, update="lockfree")
+    with pytest.raises(ConfigError, match="not fp16: use bf16"):
+        tiertrain.tensor_parallel(model, opt, 2, compute_dtype="fp16")
     with pytest.raises(ConfigError, match="--tp 2 must divide the run's 1 ranks"):
         tiertrain.tensor_parallel(model, opt, 2)
     assert not torch.distributed.is_initialized()

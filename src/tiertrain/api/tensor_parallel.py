@@ -36,6 +36,7 @@ from tiertrain.parallel.tensor_gpt import (
 )
 from tiertrain.parallel.tensor_mesh import TensorMesh, tensor_mesh
 from tiertrain.plan import Plan, RunOptions
+from tiertrain.plan.update_modes import rules
 from tiertrain.runtime.rank_agreement import model_signature
 
 FIX = "start every rank with the same model, --tp and plan (torchrun gives each rank the same command line)"
@@ -68,7 +69,7 @@ def tensor_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, tp: int,
     if tp < 1:
         raise ConfigError(f"--tp must be at least 1, not {tp}")
     check_tensor_parallel(model, tp)
-    _check_plan(plan)
+    _check_plan(plan, opts)
     optimizer_groups(optimizer, model)  # an AdamW, fresh, over every parameter: refused before anything changes
     world = world_from_env()
     if world % tp:
@@ -101,9 +102,16 @@ def norm_over_group(tiered: nn.Module, group: Collectives) -> None:
             runtime.leave_out_of_norm(param)
 
 
-def _check_plan(plan: str | Plan) -> None:
+def _check_plan(plan: str | Plan, opts: RunOptions) -> None:
     """Every rank of a group must run its blocks alike (a recomputed block sums its activations again):
-    a plan each rank finds for itself could differ."""
+    a plan each rank finds for itself could differ, and params of another age on each rank (an update
+    loop's) would part the whole parameters. fp16's loss scale is not agreed over the group."""
+    update = opts.update or (plan.update if isinstance(plan, Plan) else "sync")
+    if rules(update).loops:
+        raise ConfigError(f"the {update} update mode lets each rank read params of another age, and a "
+                          "tensor-parallel group's ranks must read the same: use update='sync' or 'overlap'")
+    if (opts.compute_dtype or (plan.compute_dtype if isinstance(plan, Plan) else "fp32")) == "fp16":
+        raise ConfigError("tensor-parallel runs compute in fp32 or bf16, not fp16: use bf16")
     if isinstance(plan, str) and plan == "auto":
         raise ConfigError("tensor parallel takes a named plan or a plan file, not plan 'auto' yet (each rank would "
                           "profile and choose alone): give --plan stream, max-offload, ... or a file from "

@@ -130,8 +130,8 @@ class TrainConfig:
                               "leave them out")
         if self.precision == "fp16":
             raise ConfigError("tensor-parallel runs train in fp32 or bf16, not fp16: use --precision bf16")
-        if self.update == "lockfree":
-            raise ConfigError("--update lockfree lets each rank read params of another age, and a tensor-parallel "
+        if self.update is not None and rules(self.update).loops:
+            raise ConfigError(f"--update {self.update} lets each rank read params of another age, and a tensor-parallel "
                               "group's ranks must read the same: use --update sync or overlap")
 
     @property

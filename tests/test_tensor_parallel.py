@@ -19,7 +19,8 @@ from tp_harness import TpCase, tp_losses
 
 RTOL = 1e-5
 TP2 = [TpCase(2), TpCase(2, plan="disk", clip=0.05), TpCase(2, plan="stash", clip=0.05, tied=True),
-       TpCase(2, update="overlap")]
+       TpCase(2, update="overlap"), TpCase(2, skew=True)]
+META = TpCase(2, plan="resident", meta=True)
 DP2_TP2 = [TpCase(2, clip=0.05), TpCase(2, plan="disk")]
 
 
@@ -46,7 +47,7 @@ def dp2_tp2(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory, dp2_tp2):
     disk, out = tmp_path_factory.mktemp("tp2d"), tmp_path_factory.mktemp("tp2run")
-    jobs = _jobs(TP2, disk) + [
+    jobs = _jobs([*TP2, META], disk) + [
         (("saved",), functools.partial(tp_losses, case=SAVED, disk=disk / "s", save_to=out)),
         (("resumed",), functools.partial(tp_losses, case=TpCase(2), disk=disk / "r", load_from=dp2_tp2["out"]))]
     return {**run_ranks(2, tmp_path_factory.mktemp("tp2"), jobs), "out": out}
@@ -287,3 +288,14 @@ def test_a_tied_pipeline_cut_over_tensor_parallel_ranks_is_refused_before_any_gr
     with pytest.raises(ConfigError, match="--tp 3 must divide the run's 4 ranks"):
         tiertrain.pipeline(model, opt, PipelineLayout(2, "1f1b", 2, 1), tp=3)
     assert not torch.distributed.is_initialized()
+
+
+def test_a_model_built_on_the_meta_device_is_drawn_whole_by_the_group_and_cut(tp2):
+    """Built on the meta device (as train builds a model larger than the host), each matrix is drawn whole
+    alike on both ranks and cut: the ranks' shards are different heads (not the same numbers twice, as
+    each rank's own draw of its shard would give), their whole parameters equal, and both train alike."""
+    a, b = tp2[((META,), 0)], tp2[((META,), 1)]
+    assert a["qkv"].shape == (3 * TINY["d_model"] // 2, TINY["d_model"])
+    assert not torch.equal(a["qkv"], b["qkv"]) and a["qkv"].std() > 0.01
+    assert torch.equal(a["ln1"], b["ln1"]) and torch.equal(a["emb"], b["emb"])
+    assert a["losses"] == b["losses"] and len(set(x for step in a["losses"] for x in step)) == 3

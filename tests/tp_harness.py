@@ -21,6 +21,8 @@ class TpCase:
     clip: float | None = None    # clipped by the loop's torch.nn.utils.clip_grad_norm_
     update: str = "sync"
     tied: bool = False
+    skew: bool = False           # each rank's model drawn otherwise (ranks seeded apart): rank 0's must win
+    meta: bool = False           # the model built on the meta device: drawn by the group, alike
 
 
 def state_bytes(runtime) -> dict[str, int]:
@@ -38,6 +40,17 @@ def tp_losses(rank: int, case: TpCase, disk: Path, save_to: Path | None = None, 
     from tiertrain.memory import Budgets
 
     model, opt = fresh(case.tied)
+    if case.skew and rank % case.tp:
+        torch.manual_seed(rank)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.01)
+    if case.meta:
+        from tiertrain.models import build
+        from tiertrain.train.optimizer import make_adamw
+
+        model = build({**TINY, "tie_embeddings": case.tied}, device="meta")
+        opt, _ = make_adamw(model, 1e-2, (0.9, 0.95), 1e-8, 0.1)
     run = tiertrain.tensor_parallel(model, opt, case.tp, Budgets(64 << 20, 64 << 20, 64 << 20, rank_disk(disk, rank)),
                                     plan=_plan(case.plan, TINY["n_layer"]), page_size=64 << 10, update=case.update)
     out = {"replica": run.mesh.dp_rank, "losses": [], "sent": [], "tp_rank": run.mesh.tp_rank}
@@ -56,6 +69,10 @@ def tp_losses(rank: int, case: TpCase, disk: Path, save_to: Path | None = None, 
             run.optimizer.zero_grad()
             out["losses"].append([loss.item()])
             out["sent"].append(run.mesh.tp_group.sent - before)
+        if case.plan == "resident":  # the blocks' params stay in their slots: this rank's shards and whole ones
+            block = run.model.blocks[0]
+            out["qkv"], out["ln1"] = (t.detach().clone() for t in (block.attn.qkv.weight, block.ln1.weight))
+            out["emb"] = run.model.tok_emb.weight.detach().clone()
         out["states"] = state_bytes(run.model.runtime)
         out["shapes"] = {n: tuple(p.shape) for n, p in run.model.named_parameters()}
         return out

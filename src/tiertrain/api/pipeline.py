@@ -46,6 +46,7 @@ from tiertrain.parallel.pipeline_schedule import (
     stages_for,
 )
 from tiertrain.parallel.tensor_gpt import check_tensor_parallel, parallelize_blocks
+from tiertrain.parallel.tensor_start import group_seed, same_start
 from tiertrain.parallel.tied_stages import TiedStages
 from tiertrain.plan import BUILTIN_PLANS, Plan, RunOptions
 from tiertrain.plan.pipeline import PipelineLayout, fold, stage_plan
@@ -192,7 +193,7 @@ def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Pipelin
         indices = [v for v in range(layout.stages) if v % layout.pp == mesh.pp_rank]
         modules = [cut.stage(runs[v]) for v in indices]
         if mesh.tp_group is not None:
-            _cut_blocks(modules, optimizer, mesh.tp_group)
+            _cut_blocks(modules, [runs[v].start for v in indices], optimizer, mesh.tp_group)
         stage_opts = [_stage_adamw(optimizer, m) for m in modules]
         release_others(model, modules)
         for group in optimizer.param_groups:  # the stages' optimizers hold this rank's originals now, each let
@@ -230,11 +231,15 @@ def _check_tensor(model: nn.Module, cut: StageCut, tp: int) -> None:
                           "the model's head (tie_embeddings: false)")
 
 
-def _cut_blocks(modules: list[nn.Module], optimizer: torch.optim.Optimizer, group: Collectives) -> None:
-    """Each stage's blocks cut into this rank's shards over ``group``, the user's optimizer pointed at them."""
+def _cut_blocks(modules: list[nn.Module], firsts: list[int], optimizer: torch.optim.Optimizer,
+                group: Collectives) -> None:
+    """Each stage's blocks (the first of each the model's ``firsts``) cut into this rank's shards over
+    ``group``, every rank of it from the same whole stage; the user's optimizer pointed at them."""
     new_of: dict[int, nn.Parameter] = {}
-    for module in modules:
-        new_of.update(parallelize_blocks(module.blocks, group.rank, group))
+    seed = group_seed(group)
+    for module, first in zip(modules, firsts):
+        same_start(module, group, seed)
+        new_of.update(parallelize_blocks(module.blocks, group.rank, group, seed, first))
     for g in optimizer.param_groups:
         g["params"] = [new_of.get(id(p), p) for p in g["params"]]
 

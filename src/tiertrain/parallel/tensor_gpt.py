@@ -25,6 +25,7 @@ from tiertrain.parallel.tensor_layers import (
     column_parallel,
     row_parallel,
 )
+from tiertrain.parallel.tensor_start import drawn_whole, group_seed, same_start
 
 SUPPORTED = "tiertrain's GPT (--model tiny/small/... or a config JSON without experts)"
 QKV = Split(0, parts=3)  # q, k and v rows: each rank takes its heads of all three
@@ -58,17 +59,28 @@ def check_tensor_parallel(model: nn.Module, tp: int) -> None:
 
 
 def parallelize_gpt(model: GPT, rank: int, group: Collectives) -> dict[int, nn.Parameter]:
-    """Cut ``model``'s blocks in place into this rank's shards; returns each replaced parameter's new one
-    by the old one's ``id`` (an optimizer built over the whole model is pointed at them)."""
+    """Cut ``model``'s blocks in place into this rank's shards, every rank of ``group`` from the same whole
+    model (``parallel.tensor_start``); returns each replaced parameter's new one by the old one's ``id``
+    (an optimizer built over the whole model is pointed at them)."""
     check_tensor_parallel(model, group.world_size)
-    return parallelize_blocks(model.blocks, rank, group)
+    seed = group_seed(group)
+    same_start(model, group, seed)
+    return parallelize_blocks(model.blocks, rank, group, seed)
 
 
-def parallelize_blocks(blocks: nn.ModuleList, rank: int, group: Collectives) -> dict[int, nn.Parameter]:
-    """``parallelize_gpt`` of some of a checked model's blocks (a pipeline stage's)."""
+def parallelize_blocks(blocks: nn.ModuleList, rank: int, group: Collectives, seed: int,
+                       first: int = 0) -> dict[int, nn.Parameter]:
+    """``parallelize_gpt`` of some of a checked model's blocks (a pipeline stage's: ``first`` is the index
+    of its first block in the model), each alike on every rank of ``group`` already but for its matrices
+    on the meta device, drawn whole here from ``seed`` one block at a time."""
     new_of: dict[int, nn.Parameter] = {}
-    for block in blocks:
+    for j, block in enumerate(blocks):
         attn, ffn = block.attn, block.ffn
+        for sub, linear in (("attn.qkv", attn.qkv), ("attn.proj", attn.proj), ("ffn.fc", ffn.fc),
+                            ("ffn.proj", ffn.proj)):
+            for pname, p in linear.named_parameters():
+                if p.is_meta:
+                    drawn_whole(f"blocks.{first + j}.{sub}.{pname}", p, seed)
         swaps = [(attn, "qkv", column_parallel(attn.qkv, QKV, rank, group)),
                  (attn, "proj", row_parallel(attn.proj, rank, group)),
                  (ffn, "fc", column_parallel(ffn.fc, COLUMNS, rank, group)),

@@ -41,7 +41,9 @@ def dp2_tp2(tmp_path_factory):
     jobs = _jobs(DP2_TP2, disk) + [(("saved",), functools.partial(tp_losses, case=SAVED, disk=disk / "s", save_to=out))]
     jobs += [(("pp", c), functools.partial(pipelined_losses, case=c, pp=2, disk=disk / f"pp{i}", tp=2))
              for i, c in enumerate(PP2_TP2)]
-    return {**run_ranks(4, tmp_path_factory.mktemp("dp2tp2"), jobs), "out": out}
+    whole = tmp_path_factory.mktemp("tp1run")  # tp = 1 over 4 replicas: a checkpoint the tp2 launch cuts again
+    jobs += [(("saved tp1",), functools.partial(tp_losses, case=TpCase(1, plan="disk"), disk=disk / "w", save_to=whole))]
+    return {**run_ranks(4, tmp_path_factory.mktemp("dp2tp2"), jobs), "out": out, "tp1 out": whole}
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,9 @@ def tp2(tmp_path_factory, dp2_tp2):
     disk, out = tmp_path_factory.mktemp("tp2d"), tmp_path_factory.mktemp("tp2run")
     jobs = _jobs([*TP2, META], disk) + [
         (("saved",), functools.partial(tp_losses, case=SAVED, disk=disk / "s", save_to=out)),
-        (("resumed",), functools.partial(tp_losses, case=TpCase(2), disk=disk / "r", load_from=dp2_tp2["out"]))]
+        (("resumed",), functools.partial(tp_losses, case=TpCase(2), disk=disk / "r", load_from=dp2_tp2["out"])),
+        (("resumed tp1",), functools.partial(tp_losses, case=TpCase(2), disk=disk / "c",
+                                             load_from=dp2_tp2["tp1 out"]))]
     return {**run_ranks(2, tmp_path_factory.mktemp("tp2"), jobs), "out": out}
 
 
@@ -285,7 +289,7 @@ def test_a_tied_pipeline_cut_over_tensor_parallel_ranks_is_refused_before_any_gr
     with pytest.raises(ConfigError, match="tied embedding in a pipeline cut over tensor-parallel ranks"):
         tiertrain.pipeline(model, opt, PipelineLayout(2, "1f1b", 2, 1), tp=2)
     model, opt = fresh()
-    with pytest.raises(ConfigError, match="--tp 3 must divide the run's 4 ranks"):
+    with pytest.raises(ConfigError, match="--pp 2 x --tp 3 must divide the run's 4 ranks"):
         tiertrain.pipeline(model, opt, PipelineLayout(2, "1f1b", 2, 1), tp=3)
     assert not torch.distributed.is_initialized()
 
@@ -299,3 +303,60 @@ def test_a_model_built_on_the_meta_device_is_drawn_whole_by_the_group_and_cut(tp
     assert not torch.equal(a["qkv"], b["qkv"]) and a["qkv"].std() > 0.01
     assert torch.equal(a["ln1"], b["ln1"]) and torch.equal(a["emb"], b["emb"])
     assert a["losses"] == b["losses"] and len(set(x for step in a["losses"] for x in step)) == 3
+
+
+def test_a_plan_files_update_mode_is_refused_as_a_given_one_and_train_takes_what_plan_tp_writes(tmp_path, capsys):
+    """A lockfree plan file is refused by the Python entry and by `train --tp` before torchrun starts; the
+    plan `tiertrain plan --nproc 4 --tp 2` writes (laid out for the 2 replicas) passes train's layout check."""
+    import dataclasses
+
+    import tiertrain
+    from pp_harness import fresh
+    from tiertrain.cli.main import main
+    from tiertrain.errors import ConfigError
+    from tiertrain.plan import builtin_plan
+
+    lockfree = tmp_path / "lockfree.json"
+    lockfree.write_text(dataclasses.replace(builtin_plan("stream", 4), update="lockfree").to_json())
+    model, opt = fresh()
+    with pytest.raises(ConfigError, match="the lockfree update mode"):
+        tiertrain.tensor_parallel(model, opt, 2, plan=str(lockfree))
+    cut = ["train", "--model", "tiny", "--nproc", "2", "--tp", "2", "--out", str(tmp_path / "r")]
+    assert main([*cut, "--plan", str(lockfree)]) == 2
+    assert "the lockfree update mode" in capsys.readouterr().err
+    laid = tmp_path / "laid.json"
+    laid.write_text(dataclasses.replace(builtin_plan("stream", 2), parallel=dataclasses.replace(
+        builtin_plan("stream", 2).parallel, dp=2)).to_json())
+    from tiertrain.cli.main import _check_layout
+    from tiertrain.train.config import make_config
+
+    _check_layout(make_config({}, {"model": "tiny", "plan": str(laid), "tp": 2}), 4)  # 2 replicas of 2: taken
+    with pytest.raises(ConfigError, match="laid out for 2 ranks but --nproc 2 --tp 2 makes 1"):
+        _check_layout(make_config({}, {"model": "tiny", "plan": str(laid), "tp": 2}), 2)
+
+
+def test_a_tensor_parallel_checkpoint_exports_as_the_whole_models_state_dict(tp2, tmp_path):
+    """`tiertrain export` of tp = 2's checkpoint: one state dict of the whole model, each cut tensor put back
+    together, equal to what one process loads from the checkpoint."""
+    from safetensors.torch import load_file
+
+    from tiertrain.checkpoint.export import export_checkpoint
+
+    model, _, _ = _plain_from(tp2["out"])
+    export_checkpoint(tp2["out"], tmp_path / "x", say=lambda _: None)
+    written = load_file(tmp_path / "x" / "model.safetensors")
+    want = {n: t for n, t in model.state_dict().items()}
+    assert set(written) <= set(want) and "blocks.0.attn.qkv.weight" in written
+    for name, t in written.items():
+        assert torch.equal(t, want[name]), name
+
+
+def test_a_checkpoint_saved_at_tp_1_over_four_replicas_resumes_cut_over_two_ranks(tp2, dp2_tp2):
+    """Saved at tp = 1, dp = 4 (one sub-checkpoint, sharded over four replicas), resumed at tp = 2: each
+    tensor read whole, cut for the reader's rank; the run goes on as one process from that checkpoint."""
+    model, opt, state = _plain_from(dp2_tp2["tp1 out"])
+    assert (state.step, state.world) == (1, 4)
+    want = [step[0][0] for step in reference(1, 1, start=(model, opt), first=state.step)]
+    for rank in range(2):
+        got = [step[0] for step in tp2[(("resumed tp1",), rank)]["losses"]]
+        assert got == pytest.approx(want, rel=RTOL, abs=0), f"rank {rank}"

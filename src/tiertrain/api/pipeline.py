@@ -181,7 +181,7 @@ def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Pipelin
     cut = check_stageable(model)
     _check_tied(cut, layout, opts, plan)
     optimizer_groups(optimizer, model)  # an AdamW, fresh, over every parameter: refused before anything changes
-    _check_tensor(model, cut, tp)
+    _check_tensor(model, cut, layout, tp)
     ensure_process_group()
     layout.check(world_from_env() // tp, cut.n_blocks, layout.micro_batches)
     same_on_every_rank("the pipeline", {**_pipeline_fields(model, layout, opts, plan), "--tp": str(tp)}, FIX)
@@ -216,15 +216,16 @@ def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Pipelin
         raise
 
 
-def _check_tensor(model: nn.Module, cut: StageCut, tp: int) -> None:
+def _check_tensor(model: nn.Module, cut: StageCut, layout: PipelineLayout, tp: int) -> None:
     """A pipeline whose stages' blocks are cut over ``tp`` ranks: a model the tensor-parallel plan cuts, the
     ranks in whole groups, no weight tied across the first and the last stage (its pair of ranks is one
     per pipeline, not per group, yet)."""
     if tp == 1:
         return
-    if tp < 1 or world_from_env() % tp:
-        raise ConfigError(f"--tp {tp} must divide the run's {world_from_env()} ranks: give --nproc a multiple of "
-                          "--pp x --tp")
+    world = world_from_env()
+    if tp < 1 or world % (layout.pp * tp):
+        raise ConfigError(f"--pp {layout.pp} x --tp {tp} must divide the run's {world} ranks: give --nproc a "
+                          f"multiple of {layout.pp * max(tp, 1)}")
     check_tensor_parallel(model, tp)
     if cut.ties:
         raise ConfigError("a tied embedding in a pipeline cut over tensor-parallel ranks is not supported yet: untie "

@@ -35,7 +35,8 @@ from tiertrain.parallel.tensor_gpt import (
     split_of,
 )
 from tiertrain.parallel.tensor_mesh import TensorMesh, tensor_mesh
-from tiertrain.plan import Plan, RunOptions
+from tiertrain.plan import BUILTIN_PLANS, Plan, RunOptions
+from tiertrain.plan.plan import plan_file
 from tiertrain.plan.update_modes import rules
 from tiertrain.runtime.rank_agreement import model_signature
 
@@ -69,7 +70,9 @@ def tensor_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, tp: int,
     if tp < 1:
         raise ConfigError(f"--tp must be at least 1, not {tp}")
     check_tensor_parallel(model, tp)
-    _check_plan(plan, opts)
+    if isinstance(plan, str) and plan not in BUILTIN_PLANS and plan != "auto":
+        plan = plan_file(plan)  # its update mode and dtype checked as given ones
+    check_tensor_plan(plan, opts)
     optimizer_groups(optimizer, model)  # an AdamW, fresh, over every parameter: refused before anything changes
     world = world_from_env()
     if world % tp:
@@ -102,7 +105,7 @@ def norm_over_group(tiered: nn.Module, group: Collectives) -> None:
             runtime.leave_out_of_norm(param)
 
 
-def _check_plan(plan: str | Plan, opts: RunOptions) -> None:
+def check_tensor_plan(plan: str | Plan, opts: RunOptions) -> None:
     """Every rank of a group must run its blocks alike (a recomputed block sums its activations again):
     a plan each rank finds for itself could differ, and params of another age on each rank (an update
     loop's) would part the whole parameters. fp16's loss scale is not agreed over the group."""

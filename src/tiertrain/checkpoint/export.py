@@ -26,10 +26,23 @@ import torch
 
 from tiertrain.checkpoint.atomic import fsync_path
 from tiertrain.checkpoint.pieces import SUFFIX as PIECES
-from tiertrain.checkpoint.run import checked_whole, find_checkpoint, read_json, read_trainer, verify_files
+from tiertrain.checkpoint.run import (
+    TrainerFile,
+    checked_whole,
+    find_checkpoint,
+    read_json,
+    read_trainer,
+    verify_files,
+)
 from tiertrain.checkpoint.sharded import ShardedTensors, ShardMap, check_shard_files
 from tiertrain.errors import CheckpointError, OutputError
-from tiertrain.tensor_file import PIECE_BYTES, LazyTensors, TensorSpec, TensorStream, write_streamed
+from tiertrain.tensor_file import (
+    PIECE_BYTES,
+    LazyTensors,
+    TensorSpec,
+    TensorStream,
+    write_streamed,
+)
 from tiertrain.units import format_bytes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -150,11 +163,44 @@ def _weights(ckpt: Path) -> Weights:
                     raise CheckpointError(f"{name} is saved by two stages of {ckpt}; the checkpoint is damaged")
                 owner[name] = part
         return Weights({n: w.shapes[n] for n, w in owner.items()}, lambda name: owner[name].pieces(name))
+    if trainer.tensor is not None:
+        return _merged(ckpt, trainer)
     smap = ShardMap.read(trainer.shards, f"checkpoint file {ckpt / 'trainer.json'}: shards") if trainer.shards else None
     read = ("config.json", *(smap.files() if smap is not None else ["model.safetensors"]))
     listed = {k: v for k, v in trainer.files.items() if k in read or k.removesuffix(PIECES) in read}
     verify_files(ckpt, checked_whole(listed))  # read_trainer: all of them listed; rank files checked as read
     return _sharded(ckpt, smap) if smap is not None else _plain(ckpt)
+
+
+def _merged(ckpt: Path, trainer: TrainerFile) -> Weights:
+    """A tensor-parallel checkpoint's weights: each cut tensor put back together from every rank's shard
+    (one tensor whole in memory at a time), the whole ones from the first rank's."""
+    from tiertrain.checkpoint.tensor_parallel import TensorRecord, tp_dir
+    from tiertrain.parallel.tensor_gpt import split_of
+
+    verify_files(ckpt, checked_whole(trainer.files))
+    rec = TensorRecord(**trainer.tensor)  # read_trainer checked it
+    parts = []
+    for r in range(rec.tp):
+        if read_trainer(ckpt / tp_dir(r)).step != trainer.step:
+            raise CheckpointError(f"{ckpt / tp_dir(r)} is of another step than its checkpoint; the checkpoint is "
+                                  "damaged or was assembled by hand")
+        parts.append(_weights(ckpt / tp_dir(r)))
+    shapes = {}
+    for name, shape in parts[0].shapes.items():
+        split = split_of(name)
+        shapes[name] = shape if split is None else tuple(n * rec.tp if d == split.dim else n
+                                                         for d, n in enumerate(shape))
+
+    def pieces(name: str) -> Iterator[torch.Tensor]:
+        split = split_of(name)
+        if split is None:
+            yield from parts[0].pieces(name)
+            return
+        shards = [torch.cat(list(part.pieces(name))).view(part.shapes[name]) for part in parts]
+        yield split.merge(shards).reshape(-1)
+
+    return Weights(shapes, pieces)
 
 
 def _plain(ckpt: Path) -> Weights:

@@ -236,9 +236,12 @@ def _check_layout(cfg: Any, nproc: int) -> None:
         _check_tensor_layout(cfg, nproc)
     if cfg.plan and cfg.plan.endswith(".json") and os.path.isfile(cfg.plan):
         dp = Plan.from_json(Path(cfg.plan).read_text(), f"plan {cfg.plan}").parallel.dp
-        if dp not in (1, nproc):
-            raise ConfigError(f"the plan {cfg.plan} is laid out for {dp} ranks but --nproc is {nproc}: use "
-                              f"--nproc {dp}, or make the plan for {nproc} (tiertrain plan --nproc {nproc} ...)")
+        ranks = nproc // cfg.tp  # a tensor-parallel group's ranks hold one replica: the plan's dp counts replicas
+        if dp not in (1, ranks):
+            tp = f" --tp {cfg.tp}" if cfg.tp > 1 else ""
+            raise ConfigError(f"the plan {cfg.plan} is laid out for {dp} ranks but --nproc {nproc}{tp} makes "
+                              f"{ranks}: use --nproc {dp * cfg.tp}, or make the plan for them (tiertrain plan "
+                              f"--nproc {nproc}{tp} ...)")
 
 
 def _check_tensor_layout(cfg: Any, nproc: int) -> None:
@@ -249,6 +252,13 @@ def _check_tensor_layout(cfg: Any, nproc: int) -> None:
     if nproc % cfg.tp:
         raise ConfigError(f"--tp {cfg.tp} must divide --nproc {nproc}: give --nproc a multiple of --tp")
     check_tensor_parallel(build(resolve_config(cfg.model), device="meta"), cfg.tp)
+    if cfg.plan.endswith(".json") and os.path.isfile(cfg.plan):  # a plan file's update mode and dtype too
+        from tiertrain.api.tensor_parallel import check_tensor_plan
+        from tiertrain.plan import RunOptions
+        from tiertrain.plan.plan import plan_file
+
+        # the run computes in --precision's dtype (fp16 refused with it), not the file's: its update mode is checked
+        check_tensor_plan(plan_file(cfg.plan), RunOptions(update=cfg.update, compute_dtype="fp32"))
 
 
 def _torchrun(nproc: int, plan: "Path | None" = None) -> int:

@@ -303,8 +303,12 @@ class Trainer:
         if self.world == 1:
             return flag
         t = torch.tensor([1.0 if flag else 0.0])
-        self.model.runtime.comm.host.all_reduce(t, op="max")
+        self._agreement().all_reduce(t, op="max")
         return bool(t.item())
+
+    def _agreement(self) -> Any:
+        """The host collectives over every rank of the run (the runtime's data-parallel group is all of them)."""
+        return self.model.runtime.comm.host
 
     def _stop_if_not_finite(self, what: str, value: torch.Tensor) -> None:
         """A NaN or infinite loss (or gradient norm) ends the run before the step updates anything,

@@ -118,10 +118,8 @@ class PipelineTrainer(Trainer):
         row["tflops"] /= self.cfg.pp  # the replica's FLOPs are its pp ranks' together: each rank's share
         return row
 
-    def _any_rank(self, flag: bool) -> bool:
-        t = torch.tensor([1.0 if flag else 0.0])
-        self.pipe.mesh.world.host.all_reduce(t, op="max")
-        return bool(t.item())
+    def _agreement(self) -> Any:
+        return self.pipe.mesh.world.host  # a stage's data-parallel group is not every rank
 
     def _tier_figures(self, row: dict[str, Any]) -> None:
         """Each tier's page peak on the busiest rank (every rank computes its row: rank 0's stages alone

@@ -12,12 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from tiertrain.checkpoint.run import TrainerState
 from tiertrain.checkpoint.tensor_parallel import save_shards
 from tiertrain.checkpoint.train_state import TieredState
-from tiertrain.errors import ConfigError
 from tiertrain.models import ModelConfig, param_count
 from tiertrain.train.loop import Trainer, model_flops_per_token
 from tiertrain.units import format_count, parse_size
@@ -30,10 +27,7 @@ class TensorTrainer(Trainer):
     def _setup_tiered(self) -> None:
         from tiertrain.api.tensor_parallel import tensor_parallel
 
-        cfg = self.cfg
-        if cfg.plan == "auto":
-            raise ConfigError("--tp takes a named plan or a plan file, not --plan auto yet (each rank would profile "
-                              "and choose alone): give --plan stream, max-offload, ... or a file from tiertrain plan")
+        cfg = self.cfg  # its plan checked by TrainConfig (a named one or a file, not auto)
         self.whole_params = sum(p.numel() for p in self.model.parameters())  # before the cut
         self.tensor = tensor_parallel(self.model, self.opt, cfg.tp, self.budgets.budgets, plan=cfg.plan,
                                       page_size=parse_size(cfg.page_size) if cfg.page_size else None,
@@ -51,10 +45,8 @@ class TensorTrainer(Trainer):
         row["tflops"] /= self.cfg.tp  # the replica's FLOPs are its tp ranks' together: each rank's share
         return row
 
-    def _any_rank(self, flag: bool) -> bool:
-        t = torch.tensor([1.0 if flag else 0.0])
-        self.tensor.mesh.world.host.all_reduce(t, op="max")
-        return bool(t.item())
+    def _agreement(self) -> Any:
+        return self.tensor.mesh.world.host  # a shard's data-parallel group is not every rank
 
     def _write_checkpoint(self, state: TrainerState) -> Path:
         return save_shards(self.out, self.model, self.tensor.mesh, self.opt.param_groups, state,

@@ -236,7 +236,8 @@ def test_a_checkpoint_of_two_replicas_resumes_at_one_replica_of_the_same_group(t
 def test_a_tensor_parallel_checkpoint_resumes_as_one_tiered_process(tp2, tmp_path):
     """tp = 2's checkpoint resumed by one process under tiertrain.setup (tp = 1, the disk plan): its steps
     2 and 3 are the tensor-parallel run's."""
-    from pp_harness import _plan, batches, fresh, loss_of
+    from conftest import train_losses
+    from pp_harness import _plan, batches, fresh
 
     import tiertrain
     from tiertrain.checkpoint.run import find_checkpoint, load_checkpoint
@@ -246,35 +247,10 @@ def test_a_tensor_parallel_checkpoint_resumes_as_one_tiered_process(tp2, tmp_pat
     model, opt = fresh()
     tm, topt = tiertrain.setup(model, opt, Budgets(64 << 20, 64 << 20, 64 << 20, str(tmp_path)),
                                plan=_plan("disk", TINY["n_layer"]), page_size=64 << 10)
-    try:
-        first = load_checkpoint(find_checkpoint(tp2["out"]), TieredState(tm)).step
-        losses = []
-        for b in batches(0)[first:]:
-            loss = loss_of(tm, b[:, :-1], b[:, 1:])
-            loss.backward()
-            topt.step()
-            topt.zero_grad()
-            losses.append(loss.item())
-    finally:
-        tm.runtime.close()
-        tm.runtime.mem.close()
+    first = load_checkpoint(find_checkpoint(tp2["out"]), TieredState(tm)).step
+    losses = train_losses(tm, topt, batches(0)[first:])
     saved = [step[0] for step in tp2[(("saved",), 0)]["losses"][1:]]
     assert first == 1 and losses == pytest.approx(saved, rel=RTOL, abs=0)
-
-
-@pytest.mark.parametrize("case", PP2_TP2, ids=str)
-def test_a_pipeline_of_two_stages_each_cut_over_two_ranks_trains_as_one_process(dp2_tp2, case):
-    """pp = 2 x tp = 2: each stage's blocks cut over its two ranks, under 1F1B and AIAO (2 segments), with
-    host- and disk-homed states and recompute with offloaded checkpoints: each micro-batch's loss, and each
-    clipped step's norm over every stage and shard, as one process accumulating the same micro-batches."""
-    norms: list[float] = []
-    want = reference(1, case.micro, case.clip, norms=norms)
-    for rank in range(4):
-        got = dp2_tp2[(("pp", case), rank)]
-        assert got["replica"] == 0 and got["pp_rank"] == (rank // 2) % 2, rank
-        flat = [x for step in got["losses"] for x in step]
-        assert flat == pytest.approx([x for step in want for x in step[0]], rel=RTOL, abs=0), f"rank {rank}"
-        assert got["norms"] == pytest.approx(norms, rel=RTOL, abs=0), f"rank {rank}"
 
 
 def test_a_tied_pipeline_cut_over_tensor_parallel_ranks_is_refused_before_any_group_is_made(monkeypatch):
@@ -302,7 +278,7 @@ def test_a_model_built_on_the_meta_device_is_drawn_whole_by_the_group_and_cut(tp
     assert a["qkv"].shape == (3 * TINY["d_model"] // 2, TINY["d_model"])
     assert not torch.equal(a["qkv"], b["qkv"]) and a["qkv"].std() > 0.01
     assert torch.equal(a["ln1"], b["ln1"]) and torch.equal(a["emb"], b["emb"])
-    assert a["losses"] == b["losses"] and len(set(x for step in a["losses"] for x in step)) == 3
+    assert a["losses"] == b["losses"] and len({x for step in a["losses"] for x in step}) == 3
 
 
 def test_a_plan_files_update_mode_is_refused_as_a_given_one_and_train_takes_what_plan_tp_writes(tmp_path, capsys):
@@ -310,8 +286,9 @@ def test_a_plan_files_update_mode_is_refused_as_a_given_one_and_train_takes_what
     plan `tiertrain plan --nproc 4 --tp 2` writes (laid out for the 2 replicas) passes train's layout check."""
     import dataclasses
 
-    import tiertrain
     from pp_harness import fresh
+
+    import tiertrain
     from tiertrain.cli.main import main
     from tiertrain.errors import ConfigError
     from tiertrain.plan import builtin_plan

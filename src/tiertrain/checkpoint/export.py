@@ -146,14 +146,8 @@ def _weights(ckpt: Path) -> Weights:
     if trainer.pipeline is not None:
         from tiertrain.checkpoint.pipelined import PipelineRecord, stage_dir, tied_copy
 
-        verify_files(ckpt, checked_whole(trainer.files))
         rec = PipelineRecord(**trainer.pipeline)  # read_trainer checked it
-        parts = []
-        for v in range(rec.stages):
-            if read_trainer(ckpt / stage_dir(v)).step != trainer.step:
-                raise CheckpointError(f"{ckpt / stage_dir(v)} is of another step than its checkpoint; the checkpoint is "
-                                      "damaged or was assembled by hand")
-            parts.append(_weights(ckpt / stage_dir(v)))
+        parts = _parts(ckpt, trainer, [stage_dir(v) for v in range(rec.stages)])
         owner: dict[str, Weights] = {}
         for v, part in enumerate(parts):
             for name, shape in part.shapes.items():
@@ -172,20 +166,27 @@ def _weights(ckpt: Path) -> Weights:
     return _sharded(ckpt, smap) if smap is not None else _plain(ckpt)
 
 
+def _parts(ckpt: Path, trainer: TrainerFile, subdirs: list[str]) -> list[Weights]:
+    """The weights of a checkpoint's sub-checkpoints (a pipeline's stages, a tensor-parallel group's ranks),
+    its top-level files verified first and each part checked to be of its step."""
+    verify_files(ckpt, checked_whole(trainer.files))
+    parts = []
+    for sub in subdirs:
+        if read_trainer(ckpt / sub).step != trainer.step:
+            raise CheckpointError(f"{ckpt / sub} is of another step than its checkpoint; the checkpoint is damaged "
+                                  "or was assembled by hand")
+        parts.append(_weights(ckpt / sub))
+    return parts
+
+
 def _merged(ckpt: Path, trainer: TrainerFile) -> Weights:
     """A tensor-parallel checkpoint's weights: each cut tensor put back together from every rank's shard
     (one tensor whole in memory at a time), the whole ones from the first rank's."""
     from tiertrain.checkpoint.tensor_parallel import TensorRecord, tp_dir
     from tiertrain.parallel.tensor_gpt import split_of
 
-    verify_files(ckpt, checked_whole(trainer.files))
     rec = TensorRecord(**trainer.tensor)  # read_trainer checked it
-    parts = []
-    for r in range(rec.tp):
-        if read_trainer(ckpt / tp_dir(r)).step != trainer.step:
-            raise CheckpointError(f"{ckpt / tp_dir(r)} is of another step than its checkpoint; the checkpoint is "
-                                  "damaged or was assembled by hand")
-        parts.append(_weights(ckpt / tp_dir(r)))
+    parts = _parts(ckpt, trainer, [tp_dir(r) for r in range(rec.tp)])
     shapes = {}
     for name, shape in parts[0].shapes.items():
         split = split_of(name)

@@ -25,7 +25,7 @@ def test_a_ranks_profile_holds_its_share_of_each_block_and_waits_for_the_groups_
     The sums cost what the runtime's collectives count: 2 (T-1)/T of the buffer at the link's rate."""
     from tiertrain.models import build
     from tiertrain.models.configs import CONFIGS
-    from tiertrain.parallel.tensor_gpt import split_of, whole_per_block
+    from tiertrain.parallel.tensor_plans import split_of, whole_per_block
     from tiertrain.planner.tensor import WHOLE_INPUTS, all_reduce_s, for_tensor, sums_s
 
     cfg = CONFIGS["gpt-small"]

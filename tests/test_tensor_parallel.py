@@ -19,7 +19,8 @@ from tp_harness import TpCase, tp_losses
 
 RTOL = 1e-5
 TP2 = [TpCase(2), TpCase(2, plan="disk", clip=0.05), TpCase(2, plan="stash", clip=0.05, tied=True),
-       TpCase(2, update="overlap"), TpCase(2, skew=True)]
+       TpCase(2, update="overlap"), TpCase(2, skew=True), TpCase(2, plan="disk", clip=0.05, family="llama"),
+       TpCase(2, tied=True, family="llama")]
 META = TpCase(2, plan="resident", meta=True)
 DP2_TP2 = [TpCase(2, clip=0.05), TpCase(2, plan="disk")]
 
@@ -59,7 +60,7 @@ def tp2(tmp_path_factory, dp2_tp2):
 
 def _check(results, case, world, dp):
     norms: list[float] = []
-    want = reference(dp, 1, case.clip, tied=case.tied, norms=norms)
+    want = reference(dp, 1, case.clip, tied=case.tied, family=case.family, norms=norms)
     for rank in range(world):
         got = results[((case,), rank)]
         assert got.get("norms", []) == pytest.approx(norms, rel=RTOL, abs=0), f"rank {rank}: the norm over every shard"
@@ -85,7 +86,7 @@ def _block_counts(tp: int) -> tuple[int, int]:
     """One block's parameters the group cuts, and those every rank holds whole, of the test model."""
     from pp_harness import fresh
 
-    from tiertrain.parallel.tensor_gpt import split_of
+    from tiertrain.parallel.tensor_plans import split_of
 
     model, _ = fresh()
     cut = sum(p.numel() for n, p in model.named_parameters() if n.startswith("blocks.0.") and split_of(n))
@@ -106,7 +107,7 @@ def test_each_rank_holds_its_share_of_a_blocks_optimizer_states(request, fixture
     cut, whole = _block_counts(2)
     blocks = TINY["n_layer"]
     for rank in range(world):
-        for case in (TP2 if fixture == "tp2" else DP2_TP2):
+        for case in (c for c in (TP2 if fixture == "tp2" else DP2_TP2) if c.family == "gpt"):
             model, _ = fresh(case.tied)  # a tied head's weight is the embedding's: counted once
             rest = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("blocks."))
             got = results[((case,), rank)]
@@ -134,7 +135,7 @@ def test_each_rank_sends_four_sums_of_a_blocks_activations_per_step_five_where_r
 def test_the_shards_are_the_ranks_heads_and_features():
     """Rank r's qkv rows are its heads' rows of q, of k and of v; fc's its output features, the projections'
     its input features; merging every rank's shards gives the tensor back."""
-    from tiertrain.parallel.tensor_gpt import QKV
+    from tiertrain.parallel.tensor_plans import QKV
     from tiertrain.parallel.tensor_layers import COLUMNS, ROWS
 
     d, tp = 8, 2
@@ -178,9 +179,15 @@ def test_an_architecture_without_a_plan_and_plan_auto_are_refused_before_any_gro
     from tiertrain.models import build
     from tiertrain.train.optimizer import make_adamw
 
-    llama = build(LLAMA)
+    gpt2 = build({"model_type": "gpt2", "vocab_size": 256, "n_embd": 32, "n_layer": 2, "n_head": 2,
+                  "n_positions": 64})
+    opt, _ = make_adamw(gpt2, 1e-2, (0.9, 0.95), 1e-8, 0.1)
+    with pytest.raises(ConfigError, match="parallelize plan for tiertrain's GPT .* llama, qwen2, mistral only; got "
+                                          "GPT2LMHeadModel"):
+        tiertrain.tensor_parallel(gpt2, opt, 2)
+    llama = build({**LLAMA, "num_key_value_heads": 1})
     opt, _ = make_adamw(llama, 1e-2, (0.9, 0.95), 1e-8, 0.1)
-    with pytest.raises(ConfigError, match="parallelize plan for tiertrain's GPT .* got LlamaForCausalLM"):
+    with pytest.raises(ConfigError, match=r"must divide the model's key-value heads \(num_key_value_heads\), 1"):
         tiertrain.tensor_parallel(llama, opt, 2)
     model, opt = fresh()
     with pytest.raises(ConfigError, match="not plan 'auto'"):

@@ -23,6 +23,7 @@ class TpCase:
     tied: bool = False
     skew: bool = False           # each rank's model drawn otherwise (ranks seeded apart): rank 0's must win
     meta: bool = False           # the model built on the meta device: drawn by the group, alike
+    family: str = "gpt"          # "gpt": tiertrain's; "llama": a transformers Llama (GQA: 4 heads, 2 key-value)
 
 
 def state_bytes(runtime) -> dict[str, int]:
@@ -39,7 +40,7 @@ def tp_losses(rank: int, case: TpCase, disk: Path, save_to: Path | None = None, 
     import tiertrain
     from tiertrain.memory import Budgets
 
-    model, opt = fresh(case.tied)
+    model, opt = fresh(case.tied, case.family)
     if case.skew and rank % case.tp:
         torch.manual_seed(rank)
         with torch.no_grad():
@@ -69,7 +70,7 @@ def tp_losses(rank: int, case: TpCase, disk: Path, save_to: Path | None = None, 
             run.optimizer.zero_grad()
             out["losses"].append([loss.item()])
             out["sent"].append(run.mesh.tp_group.sent - before)
-        if case.plan == "resident":  # the blocks' params stay in their slots: this rank's shards and whole ones
+        if case.plan == "resident" and case.family == "gpt":  # the blocks' params stay in their slots
             block = run.model.blocks[0]
             out["qkv"], out["ln1"] = (t.detach().clone() for t in (block.attn.qkv.weight, block.ln1.weight))
             out["emb"] = run.model.tok_emb.weight.detach().clone()

@@ -45,7 +45,11 @@ from tiertrain.parallel.pipeline_schedule import (
     schedule_for,
     stages_for,
 )
-from tiertrain.parallel.tensor_gpt import check_tensor_parallel, parallelize_blocks
+from tiertrain.parallel.tensor_plans import (
+    GPT_PLAN,
+    check_tensor_parallel,
+    parallelize_blocks,
+)
 from tiertrain.parallel.tensor_start import group_seed, same_start
 from tiertrain.parallel.tied_stages import TiedStages
 from tiertrain.plan import BUILTIN_PLANS, Plan, RunOptions
@@ -226,7 +230,9 @@ def _check_tensor(model: nn.Module, cut: StageCut, layout: PipelineLayout, tp: i
     if tp < 1 or world % (layout.pp * tp):
         raise ConfigError(f"--pp {layout.pp} x --tp {tp} must divide the run's {world} ranks: give --nproc a "
                           f"multiple of {layout.pp * max(tp, 1)}")
-    check_tensor_parallel(model, tp)
+    if check_tensor_parallel(model, tp) is not GPT_PLAN:
+        raise ConfigError("a transformers model in a pipeline cut over tensor-parallel ranks is not supported yet: "
+                          "give --pp or --tp alone")
     if cut.ties:
         raise ConfigError("a tied embedding in a pipeline cut over tensor-parallel ranks is not supported yet: untie "
                           "the model's head (tie_embeddings: false)")
@@ -239,8 +245,8 @@ def _cut_blocks(modules: list[nn.Module], firsts: list[int], optimizer: torch.op
     new_of: dict[int, nn.Parameter] = {}
     seed = group_seed(group)
     for module, first in zip(modules, firsts):
-        same_start(module, group, seed)
-        new_of.update(parallelize_blocks(module.blocks, group.rank, group, seed, first))
+        same_start(module, group, seed, GPT_PLAN.blocks_at)
+        new_of.update(parallelize_blocks(GPT_PLAN, module.blocks, group.rank, group, seed, first))
     for g in optimizer.param_groups:
         g["params"] = [new_of.get(id(p), p) for p in g["params"]]
 

@@ -29,12 +29,12 @@ from tiertrain.memory import Budgets
 from tiertrain.parallel.agree import same_on_every_rank
 from tiertrain.parallel.collectives import Collectives
 from tiertrain.parallel.group import ensure_process_group, world_from_env
-from tiertrain.parallel.tensor_gpt import (
+from tiertrain.parallel.tensor_mesh import TensorMesh, tensor_mesh
+from tiertrain.parallel.tensor_plans import (
     check_tensor_parallel,
-    parallelize_gpt,
+    parallelize,
     split_of,
 )
-from tiertrain.parallel.tensor_mesh import TensorMesh, tensor_mesh
 from tiertrain.plan import BUILTIN_PLANS, Plan, RunOptions
 from tiertrain.plan.plan import plan_file
 from tiertrain.plan.update_modes import rules
@@ -81,7 +81,7 @@ def tensor_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, tp: int,
     same_on_every_rank("tensor parallel", _fields(model, tp, opts, plan), FIX)
     mesh = tensor_mesh(tp)
     try:
-        new_of = parallelize_gpt(model, mesh.tp_rank, mesh.tp_group)
+        new_of = parallelize(model, mesh.tp_rank, mesh.tp_group)
         for group in optimizer.param_groups:
             group["params"] = [new_of.get(id(p), p) for p in group["params"]]
         tiered, topt = setup(model, optimizer, memory, plan=plan, options=opts, collectives=mesh.dp_group)

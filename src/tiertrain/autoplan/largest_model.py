@@ -20,7 +20,7 @@ from tiertrain.errors import UserError
 from tiertrain.measure.analytic import analytic_profile
 from tiertrain.models.accounting import param_count
 from tiertrain.models.config import ModelConfig
-from tiertrain.parallel.tensor_gpt import whole_per_block
+from tiertrain.parallel.tensor_plans import whole_per_block
 from tiertrain.plan import Budgets
 from tiertrain.plan.fit import capacity_params, within_capacity
 from tiertrain.planner.auto import Candidate, choose, fits, run_profile, solvable

@@ -183,7 +183,7 @@ def _merged(ckpt: Path, trainer: TrainerFile) -> Weights:
     """A tensor-parallel checkpoint's weights: each cut tensor put back together from every rank's shard
     (one tensor whole in memory at a time), the whole ones from the first rank's."""
     from tiertrain.checkpoint.tensor_parallel import TensorRecord, tp_dir
-    from tiertrain.parallel.tensor_gpt import split_of
+    from tiertrain.parallel.tensor_plans import split_of
 
     rec = TensorRecord(**trainer.tensor)  # read_trainer checked it
     parts = _parts(ckpt, trainer, [tp_dir(r) for r in range(rec.tp)])

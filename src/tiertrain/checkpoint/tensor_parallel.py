@@ -4,7 +4,7 @@
 write (its data-parallel ranks' shard files, or one process's model and optimizer files), beside a
 trainer.json that names the group's size and a config.json of the whole model. A cut parameter keeps the
 whole model's name with its shard's shape, so reading puts each tensor's shards back together by the rule
-that cut them (``parallel.tensor_gpt.split_of``) and cuts it again for the reader's group: the checkpoint
+that cut them (``parallel.tensor_plans.split_of``) and cuts it again for the reader's group: the checkpoint
 resumes at another tp, at any dp, and in one process of plain PyTorch. A reader at the saved tp reads its
 own sub-checkpoint alone. Nothing is gathered on one rank while saving.
 """
@@ -29,7 +29,7 @@ from tiertrain.checkpoint.pipelined import (
 from tiertrain.checkpoint.run import ManyRankSave, TrainerFile, TrainerState
 from tiertrain.checkpoint.sharded import ShardedTensors
 from tiertrain.checkpoint.train_state import TieredState, TrainState
-from tiertrain.parallel.tensor_gpt import split_of
+from tiertrain.parallel.tensor_plans import split_of
 from tiertrain.parallel.tensor_layers import tensor_rank
 from tiertrain.tensor_file import TensorSpec
 

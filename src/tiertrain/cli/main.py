@@ -247,7 +247,7 @@ def _check_layout(cfg: Any, nproc: int) -> None:
 def _check_tensor_layout(cfg: Any, nproc: int) -> None:
     """--tp's layout and the model's cut, refused before torchrun starts (the model built on the meta device)."""
     from tiertrain.models import build, resolve_config
-    from tiertrain.parallel.tensor_gpt import check_tensor_parallel
+    from tiertrain.parallel.tensor_plans import check_tensor_parallel
 
     if nproc % cfg.tp:
         raise ConfigError(f"--tp {cfg.tp} must divide --nproc {nproc}: give --nproc a multiple of --tp")

@@ -427,16 +427,21 @@ def _check_tensor(req: PlanRequest) -> None:
 def _gpt_config(model: str, tp: int) -> ModelConfig:
     """``model``'s config, refused in one line where the tensor-parallel plan cannot cut it into ``tp``."""
     from tiertrain.models import build, resolve_config
-    from tiertrain.parallel.tensor_gpt import check_tensor_parallel
+    from tiertrain.parallel.tensor_plans import check_tensor_parallel
+
+    from tiertrain.models import ModelConfig
 
     cfg = resolve_config(model)
     check_tensor_parallel(build(cfg, device="meta"), tp)
+    if not isinstance(cfg, ModelConfig):
+        raise ConfigError(f"plan --tp models tiertrain's GPT cut over ranks; {model}'s transformers layers are not "
+                          "modelled yet: plan it with --nproc alone, and train it with --tp")
     return cfg
 
 
 def _cut_over_group(req: PlanRequest, profile: Profile, target: Machine, here: Machine) -> tuple[Profile, str]:
     """One rank's profile of a tensor-parallel group (``planner.tensor``), and what the plan says of it."""
-    from tiertrain.parallel.tensor_gpt import whole_per_block
+    from tiertrain.parallel.tensor_plans import whole_per_block
     from tiertrain.planner.tensor import for_tensor, sums_s
 
     link = _node_link(target, here, profile, req.tp)

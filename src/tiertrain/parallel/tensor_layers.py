@@ -44,14 +44,17 @@ class Split:
 class ColumnParallelLinear(nn.Module):
     """``y_r = x W_r^T + b_r``: this rank's output features of a linear layer, from the whole input."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: Collectives) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: Collectives,
+                 enters: bool = True) -> None:
+        """``enters``: the layer enters its input into the cut region itself (False: its module's pre-hook
+        entered it once for every layer reading it)."""
         super().__init__()
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None
-        self.group = group
+        self.group, self.enters = group, enters
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(enter_region(x, self.group), self.weight, self.bias)
+        return F.linear(enter_region(x, self.group) if self.enters else x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -69,11 +72,12 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def column_parallel(linear: nn.Linear, split: Split, rank: int, group: Collectives) -> ColumnParallelLinear:
+def column_parallel(linear: nn.Linear, split: Split, rank: int, group: Collectives,
+                    enters: bool = True) -> ColumnParallelLinear:
     """``linear`` cut by output features (``split`` along dim 0, its bias alike), this rank's shard."""
     size = group.world_size
     bias = None if linear.bias is None else Split(0, split.parts).shard(linear.bias.detach(), rank, size)
-    return ColumnParallelLinear(split.shard(linear.weight.detach(), rank, size), bias, group)
+    return ColumnParallelLinear(split.shard(linear.weight.detach(), rank, size), bias, group, enters)
 
 
 def row_parallel(linear: nn.Linear, rank: int, group: Collectives) -> RowParallelLinear:

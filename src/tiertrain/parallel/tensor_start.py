@@ -7,7 +7,7 @@ One built on the meta device (larger than a host's memory) is drawn here instead
 each rank's meta shards from its own generator in one order, which hands every rank of a group the same
 numbers for different heads (a model as if 1/T as wide, never broken apart without dropout). So each
 matrix the plan cuts is drawn whole from a generator seeded by the group's seed and the parameter's name,
-one block at a time just before its cut (``parallel.tensor_gpt``), and the rest (embeddings, head) here;
+one block at a time just before its cut (``parallel.tensor_plans``), and the rest (embeddings, head) here;
 a block's whole parameters (norm scales and biases) are drawn as ones and zeros, alike on every rank.
 """
 
@@ -39,11 +39,11 @@ def drawn_whole(name: str, p: nn.Parameter, seed: int) -> None:
     torch.utils.swap_tensors(p, nn.Parameter(value, p.requires_grad))
 
 
-def same_start(model: nn.Module, group: Collectives, seed: int, outside_blocks: bool = True) -> None:
+def same_start(model: nn.Module, group: Collectives, seed: int, blocks_at: str) -> None:
     """The group's first rank's weights on every rank, where the model was built in memory; the meta ones
-    outside its blocks drawn alike (``outside_blocks``; the blocks' cut ones are drawn as they are cut)."""
+    outside its blocks (named ``blocks_at.N...``) drawn alike (the blocks' are drawn as they are cut)."""
     for name, p in model.named_parameters():
         if not p.is_meta:
             group.host.broadcast(p.data, src=0)
-        elif outside_blocks and not name.startswith("blocks."):
+        elif not name.startswith(f"{blocks_at}."):
             drawn_whole(name, p, seed)

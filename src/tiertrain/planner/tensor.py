@@ -1,7 +1,7 @@
 """Tensor parallel in the planner (issue 39): what one rank of a group of T plans for, and what the group's
 sums cost it.
 
-A rank holds 1/T of each block's cut parameters (Megatron's layout, ``parallel.tensor_gpt``) and the whole
+A rank holds 1/T of each block's cut parameters (Megatron's layout, ``parallel.tensor_plans``) and the whole
 of the rest (its norms and projection biases: ``whole`` elements a block, which the caller counts from the
 model), computes 1/T of the block's matrix products and attention, and saves 1/T of what its cut layers
 keep for backward. What stays whole on every rank is taken as five times the block's input bytes: of a

@@ -63,6 +63,7 @@ class TensorTrainer(Trainer):
         cfg, model_cfg = self.cfg, self.model.config
         n = param_count(model_cfg) if isinstance(model_cfg, ModelConfig) else self.whole_params
         tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum * (self.world // cfg.tp)
-        return (f"training {model_cfg.name or 'gpt'} ({format_count(n)} params) on {self.device.type}, "
+        name = getattr(model_cfg, "name", "") or type(self.model).__name__
+        return (f"training {name} ({format_count(n)} params) on {self.device.type}, "
                 f"{self.precision.name}; tensor parallel over {cfg.tp} ranks x {self.world // cfg.tp} replicas; "
                 f"{tokens} tokens/step; steps {self.step}->{cfg.steps}; out {self.out}; plan {self.model.runtime.plan.name}")

@@ -135,8 +135,8 @@ def test_each_rank_sends_four_sums_of_a_blocks_activations_per_step_five_where_r
 def test_the_shards_are_the_ranks_heads_and_features():
     """Rank r's qkv rows are its heads' rows of q, of k and of v; fc's its output features, the projections'
     its input features; merging every rank's shards gives the tensor back."""
-    from tiertrain.parallel.tensor_plans import QKV
     from tiertrain.parallel.tensor_layers import COLUMNS, ROWS
+    from tiertrain.parallel.tensor_plans import QKV
 
     d, tp = 8, 2
     w = torch.arange(3 * d * d, dtype=torch.float32).reshape(3 * d, d)

@@ -426,10 +426,8 @@ def _check_tensor(req: PlanRequest) -> None:
 
 def _gpt_config(model: str, tp: int) -> ModelConfig:
     """``model``'s config, refused in one line where the tensor-parallel plan cannot cut it into ``tp``."""
-    from tiertrain.models import build, resolve_config
+    from tiertrain.models import ModelConfig, build, resolve_config
     from tiertrain.parallel.tensor_plans import check_tensor_parallel
-
-    from tiertrain.models import ModelConfig
 
     cfg = resolve_config(model)
     check_tensor_parallel(build(cfg, device="meta"), tp)

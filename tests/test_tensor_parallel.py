@@ -20,7 +20,7 @@ from tp_harness import TpCase, tp_losses
 RTOL = 1e-5
 TP2 = [TpCase(2), TpCase(2, plan="disk", clip=0.05), TpCase(2, plan="stash", clip=0.05, tied=True),
        TpCase(2, update="overlap"), TpCase(2, skew=True), TpCase(2, plan="disk", clip=0.05, family="llama"),
-       TpCase(2, tied=True, family="llama")]
+       TpCase(2, tied=True, family="llama"), TpCase(2, skew=True, family="qwen2")]
 META = TpCase(2, plan="resident", meta=True)
 DP2_TP2 = [TpCase(2, clip=0.05), TpCase(2, plan="disk")]
 
@@ -278,12 +278,22 @@ def test_a_tied_pipeline_cut_over_tensor_parallel_ranks_is_refused_before_any_gr
 
 
 def test_a_model_built_on_the_meta_device_is_drawn_whole_by_the_group_and_cut(tp2):
-    """Built on the meta device (as train builds a model larger than the host), each matrix is drawn whole
-    alike on both ranks and cut: the ranks' shards are different heads (not the same numbers twice, as
-    each rank's own draw of its shard would give), their whole parameters equal, and both train alike."""
+    """Built on the meta device (as train builds a model larger than the host), each ranks' generators set
+    apart: each matrix is drawn whole from the group's seed and the parameter's name and cut, so the two
+    ranks' shards put together are that one matrix (not the same numbers twice, nor two draws); the whole
+    parameter let go once cut (no rank keeps every block's matrices); the whole ones equal; both train alike."""
+    from tp_harness import META_SEED
+
+    from tiertrain.parallel.tensor_plans import QKV
+    from tiertrain.parallel.tensor_start import drawn_whole
+
     a, b = tp2[((META,), 0)], tp2[((META,), 1)]
-    assert a["qkv"].shape == (3 * TINY["d_model"] // 2, TINY["d_model"])
-    assert not torch.equal(a["qkv"], b["qkv"]) and a["qkv"].std() > 0.01
+    d = TINY["d_model"]
+    assert a["qkv"].shape == (3 * d // 2, d) and not torch.equal(a["qkv"], b["qkv"])
+    whole = torch.nn.Parameter(torch.empty(3 * d, d, device="meta"))
+    drawn_whole("blocks.0.attn.qkv.weight", whole, META_SEED)
+    assert torch.equal(QKV.merge([a["qkv"], b["qkv"]]), whole.detach())
+    assert a["let_go"] == b["let_go"] == [True]
     assert torch.equal(a["ln1"], b["ln1"]) and torch.equal(a["emb"], b["emb"])
     assert a["losses"] == b["losses"] and len({x for step in a["losses"] for x in step}) == 3
 
@@ -325,12 +335,13 @@ def test_a_tensor_parallel_checkpoint_exports_as_the_whole_models_state_dict(tp2
     from safetensors.torch import load_file
 
     from tiertrain.checkpoint.export import export_checkpoint
+    from tiertrain.checkpoint.train_state import weights_to_save
 
     model, _, _ = _plain_from(tp2["out"])
     export_checkpoint(tp2["out"], tmp_path / "x", say=lambda _: None)
     written = load_file(tmp_path / "x" / "model.safetensors")
     want = {n: t for n, t in model.state_dict().items()}
-    assert set(written) <= set(want) and "blocks.0.attn.qkv.weight" in written
+    assert set(written) == set(weights_to_save(model)) and "blocks.0.attn.qkv.weight" in written
     for name, t in written.items():
         assert torch.equal(t, want[name]), name
 

@@ -12,6 +12,7 @@ from dp_harness import rank_disk
 from pp_harness import TINY, _plan, batches, fresh, loss_of
 
 STATES = ("master", "exp_avg", "exp_avg_sq")
+META_SEED = 1234
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,15 +47,25 @@ def tp_losses(rank: int, case: TpCase, disk: Path, save_to: Path | None = None, 
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.01)
-    if case.meta:
+    cut: list = []
+    if case.meta:  # the group's seed made known (META_SEED), each rank's own generators set apart
+        import tiertrain.parallel.tensor_plans as plans
         from tiertrain.models import build
         from tiertrain.train.optimizer import make_adamw
 
+        plans.group_seed = lambda group: META_SEED
+        torch.manual_seed(rank)
         model = build({**TINY, "tie_embeddings": case.tied}, device="meta")
         opt, _ = make_adamw(model, 1e-2, (0.9, 0.95), 1e-8, 0.1)
+        cut = [model.blocks[0].attn.qkv.weight]  # the whole parameter the cut replaces
     run = tiertrain.tensor_parallel(model, opt, case.tp, Budgets(64 << 20, 64 << 20, 64 << 20, rank_disk(disk, rank)),
                                     plan=_plan(case.plan, TINY["n_layer"]), page_size=64 << 10, update=case.update)
-    out = {"replica": run.mesh.dp_rank, "losses": [], "sent": [], "tp_rank": run.mesh.tp_rank}
+    out = {"replica": run.mesh.dp_rank, "losses": [], "sent": [], "tp_rank": run.mesh.tp_rank,
+           "let_go": [p.is_meta for p in cut]}
+    if case.plan == "resident" and case.family == "gpt":  # the blocks' params stay in their slots: as cut
+        block = run.model.blocks[0]
+        out["qkv"], out["ln1"] = (t.detach().clone() for t in (block.attn.qkv.weight, block.ln1.weight))
+        out["emb"] = run.model.tok_emb.weight.detach().clone()
     try:
         first = tiertrain.load_tensor_parallel(run, load_from).step if load_from is not None else 0
         for step, b in enumerate(batches(run.mesh.dp_rank)[first:], start=first):
@@ -70,10 +81,6 @@ def tp_losses(rank: int, case: TpCase, disk: Path, save_to: Path | None = None, 
             run.optimizer.zero_grad()
             out["losses"].append([loss.item()])
             out["sent"].append(run.mesh.tp_group.sent - before)
-        if case.plan == "resident" and case.family == "gpt":  # the blocks' params stay in their slots
-            block = run.model.blocks[0]
-            out["qkv"], out["ln1"] = (t.detach().clone() for t in (block.attn.qkv.weight, block.ln1.weight))
-            out["emb"] = run.model.tok_emb.weight.detach().clone()
         out["states"] = state_bytes(run.model.runtime)
         out["shapes"] = {n: tuple(p.shape) for n, p in run.model.named_parameters()}
         return out

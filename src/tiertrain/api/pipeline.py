@@ -27,7 +27,11 @@ from torch import nn
 from tiertrain.api.machine_budgets import machine_budgets
 from tiertrain.api.setup import optimizer_groups, run_options, setup
 from tiertrain.api.stages_optimizer import StagesOptimizer
-from tiertrain.api.tensor_parallel import norm_over_group
+from tiertrain.api.tensor_parallel import (
+    built_on_meta,
+    check_tensor_plan,
+    norm_over_group,
+)
 from tiertrain.errors import ConfigError
 from tiertrain.memory import Budgets
 from tiertrain.memory.system import compute_device
@@ -185,10 +189,11 @@ def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Pipelin
     cut = check_stageable(model)
     _check_tied(cut, layout, opts, plan)
     optimizer_groups(optimizer, model)  # an AdamW, fresh, over every parameter: refused before anything changes
-    _check_tensor(model, cut, layout, tp)
+    _check_tensor(model, cut, layout, tp, opts, plan)
     ensure_process_group()
     layout.check(world_from_env() // tp, cut.n_blocks, layout.micro_batches)
-    same_on_every_rank("the pipeline", {**_pipeline_fields(model, layout, opts, plan), "--tp": str(tp)}, FIX)
+    same_on_every_rank("the pipeline", {**_pipeline_fields(model, layout, opts, plan), "--tp": str(tp),
+                                        "built on the meta device": str(built_on_meta(model))}, FIX)
     mesh = pipeline_mesh(layout.pp, tied=cut.ties and layout.pp > 1, tp=tp)
     tiered: list[nn.Module] = []
     try:
@@ -220,7 +225,8 @@ def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Pipelin
         raise
 
 
-def _check_tensor(model: nn.Module, cut: StageCut, layout: PipelineLayout, tp: int) -> None:
+def _check_tensor(model: nn.Module, cut: StageCut, layout: PipelineLayout, tp: int, opts: RunOptions,
+                  plan: str | Plan) -> None:
     """A pipeline whose stages' blocks are cut over ``tp`` ranks: a model the tensor-parallel plan cuts, the
     ranks in whole groups, no weight tied across the first and the last stage (its pair of ranks is one
     per pipeline, not per group, yet)."""
@@ -230,6 +236,7 @@ def _check_tensor(model: nn.Module, cut: StageCut, layout: PipelineLayout, tp: i
     if tp < 1 or world % (layout.pp * tp):
         raise ConfigError(f"--pp {layout.pp} x --tp {tp} must divide the run's {world} ranks: give --nproc a "
                           f"multiple of {layout.pp * max(tp, 1)}")
+    check_tensor_plan(plan, opts)  # (a plan file already read)
     if check_tensor_parallel(model, tp) is not GPT_PLAN:
         raise ConfigError("a transformers model in a pipeline cut over tensor-parallel ranks is not supported yet: "
                           "give --pp or --tp alone")

@@ -124,5 +124,12 @@ def check_tensor_plan(plan: str | Plan, opts: RunOptions) -> None:
 def _fields(model: nn.Module, tp: int, opts: RunOptions, plan: str | Plan) -> dict[str, str]:
     """What every rank must hold alike: a rank that recomputes, clips or cuts otherwise issues other sums."""
     return {"--tp": str(tp), "the model (its parameters' names, shapes and dtypes)": model_signature(model),
+            "built on the meta device": str(built_on_meta(model)),  # a group's ranks start from one model alike
             "the run's options": json.dumps(dataclasses.asdict(opts), sort_keys=True),
             "the plan": plan.to_json() if isinstance(plan, Plan) else str(plan)}
+
+
+def built_on_meta(model: nn.Module) -> bool:
+    """Whether any of ``model``'s parameters is on the meta device (each rank decides from its own free memory
+    where it builds: a group's ranks must agree, for they start from one model each way)."""
+    return any(p.is_meta for p in model.parameters())

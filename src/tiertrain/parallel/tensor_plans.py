@@ -33,7 +33,12 @@ from tiertrain.parallel.tensor_layers import (
     row_parallel,
 )
 from tiertrain.parallel.tensor_ops import enter_region
-from tiertrain.parallel.tensor_start import drawn_whole, group_seed, same_start
+from tiertrain.parallel.tensor_start import (
+    back_to_meta,
+    drawn_whole,
+    group_seed,
+    same_start,
+)
 
 SUPPORTED = ("tiertrain's GPT (--model tiny/small/... or a config JSON without experts) and transformers "
              f"decoders built as {', '.join(FAMILIES)}")
@@ -144,6 +149,7 @@ def parallelize_blocks(plan: TensorPlan, blocks: nn.ModuleList, rank: int, group
             parent_path, _, attr = cut.path.rpartition(".")
             parent = operator.attrgetter(parent_path)(block) if parent_path else block
             linear = getattr(parent, attr)
+            drawn = [p for p in linear.parameters() if p.is_meta]
             for pname, p in linear.named_parameters():
                 if p.is_meta:
                     drawn_whole(f"{plan.blocks_at}.{first + j}.{cut.path}.{pname}", p, seed)
@@ -152,6 +158,8 @@ def parallelize_blocks(plan: TensorPlan, blocks: nn.ModuleList, rank: int, group
                    else row_parallel(linear, rank, group))
             for pname, p in linear.named_parameters():
                 new_of[id(p)] = getattr(new, pname)
+            for p in drawn:
+                back_to_meta(p)
             setattr(parent, attr, new)
         for path in plan.shared_inputs:
             operator.attrgetter(path)(block).register_forward_pre_hook(_entered(group), with_kwargs=True)

@@ -31,12 +31,18 @@ def group_seed(group: Collectives) -> int:
 
 def drawn_whole(name: str, p: nn.Parameter, seed: int) -> None:
     """``p`` (on the meta device) materialised as the whole model's ``name`` would be drawn, from a generator
-    seeded by ``seed`` and the name: the same numbers on every rank of the group."""
+    of its own seeded by ``seed`` and the name (torch's generators untouched): the same numbers on every
+    rank of the group. A cut layer's are let go again once cut (``back_to_meta``)."""
     value = torch.empty(p.shape, dtype=p.dtype)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed((seed + zlib.crc32(name.encode())) % (1 << 63))
-        init_in_place(name, value)
+    g = torch.Generator().manual_seed((seed + zlib.crc32(name.encode())) % (1 << 63))
+    init_in_place(name, value, g)
     torch.utils.swap_tensors(p, nn.Parameter(value, p.requires_grad))
+
+
+def back_to_meta(p: nn.Parameter) -> None:
+    """A whole parameter drawn for its cut, on the meta device again: the optimizer built over the whole
+    model still refers to it until it is pointed at the shards, and must not keep every block's matrices."""
+    torch.utils.swap_tensors(p, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad))
 
 
 def same_start(model: nn.Module, group: Collectives, seed: int, blocks_at: str) -> None:

@@ -59,8 +59,8 @@ def test_plan_tp_plans_each_ranks_share_and_says_what_the_sums_cost(tmp_path, ca
     """`plan --nproc 4 --tp 2` plans a rank of two replicas of a group of two: fewer parameters a rank than
     --tp 1's, and the group's sums named; the plan is laid out for the two replicas."""
     out = tmp_path / "plan.json"
-    base = ["plan", "--model", "gpt-small", "--machine", "h100-sxm-80gb", "--precision", "bf16", "--batch", "4",
-            "--seq", "256", "--solver", "dp", "--out", str(out)]
+    base = ["plan", "--model", "tiny", "--machine", "h100-sxm-80gb", "--precision", "bf16", "--batch", "4",
+            "--seq", "64", "--solver", "dp", "--out", str(out)]
     assert _main(*base, "--nproc", "4", "--tp", "2") == 0
     said = " ".join(capsys.readouterr().out.split())
     assert "2 ranks, each with these budgets" in said

@@ -238,10 +238,12 @@ def _check_layout(cfg: Any, nproc: int) -> None:
         dp = Plan.from_json(Path(cfg.plan).read_text(), f"plan {cfg.plan}").parallel.dp
         ranks = nproc // cfg.tp  # a tensor-parallel group's ranks hold one replica: the plan's dp counts replicas
         if dp not in (1, ranks):
-            tp = f" --tp {cfg.tp}" if cfg.tp > 1 else ""
-            raise ConfigError(f"the plan {cfg.plan} is laid out for {dp} ranks but --nproc {nproc}{tp} makes "
+            if cfg.tp == 1:
+                raise ConfigError(f"the plan {cfg.plan} is laid out for {dp} ranks but --nproc is {nproc}: use "
+                                  f"--nproc {dp}, or make the plan for {nproc} (tiertrain plan --nproc {nproc} ...)")
+            raise ConfigError(f"the plan {cfg.plan} is laid out for {dp} ranks but --nproc {nproc} --tp {cfg.tp} makes "
                               f"{ranks}: use --nproc {dp * cfg.tp}, or make the plan for them (tiertrain plan "
-                              f"--nproc {nproc}{tp} ...)")
+                              f"--nproc {nproc} --tp {cfg.tp} ...)")
 
 
 def _check_tensor_layout(cfg: Any, nproc: int) -> None:

@@ -429,7 +429,9 @@ class Trainer:
     def _row(self, loss: float, norm: float, seconds: float) -> dict[str, Any]:
         tokens = self.cfg.batch_size * self.cfg.seq_len * self.cfg.grad_accum
         row = {"step": self.step, "loss": loss, "lr": self.opt.param_groups[0]["lr"], "grad_norm": norm,
-               "tokens_per_s": tokens / seconds, "tflops": tokens * self.flops_per_token / seconds / 1e12,
+               "tokens_per_s": tokens / seconds,
+               # a replica's FLOPs are its ranks' together (pipeline stages, a tensor-parallel group): this rank's
+               "tflops": tokens * self.flops_per_token / seconds / 1e12 / (self.world // self._replica()[1]),
                "step_s": seconds, "peak_bytes": peak_bytes(self.device), "rss_bytes": self._rss()}
         row.update(self.cpu_watch.since_last())
         if len(self.step_seconds) >= WARMUP_STEPS:  # this process's warm-up, resumed too

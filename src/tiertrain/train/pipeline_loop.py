@@ -113,11 +113,6 @@ class PipelineTrainer(Trainer):
         self.cpu_watch.mark(BETWEEN)
         return float(loss), norm
 
-    def _row(self, loss: float, norm: float, seconds: float) -> dict[str, Any]:
-        row = super()._row(loss, norm, seconds)
-        row["tflops"] /= self.cfg.pp  # the replica's FLOPs are its pp ranks' together: each rank's share
-        return row
-
     def _agreement(self) -> Any:
         return self.pipe.mesh.world.host  # a stage's data-parallel group is not every rank
 

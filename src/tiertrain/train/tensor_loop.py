@@ -40,11 +40,6 @@ class TensorTrainer(Trainer):
     def _flops_per_token(self) -> int:
         return model_flops_per_token(self.model, self.cfg.seq_len, self.whole_params)
 
-    def _row(self, loss: float, norm: float, seconds: float) -> dict[str, Any]:
-        row = super()._row(loss, norm, seconds)
-        row["tflops"] /= self.cfg.tp  # the replica's FLOPs are its tp ranks' together: each rank's share
-        return row
-
     def _agreement(self) -> Any:
         return self.tensor.mesh.world.host  # a shard's data-parallel group is not every rank
 

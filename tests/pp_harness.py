@@ -25,13 +25,27 @@ LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermedi
          "eos_token_id": 0, "pad_token_id": 0}
 
 
+GPT2 = {"model_type": "gpt2", "vocab_size": 256, "n_embd": 32, "n_layer": 4, "n_head": 4, "n_positions": 64,
+        "attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0}
+NEOX = {"model_type": "gpt_neox", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "max_position_embeddings": 64, "rotary_pct": 0.5}
+MOE = {**TINY, "n_experts": 4, "top_k": 2}
+FAMILIES = {"gpt2": GPT2, "gpt_neox": NEOX}  # and "llama", "qwen2", "mistral" alike (LLAMA's shape)
+
+
+def config_of(family: str, tied: bool = False) -> dict:
+    """The test model of ``family`` ("gpt": our GPT; "moe": ours with 4 experts, 2 a token)."""
+    if family in ("gpt", "moe"):
+        return {**(TINY if family == "gpt" else MOE), "tie_embeddings": tied}
+    return {**FAMILIES.get(family, {**LLAMA, "model_type": family}), "tie_word_embeddings": tied}
+
+
 def fresh(tied: bool = False, family: str = "gpt"):
     from tiertrain.models import build
     from tiertrain.train.optimizer import make_adamw
 
     torch.manual_seed(0)
-    model = build({**TINY, "tie_embeddings": tied} if family == "gpt" else
-                  {**LLAMA, "model_type": family, "tie_word_embeddings": tied})
+    model = build(config_of(family, tied))
     opt, _ = make_adamw(model, 1e-2, (0.9, 0.95), 1e-8, 0.1)
     return model, opt
 
@@ -63,13 +77,14 @@ def reference(dp: int, micro: int, clip: float | None = None, start=None, first:
                 loss.backward()
                 losses.append(loss.item())
             per_replica.append(losses)
-            grads.append([p.grad.clone() for p in model.parameters()])
+            grads.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
             opt.zero_grad()
-        for k, p in enumerate(model.parameters()):
-            total = grads[0][k]
-            for g in grads[1:]:
-                total = total + g[k]
-            p.grad = total / dp if dp > 1 else total
+        for k, p in enumerate(model.parameters()):  # an expert no token reached has none (AdamW skips it)
+            got = [g[k] for g in grads if g[k] is not None]
+            total = got[0] if got else None
+            for g in got[1:]:
+                total = total + g
+            p.grad = total / dp if dp > 1 and total is not None else total
         if clip is not None:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             if norms is not None:

@@ -20,7 +20,9 @@ from tp_harness import TpCase, tp_losses
 RTOL = 1e-5
 TP2 = [TpCase(2), TpCase(2, plan="disk", clip=0.05), TpCase(2, plan="stash", clip=0.05, tied=True),
        TpCase(2, update="overlap"), TpCase(2, skew=True), TpCase(2, plan="disk", clip=0.05, family="llama"),
-       TpCase(2, tied=True, family="llama"), TpCase(2, skew=True, family="qwen2")]
+       TpCase(2, tied=True, family="llama"), TpCase(2, skew=True, family="qwen2"),
+       TpCase(2, plan="disk", clip=0.05, tied=True, family="gpt2"), TpCase(2, update="overlap", family="gpt_neox"),
+       TpCase(2, plan="disk", clip=0.05, family="moe")]
 META = TpCase(2, plan="resident", meta=True)
 DP2_TP2 = [TpCase(2, clip=0.05), TpCase(2, plan="disk")]
 
@@ -82,51 +84,53 @@ def test_two_replicas_of_two_tensor_parallel_ranks_train_as_one_process_averagin
     _check(dp2_tp2, case, 4, 2)
 
 
-def _block_counts(tp: int) -> tuple[int, int]:
-    """One block's parameters the group cuts, and those every rank holds whole, of the test model."""
+def _counts(case: TpCase) -> tuple[int, int, int, int]:
+    """The test model's parameters: one block's the group cuts, one block's every rank holds whole, those
+    outside the blocks (a tied head's weight is the embedding's: counted once), and the padding their
+    chunks may add (each tensor aligned, each chunk's end)."""
     from pp_harness import fresh
 
-    from tiertrain.parallel.tensor_plans import split_of
+    from tiertrain.memory.layout import DEFAULT_ALIGN, TENSOR_ALIGN
+    from tiertrain.parallel.tensor_plans import check_tensor_parallel, split_of
 
-    model, _ = fresh()
-    cut = sum(p.numel() for n, p in model.named_parameters() if n.startswith("blocks.0.") and split_of(n))
-    whole = sum(p.numel() for n, p in model.named_parameters() if n.startswith("blocks.0.") and not split_of(n))
-    return cut, whole
+    model, _ = fresh(case.tied, case.family)
+    at = check_tensor_parallel(model, case.tp).blocks_at
+    params = list(model.named_parameters())
+    cut = sum(p.numel() for n, p in params if n.startswith(f"{at}.0.") and split_of(n))
+    whole = sum(p.numel() for n, p in params if n.startswith(f"{at}.0.") and not split_of(n))
+    pad = (len(params) + 1) * TENSOR_ALIGN + (TINY["n_layer"] + 1) * DEFAULT_ALIGN
+    return cut, whole, sum(p.numel() for n, p in params if not n.startswith(f"{at}.")), pad
 
 
 @pytest.mark.parametrize("fixture,world", [("tp2", 2), ("dp2_tp2", 4)])
 def test_each_rank_holds_its_share_of_a_blocks_optimizer_states(request, fixture, world):
     """From the memory system's accounting: each rank's states of a block are 1/T of the block's cut
-    parameters plus its whole ones (norms, projection biases), the embeddings and head whole, all of it
-    split over the replicas where there are two (ZeRO-3-like), within one chunk's padding per block."""
-    from pp_harness import fresh
-
-    from tiertrain.memory.layout import DEFAULT_ALIGN
-
+    parameters plus its whole ones (norms, projection biases, a router), the embeddings and head whole,
+    all of it split over the replicas where there are two (ZeRO-3-like), within the chunks' padding."""
     results = request.getfixturevalue(fixture)
-    cut, whole = _block_counts(2)
-    blocks = TINY["n_layer"]
+    blocks = TINY["n_layer"]  # every test model's
     for rank in range(world):
-        for case in (c for c in (TP2 if fixture == "tp2" else DP2_TP2) if c.family == "gpt"):
-            model, _ = fresh(case.tied)  # a tied head's weight is the embedding's: counted once
-            rest = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("blocks."))
+        for case in TP2 if fixture == "tp2" else DP2_TP2:
+            cut, whole, rest, pad = _counts(case)
             got = results[((case,), rank)]
             for kind, nbytes in got["states"].items():
                 mine = nbytes // 4  # fp32 states, split over the replicas where there are two
                 want = (blocks * (cut // 2 + whole) + rest) // (world // 2)
-                assert want <= mine < want + (blocks + 1) * DEFAULT_ALIGN, (rank, case, kind)
+                assert want <= mine < want + pad, (rank, case, kind)
 
 
 def test_each_rank_sends_four_sums_of_a_blocks_activations_per_step_five_where_recomputed(tp2):
     """Bytes each rank's tensor-parallel group sent per step, against the formula: per block, two all-reduces
     of (rows x tokens x d_model) fp32 activations forward, two backward, and a recomputed block's attention
     sum again (torch's checkpoint stops recomputing at the last tensor backward needs, which the MLP's sum
-    is past); a ring all-reduce of B bytes sends 2 (T-1)/T x B; a clipping step adds the norm (one fp32)."""
-    from pp_harness import ROWS
+    is past); a ring all-reduce of B bytes sends 2 (T-1)/T x B; a clipping step adds the norm (one fp32).
+    With experts, each expert sums its own tokens' outputs and input gradients: top_k tokens' worth each
+    way in place of the MLP's one (the router's input, whole, is not entered)."""
+    from pp_harness import MOE, ROWS
 
-    act = ROWS * 16 * TINY["d_model"] * 4
+    act = ROWS * 16 * TINY["d_model"] * 4  # every test model is 32 wide
     for case in TP2:
-        sums = 5 if case.plan == "stash" else 4
+        sums = (5 if case.plan == "stash" else 4) + (2 * MOE["top_k"] - 2 if case.family == "moe" else 0)
         want = TINY["n_layer"] * sums * 2 * (case.tp - 1) * act // case.tp + (4 if case.clip else 0)
         for rank in range(2):
             assert tp2[((case,), rank)]["sent"] == [want] * 3, (case, rank)
@@ -135,9 +139,15 @@ def test_each_rank_sends_four_sums_of_a_blocks_activations_per_step_five_where_r
 def test_the_shards_are_the_ranks_heads_and_features():
     """Rank r's qkv rows are its heads' rows of q, of k and of v; fc's its output features, the projections'
     its input features; merging every rank's shards gives the tensor back."""
-    from tiertrain.parallel.tensor_layers import COLUMNS, ROWS
-    from tiertrain.parallel.tensor_plans import QKV
+    from tiertrain.parallel.tensor_layers import COLUMNS, ROWS, Split
+    from tiertrain.parallel.tensor_plans import split_of
 
+    QKV = split_of("blocks.3.attn.qkv.weight")
+    assert QKV == split_of("transformer.h.0.attn.c_attn.bias") == Split(0, 3)
+    assert split_of("transformer.h.0.attn.c_attn.weight") == Split(1, 3)  # Conv1D's [in, out]: q, k, v columns
+    assert split_of("transformer.h.0.mlp.c_proj.weight") == Split(0) and split_of("transformer.h.0.mlp.c_proj.bias") is None
+    assert split_of("gpt_neox.layers.1.attention.query_key_value.weight") == COLUMNS  # head by head: plain rows
+    assert split_of("blocks.0.ffn.experts.3.proj.weight") == ROWS and split_of("blocks.0.ffn.router.weight") is None
     d, tp = 8, 2
     w = torch.arange(3 * d * d, dtype=torch.float32).reshape(3 * d, d)
     shards = [QKV.shard(w, r, tp) for r in range(tp)]
@@ -156,7 +166,7 @@ def test_the_shards_are_the_ranks_heads_and_features():
     ({"n_head": 3, "d_model": 33}, "--tp 2 must divide the model's attention heads (n_head), 3"),
     ({"d_ffn": 63}, "--tp 2 must divide the model's MLP features (d_ffn), 63"),
     ({"dropout": 0.1}, "tensor parallel needs dropout 0"),
-    ({"n_experts": 2}, "--ep"),
+    ({"n_experts": 2, "d_ffn": 63}, "--tp 2 must divide the model's MLP features (d_ffn), 63"),
 ])
 def test_a_model_the_plan_cannot_cut_is_refused_in_one_line(change, words):
     import tiertrain
@@ -179,11 +189,15 @@ def test_an_architecture_without_a_plan_and_plan_auto_are_refused_before_any_gro
     from tiertrain.models import build
     from tiertrain.train.optimizer import make_adamw
 
-    gpt2 = build({"model_type": "gpt2", "vocab_size": 256, "n_embd": 32, "n_layer": 2, "n_head": 2,
-                  "n_positions": 64})
+    opt_model = build({"model_type": "opt", "vocab_size": 256, "hidden_size": 32, "num_hidden_layers": 2,
+                       "num_attention_heads": 2, "ffn_dim": 64, "word_embed_proj_dim": 32})
+    opt, _ = make_adamw(opt_model, 1e-2, (0.9, 0.95), 1e-8, 0.1)
+    with pytest.raises(ConfigError, match="parallelize plan for tiertrain's GPT .* llama, qwen2, mistral, gpt2, "
+                                          "gpt_neox only; got OPTForCausalLM"):
+        tiertrain.tensor_parallel(opt_model, opt, 2)
+    gpt2 = build({"model_type": "gpt2", "vocab_size": 256, "n_embd": 32, "n_layer": 2, "n_head": 2})
     opt, _ = make_adamw(gpt2, 1e-2, (0.9, 0.95), 1e-8, 0.1)
-    with pytest.raises(ConfigError, match="parallelize plan for tiertrain's GPT .* llama, qwen2, mistral only; got "
-                                          "GPT2LMHeadModel"):
+    with pytest.raises(ConfigError, match=r"tensor parallel needs dropout 0 \(got 0.1\)"):
         tiertrain.tensor_parallel(gpt2, opt, 2)
     llama = build({**LLAMA, "num_key_value_heads": 1})
     opt, _ = make_adamw(llama, 1e-2, (0.9, 0.95), 1e-8, 0.1)
@@ -284,7 +298,7 @@ def test_a_model_built_on_the_meta_device_is_drawn_whole_by_the_group_and_cut(tp
     parameter let go once cut (no rank keeps every block's matrices); the whole ones equal; both train alike."""
     from tp_harness import META_SEED
 
-    from tiertrain.parallel.tensor_plans import QKV
+    from tiertrain.parallel.tensor_plans import split_of
     from tiertrain.parallel.tensor_start import drawn_whole
 
     a, b = tp2[((META,), 0)], tp2[((META,), 1)]
@@ -292,7 +306,7 @@ def test_a_model_built_on_the_meta_device_is_drawn_whole_by_the_group_and_cut(tp
     assert a["qkv"].shape == (3 * d // 2, d) and not torch.equal(a["qkv"], b["qkv"])
     whole = torch.nn.Parameter(torch.empty(3 * d, d, device="meta"))
     drawn_whole("blocks.0.attn.qkv.weight", whole, META_SEED)
-    assert torch.equal(QKV.merge([a["qkv"], b["qkv"]]), whole.detach())
+    assert torch.equal(split_of("blocks.0.attn.qkv.weight").merge([a["qkv"], b["qkv"]]), whole.detach())
     assert a["let_go"] == b["let_go"] == [True]
     assert torch.equal(a["ln1"], b["ln1"]) and torch.equal(a["emb"], b["emb"])
     assert a["losses"] == b["losses"] and len({x for step in a["losses"] for x in step}) == 3

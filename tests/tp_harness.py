@@ -24,7 +24,8 @@ class TpCase:
     tied: bool = False
     skew: bool = False           # each rank's model drawn otherwise (ranks seeded apart): rank 0's must win
     meta: bool = False           # the model built on the meta device: drawn by the group, alike
-    family: str = "gpt"          # "gpt": tiertrain's; "llama": a transformers Llama (GQA: 4 heads, 2 key-value)
+    family: str = "gpt"          # "gpt": tiertrain's; "moe": with experts; "llama" (GQA: 4 heads, 2 key-value),
+    #                              "qwen2", "gpt2", "gpt_neox": transformers' (pp_harness.config_of)
 
 
 def state_bytes(runtime) -> dict[str, int]:
@@ -49,7 +50,7 @@ def tp_losses(rank: int, case: TpCase, disk: Path, save_to: Path | None = None, 
                 p.add_(torch.randn_like(p) * 0.01)
     cut: list = []
     if case.meta:  # the group's seed made known (META_SEED), each rank's own generators set apart
-        import tiertrain.parallel.tensor_plans as plans
+        import tiertrain.parallel.tensor_parallelize as plans
         from tiertrain.models import build
         from tiertrain.train.optimizer import make_adamw
 

@@ -49,11 +49,8 @@ from tiertrain.parallel.pipeline_schedule import (
     schedule_for,
     stages_for,
 )
-from tiertrain.parallel.tensor_plans import (
-    GPT_PLAN,
-    check_tensor_parallel,
-    parallelize_blocks,
-)
+from tiertrain.parallel.tensor_parallelize import parallelize_blocks
+from tiertrain.parallel.tensor_plans import GPT_PLAN, check_tensor_parallel
 from tiertrain.parallel.tensor_start import group_seed, same_start
 from tiertrain.parallel.tied_stages import TiedStages
 from tiertrain.plan import BUILTIN_PLANS, Plan, RunOptions

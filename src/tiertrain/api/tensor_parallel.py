@@ -30,11 +30,8 @@ from tiertrain.parallel.agree import same_on_every_rank
 from tiertrain.parallel.collectives import Collectives
 from tiertrain.parallel.group import ensure_process_group, world_from_env
 from tiertrain.parallel.tensor_mesh import TensorMesh, tensor_mesh
-from tiertrain.parallel.tensor_plans import (
-    check_tensor_parallel,
-    parallelize,
-    split_of,
-)
+from tiertrain.parallel.tensor_parallelize import parallelize
+from tiertrain.parallel.tensor_plans import check_tensor_parallel, split_of
 from tiertrain.plan import BUILTIN_PLANS, Plan, RunOptions
 from tiertrain.plan.plan import plan_file
 from tiertrain.plan.update_modes import rules

@@ -6,7 +6,8 @@ Column-parallel (Megatron's A in ``Y = GeLU(XA)``): the output features are spli
 columns of the output from the whole input. Row-parallel (B in ``Z = YB``): the input features are split;
 each rank's output is a partial sum, summed over the group before the bias is added (once, not per rank).
 Both keep ``weight`` and ``bias`` as their parameters' names, so a parameter's name in a cut model is its
-name in the whole one.
+name in the whole one, and its layout: torch's [out, in], or [in, out] where the whole layer kept it so
+(``transposed``: GPT-2's Conv1D).
 """
 
 from __future__ import annotations
@@ -45,45 +46,48 @@ class ColumnParallelLinear(nn.Module):
     """``y_r = x W_r^T + b_r``: this rank's output features of a linear layer, from the whole input."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: Collectives,
-                 enters: bool = True) -> None:
+                 enters: bool = True, transposed: bool = False) -> None:
         """``enters``: the layer enters its input into the cut region itself (False: its module's pre-hook
         entered it once for every layer reading it)."""
         super().__init__()
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None
-        self.group, self.enters = group, enters
+        self.group, self.enters, self.transposed = group, enters, transposed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(enter_region(x, self.group) if self.enters else x, self.weight, self.bias)
+        x = enter_region(x, self.group) if self.enters else x
+        return F.linear(x, self.weight.t() if self.transposed else self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
     """``y = sum_r x_r W_r^T + b``: a linear layer's output from this rank's slice of its input features;
     the bias (whole on every rank) added after the sum."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: Collectives) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: Collectives,
+                 transposed: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None
-        self.group = group
+        self.group, self.transposed = group, transposed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = leave_region(F.linear(x, self.weight), self.group)
+        y = leave_region(F.linear(x, self.weight.t() if self.transposed else self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
 
-def column_parallel(linear: nn.Linear, split: Split, rank: int, group: Collectives,
-                    enters: bool = True) -> ColumnParallelLinear:
-    """``linear`` cut by output features (``split`` along dim 0, its bias alike), this rank's shard."""
+def column_parallel(linear: nn.Module, split: Split, rank: int, group: Collectives, enters: bool = True,
+                    transposed: bool = False) -> ColumnParallelLinear:
+    """``linear`` cut by output features (``split``; its bias alike), this rank's shard."""
     size = group.world_size
     bias = None if linear.bias is None else Split(0, split.parts).shard(linear.bias.detach(), rank, size)
-    return ColumnParallelLinear(split.shard(linear.weight.detach(), rank, size), bias, group, enters)
+    return ColumnParallelLinear(split.shard(linear.weight.detach(), rank, size), bias, group, enters, transposed)
 
 
-def row_parallel(linear: nn.Linear, rank: int, group: Collectives) -> RowParallelLinear:
-    """``linear`` cut by input features, this rank's shard; the bias kept whole."""
+def row_parallel(linear: nn.Module, split: Split, rank: int, group: Collectives,
+                 transposed: bool = False) -> RowParallelLinear:
+    """``linear`` cut by input features (``split``), this rank's shard; the bias kept whole."""
     bias = None if linear.bias is None else linear.bias.detach().clone()
-    return RowParallelLinear(ROWS.shard(linear.weight.detach(), rank, group.world_size), bias, group)
+    return RowParallelLinear(split.shard(linear.weight.detach(), rank, group.world_size), bias, group, transposed)
 
 
 ROWS = Split(1)   # a row-parallel weight: its input features (dim 1 of torch's [out, in])

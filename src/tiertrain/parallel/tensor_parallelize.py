@@ -1,0 +1,81 @@
+"""A model cut in place by its parallelize plan (``parallel.tensor_plans``): every rank of the group starts
+from one whole model (``parallel.tensor_start``), and each block's linear layers the plan names are
+replaced by this rank's column- or row-parallel shard of them (``parallel.tensor_layers``)."""
+
+from __future__ import annotations
+
+import operator
+
+from torch import nn
+
+from tiertrain.errors import ConfigError
+from tiertrain.parallel.collectives import Collectives
+from tiertrain.parallel.tensor_layers import column_parallel, row_parallel
+from tiertrain.parallel.tensor_ops import enter_region
+from tiertrain.parallel.tensor_plans import GPT_PLAN, TensorPlan, check_tensor_parallel
+from tiertrain.parallel.tensor_start import (
+    back_to_meta,
+    drawn_whole,
+    group_seed,
+    same_start,
+)
+
+
+def parallelize(model: nn.Module, rank: int, group: Collectives) -> dict[int, nn.Parameter]:
+    """Cut ``model``'s blocks in place into this rank's shards, every rank of ``group`` from the same whole
+    model; returns each replaced parameter's new one by the old one's ``id`` (an optimizer built over the
+    whole model is pointed at them)."""
+    plan = check_tensor_parallel(model, group.world_size)
+    if plan is not GPT_PLAN and any(b.is_meta for b in model.buffers()):
+        raise ConfigError(f"a {type(model).__name__} built on the meta device cannot be cut over tensor-parallel "
+                          "ranks yet (its buffers, as rotary frequencies, are not drawn): build it in memory "
+                          "(a larger --host-memory)")
+    seed = group_seed(group)
+    same_start(model, group, seed, plan.blocks_at)
+    return parallelize_blocks(plan, plan.blocks(model), rank, group, seed)
+
+
+def parallelize_blocks(plan: TensorPlan, blocks: nn.ModuleList, rank: int, group: Collectives, seed: int,
+                       first: int = 0) -> dict[int, nn.Parameter]:
+    """``parallelize`` of some of a checked model's blocks (a pipeline stage's: ``first`` is the index of
+    its first block in the model), each alike on every rank of ``group`` already but for its matrices on
+    the meta device, drawn whole here from ``seed`` one block at a time."""
+    new_of: dict[int, nn.Parameter] = {}
+    for j, block in enumerate(blocks):
+        cuts = [(path, cut) for path, _ in block.named_modules() if (cut := plan.cut_at(path)) is not None]
+        if not cuts:
+            raise ConfigError(f"block {first + j} has none of the layers its tensor-parallel plan cuts "
+                              f"({', '.join(c.path for c in plan.cuts)}): the model is not laid out as its type's")
+        for path, cut in cuts:
+            parent_path, _, attr = path.rpartition(".")
+            parent = operator.attrgetter(parent_path)(block) if parent_path else block
+            linear = getattr(parent, attr)
+            drawn = [p for p in linear.parameters() if p.is_meta]
+            for pname, p in linear.named_parameters():
+                if p.is_meta:
+                    drawn_whole(f"{plan.blocks_at}.{first + j}.{path}.{pname}", p, seed)
+            split = plan.weight_split(cut)
+            new = (column_parallel(linear, split, rank, group, not plan.shared_inputs, plan.transposed) if cut.column
+                   else row_parallel(linear, split, rank, group, plan.transposed))
+            for pname, p in linear.named_parameters():
+                new_of[id(p)] = getattr(new, pname)
+            for p in drawn:
+                back_to_meta(p)
+            setattr(parent, attr, new)
+        for path in plan.shared_inputs:
+            operator.attrgetter(path)(block).register_forward_pre_hook(_entered(group), with_kwargs=True)
+        for heads in plan.heads_attrs:
+            owner_path, _, attr = heads.rpartition(".")
+            owner = operator.attrgetter(owner_path)(block)
+            setattr(owner, attr, getattr(owner, attr) // group.world_size)
+    return new_of
+
+
+def _entered(group: Collectives):
+    """A pre-hook entering a module's input (its first argument, or ``hidden_states``) into the cut region
+    once, for every column-parallel layer reading it."""
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args:
+            return (enter_region(args[0], group), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": enter_region(kwargs["hidden_states"], group)}
+    return hook

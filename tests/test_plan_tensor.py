@@ -47,6 +47,12 @@ def test_a_ranks_profile_holds_its_share_of_each_block_and_waits_for_the_groups_
     added = sum(c.forward_s + c.backward_s - (b.forward_s + b.backward_s) / tp for b, c in zip(p.blocks, cut.blocks))
     assert sums_s(p, tp, bps) == pytest.approx(added) and sums_s(p, tp, bps) > 0
     assert for_tensor(p, 1, bps, whole) is p
+    routed = for_tensor(p, tp, bps, whole, routed=2)  # experts, 2 a token: each MLP sum twice the tokens
+    for b, c in zip(p.blocks, routed.blocks):
+        one = all_reduce_s(b.hidden_bytes, tp, bps)
+        assert (c.forward_s, c.backward_s) == pytest.approx((b.forward_s / tp + 3 * one, b.backward_s / tp + 3 * one))
+    added = sum(c.forward_s + c.backward_s - (b.forward_s + b.backward_s) / tp for b, c in zip(p.blocks, routed.blocks))
+    assert sums_s(p, tp, bps, routed=2) == pytest.approx(added)
 
 
 def _main(*args: str) -> int:

@@ -443,9 +443,11 @@ def _cut_over_group(req: PlanRequest, profile: Profile, target: Machine, here: M
     from tiertrain.planner.tensor import for_tensor, sums_s
 
     link = _node_link(target, here, profile, req.tp)
-    cut = for_tensor(profile, req.tp, link.all_reduce_bps, whole_per_block(_gpt_config(req.model, req.tp)))
+    cfg = _gpt_config(req.model, req.tp)
+    routed = cfg.top_k if cfg.is_moe else 1
+    cut = for_tensor(profile, req.tp, link.all_reduce_bps, whole_per_block(cfg), routed)
     compute = sum(b.forward_s + b.backward_s for b in cut.blocks)
-    sums = sums_s(profile, req.tp, link.all_reduce_bps)
+    sums = sums_s(profile, req.tp, link.all_reduce_bps, routed)
     return cut, (f"tensor parallel: --tp {req.tp}, each rank {cut.blocks[0].params:,} of a block's "
                  f"{profile.blocks[0].params:,} parameters; the group's sums {sums * 1e3:.1f} ms a step of its "
                  f"blocks' {compute * 1e3:.1f} ms, on the critical path ({link.source or 'measured here'})")

@@ -10,7 +10,8 @@ parallel), the 10 s b h its norms, dropout masks and residual keep whole are 5 i
 
 Each forward waits for two sums of the block's output (its input's size, in the compute dtype), each
 backward for two more and a recompute for one (torch's checkpoint stops at the last tensor backward
-needs, short of the MLP's sum): ring all-reduces over the group's link, on the compute's critical path
+needs, short of the MLP's sum); a mixture-of-experts layer sums each expert's tokens, ``routed`` (its
+top-k) tokens' worth where a dense MLP sums one: ring all-reduces over the group's link, on the compute's critical path
 (FOLD3D's T_ip, what never overlaps), so they are added to the block's times.
 """
 
@@ -21,7 +22,7 @@ import dataclasses
 from tiertrain.planner.profile import BlockProfile, Profile
 
 WHOLE_INPUTS = 5      # saved activations every rank keeps whole, in block inputs' worth (module docstring)
-FORWARD_SUMS, BACKWARD_SUMS, RECOMPUTE_SUMS = 2, 2, 1
+FORWARD_SUMS, BACKWARD_SUMS, RECOMPUTE_SUMS = 2, 2, 1  # of a dense block: one attention's, one its MLP's
 
 
 def all_reduce_s(nbytes: float, ranks: int, bps: float) -> float:
@@ -29,25 +30,29 @@ def all_reduce_s(nbytes: float, ranks: int, bps: float) -> float:
     return 2 * (ranks - 1) / ranks * nbytes / bps if ranks > 1 and bps > 0 else 0.0
 
 
-def for_tensor(p: Profile, tp: int, bps: float, whole: int) -> Profile:
+def for_tensor(p: Profile, tp: int, bps: float, whole: int, routed: int = 1) -> Profile:
     """The profile of one rank of a tensor-parallel group of ``tp`` over a link of ``bps`` (each block's
-    ``whole`` elements on every rank); the rest (embeddings, head) whole, as the ranks hold it."""
+    ``whole`` elements on every rank; ``routed``: the experts a token goes to, 1 for a dense MLP); the rest
+    (embeddings, head) whole, as the ranks hold it."""
     if tp == 1:
         return p
-    return dataclasses.replace(p, blocks=tuple(_cut(b, tp, bps, whole) for b in p.blocks))
+    return dataclasses.replace(p, blocks=tuple(_cut(b, tp, bps, whole, routed) for b in p.blocks))
 
 
-def sums_s(p: Profile, tp: int, bps: float) -> float:
+def sums_s(p: Profile, tp: int, bps: float, routed: int = 1) -> float:
     """A step's sums over the group, forward and backward, without recompute: what ``for_tensor`` adds."""
-    return sum((FORWARD_SUMS + BACKWARD_SUMS) * all_reduce_s(b.hidden_bytes, tp, bps) for b in p.blocks)
+    extra = 2 * (routed - 1)  # an expert layer's sums beyond a dense MLP's, forward and backward
+    return sum((FORWARD_SUMS + BACKWARD_SUMS + extra) * all_reduce_s(b.hidden_bytes, tp, bps) for b in p.blocks)
 
 
-def _cut(b: BlockProfile, tp: int, bps: float, whole: int) -> BlockProfile:
+def _cut(b: BlockProfile, tp: int, bps: float, whole: int, routed: int) -> BlockProfile:
     one = all_reduce_s(b.hidden_bytes, tp, bps)
     whole = min(whole, b.params)
     kept = min(b.act_bytes, WHOLE_INPUTS * b.hidden_bytes)
+    extra = routed - 1
     return dataclasses.replace(
         b, params=-(-(b.params - whole) // tp) + whole, largest=-(-b.largest // tp),
-        forward_s=b.forward_s / tp + FORWARD_SUMS * one, backward_s=b.backward_s / tp + BACKWARD_SUMS * one,
+        forward_s=b.forward_s / tp + (FORWARD_SUMS + extra) * one,
+        backward_s=b.backward_s / tp + (BACKWARD_SUMS + extra) * one,
         recompute_s=b.recompute_seconds / tp + RECOMPUTE_SUMS * one, flops=b.flops / tp,
         traffic_bytes=b.traffic_bytes / tp, act_bytes=kept + -(-(b.act_bytes - kept) // tp))

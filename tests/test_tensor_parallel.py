@@ -34,7 +34,9 @@ def _jobs(cases, disk):
 SAVED = TpCase(2, plan="disk")  # saved after its first step; its steps 2 and 3 are what a resume must give
 
 
-PP2_TP2 = [Case("1f1b", 2, 1, clip=0.05), Case("aiao", 4, 2, plan="disk"), Case("aiao", 2, 2, plan="stash", clip=0.05)]
+PP2_TP2 = [Case("1f1b", 2, 1, clip=0.05), Case("aiao", 4, 2, plan="disk"), Case("aiao", 2, 2, plan="stash", clip=0.05),
+           Case("aiao", 4, 2, plan="disk", clip=0.05, family="llama")]
+PP_SAVED = Case("1f1b", 2, 1, plan="disk")  # pp = 2 x tp = 2, saved after its first step
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,10 @@ def dp2_tp2(tmp_path_factory):
              for i, c in enumerate(PP2_TP2)]
     whole = tmp_path_factory.mktemp("tp1run")  # tp = 1 over 4 replicas: a checkpoint the tp2 launch cuts again
     jobs += [(("saved tp1",), functools.partial(tp_losses, case=TpCase(1, plan="disk"), disk=disk / "w", save_to=whole))]
-    return {**run_ranks(4, tmp_path_factory.mktemp("dp2tp2"), jobs), "out": out, "tp1 out": whole}
+    staged = tmp_path_factory.mktemp("pptprun")  # pp = 2 x tp = 2: resumed by the tp2 launch, and in one process
+    jobs += [(("pp saved",), functools.partial(pipelined_losses, case=PP_SAVED, pp=2, disk=disk / "ps", tp=2,
+                                               save_to=staged))]
+    return {**run_ranks(4, tmp_path_factory.mktemp("dp2tp2"), jobs), "out": out, "tp1 out": whole, "pp out": staged}
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +61,10 @@ def tp2(tmp_path_factory, dp2_tp2):
         (("saved",), functools.partial(tp_losses, case=SAVED, disk=disk / "s", save_to=out)),
         (("resumed",), functools.partial(tp_losses, case=TpCase(2), disk=disk / "r", load_from=dp2_tp2["out"])),
         (("resumed tp1",), functools.partial(tp_losses, case=TpCase(2), disk=disk / "c",
-                                             load_from=dp2_tp2["tp1 out"]))]
+                                             load_from=dp2_tp2["tp1 out"])),
+        (("pp resumed",), functools.partial(pipelined_losses, case=Case("aiao", 2, 2, plan="disk"), pp=2,
+                                            disk=disk / "p", load_from=dp2_tp2["pp out"])),
+        (("pp resumed tp",), functools.partial(tp_losses, case=TpCase(2), disk=disk / "t", load_from=dp2_tp2["pp out"]))]
     return {**run_ranks(2, tmp_path_factory.mktemp("tp2"), jobs), "out": out}
 
 
@@ -272,6 +280,39 @@ def test_a_tensor_parallel_checkpoint_resumes_as_one_tiered_process(tp2, tmp_pat
     losses = train_losses(tm, topt, batches(0)[first:])
     saved = [step[0] for step in tp2[(("saved",), 0)]["losses"][1:]]
     assert first == 1 and losses == pytest.approx(saved, rel=RTOL, abs=0)
+
+
+@pytest.mark.parametrize("case", PP2_TP2, ids=str)
+def test_a_pipeline_of_two_stages_each_cut_over_two_ranks_trains_as_one_process(dp2_tp2, case):
+    """pp = 2 x tp = 2: each stage's blocks cut over its two ranks, under 1F1B and AIAO (2 segments), with
+    host- and disk-homed states and recompute with offloaded checkpoints, our GPT and a Llama: each
+    micro-batch's loss, and each clipped step's norm over every stage and shard, as one process
+    accumulating the same micro-batches."""
+    norms: list[float] = []
+    want = reference(1, case.micro, case.clip, family=case.family, norms=norms)
+    for rank in range(4):
+        got = dp2_tp2[(("pp", case), rank)]
+        assert got["replica"] == 0 and got["pp_rank"] == (rank // 2) % 2, rank
+        flat = [x for step in got["losses"] for x in step]
+        assert flat == pytest.approx([x for step in want for x in step[0]], rel=RTOL, abs=0), f"rank {rank}"
+        assert got["norms"] == pytest.approx(norms, rel=RTOL, abs=0), f"rank {rank}"
+
+
+def test_a_pipeline_cut_over_tensor_parallel_ranks_saves_and_resumes_at_another_layout(tp2, dp2_tp2):
+    """Saved at pp = 2 x tp = 2 after step 1 (each tensor-parallel rank's part a pipelined checkpoint of its
+    shards): resumed by pp = 2 alone (AIAO, 4 stages: each stage's shards put back together), by tp = 2
+    alone (each rank's shards out of both stages), and by one process of plain PyTorch; each goes on with
+    the losses one process takes from that checkpoint, and the saved run's own."""
+    model, opt, state = _plain_from(dp2_tp2["pp out"])
+    assert (state.step, state.world) == (1, 4)
+    want = [step[0][0] for step in reference(1, 1, start=(model, opt), first=state.step)]
+    saved = dp2_tp2[(("pp saved",), 0)]["losses"]
+    assert [sum(step) for step in saved[1:]] == pytest.approx(want, rel=RTOL, abs=0)
+    for rank in range(2):
+        piped = [sum(step) for step in tp2[(("pp resumed",), rank)]["losses"]]
+        assert piped == pytest.approx(want, rel=RTOL, abs=0), f"rank {rank}"
+        cut = [step[0] for step in tp2[(("pp resumed tp",), rank)]["losses"]]
+        assert cut == pytest.approx(want, rel=RTOL, abs=0), f"rank {rank}"
 
 
 def test_a_tied_pipeline_cut_over_tensor_parallel_ranks_is_refused_before_any_group_is_made(monkeypatch):

@@ -264,7 +264,9 @@ UNTIED = {"name": "tiny-untied", "n_layer": 4, "n_head": 2, "d_model": 32, "d_ff
 def test_train_pp_trains_as_one_process_and_its_checkpoint_resumes_in_one_and_cut_otherwise(tmp_path):
     """``train --nproc 2 --pp 2`` (1F1B, 2 micro-batches) takes the steps of one process accumulating the same
     micro-batches, bit for bit (fp32, no clipping); its checkpoint after step 2 resumes in one process and over
-    4 AIAO stages (2 segments), each going on with the uninterrupted run's losses."""
+    4 AIAO stages (2 segments), each going on with the uninterrupted run's losses. ``--nproc 4 --pp 2 --tp 2``
+    (each stage's blocks cut over two ranks) takes them within the tensor-parallel tests' tolerance, and its
+    checkpoint holds a pipelined part per tensor-parallel rank."""
     model = tmp_path / "untied.json"
     model.write_text(json.dumps(UNTIED))
     common = ["--model", str(model), "--batch-size", "2", "--seq-len", "32", "--grad-clip", "0", "--plan", "stream",
@@ -290,6 +292,17 @@ def test_train_pp_trains_as_one_process_and_its_checkpoint_resumes_in_one_and_cu
         assert r.returncode == 0, r.stderr[-3000:]
         assert "tokens a step" not in r.stdout, r.stdout  # the same batches: one replica either way
         assert _losses(tmp_path / name) == _losses(piped)[2:], name
+    cut = tmp_path / "pp-tp"
+    r = _train(*common, "--steps", "4", "--save-every", "2", "--nproc", "4", "--pp", "2", "--tp", "2", "--schedule",
+               "1f1b", "--micro-batches", "2", "--out", str(cut))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "pipeline of 2 ranks, each stage over 2 tensor-parallel ranks x 1 replicas" in r.stdout
+    ckpt = cut / "checkpoints" / "step-00000002"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["config.json", "rng.safetensors", "tp-000", "tp-001",
+                                                      "trainer.json"]
+    assert sorted(p.name for p in (ckpt / "tp-001").iterdir()) == ["config.json", "rng.safetensors", "stage-000",
+                                                                   "stage-001", "trainer.json"]
+    assert _losses(cut) == pytest.approx(_losses(one), rel=1e-5, abs=0)
 
 
 def test_train_pp_plan_auto_plans_the_stages_once_and_the_ranks_and_the_resume_take_that_plan(tmp_path):
@@ -365,10 +378,12 @@ def test_a_tensor_parallel_layout_the_ranks_would_refuse_is_one_message_before_t
     for args, says in (([*cut[:4], "--tp", "2"], "add --nproc 2"),
                        ([*cut[:4], "--nproc", "3", "--tp", "2"], "--tp 2 must divide --nproc 3"),
                        ([*cut[:2], "--nproc", "2", "--tp", "2"], "add --plan"),
-                       ([*cut, "--pp", "2"], "--pp do not combine with --tp yet"),
+                       ([*cut, "--pp", "2"], "--pp 2 x --tp 2 must divide --nproc 2"),
+                       (["--model", "tiny", *cut[2:-4], "--nproc", "4", "--pp", "2", "--tp", "2"],
+                        "a tied embedding in a pipeline cut over tensor-parallel ranks"),
                        ([*cut, "--precision", "fp16"], "use --precision bf16"),
                        ([*cut, "--update", "lockfree"], "use --update sync or overlap"),
-                       (["--model", str(moe), *cut[2:]], "divide its experts over the ranks with --ep")):
+                       (["--model", str(moe), *cut[2:], "--ep", "2"], "--ep do not combine with --tp yet")):
         out = tmp_path / "r"
         assert main(["train", *args, "--out", str(out)]) == 2, args
         err = capsys.readouterr().err

@@ -50,7 +50,7 @@ from tiertrain.parallel.pipeline_schedule import (
     stages_for,
 )
 from tiertrain.parallel.tensor_parallelize import parallelize_blocks
-from tiertrain.parallel.tensor_plans import GPT_PLAN, check_tensor_parallel
+from tiertrain.parallel.tensor_plans import TensorPlan, check_tensor_parallel
 from tiertrain.parallel.tensor_start import group_seed, same_start
 from tiertrain.parallel.tied_stages import TiedStages
 from tiertrain.plan import BUILTIN_PLANS, Plan, RunOptions
@@ -186,7 +186,7 @@ def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Pipelin
     cut = check_stageable(model)
     _check_tied(cut, layout, opts, plan)
     optimizer_groups(optimizer, model)  # an AdamW, fresh, over every parameter: refused before anything changes
-    _check_tensor(model, cut, layout, tp, opts, plan)
+    cuts = _check_tensor(model, cut, layout, tp, opts, plan)
     ensure_process_group()
     layout.check(world_from_env() // tp, cut.n_blocks, layout.micro_batches)
     same_on_every_rank("the pipeline", {**_pipeline_fields(model, layout, opts, plan), "--tp": str(tp),
@@ -198,8 +198,8 @@ def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Pipelin
         runs = fold(cut.n_blocks, layout.pp, layout.segments)
         indices = [v for v in range(layout.stages) if v % layout.pp == mesh.pp_rank]
         modules = [cut.stage(runs[v]) for v in indices]
-        if mesh.tp_group is not None:
-            _cut_blocks(modules, [runs[v].start for v in indices], optimizer, mesh.tp_group)
+        if cuts is not None and mesh.tp_group is not None:
+            _cut_blocks(cuts, modules, [runs[v].start for v in indices], optimizer, mesh.tp_group)
         stage_opts = [_stage_adamw(optimizer, m) for m in modules]
         release_others(model, modules)
         for group in optimizer.param_groups:  # the stages' optimizers hold this rank's originals now, each let
@@ -223,34 +223,34 @@ def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Pipelin
 
 
 def _check_tensor(model: nn.Module, cut: StageCut, layout: PipelineLayout, tp: int, opts: RunOptions,
-                  plan: str | Plan) -> None:
-    """A pipeline whose stages' blocks are cut over ``tp`` ranks: a model the tensor-parallel plan cuts, the
-    ranks in whole groups, no weight tied across the first and the last stage (its pair of ranks is one
-    per pipeline, not per group, yet)."""
+                  plan: str | Plan) -> TensorPlan | None:
+    """A pipeline whose stages' blocks are cut over ``tp`` ranks: a model a tensor-parallel plan cuts (that
+    plan returned), the ranks in whole groups, no weight tied across the first and the last stage (its
+    pair of ranks is one per pipeline, not per group, yet)."""
     if tp == 1:
-        return
+        return None
     world = world_from_env()
     if tp < 1 or world % (layout.pp * tp):
         raise ConfigError(f"--pp {layout.pp} x --tp {tp} must divide the run's {world} ranks: give --nproc a "
                           f"multiple of {layout.pp * max(tp, 1)}")
     check_tensor_plan(plan, opts)  # (a plan file already read)
-    if check_tensor_parallel(model, tp) is not GPT_PLAN:
-        raise ConfigError("a transformers model in a pipeline cut over tensor-parallel ranks is not supported yet: "
-                          "give --pp or --tp alone")
+    cuts = check_tensor_parallel(model, tp)
     if cut.ties:
         raise ConfigError("a tied embedding in a pipeline cut over tensor-parallel ranks is not supported yet: untie "
-                          "the model's head (tie_embeddings: false)")
+                          "the model's head (tie_embeddings: false, tie_word_embeddings: false)")
+    return cuts
 
 
-def _cut_blocks(modules: list[nn.Module], firsts: list[int], optimizer: torch.optim.Optimizer,
+def _cut_blocks(plan: TensorPlan, modules: list[nn.Module], firsts: list[int], optimizer: torch.optim.Optimizer,
                 group: Collectives) -> None:
-    """Each stage's blocks (the first of each the model's ``firsts``) cut into this rank's shards over
-    ``group``, every rank of it from the same whole stage; the user's optimizer pointed at them."""
+    """Each stage's blocks (the first of each the model's ``firsts``; a stage keeps them where the whole
+    model does, ``plan.blocks_at``) cut into this rank's shards over ``group``, every rank of it from the
+    same whole stage; the user's optimizer pointed at them."""
     new_of: dict[int, nn.Parameter] = {}
     seed = group_seed(group)
     for module, first in zip(modules, firsts):
-        same_start(module, group, seed, GPT_PLAN.blocks_at)
-        new_of.update(parallelize_blocks(GPT_PLAN, module.blocks, group.rank, group, seed, first))
+        same_start(module, group, seed, plan.blocks_at)
+        new_of.update(parallelize_blocks(plan, plan.blocks(module), group.rank, group, seed, first))
     for g in optimizer.param_groups:
         g["params"] = [new_of.get(id(p), p) for p in g["params"]]
 

@@ -6,7 +6,9 @@ own manifest and trainer.json), beside a trainer.json that names the stages and 
 model. A stage's parameters keep the model's names (``models.gpt_stages``), so the union of the stages'
 tensors is the whole model's, by the names a one-process checkpoint gives them: the checkpoint resumes in
 one process (``train --resume``, ``load_checkpoint``), at any data-parallel width, and at another pp (each
-stage reads its own names out of the union). Nothing is gathered on one rank while saving.
+stage reads its own names out of the union). Nothing is gathered on one rank while saving. Stages cut over
+tensor-parallel ranks (pp x tp) are saved as a tensor-parallel checkpoint whose every ``tp-RRR/`` is a
+pipelined one of that rank's shards (``tp-RRR/stage-VVV/``): resumed at another tp as the shards are.
 Why not ``torch.distributed.checkpoint``: as for data-parallel checkpoints, its metadata is a pickle.
 """
 
@@ -69,17 +71,23 @@ def save_pipelined(out: Path, parts: Sequence[tuple[int, nn.Module]], world: Any
                    param_groups: list[dict[str, Any]], state: TrainerState, keep: int) -> Path:
     """Every rank calls it together: each writes its stages (``parts``: (stage index, tiered stage)) into the
     step's temporary directory (with its stage's data-parallel ranks, sharded as a data-parallel run
-    saves), rank 0 adds the top level and publishes. A failure on any rank fails the save on all of them
-    (``agreement`` over ``world``), the temporary directory removed and the previous checkpoint intact."""
-    if any(tensor_rank(module)[1] > 1 for _, module in parts):  # every rank alike: each holds such stages
-        raise CheckpointError("a pipeline whose stages are cut over tensor-parallel ranks is not saved yet; train it "
-                              "without checkpoints (--no-save), or save a pipeline without --tp")
+    saves; under its tensor-parallel rank's ``tp-RRR/`` where the stages are cut), rank 0 adds the top
+    level and publishes. A failure on any rank fails the save on all of them (``agreement`` over
+    ``world``), the temporary directory removed and the previous checkpoint intact."""
     save = ManyRankSave.begin(out, state.step, world, "pipeline")
+    tp_rank, tp = tensor_rank(parts[0][1])  # every stage of a rank is cut over the same group
+    base = save.tmp / f"tp-{tp_rank:03d}" if tp > 1 else save.tmp
+    save.agree(lambda: base.mkdir(exist_ok=True))
     for index, module in parts:
-        write_part(save.tmp / stage_dir(index), TieredState(module), state, save.agree)
+        write_part(base / stage_dir(index), TieredState(module), state, save.agree)
     subdirs = [stage_dir(v) for v in range(record.stages)]
-    top = {"pipeline": {"pp": record.pp, "stages": record.stages, "ranks": record.ranks}}
-    save.agree(lambda: write_top(save.tmp, parts[0][1], subdirs, top, param_groups, state) if world.rank == 0 else None)
+    stages = {"pipeline": {"pp": record.pp, "stages": record.stages, "ranks": record.ranks}}
+    mine = world.rank == 0 if tp == 1 else world.rank < tp  # dp x pp x tp: tp-r's first rank is world rank r
+    save.agree(lambda: write_top(base, parts[0][1], subdirs, stages, param_groups, state) if mine else None)
+    if tp > 1:
+        tps = [f"tp-{r:03d}" for r in range(tp)]
+        top = {"tensor": {"tp": tp, "ranks": record.ranks}}
+        save.agree(lambda: write_top(save.tmp, parts[0][1], tps, top, param_groups, state) if world.rank == 0 else None)
     return save.publish(keep)
 
 
@@ -147,14 +155,22 @@ def stage_tensors(ckpt: Path, trainer: TrainerFile, ts: TrainState) -> tuple[Sta
     ``read_trainer`` checked it), as one mapping each, after every stage's files are verified and every
     tensor ``ts`` needs is found with its dtype and shape (a stage of another pipeline needs only its own;
     one process, all of them and no other)."""
+    weights, moments, specs = open_stages(ckpt, trainer, set(ts.expected_weights()) if is_stage(ts.module) else None)
+    check_covers(ckpt, specs, ts)
+    return weights, moments
+
+
+def open_stages(ckpt: Path, trainer: TrainerFile, needed: set[str] | None
+                ) -> tuple[StagedTensors, StagedTensors, dict[str, TensorSpec]]:
+    """Every stage of ``ckpt`` as one mapping of weights and one of moments, and the tensors' specs; a stage
+    holding none of ``needed`` (None: all) only listed, its files not checksummed."""
     rec, step = PipelineRecord(**trainer.pipeline), trainer.step
-    needed = set(ts.expected_weights())
     weights: dict[str, Mapping] = {}
     moments: dict[str, Mapping] = {}
     specs: dict[str, TensorSpec] = {}
     opened: list[Mapping] = []
     for v in range(rec.stages):
-        w, o, found = open_part(ckpt / stage_dir(v), step, needed if is_stage(ts.module) else None)
+        w, o, found = open_part(ckpt / stage_dir(v), step, needed)
         opened.append(w)
         for name, spec in found.items():
             if name in specs and tied_copy(name, v, rec, spec == specs[name]):
@@ -166,8 +182,7 @@ def stage_tensors(ckpt: Path, trainer: TrainerFile, ts: TrainState) -> tuple[Sta
             weights[name] = w
             for kind in ("step", *MOMENTS):
                 moments[f"{name}::{kind}"] = o
-    check_covers(ckpt, specs, ts)
-    return StagedTensors(weights, opened), StagedTensors(moments, opened)
+    return StagedTensors(weights, opened), StagedTensors(moments, opened), specs
 
 
 def tied_copy(name: str, stage: int, rec: PipelineRecord, alike: bool) -> bool:
@@ -179,14 +194,18 @@ def tied_copy(name: str, stage: int, rec: PipelineRecord, alike: bool) -> bool:
 def open_part(where: Path, step: int, needed: set[str] | None) -> tuple[Mapping, Mapping, dict[str, TensorSpec]]:
     """A stage's tensors, its files verified before any is read, and their specs from the headers. ``needed``:
     the names a stage resuming needs (None: all); a sub-checkpoint holding none of them is only listed, its
-    files not checksummed (a rank resuming its stages would read every stage's files whole otherwise)."""
+    files not checksummed (a rank resuming its stages would read every stage's files whole otherwise). A
+    part that is itself pipelined (a tensor-parallel rank's stages) is read as its stages together."""
     if not where.is_dir():
-        raise CheckpointError(f"{where} is missing: a pipelined checkpoint needs every stage's folder; resume from "
+        raise CheckpointError(f"{where} is missing: a checkpoint of parts needs every part's folder; resume from "
                               "another checkpoint")
     trainer = read_trainer(where)
     if trainer.step != step:
         raise CheckpointError(f"{where} is of step {trainer.step}, its checkpoint of step {step}: the checkpoint is "
                               "damaged or was assembled by hand; resume from another checkpoint")
+    if trainer.pipeline is not None:
+        verify_files(where, checked_whole(trainer.files))
+        return open_stages(where, trainer, needed)
     if trainer.shards is not None:
         smap = ShardMap.read(trainer.shards, f"checkpoint file {where / 'trainer.json'}: shards")
         specs = {n: TensorSpec(n, F32, tuple(shape)) for b in smap.blocks for n, _, shape in b.params}

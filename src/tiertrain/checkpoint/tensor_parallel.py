@@ -26,11 +26,10 @@ from tiertrain.checkpoint.pipelined import (
     write_part,
     write_top,
 )
-from tiertrain.checkpoint.run import ManyRankSave, TrainerFile, TrainerState
-from tiertrain.checkpoint.sharded import ShardedTensors
+from tiertrain.checkpoint.run import ManyRankSave, TrainerFile, TrainerState, is_stage
 from tiertrain.checkpoint.train_state import TieredState, TrainState
-from tiertrain.parallel.tensor_plans import split_of
 from tiertrain.parallel.tensor_layers import tensor_rank
+from tiertrain.parallel.tensor_plans import split_of
 from tiertrain.tensor_file import TensorSpec
 
 
@@ -108,7 +107,7 @@ class Resplit(Mapping):
 
     def close(self) -> None:
         for part in self._parts.values():
-            if isinstance(part, ShardedTensors):
+            if hasattr(part, "close"):  # sharded files, a pipelined part's stages
                 part.close()
 
 
@@ -119,7 +118,8 @@ def shard_tensors(ckpt: Path, trainer: TrainerFile, ts: TrainState) -> tuple[Res
     rec = TensorRecord(**trainer.tensor)
     rank, size = tensor_rank(ts.module)
     read = [rank] if rec.tp == size else range(rec.tp)
-    opened = {r: open_part(ckpt / tp_dir(r), trainer.step, None) for r in read}
+    needed = set(ts.expected_weights()) if is_stage(ts.module) else None  # a pipeline stage's own names
+    opened = {r: open_part(ckpt / tp_dir(r), trainer.step, needed) for r in read}
     specs = {n: _resized(spec, rec.tp, size) for n, spec in opened[min(opened)][2].items()}
     check_covers(ckpt, specs, ts)
     return (Resplit({r: w for r, (w, _, _) in opened.items()}, rec.tp, rank, size),

@@ -124,7 +124,7 @@ class TrainConfig:
         if self.plan is None or self.plan == "auto":
             raise ConfigError(f"--tp {self.tp} tiers each rank's shards under a named plan: add --plan "
                               "resident|stream|max-offload|FILE (not auto yet)")
-        others = {"--pp": self.pp > 1, "--ep": self.ep > 1, "--shard-group": bool(self.shard_group)}
+        others = {"--ep": self.ep > 1, "--shard-group": bool(self.shard_group)}
         if any(others.values()):
             raise ConfigError(f"{' and '.join(k for k, v in others.items() if v)} do not combine with --tp yet; "
                               "leave them out")

@@ -1,4 +1,5 @@
-"""``tiertrain train --nproc N --pp P``: the training loop over a pipelined model (``tiertrain.pipeline``).
+"""``tiertrain train --nproc N --pp P [--tp T]``: the training loop over a pipelined model (``tiertrain.pipeline``),
+each stage's blocks cut over T ranks where ``--tp`` is given (dp x pp x tp).
 
 The same run as ``Trainer``'s (run directory, data, schedule, metrics, stop on a signal, nothing lost)
 with a pipeline where one runtime was: each rank builds the model as a tiered run does (on the meta device
@@ -32,12 +33,15 @@ from tiertrain.units import format_count, parse_size
 
 
 def trainer_for(cfg: TrainConfig, reporter: Reporter | None = None) -> Trainer:
-    """The loop for ``cfg``: over a pipeline where ``--pp`` is above 1, over tensor-parallel groups where ``--tp`` is."""
+    """The loop for ``cfg``: over a pipeline where ``--pp`` is above 1 (its stages' blocks cut over groups
+    where ``--tp`` is too), over tensor-parallel groups where ``--tp`` alone is."""
+    if cfg.pp > 1:
+        return PipelineTrainer(cfg, reporter)
     if cfg.tp > 1:
         from tiertrain.train.tensor_loop import TensorTrainer
 
         return TensorTrainer(cfg, reporter)
-    return PipelineTrainer(cfg, reporter) if cfg.pp > 1 else Trainer(cfg, reporter)
+    return Trainer(cfg, reporter)
 
 
 class _PipelineState:
@@ -49,7 +53,8 @@ class _PipelineState:
 
 class PipelineTrainer(Trainer):
     def _replica(self) -> tuple[int, int]:
-        return self.rank // self.cfg.pp, self.world // self.cfg.pp
+        ranks = self.cfg.pp * self.cfg.tp  # a replica: a pipeline of stages, each over a tensor-parallel group
+        return self.rank // ranks, self.world // ranks
 
     def _setup_tiered(self) -> None:
         from tiertrain.api.pipeline import pipeline
@@ -65,7 +70,7 @@ class PipelineTrainer(Trainer):
                              page_size=parse_size(cfg.page_size) if cfg.page_size else None,
                              update=cfg.update or "sync",
                              max_grad_norm=cfg.grad_clip or None, reduce_dtype=cfg.reduce_dtype or "fp32",
-                             compute_dtype=self.precision.name)
+                             compute_dtype=self.precision.name, tp=cfg.tp)
         self.opt = self.pipe.optimizer
         self.state = _PipelineState(self.model)  # type: ignore[assignment]
 
@@ -138,8 +143,10 @@ class PipelineTrainer(Trainer):
         name = getattr(model_cfg, "name", "") or type(self.model).__name__
         # the whole model's count (counted before the cut; the others' parameters keep their shapes on meta)
         n = param_count(model_cfg) if isinstance(model_cfg, ModelConfig) else self.whole_params
-        tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum * (self.world // cfg.pp)
+        replicas = self._replica()[1]
+        tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum * replicas
+        cut = f", each stage over {cfg.tp} tensor-parallel ranks" if cfg.tp > 1 else ""
         return (f"training {name} ({format_count(n)} params) on {self.device.type}, "
-                f"{self.precision.name}; pipeline of {cfg.pp} ranks x {self.world // cfg.pp} replicas, {cfg.schedule}, "
+                f"{self.precision.name}; pipeline of {cfg.pp} ranks{cut} x {replicas} replicas, {cfg.schedule}, "
                 f"{cfg.grad_accum} micro-batches, {self.layout.stages} stages; {tokens} tokens/step; "
                 f"steps {self.step}->{cfg.steps}; out {self.out}")

@@ -51,12 +51,32 @@ def dp2_tp2(tmp_path_factory):
     staged = tmp_path_factory.mktemp("pptprun")  # pp = 2 x tp = 2: resumed by the tp2 launch, and in one process
     jobs += [(("pp saved",), functools.partial(pipelined_losses, case=PP_SAVED, pp=2, disk=disk / "ps", tp=2,
                                                save_to=staged))]
-    return {**run_ranks(4, tmp_path_factory.mktemp("dp2tp2"), jobs), "out": out, "tp1 out": whole, "pp out": staged}
+    piped = tmp_path_factory.mktemp("pprun")  # pp = 2 x dp = 2, no tp: a checkpoint saved whole, cut by tp2's
+    jobs += [(("pp whole",), functools.partial(pipelined_losses, case=Case("1f1b", 2, 1, plan="disk"), pp=2,
+                                               disk=disk / "pw", save_to=piped))]
+    return {**run_ranks(4, tmp_path_factory.mktemp("dp2tp2"), jobs), "out": out, "tp1 out": whole, "pp out": staged,
+            "pp whole": piped}
+
+
+def _saved_by_one_process(out) -> None:
+    """One step of plain PyTorch and its checkpoint (a one-process run's files, no record of a group)."""
+    from pp_harness import batches, fresh, loss_of
+
+    from tiertrain.checkpoint.run import TrainerState, save_checkpoint
+    from tiertrain.checkpoint.train_state import PlainState
+
+    model, opt = fresh()
+    b = batches(0)[0]
+    loss_of(model, b[:, :-1], b[:, 1:]).backward()
+    opt.step()
+    save_checkpoint(out, PlainState(model, opt, _names(model)), TrainerState(step=1, data_position=0, scaler={}, run_config={}), 2)
 
 
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory, dp2_tp2):
     disk, out = tmp_path_factory.mktemp("tp2d"), tmp_path_factory.mktemp("tp2run")
+    plain = tmp_path_factory.mktemp("plainrun")
+    _saved_by_one_process(plain)
     jobs = _jobs([*TP2, META], disk) + [
         (("saved",), functools.partial(tp_losses, case=SAVED, disk=disk / "s", save_to=out)),
         (("resumed",), functools.partial(tp_losses, case=TpCase(2), disk=disk / "r", load_from=dp2_tp2["out"])),
@@ -64,8 +84,10 @@ def tp2(tmp_path_factory, dp2_tp2):
                                              load_from=dp2_tp2["tp1 out"])),
         (("pp resumed",), functools.partial(pipelined_losses, case=Case("aiao", 2, 2, plan="disk"), pp=2,
                                             disk=disk / "p", load_from=dp2_tp2["pp out"])),
-        (("pp resumed tp",), functools.partial(tp_losses, case=TpCase(2), disk=disk / "t", load_from=dp2_tp2["pp out"]))]
-    return {**run_ranks(2, tmp_path_factory.mktemp("tp2"), jobs), "out": out}
+        (("pp resumed tp",), functools.partial(tp_losses, case=TpCase(2), disk=disk / "t", load_from=dp2_tp2["pp out"])),
+        (("cut plain",), functools.partial(tp_losses, case=TpCase(2, plan="disk"), disk=disk / "a", load_from=plain)),
+        (("cut pp",), functools.partial(tp_losses, case=TpCase(2), disk=disk / "b", load_from=dp2_tp2["pp whole"]))]
+    return {**run_ranks(2, tmp_path_factory.mktemp("tp2"), jobs), "out": out, "plain": plain}
 
 
 def _check(results, case, world, dp):
@@ -231,10 +253,14 @@ def _plain_from(ckpt_dir):
     from tiertrain.checkpoint.train_state import PlainState
 
     model, opt = fresh()
-    names = dict(enumerate([n for n, p in model.named_parameters() if p.dim() >= 2]
-                           + [n for n, p in model.named_parameters() if p.dim() < 2]))
-    state = load_checkpoint(find_checkpoint(ckpt_dir), PlainState(model, opt, names))
+    state = load_checkpoint(find_checkpoint(ckpt_dir), PlainState(model, opt, _names(model)))
     return model, opt, state
+
+
+def _names(model) -> dict[int, str]:
+    """The optimizer's parameters' names by index: make_adamw's decayed matrices first, then the rest."""
+    params = list(model.named_parameters())
+    return dict(enumerate([n for n, p in params if p.dim() >= 2] + [n for n, p in params if p.dim() < 2]))
 
 
 @pytest.mark.parametrize("fixture,world", [("tp2", 2), ("dp2_tp2", 4)])
@@ -313,6 +339,20 @@ def test_a_pipeline_cut_over_tensor_parallel_ranks_saves_and_resumes_at_another_
         assert piped == pytest.approx(want, rel=RTOL, abs=0), f"rank {rank}"
         cut = [step[0] for step in tp2[(("pp resumed tp",), rank)]["losses"]]
         assert cut == pytest.approx(want, rel=RTOL, abs=0), f"rank {rank}"
+
+
+@pytest.mark.parametrize("source", ["plain", "pp whole"])
+def test_a_checkpoint_saved_whole_resumes_cut_over_tensor_parallel_ranks(tp2, dp2_tp2, source):
+    """Saved by one process of plain PyTorch, and by pp = 2 x dp = 2 without tensor parallel (each stage's
+    states sharded over its two replicas): resumed at tp = 2, each tensor checked against the whole
+    model's shape and cut for the reader's rank; the run goes on as one process from that checkpoint."""
+    model, opt, state = _plain_from(tp2["plain"] if source == "plain" else dp2_tp2[source])
+    assert state.step == 1
+    want = [step[0][0] for step in reference(1, 1, start=(model, opt), first=state.step)]
+    job = "cut plain" if source == "plain" else "cut pp"
+    for rank in range(2):
+        got = [step[0] for step in tp2[((job,), rank)]["losses"]]
+        assert got == pytest.approx(want, rel=RTOL, abs=0), f"rank {rank}"
 
 
 def test_a_tied_pipeline_cut_over_tensor_parallel_ranks_is_refused_before_any_group_is_made(monkeypatch):

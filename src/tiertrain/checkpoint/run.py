@@ -700,10 +700,16 @@ def load_checkpoint(ckpt: Path, ts: TrainState) -> TrainerState:
     Everything is checked before anything is changed: trainer.json, every file's checksum (a rank
     file's piece by piece, each piece before its bytes are used), the model's config, the parameter
     groups, and each file's tensor names, dtypes and shapes."""
+    from tiertrain.checkpoint.tensor_parallel import cut_for, whole_view
+
     trainer = read_trainer(ckpt)
     verify_files(ckpt, checked_whole(trainer.files))
     check_same_model(ckpt, ts.module)
     groups = checked_groups(trainer.param_groups, ts.group_hparams(), f"checkpoint {ckpt}")
+    reader = ts
+    whole = whole_view(ts) if trainer.tensor is None else None
+    if whole is not None:  # saved whole, read by a run cut over tensor-parallel ranks: checked whole, then cut
+        ts = whole  # type: ignore[assignment]
     if trainer.pipeline is not None:
         from tiertrain.checkpoint.pipelined import stage_tensors
 
@@ -723,9 +729,11 @@ def load_checkpoint(ckpt: Path, ts: TrainState) -> TrainerState:
         optim = weights.moments_too()
     else:
         weights, optim = _checked_weights(ckpt, ts), _checked_optimizer(ckpt, ts)
+    if whole is not None:
+        weights, optim = cut_for(reader, weights, optim)
     rng = _checked_rng(ckpt)
     try:
-        ts.load(weights, optim, groups)
+        reader.load(weights, optim, groups)
     finally:
         if hasattr(weights, "close"):
             weights.close()

@@ -6,7 +6,8 @@ trainer.json that names the group's size and a config.json of the whole model. A
 whole model's name with its shard's shape, so reading puts each tensor's shards back together by the rule
 that cut them (``parallel.tensor_plans.split_of``) and cuts it again for the reader's group: the checkpoint
 resumes at another tp, at any dp, and in one process of plain PyTorch. A reader at the saved tp reads its
-own sub-checkpoint alone. Nothing is gathered on one rank while saving.
+own sub-checkpoint alone. Nothing is gathered on one rank while saving. A checkpoint saved whole (tp = 1:
+one process, data parallel, a pipeline) is read by a cut run likewise, each tensor cut as it is read.
 """
 
 from __future__ import annotations
@@ -124,6 +125,36 @@ def shard_tensors(ckpt: Path, trainer: TrainerFile, ts: TrainState) -> tuple[Res
     check_covers(ckpt, specs, ts)
     return (Resplit({r: w for r, (w, _, _) in opened.items()}, rec.tp, rank, size),
             Resplit({r: o for r, (_, o, _) in opened.items()}, rec.tp, rank, size))
+
+
+class WholeView:
+    """A reader cut over tensor-parallel ranks seen as its whole model: what a checkpoint saved whole (one
+    process, data parallel, a pipeline) is checked against, before each tensor is cut for the reader
+    (``cut_for``). Everything else is the reader's own."""
+
+    def __init__(self, ts: TrainState, size: int) -> None:
+        self._ts, self._size = ts, size
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ts, name)
+
+    def expected_weights(self) -> dict[str, TensorSpec]:
+        return {n: _resized(s, self._size, 1) for n, s in self._ts.expected_weights().items()}
+
+    def expected_moments(self) -> dict[str, TensorSpec]:
+        return {n: _resized(s, self._size, 1) for n, s in self._ts.expected_moments().items()}
+
+
+def whole_view(ts: TrainState) -> WholeView | None:
+    """``ts`` as its whole model where it is cut over tensor-parallel ranks; None where it is whole."""
+    size = tensor_rank(ts.module)[1]
+    return WholeView(ts, size) if size > 1 else None
+
+
+def cut_for(ts: TrainState, weights: Mapping, moments: Mapping) -> tuple[Resplit, Resplit]:
+    """A whole checkpoint's weights and moments as the reader's rank of its tensor-parallel group holds them."""
+    rank, size = tensor_rank(ts.module)
+    return Resplit({0: weights}, 1, rank, size), Resplit({0: moments}, 1, rank, size)
 
 
 def _resized(spec: TensorSpec, saved: int, size: int) -> TensorSpec:

@@ -74,10 +74,38 @@ def test_plan_tp_plans_each_ranks_share_and_says_what_the_sums_cost(tmp_path, ca
     assert json.loads(out.read_text())["parallel"]["dp"] == 2
 
 
+def test_plan_pp_tp_plans_a_stage_of_a_group_and_train_takes_the_plan_for_its_replicas(tmp_path, capsys):
+    """`plan --nproc 8 --pp 2 --tp 2`: a rank's share of each block cut over its group, its stage of the
+    pipeline (schedule, segments, micro-batches chosen), laid out for the 2 replicas; `train --nproc 8 --pp 2
+    --tp 2` takes that plan, another --nproc is refused naming the layout's replicas. A pipeline's plan
+    (`plan --nproc 4 --pp 2`) is taken by `train --nproc 4 --pp 2` likewise (its replicas, not its ranks)."""
+    from tiertrain.cli.main import _check_layout
+    from tiertrain.errors import ConfigError
+    from tiertrain.train.config import make_config
+
+    model = tmp_path / "untied.json"
+    model.write_text(json.dumps({"n_layer": 4, "n_head": 2, "d_model": 32, "d_ffn": 64, "vocab_size": 256,
+                                 "max_seq_len": 64, "tie_embeddings": False}))
+    out = tmp_path / "plan.json"
+    base = ["plan", "--model", str(model), "--machine", "h100-sxm-80gb", "--precision", "bf16", "--batch", "4",
+            "--seq", "64", "--solver", "dp", "--out", str(out)]
+    assert _main(*base, "--nproc", "8", "--pp", "2", "--tp", "2") == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "2 ranks, each with these budgets" in said and "tensor parallel: --tp 2, each rank" in said
+    assert "pipeline: --pp 2 --schedule" in said and json.loads(out.read_text())["parallel"]["dp"] == 2
+    cfg = {"model": str(model), "plan": str(out), "tp": 2, "pp": 2}
+    _check_layout(make_config({}, cfg), 8)
+    with pytest.raises(ConfigError, match="laid out for 2 ranks but --nproc 16 --pp 2 --tp 2 makes 4: use --nproc 8"):
+        _check_layout(make_config({}, cfg), 16)
+    assert _main(*base, "--nproc", "4", "--pp", "2") == 0
+    _check_layout(make_config({}, {"model": str(model), "plan": str(out), "pp": 2}), 4)
+
+
 @pytest.mark.parametrize("extra,says", [
     (["--nproc", "2", "--tp", "3"], "--tp 3 must divide --nproc 2"),
     (["--nproc", "8", "--nproc-per-node", "2", "--tp", "4"], "must divide --nproc 8 and --nproc-per-node 2"),
-    (["--nproc", "4", "--tp", "2", "--pp", "2"], "--tp does not combine with --pp"),
+    (["--nproc", "4", "--tp", "2", "--pp", "4"], "--pp 4 does not divide --nproc 4 / --tp 2"),
+    (["--nproc", "4", "--tp", "2", "--ep", "2", "--model", "tiny-moe"], "--tp does not combine with --ep"),
     (["--nproc", "8", "--tp", "8"], "--tp 8 must divide the model's attention heads (n_head), 2"),
 ])
 def test_a_tensor_parallel_plan_it_cannot_make_is_refused_in_one_line(tmp_path, capsys, extra, says):

@@ -237,14 +237,16 @@ def _check_layout(cfg: Any, nproc: int) -> None:
             nproc // cfg.tp, blocks or cfg.pp * cfg.segments, cfg.grad_accum)
     if cfg.plan and cfg.plan.endswith(".json") and os.path.isfile(cfg.plan):
         dp = Plan.from_json(Path(cfg.plan).read_text(), f"plan {cfg.plan}").parallel.dp
-        ranks = nproc // cfg.tp  # a tensor-parallel group's ranks hold one replica: the plan's dp counts replicas
+        per = cfg.tp * cfg.pp  # a replica's ranks (a group, a pipeline of them): the plan's dp counts replicas
+        ranks = nproc // per
         if dp not in (1, ranks):
-            if cfg.tp == 1:
+            if per == 1:
                 raise ConfigError(f"the plan {cfg.plan} is laid out for {dp} ranks but --nproc is {nproc}: use "
                                   f"--nproc {dp}, or make the plan for {nproc} (tiertrain plan --nproc {nproc} ...)")
-            raise ConfigError(f"the plan {cfg.plan} is laid out for {dp} ranks but --nproc {nproc} --tp {cfg.tp} makes "
-                              f"{ranks}: use --nproc {dp * cfg.tp}, or make the plan for them (tiertrain plan "
-                              f"--nproc {nproc} --tp {cfg.tp} ...)")
+            layout = (f" --pp {cfg.pp}" if cfg.pp > 1 else "") + (f" --tp {cfg.tp}" if cfg.tp > 1 else "")
+            raise ConfigError(f"the plan {cfg.plan} is laid out for {dp} ranks but --nproc {nproc}{layout} makes "
+                              f"{ranks}: use --nproc {dp * per}, or make the plan for them (tiertrain plan "
+                              f"--nproc {nproc}{layout} ...)")
 
 
 def _tied_head(model: Any) -> bool:

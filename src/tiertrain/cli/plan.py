@@ -295,8 +295,8 @@ def run_plan(req: PlanRequest, console: Console) -> Candidate:
     if target is not None:
         target.matmul(req.precision)  # a machine without this precision is refused before anything is measured
     held = _check_experts(req) if req.ep > 1 else None  # refused before anything is measured too
-    _check_pipeline(req)
     _check_tensor(req)
+    _check_pipeline(req)
     if 0 < req.nproc_per_node < req.nproc:  # over nodes: refused before anything is measured too
         from tiertrain.measure.collectives import network_for
 
@@ -377,16 +377,18 @@ def _check_pipeline(req: PlanRequest) -> None:
         if req.schedule is not None:
             raise ConfigError("--schedule plans a pipeline's stages: add --pp P (and --nproc N)")
         return
-    if req.nproc % req.pp:
-        raise ConfigError(f"--pp {req.pp} does not divide --nproc {req.nproc}: the ranks form --nproc / --pp "
-                          "replicas of the pipeline")
+    ranks = req.nproc // req.tp  # with --tp, each stage's blocks are cut over a group: a pipeline spans pp groups
+    if ranks % req.pp:
+        over = f" / --tp {req.tp}" if req.tp > 1 else ""
+        raise ConfigError(f"--pp {req.pp} does not divide --nproc {req.nproc}{over}: the ranks form --nproc{over} / "
+                          "--pp replicas of the pipeline")
     if req.ep > 1:
         raise ConfigError("--pp plans a pipeline of a dense model: leave out --ep")
     if req.layout is not None:
         from tiertrain.models import config_blocks, resolve_config
 
         blocks = config_blocks(resolve_config(req.model)) if req.model else None
-        req.layout.check(req.nproc, blocks or req.layout.stages, req.batch)
+        req.layout.check(ranks, blocks or req.layout.stages, req.batch)
 
 
 def _pp_bps(target: Machine, here: Machine, profile: Profile) -> float:
@@ -415,9 +417,8 @@ def _check_tensor(req: PlanRequest) -> None:
         raise ConfigError(f"--tp {req.tp} must divide --nproc {req.nproc}"
                           + (f" and --nproc-per-node {req.nproc_per_node} (a group stays inside a node)"
                              if req.nproc_per_node else ""))
-    if req.pp > 1 or req.ep > 1:
-        raise ConfigError("--tp does not combine with --pp or --ep yet (train does not run them together); leave "
-                          "them out")
+    if req.ep > 1:
+        raise ConfigError("--tp does not combine with --ep yet (train does not run them together); leave it out")
     if not req.model or req.profile_file:
         raise ConfigError("--tp plans tiertrain's GPT cut over ranks: give --model (a name or config file), not "
                           "--profile")

@@ -101,6 +101,33 @@ def test_plan_pp_tp_plans_a_stage_of_a_group_and_train_takes_the_plan_for_its_re
     _check_layout(make_config({}, {"model": str(model), "plan": str(out), "pp": 2}), 4)
 
 
+def test_plan_layouts_plans_every_layout_of_the_ranks_and_writes_the_fastests(tmp_path, capsys):
+    """`plan --nproc 4 --layouts`: every tp dividing the node (whose cut the model allows) x every pp
+    dividing the rest is planned and printed with its replicas, predicted step and tokens a second (its
+    replicas' sequences over its step); the fastest is named and its plan written, laid out for its
+    replicas; a layout given as well is refused."""
+    import re
+
+    model = tmp_path / "untied.json"
+    model.write_text(json.dumps({"n_layer": 4, "n_head": 2, "d_model": 32, "d_ffn": 64, "vocab_size": 256,
+                                 "max_seq_len": 64, "tie_embeddings": False}))
+    out = tmp_path / "plan.json"
+    base = ["plan", "--model", str(model), "--machine", "h100-sxm-80gb", "--batch", "4", "--seq", "64", "--solver",
+            "dp", "--nproc", "4", "--out", str(out)]
+    assert _main(*base, "--layouts") == 0
+    said = capsys.readouterr().out
+    rows = {(int(tp), int(pp)): (int(dp), float(ms), int(tps.replace(",", ""))) for tp, pp, dp, ms, tps in
+            re.findall(r"--tp (\d) --pp (\d) │ (\d+) +│ ([\d.e+-]+) ms +│ ([\d,]+)", said)}
+    assert set(rows) == {(1, 1), (1, 2), (1, 4), (2, 1), (2, 2)}, said  # tp 4 does not divide the 2 heads
+    for (tp, pp), (dp, ms, tps) in rows.items():
+        assert dp == 4 // (tp * pp) and tps == pytest.approx(dp * 4 * 64 / (ms / 1e3), rel=1e-3), (tp, pp)
+    (tp, pp), (dp, _, tps) = max(rows.items(), key=lambda r: r[1][2])
+    assert f"fastest layout: --nproc 4 --tp {tp} --pp {pp} ({dp} replicas), {tps:,} tokens/s" in said, said
+    assert json.loads(out.read_text())["parallel"]["dp"] in (dp, 1)
+    assert _main(*base, "--layouts", "--tp", "2") == 2
+    assert "leave out --tp, --pp" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("extra,says", [
     (["--nproc", "2", "--tp", "3"], "--tp 3 must divide --nproc 2"),
     (["--nproc", "8", "--nproc-per-node", "2", "--tp", "4"], "must divide --nproc 8 and --nproc-per-node 2"),

@@ -811,6 +811,9 @@ def bench_description_cmd(d_model: int, layers: int, batch_size: int, seq_len: i
               help="With --nproc N and --model: tensor parallel, each block cut over groups of this many ranks (inside "
                    "a node, on --machine's first link); each rank is planned with its share of every block and the "
                    "group's sums in its times. With --max-model: the largest over every tp a node's ranks allow.")
+@click.option("--layouts", is_flag=True,
+              help="With --nproc N and --model: plan every dp x pp x tp layout of the N ranks (tp inside a node), "
+                   "print their predicted steps and throughput side by side, and write the fastest's plan.")
 @click.option("--profile", "profile_file", type=click.Path(dir_okay=False), help="Plan from this profile JSON instead.")
 @click.option("--solver", "solvers", multiple=True, type=click.Choice(["dp", "greedy", "random", "stronghold"]),
               help="Solvers to run (default: all); the best predicted plan is chosen.")
@@ -836,14 +839,21 @@ def plan_cmd(out: str, png: str | None, **flags: Any) -> None:
     --grad-clip and --grad-accum; or, with --max-model, the largest GPT-3-shaped model that fits."""
     from pathlib import Path
 
-    from tiertrain.cli.plan import PlanRequest, run_max_model, run_plan, write_png
+    from tiertrain.cli.plan import (
+        PlanRequest,
+        run_layouts,
+        run_max_model,
+        run_plan,
+        write_png,
+    )
 
+    search = flags.pop("layouts")
     req = PlanRequest(**{**flags, "solvers": tuple(flags["solvers"]), "nproc_per_node": flags["nproc_per_node"] or 0})
     console = _console()
     if req.max_model:
         chosen = run_max_model(req, console).chosen
     else:
-        chosen = run_plan(req, console)
+        chosen = (run_layouts(req, console) if search else run_plan(req, console)).chosen
     _write_output(Path(out), chosen.plan.to_json().encode())
     click.echo(f"plan written to {out}")
     if png:

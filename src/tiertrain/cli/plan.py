@@ -282,7 +282,15 @@ def held_experts(req: PlanRequest) -> Sizes:
     return block_sizes(find_blocks(model, None), req.ep)
 
 
-def run_plan(req: PlanRequest, console: Console) -> Candidate:
+@dataclass(frozen=True)
+class Planned:
+    """A plan chosen, and the step it predicts for the whole layout (a pipeline's: FOLD3D's model's)."""
+
+    chosen: Candidate
+    step_s: float
+
+
+def run_plan(req: PlanRequest, console: Console) -> Planned:
     """Plan ``req``'s model (or profile) for ``req.machine`` (default: this one); print it; return the choice."""
     from tiertrain.measure.machine import probe
     from tiertrain.plan import check_update_mode
@@ -341,7 +349,58 @@ def run_plan(req: PlanRequest, console: Console) -> Candidate:
     if pipeline is not None:
         print_pipeline(pipeline, req.batch, console)
         _say_if_once_a_step_overflows(chosen, profile, sizes, needs_all, console)
-    return chosen
+    return Planned(chosen, pipeline[0].step_s if pipeline is not None else chosen.sim.step_s)
+
+
+def run_layouts(req: PlanRequest, console: Console) -> Planned:
+    """Plan every dp x pp x tp layout of ``req.nproc`` ranks (``planner.layouts``), print their predicted
+    steps and throughput side by side, then the fastest's plan in full; return it."""
+    import io
+
+    from tiertrain.errors import one_line
+    from tiertrain.models import config_blocks, resolve_config
+    from tiertrain.planner.layouts import Layout, layouts, tokens_per_s
+
+    if req.nproc == 1 or not req.model or req.tp > 1 or req.pp > 1 or req.schedule or req.ep > 1:
+        raise ConfigError("--layouts compares the layouts of --nproc N ranks (N > 1) for a --model: give both, and "
+                          "leave out --tp, --pp, --schedule and --ep (it chooses them)")
+    blocks = config_blocks(resolve_config(req.model)) or 1
+    rows = req.batch * (req.grad_accum if req.pp == 1 else 1)
+    seq = req.seq or getattr(resolve_config(req.model), "max_seq_len", 0) or 1
+    table = Table(title=f"{req.nproc} ranks: each layout planned in full (a replica takes {rows} sequences a step)")
+    for col in ("layout", "replicas", "predicted step", "tokens/s", "why not"):
+        table.add_column(col)
+    found: list[tuple[float, Layout, Planned, str]] = []
+    for lay in layouts(req.nproc, req.nproc_per_node, blocks, lambda tp: _cuts(req.model, tp)):
+        quiet = Console(file=io.StringIO(), width=console.width, record=True)
+        try:
+            planned = run_plan(dataclasses.replace(req, tp=lay.tp, pp=lay.pp), quiet)
+        except ConfigError as exc:
+            table.add_row(lay.flags(), str(lay.dp), "-", "-", one_line(exc)[:80])
+            continue
+        speed = tokens_per_s(lay, rows, seq, planned.step_s)
+        found.append((speed, lay, planned, quiet.export_text()))
+        table.add_row(lay.flags(), str(lay.dp), f"{planned.step_s * 1e3:.4g} ms", f"{speed:,.0f}", "")
+    console.print(table)
+    if not found:
+        raise ConfigError(f"no layout of {req.nproc} ranks fits this model in these budgets: give the ranks more "
+                          "memory (--device-memory, --host-memory, --disk) or more ranks")
+    speed, lay, best, text = max(found, key=lambda f: f[0])
+    console.print(text, end="", markup=False, highlight=False)  # the fastest layout's plan, as plan prints one
+    console.print(f"fastest layout: --nproc {req.nproc} {lay.flags()} ({lay.dp} replicas), {speed:,.0f} tokens/s "
+                  "predicted; the plan above is for one of its ranks: train it with these flags and --plan FILE")
+    return best
+
+
+def _cuts(model: str, tp: int) -> bool:
+    """Whether tensor parallel can cut ``model`` into ``tp`` shards as plan --tp models it."""
+    if tp == 1:
+        return True
+    try:
+        _gpt_config(model, tp)
+    except ConfigError:
+        return False
+    return True
 
 
 def one_stage(profile: Profile, budgets: Budgets, layout: PipelineLayout, req: PlanRequest

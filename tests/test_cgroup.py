@@ -97,17 +97,17 @@ def test_model_states_8x_the_memory_cap_train_with_optimizer_states_on_disk(tmp_
                     "--steps", "1", "--out", str(out))
     assert "building it on the meta device" in first.stdout
     # the checkpoint, read back; --disk again: a checkpoint never chooses where tiertrain writes
-    second = _capped(memory_cgroup, "train", "--resume", str(out), "--steps", "3", "--disk", f"{disk}:7GiB")
+    second = _capped(memory_cgroup, "train", "--resume", str(out), "--steps", "2", "--disk", f"{disk}:7GiB")
     assert "resumed from" in second.stdout
     rows = read_metrics(out)
-    assert [r["step"] for r in rows] == [1, 2, 3] and rows[1]["loss"] < rows[0]["loss"]
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["loss"] < rows[0]["loss"]
     assert all(math.isfinite(r["loss"]) for r in rows)
     used = int((memory_cgroup / "memory.max_usage_in_bytes").read_text())
     print(f"cgroup peak {used / 2**20:.0f} MiB beside the cap {CAP / 2**20:.0f} MiB (budgets {(DEVICE + HOST) / 2**20:.0f} "
           f"MiB + overhead {OVERHEAD / 2**20:.0f} MiB); model states {states / 2**30:.1f} GiB")
     assert used <= CAP
     assert min(r["peak_bytes"]["disk"] for r in rows) >= 0.7 * states  # master and moments really lived on disk
-    ckpt = out / "checkpoints" / "step-00000003"
+    ckpt = out / "checkpoints" / "step-00000002"
     assert (ckpt / "model.safetensors").stat().st_size >= 4 * n  # every weight, streamed out block by block
     assert not list(disk.iterdir())  # and the disk tier cleaned up after itself
 

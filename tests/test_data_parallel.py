@@ -96,7 +96,7 @@ def dp2(tmp_path_factory, one_process):
         tiered_losses, plan=PLANS[name], update=update, accum=2, clip=0.5, disk=tmp / f"once-clip-{name}{update}",
         reduce_every="step")) for name, update in (("resident", "sync"), ("stream", "overlap"))]
     jobs += [(("backward twice",), backward_twice), (("raised",), raised_then_trained)]
-    return run_ranks(2, tmp, jobs)
+    return run_ranks(2, tmp, jobs + _sent_jobs())
 
 
 @pytest.mark.parametrize("case", [("resident", "sync"), ("stream", "overlap"), ("disk", "sync")])
@@ -340,13 +340,16 @@ LAYOUTS = {"ddp-like": data_parallel(PLANS["resident"], 2, shard=False),
            "zero3-like": data_parallel(dataclasses.replace(PLANS["stream"], window=1, prefetch=0), 2)}
 
 
+def _sent_jobs() -> list:
+    """Each layout's bytes a step (``sent``), run in dp2's launch."""
+    jobs = [(("sent", name), functools.partial(sent_per_step, plan=plan)) for name, plan in LAYOUTS.items()]
+    return jobs + [(("sent", f"{name} bf16"), functools.partial(sent_per_step, plan=LAYOUTS[name], reduce_dtype="bf16"))
+                   for name in ("ddp-like", "zero3-like")]
+
+
 @pytest.fixture(scope="module")
-def sent(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("sent")
-    jobs = [(name, functools.partial(sent_per_step, plan=plan)) for name, plan in LAYOUTS.items()]
-    jobs += [(f"{name} bf16", functools.partial(sent_per_step, plan=LAYOUTS[name], reduce_dtype="bf16"))
-             for name in ("ddp-like", "zero3-like")]
-    return run_ranks(2, tmp, jobs)
+def sent(dp2):
+    return {(key[1], rank): run for (key, rank), run in dp2.items() if isinstance(key, tuple) and key[0] == "sent"}
 
 
 def _formula(run: dict, step: int, world: int = 2, replicas: int = 1) -> tuple[int, int]:

@@ -124,7 +124,8 @@ def cli() -> None:
 @click.option("--segments", type=int, help="With --pp and aiao or interleaved: virtual stages per rank (default 1).")
 @click.option("--tp", type=int, help="With --plan under --nproc N: tensor parallel: cut every block (attention "
                                     "heads, MLP features) over groups of this many consecutive ranks, N / tp replicas "
-                                    "of the group (default 1; tiertrain's GPT).")
+                                    "of the group; with --pp, each stage's blocks (N / (pp x tp) replicas). Default 1; "
+                                    "tiertrain's GPT and transformers GPT-2, GPT-NeoX, Llama, Qwen2, Mistral.")
 @click.option("--quiet", is_flag=True, help="Print only the summary.")
 @click.option("--nproc", type=POSITIVE, default=None,
               help="Data-parallel processes on this machine (runs torchrun --nproc-per-node N for you; several "

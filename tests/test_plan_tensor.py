@@ -51,6 +51,7 @@ def test_a_ranks_profile_holds_its_share_of_each_block_and_waits_for_the_groups_
     for b, c in zip(p.blocks, routed.blocks):
         one = all_reduce_s(b.hidden_bytes, tp, bps)
         assert (c.forward_s, c.backward_s) == pytest.approx((b.forward_s / tp + 3 * one, b.backward_s / tp + 3 * one))
+        assert c.recompute_seconds == pytest.approx(b.recompute_seconds / tp + 3 * one)  # the experts' sums again
     added = sum(c.forward_s + c.backward_s - (b.forward_s + b.backward_s) / tp for b, c in zip(p.blocks, routed.blocks))
     assert sums_s(p, tp, bps, routed=2) == pytest.approx(added)
 
@@ -99,6 +100,9 @@ def test_plan_pp_tp_plans_a_stage_of_a_group_and_train_takes_the_plan_for_its_re
         _check_layout(make_config({}, cfg), 16)
     assert _main(*base, "--nproc", "4", "--pp", "2") == 0
     _check_layout(make_config({}, {"model": str(model), "plan": str(out), "pp": 2}), 4)
+    capsys.readouterr()
+    assert _main(*base, "--nproc", "4", "--pp", "4", "--tp", "2") == 2
+    assert "--pp 4 does not divide --nproc 4 / --tp 2" in capsys.readouterr().err
 
 
 def test_plan_layouts_plans_every_layout_of_the_ranks_and_writes_the_fastests(tmp_path, capsys):
@@ -126,12 +130,15 @@ def test_plan_layouts_plans_every_layout_of_the_ranks_and_writes_the_fastests(tm
     assert json.loads(out.read_text())["parallel"]["dp"] in (dp, 1)
     assert _main(*base, "--layouts", "--tp", "2") == 2
     assert "leave out --tp, --pp" in capsys.readouterr().err
+    assert _main(*base, "--layouts", "--model", "tiny") == 0  # tied: train refuses pp x tp of it, so plan does
+    said = capsys.readouterr().out
+    assert re.search(r"--tp 2 --pp 2 │ 1 +│ - +│ - +│ a tied embedding in", said), said
 
 
 @pytest.mark.parametrize("extra,says", [
     (["--nproc", "2", "--tp", "3"], "--tp 3 must divide --nproc 2"),
     (["--nproc", "8", "--nproc-per-node", "2", "--tp", "4"], "must divide --nproc 8 and --nproc-per-node 2"),
-    (["--nproc", "4", "--tp", "2", "--pp", "4"], "--pp 4 does not divide --nproc 4 / --tp 2"),
+    (["--nproc", "4", "--tp", "2", "--pp", "2"], "a tied embedding in a pipeline cut over tensor-parallel ranks"),
     (["--nproc", "4", "--tp", "2", "--ep", "2", "--model", "tiny-moe"], "--tp does not combine with --ep"),
     (["--nproc", "8", "--tp", "8"], "--tp 8 must divide the model's attention heads (n_head), 2"),
 ])

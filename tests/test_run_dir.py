@@ -122,7 +122,7 @@ def test_the_ranks_of_a_resume_testing_the_directory_at_once_do_not_refuse_each_
 
 def test_three_concurrent_runs_on_one_directory_one_runs_the_others_are_refused_at_once(tmp_path):
     out = tmp_path / "run"
-    args = [sys.executable, "-m", "tiertrain.cli.main", "train", *TINY, "--steps", "300", "--save-every", "100",
+    args = [sys.executable, "-m", "tiertrain.cli.main", "train", *TINY, "--steps", "800", "--save-every", "200",
             "--out", str(out)]
     procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
     ended: list[tuple[int, float]] = []  # (index, when)
@@ -142,6 +142,6 @@ def test_three_concurrent_runs_on_one_directory_one_runs_the_others_are_refused_
                 f"error: run directory {out} is in use by another tiertrain run (pid {procs[survivor].pid}); "
                 "wait for it to finish, or give another --out"]
     assert ended[-1][0] == survivor  # the others were refused while it still ran
-    assert [r["step"] for r in read_metrics(out)] == list(range(1, 301))
-    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-00000200", "step-00000300"]
-    train(tiny_config(out, steps=301, resume=str(out)))  # its last checkpoint loads
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, 801))
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-00000600", "step-00000800"]
+    train(tiny_config(out, steps=801, resume=str(out)))  # its last checkpoint loads

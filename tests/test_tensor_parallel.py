@@ -22,8 +22,9 @@ TP2 = [TpCase(2), TpCase(2, plan="disk", clip=0.05), TpCase(2, plan="stash", cli
        TpCase(2, update="overlap"), TpCase(2, skew=True), TpCase(2, plan="disk", clip=0.05, family="llama"),
        TpCase(2, tied=True, family="llama"), TpCase(2, skew=True, family="qwen2"),
        TpCase(2, plan="disk", clip=0.05, tied=True, family="gpt2"), TpCase(2, update="overlap", family="gpt_neox"),
-       TpCase(2, plan="disk", clip=0.05, family="moe")]
+       TpCase(2, plan="disk", clip=0.05, family="moe"), TpCase(2, plan="stash", family="moe")]
 META = TpCase(2, plan="resident", meta=True)
+META_MOE = TpCase(2, plan="resident", meta=True, family="moe")  # its routers, whole, drawn by the group too
 DP2_TP2 = [TpCase(2, clip=0.05), TpCase(2, plan="disk")]
 
 
@@ -50,7 +51,9 @@ def dp2_tp2(tmp_path_factory):
     jobs += [(("saved tp1",), functools.partial(tp_losses, case=TpCase(1, plan="disk"), disk=disk / "w", save_to=whole))]
     staged = tmp_path_factory.mktemp("pptprun")  # pp = 2 x tp = 2: resumed by the tp2 launch, and in one process
     jobs += [(("pp saved",), functools.partial(pipelined_losses, case=PP_SAVED, pp=2, disk=disk / "ps", tp=2,
-                                               save_to=staged))]
+                                               save_to=staged)),  # then resumed at its own layout, as train --resume
+             (("pp same",), functools.partial(pipelined_losses, case=PP_SAVED, pp=2, disk=disk / "pr", tp=2,
+                                              load_from=staged))]
     piped = tmp_path_factory.mktemp("pprun")  # pp = 2 x dp = 2, no tp: a checkpoint saved whole, cut by tp2's
     jobs += [(("pp whole",), functools.partial(pipelined_losses, case=Case("1f1b", 2, 1, plan="disk"), pp=2,
                                                disk=disk / "pw", save_to=piped))]
@@ -77,7 +80,7 @@ def tp2(tmp_path_factory, dp2_tp2):
     disk, out = tmp_path_factory.mktemp("tp2d"), tmp_path_factory.mktemp("tp2run")
     plain = tmp_path_factory.mktemp("plainrun")
     _saved_by_one_process(plain)
-    jobs = _jobs([*TP2, META], disk) + [
+    jobs = _jobs([*TP2, META, META_MOE], disk) + [
         (("saved",), functools.partial(tp_losses, case=SAVED, disk=disk / "s", save_to=out)),
         (("resumed",), functools.partial(tp_losses, case=TpCase(2), disk=disk / "r", load_from=dp2_tp2["out"])),
         (("resumed tp1",), functools.partial(tp_losses, case=TpCase(2), disk=disk / "c",
@@ -155,12 +158,14 @@ def test_each_rank_sends_four_sums_of_a_blocks_activations_per_step_five_where_r
     sum again (torch's checkpoint stops recomputing at the last tensor backward needs, which the MLP's sum
     is past); a ring all-reduce of B bytes sends 2 (T-1)/T x B; a clipping step adds the norm (one fp32).
     With experts, each expert sums its own tokens' outputs and input gradients: top_k tokens' worth each
-    way in place of the MLP's one (the router's input, whole, is not entered)."""
+    way in place of the MLP's one (the router's input, whole, is not entered); recomputed, the experts'
+    outputs are summed again (backward weighs each by its gate)."""
     from pp_harness import MOE, ROWS
 
     act = ROWS * 16 * TINY["d_model"] * 4  # every test model is 32 wide
     for case in TP2:
-        sums = (5 if case.plan == "stash" else 4) + (2 * MOE["top_k"] - 2 if case.family == "moe" else 0)
+        stash, moe, k = case.plan == "stash", case.family == "moe", MOE["top_k"]
+        sums = 4 + stash + (2 * k - 2 + stash * k if moe else 0)
         want = TINY["n_layer"] * sums * 2 * (case.tp - 1) * act // case.tp + (4 if case.clip else 0)
         for rank in range(2):
             assert tp2[((case,), rank)]["sent"] == [want] * 3, (case, rank)
@@ -196,7 +201,6 @@ def test_the_shards_are_the_ranks_heads_and_features():
     ({"n_head": 3, "d_model": 33}, "--tp 2 must divide the model's attention heads (n_head), 3"),
     ({"d_ffn": 63}, "--tp 2 must divide the model's MLP features (d_ffn), 63"),
     ({"dropout": 0.1}, "tensor parallel needs dropout 0"),
-    ({"n_experts": 2, "d_ffn": 63}, "--tp 2 must divide the model's MLP features (d_ffn), 63"),
 ])
 def test_a_model_the_plan_cannot_cut_is_refused_in_one_line(change, words):
     import tiertrain
@@ -327,13 +331,17 @@ def test_a_pipeline_of_two_stages_each_cut_over_two_ranks_trains_as_one_process(
 def test_a_pipeline_cut_over_tensor_parallel_ranks_saves_and_resumes_at_another_layout(tp2, dp2_tp2):
     """Saved at pp = 2 x tp = 2 after step 1 (each tensor-parallel rank's part a pipelined checkpoint of its
     shards): resumed by pp = 2 alone (AIAO, 4 stages: each stage's shards put back together), by tp = 2
-    alone (each rank's shards out of both stages), and by one process of plain PyTorch; each goes on with
-    the losses one process takes from that checkpoint, and the saved run's own."""
+    alone (each rank's shards out of both stages), at its own layout (each rank its own shards of its own
+    stage), and by one process of plain PyTorch; each goes on with the losses one process takes from that
+    checkpoint, and the saved run's own."""
     model, opt, state = _plain_from(dp2_tp2["pp out"])
     assert (state.step, state.world) == (1, 4)
     want = [step[0][0] for step in reference(1, 1, start=(model, opt), first=state.step)]
     saved = dp2_tp2[(("pp saved",), 0)]["losses"]
     assert [sum(step) for step in saved[1:]] == pytest.approx(want, rel=RTOL, abs=0)
+    for rank in range(4):
+        same = [sum(step) for step in dp2_tp2[(("pp same",), rank)]["losses"]]
+        assert same == pytest.approx(want, rel=RTOL, abs=0), f"rank {rank}"
     for rank in range(2):
         piped = [sum(step) for step in tp2[(("pp resumed",), rank)]["losses"]]
         assert piped == pytest.approx(want, rel=RTOL, abs=0), f"rank {rank}"
@@ -390,6 +398,9 @@ def test_a_model_built_on_the_meta_device_is_drawn_whole_by_the_group_and_cut(tp
     assert torch.equal(split_of("blocks.0.attn.qkv.weight").merge([a["qkv"], b["qkv"]]), whole.detach())
     assert a["let_go"] == b["let_go"] == [True]
     assert torch.equal(a["ln1"], b["ln1"]) and torch.equal(a["emb"], b["emb"])
+    assert a["losses"] == b["losses"] and len({x for step in a["losses"] for x in step}) == 3
+    a, b = tp2[((META_MOE,), 0)], tp2[((META_MOE,), 1)]  # a router is whole: every rank routes alike
+    assert torch.equal(a["router"], b["router"]) and a["router"].std() > 0.01
     assert a["losses"] == b["losses"] and len({x for step in a["losses"] for x in step}) == 3
 
 

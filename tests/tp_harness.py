@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 from dp_harness import rank_disk
-from pp_harness import TINY, _plan, batches, fresh, loss_of
+from pp_harness import TINY, _plan, batches, config_of, fresh, loss_of
 
 STATES = ("master", "exp_avg", "exp_avg_sq")
 META_SEED = 1234
@@ -56,17 +56,19 @@ def tp_losses(rank: int, case: TpCase, disk: Path, save_to: Path | None = None, 
 
         plans.group_seed = lambda group: META_SEED
         torch.manual_seed(rank)
-        model = build({**TINY, "tie_embeddings": case.tied}, device="meta")
+        model = build(config_of(case.family, case.tied), device="meta")
         opt, _ = make_adamw(model, 1e-2, (0.9, 0.95), 1e-8, 0.1)
         cut = [model.blocks[0].attn.qkv.weight]  # the whole parameter the cut replaces
     run = tiertrain.tensor_parallel(model, opt, case.tp, Budgets(64 << 20, 64 << 20, 64 << 20, rank_disk(disk, rank)),
                                     plan=_plan(case.plan, TINY["n_layer"]), page_size=64 << 10, update=case.update)
     out = {"replica": run.mesh.dp_rank, "losses": [], "sent": [], "tp_rank": run.mesh.tp_rank,
            "let_go": [p.is_meta for p in cut]}
-    if case.plan == "resident" and case.family == "gpt":  # the blocks' params stay in their slots: as cut
+    if case.plan == "resident" and case.family in ("gpt", "moe"):  # the blocks' params stay in their slots: as cut
         block = run.model.blocks[0]
         out["qkv"], out["ln1"] = (t.detach().clone() for t in (block.attn.qkv.weight, block.ln1.weight))
         out["emb"] = run.model.tok_emb.weight.detach().clone()
+        if case.family == "moe":
+            out["router"] = block.ffn.router.weight.detach().clone()
     try:
         first = tiertrain.load_tensor_parallel(run, load_from).step if load_from is not None else 0
         for step, b in enumerate(batches(run.mesh.dp_rank)[first:], start=first):

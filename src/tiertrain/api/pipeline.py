@@ -50,7 +50,7 @@ from tiertrain.parallel.pipeline_schedule import (
     stages_for,
 )
 from tiertrain.parallel.tensor_parallelize import parallelize_blocks
-from tiertrain.parallel.tensor_plans import TensorPlan, check_tensor_parallel
+from tiertrain.parallel.tensor_plans import TensorPlan, check_pipeline_tensor
 from tiertrain.parallel.tensor_start import group_seed, same_start
 from tiertrain.parallel.tied_stages import TiedStages
 from tiertrain.plan import BUILTIN_PLANS, Plan, RunOptions
@@ -186,7 +186,7 @@ def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Pipelin
     cut = check_stageable(model)
     _check_tied(cut, layout, opts, plan)
     optimizer_groups(optimizer, model)  # an AdamW, fresh, over every parameter: refused before anything changes
-    cuts = _check_tensor(model, cut, layout, tp, opts, plan)
+    cuts = _check_tensor(model, layout, tp, opts, plan)
     ensure_process_group()
     layout.check(world_from_env() // tp, cut.n_blocks, layout.micro_batches)
     same_on_every_rank("the pipeline", {**_pipeline_fields(model, layout, opts, plan), "--tp": str(tp),
@@ -222,7 +222,7 @@ def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Pipelin
         raise
 
 
-def _check_tensor(model: nn.Module, cut: StageCut, layout: PipelineLayout, tp: int, opts: RunOptions,
+def _check_tensor(model: nn.Module, layout: PipelineLayout, tp: int, opts: RunOptions,
                   plan: str | Plan) -> TensorPlan | None:
     """A pipeline whose stages' blocks are cut over ``tp`` ranks: a model a tensor-parallel plan cuts (that
     plan returned), the ranks in whole groups, no weight tied across the first and the last stage (its
@@ -234,11 +234,7 @@ def _check_tensor(model: nn.Module, cut: StageCut, layout: PipelineLayout, tp: i
         raise ConfigError(f"--pp {layout.pp} x --tp {tp} must divide the run's {world} ranks: give --nproc a "
                           f"multiple of {layout.pp * max(tp, 1)}")
     check_tensor_plan(plan, opts)  # (a plan file already read)
-    cuts = check_tensor_parallel(model, tp)
-    if cut.ties:
-        raise ConfigError("a tied embedding in a pipeline cut over tensor-parallel ranks is not supported yet: untie "
-                          "the model's head (tie_embeddings: false, tie_word_embeddings: false)")
-    return cuts
+    return check_pipeline_tensor(model, tp, layout.pp)
 
 
 def _cut_blocks(plan: TensorPlan, modules: list[nn.Module], firsts: list[int], optimizer: torch.optim.Optimizer,

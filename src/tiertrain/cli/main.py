@@ -250,26 +250,15 @@ def _check_layout(cfg: Any, nproc: int) -> None:
                               f"--nproc {nproc}{layout} ...)")
 
 
-def _tied_head(model: Any) -> bool:
-    """Whether ``model``'s head is its token embedding's weight (our GPT's, or a transformers model's)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else model.lm_head
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else model.tok_emb
-    return head is not None and head.weight is embedding.weight
-
-
 def _check_tensor_layout(cfg: Any, nproc: int) -> None:
     """--tp's layout and the model's cut, refused before torchrun starts (the model built on the meta device)."""
     from tiertrain.models import build, resolve_config
-    from tiertrain.parallel.tensor_plans import check_tensor_parallel
+    from tiertrain.parallel.tensor_plans import check_pipeline_tensor
 
     if nproc % (cfg.tp * cfg.pp):
         both = f"--pp {cfg.pp} x --tp {cfg.tp}" if cfg.pp > 1 else f"--tp {cfg.tp}"
         raise ConfigError(f"{both} must divide --nproc {nproc}: give --nproc a multiple of {cfg.tp * cfg.pp}")
-    model = build(resolve_config(cfg.model), device="meta")
-    check_tensor_parallel(model, cfg.tp)
-    if cfg.pp > 1 and _tied_head(model):
-        raise ConfigError("a tied embedding in a pipeline cut over tensor-parallel ranks is not supported yet: untie "
-                          "the model's head (tie_embeddings: false, tie_word_embeddings: false)")
+    check_pipeline_tensor(build(resolve_config(cfg.model), device="meta"), cfg.tp, cfg.pp)
     if cfg.plan.endswith(".json") and os.path.isfile(cfg.plan):  # a plan file's update mode and dtype too
         from tiertrain.api.tensor_parallel import check_tensor_plan
         from tiertrain.plan import RunOptions

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from tiertrain.autoplan.largest_model import Largest, RunShape
     from tiertrain.models import ModelConfig
     from tiertrain.plan.fit import Sizes
+    from tiertrain.planner.layouts import Layout
     from tiertrain.planner.network import Network
 
 
@@ -349,38 +350,34 @@ def run_plan(req: PlanRequest, console: Console) -> Planned:
     if pipeline is not None:
         print_pipeline(pipeline, req.batch, console)
         _say_if_once_a_step_overflows(chosen, profile, sizes, needs_all, console)
-    return Planned(chosen, pipeline[0].step_s if pipeline is not None else chosen.sim.step_s)
+    # a pipeline's step: FOLD3D's (its stages' compute, bubble and syncs), or where longer its stage's
+    # simulated step with the tiers' traffic, which FOLD3D's model leaves out: a bound, not a sum
+    return Planned(chosen, max(pipeline[0].step_s, chosen.sim.step_s) if pipeline is not None else chosen.sim.step_s)
 
 
 def run_layouts(req: PlanRequest, console: Console) -> Planned:
     """Plan every dp x pp x tp layout of ``req.nproc`` ranks (``planner.layouts``), print their predicted
     steps and throughput side by side, then the fastest's plan in full; return it."""
-    import io
-
-    from tiertrain.errors import one_line
     from tiertrain.models import config_blocks, resolve_config
-    from tiertrain.planner.layouts import Layout, layouts, tokens_per_s
+    from tiertrain.planner.layouts import layouts
 
     if req.nproc == 1 or not req.model or req.tp > 1 or req.pp > 1 or req.schedule or req.ep > 1:
         raise ConfigError("--layouts compares the layouts of --nproc N ranks (N > 1) for a --model: give both, and "
                           "leave out --tp, --pp, --schedule and --ep (it chooses them)")
-    blocks = config_blocks(resolve_config(req.model)) or 1
-    rows = req.batch * (req.grad_accum if req.pp == 1 else 1)
-    seq = req.seq or getattr(resolve_config(req.model), "max_seq_len", 0) or 1
-    table = Table(title=f"{req.nproc} ranks: each layout planned in full (a replica takes {rows} sequences a step)")
+    cfg = resolve_config(req.model)
+    seq = req.seq or getattr(cfg, "max_seq_len", 0) or 1
+    table = Table(title=f"{req.nproc} ranks: each layout planned in full (a replica takes {req.batch} sequences "
+                        "a step: a step's --batch, as the planner predicts it)")
     for col in ("layout", "replicas", "predicted step", "tokens/s", "why not"):
         table.add_column(col)
-    found: list[tuple[float, Layout, Planned, str]] = []
-    for lay in layouts(req.nproc, req.nproc_per_node, blocks, lambda tp: _cuts(req.model, tp)):
-        quiet = Console(file=io.StringIO(), width=console.width, record=True)
-        try:
-            planned = run_plan(dataclasses.replace(req, tp=lay.tp, pp=lay.pp), quiet)
-        except ConfigError as exc:
-            table.add_row(lay.flags(), str(lay.dp), "-", "-", one_line(exc)[:80])
+    found = []
+    for lay in layouts(req.nproc, req.nproc_per_node, config_blocks(cfg) or 1, lambda tp: _cuts(req.model, tp)):
+        row = _plan_layout(req, lay, seq, console.width)
+        if isinstance(row, str):
+            table.add_row(lay.flags(), str(lay.dp), "-", "-", row[:80])
             continue
-        speed = tokens_per_s(lay, rows, seq, planned.step_s)
-        found.append((speed, lay, planned, quiet.export_text()))
-        table.add_row(lay.flags(), str(lay.dp), f"{planned.step_s * 1e3:.4g} ms", f"{speed:,.0f}", "")
+        found.append(row)
+        table.add_row(lay.flags(), str(lay.dp), f"{row[2].step_s * 1e3:.4g} ms", f"{row[0]:,.0f}", "")
     console.print(table)
     if not found:
         raise ConfigError(f"no layout of {req.nproc} ranks fits this model in these budgets: give the ranks more "
@@ -390,6 +387,22 @@ def run_layouts(req: PlanRequest, console: Console) -> Planned:
     console.print(f"fastest layout: --nproc {req.nproc} {lay.flags()} ({lay.dp} replicas), {speed:,.0f} tokens/s "
                   "predicted; the plan above is for one of its ranks: train it with these flags and --plan FILE")
     return best
+
+
+def _plan_layout(req: PlanRequest, lay: Layout, seq: int, width: int) -> tuple[float, Layout, Planned, str] | str:
+    """``lay`` planned in full, quietly: its tokens a second, itself, its plan and what plan printed of it;
+    or why it cannot be planned."""
+    import io
+
+    from tiertrain.errors import one_line
+    from tiertrain.planner.layouts import tokens_per_s
+
+    quiet = Console(file=io.StringIO(), width=width, record=True)
+    try:
+        planned = run_plan(dataclasses.replace(req, tp=lay.tp, pp=lay.pp), quiet)
+    except ConfigError as exc:
+        return one_line(exc)
+    return tokens_per_s(lay, req.batch, seq, planned.step_s), lay, planned, quiet.export_text()
 
 
 def _cuts(model: str, tp: int) -> bool:
@@ -481,16 +494,17 @@ def _check_tensor(req: PlanRequest) -> None:
     if not req.model or req.profile_file:
         raise ConfigError("--tp plans tiertrain's GPT cut over ranks: give --model (a name or config file), not "
                           "--profile")
-    _gpt_config(req.model, req.tp)
+    _gpt_config(req.model, req.tp, req.pp)
 
 
-def _gpt_config(model: str, tp: int) -> ModelConfig:
-    """``model``'s config, refused in one line where the tensor-parallel plan cannot cut it into ``tp``."""
+def _gpt_config(model: str, tp: int, pp: int = 1) -> ModelConfig:
+    """``model``'s config, refused in one line where the tensor-parallel plan cannot cut it into ``tp`` (or,
+    in ``pp`` stages, train would refuse the cut: a tied head)."""
     from tiertrain.models import ModelConfig, build, resolve_config
-    from tiertrain.parallel.tensor_plans import check_tensor_parallel
+    from tiertrain.parallel.tensor_plans import check_pipeline_tensor
 
     cfg = resolve_config(model)
-    check_tensor_parallel(build(cfg, device="meta"), tp)
+    check_pipeline_tensor(build(cfg, device="meta"), tp, pp)
     if not isinstance(cfg, ModelConfig):
         raise ConfigError(f"plan --tp models tiertrain's GPT cut over ranks; {model}'s transformers layers are not "
                           "modelled yet: plan it with --nproc alone, and train it with --tp")

@@ -104,6 +104,14 @@ class StageCut:
         return self.make(self.model, blocks, blocks.start == 0, blocks.stop == self.n_blocks, self.ties)
 
 
+def tied_head(model: nn.Module) -> bool:
+    """Whether ``model``'s head is its token embedding's weight (our GPT's, or a transformers model's): read
+    on a model built on the meta device too, before any stage is cut."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else model.lm_head
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else model.tok_emb
+    return head is not None and head.weight is embedding.weight
+
+
 def check_stageable(model: nn.Module) -> StageCut:
     """How ``model`` is cut into stages, or one message naming why it cannot be and the fix."""
     from tiertrain.models import hf_stages

@@ -5,6 +5,7 @@ replaced by this rank's column- or row-parallel shard of them (``parallel.tensor
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 
 from torch import nn
 
@@ -39,7 +40,8 @@ def parallelize_blocks(plan: TensorPlan, blocks: nn.ModuleList, rank: int, group
                        first: int = 0) -> dict[int, nn.Parameter]:
     """``parallelize`` of some of a checked model's blocks (a pipeline stage's: ``first`` is the index of
     its first block in the model), each alike on every rank of ``group`` already but for its matrices on
-    the meta device, drawn whole here from ``seed`` one block at a time."""
+    the meta device, drawn whole here from ``seed`` one block at a time (the cut ones let go again once
+    cut; a whole one, as a router, kept: setup would draw it from each rank's own generator)."""
     new_of: dict[int, nn.Parameter] = {}
     for j, block in enumerate(blocks):
         cuts = [(path, cut) for path, _ in block.named_modules() if (cut := plan.cut_at(path)) is not None]
@@ -62,6 +64,9 @@ def parallelize_blocks(plan: TensorPlan, blocks: nn.ModuleList, rank: int, group
             for p in drawn:
                 back_to_meta(p)
             setattr(parent, attr, new)
+        for name, p in block.named_parameters():  # a whole one still on meta (a router) drawn alike, not by setup
+            if p.is_meta:
+                drawn_whole(f"{plan.blocks_at}.{first + j}.{name}", p, seed)
         for path in plan.shared_inputs:
             operator.attrgetter(path)(block).register_forward_pre_hook(_entered(group), with_kwargs=True)
         for heads in plan.heads_attrs:
@@ -71,7 +76,7 @@ def parallelize_blocks(plan: TensorPlan, blocks: nn.ModuleList, rank: int, group
     return new_of
 
 
-def _entered(group: Collectives):
+def _entered(group: Collectives) -> Callable[[nn.Module, tuple, dict], tuple[tuple, dict]]:
     """A pre-hook entering a module's input (its first argument, or ``hidden_states``) into the cut region
     once, for every column-parallel layer reading it."""
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

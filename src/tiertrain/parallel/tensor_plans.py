@@ -25,6 +25,7 @@ from tiertrain.errors import ConfigError
 from tiertrain.models.config import ModelConfig
 from tiertrain.models.gpt import GPT, Block
 from tiertrain.models.hf_stages import FAMILIES
+from tiertrain.models.stages import tied_head
 from tiertrain.parallel.tensor_layers import Split
 
 
@@ -121,6 +122,16 @@ def check_tensor_parallel(model: nn.Module, tp: int) -> TensorPlan:
         ("attention heads (num_attention_heads)", heads),
         ("key-value heads (num_key_value_heads)", getattr(cfg, "num_key_value_heads", None) or heads),
         ("MLP features", ffn)))
+    return plan
+
+
+def check_pipeline_tensor(model: nn.Module, tp: int, pp: int) -> TensorPlan:
+    """``check_tensor_parallel``, and where the blocks are also cut into ``pp`` stages, no head tied to the
+    embedding (its two stages' pair of ranks is one per pipeline, not per group, yet)."""
+    plan = check_tensor_parallel(model, tp)
+    if pp > 1 and tp > 1 and tied_head(model):
+        raise ConfigError("a tied embedding in a pipeline cut over tensor-parallel ranks is not supported yet: untie "
+                          "the model's head (tie_embeddings: false, tie_word_embeddings: false)")
     return plan
 
 

@@ -7,8 +7,8 @@ One built on the meta device (larger than a host's memory) is drawn here instead
 each rank's meta shards from its own generator in one order, which hands every rank of a group the same
 numbers for different heads (a model as if 1/T as wide, never broken apart without dropout). So each
 matrix the plan cuts is drawn whole from a generator seeded by the group's seed and the parameter's name,
-one block at a time just before its cut (``parallel.tensor_plans``), and the rest (embeddings, head) here;
-a block's whole parameters (norm scales and biases) are drawn as ones and zeros, alike on every rank.
+one block at a time just before its cut (``parallel.tensor_parallelize``), a block's whole ones (norms, a
+router) with it, and the rest (embeddings, head) here.
 """
 
 from __future__ import annotations

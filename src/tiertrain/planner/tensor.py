@@ -11,7 +11,8 @@ parallel), the 10 s b h its norms, dropout masks and residual keep whole are 5 i
 Each forward waits for two sums of the block's output (its input's size, in the compute dtype), each
 backward for two more and a recompute for one (torch's checkpoint stops at the last tensor backward
 needs, short of the MLP's sum); a mixture-of-experts layer sums each expert's tokens, ``routed`` (its
-top-k) tokens' worth where a dense MLP sums one: ring all-reduces over the group's link, on the compute's critical path
+top-k) tokens' worth where a dense MLP sums one, and a recompute sums them again (backward needs each
+expert's output, to weigh it by its gate): ring all-reduces over the group's link, on the compute's critical path
 (FOLD3D's T_ip, what never overlaps), so they are added to the block's times.
 """
 
@@ -54,5 +55,5 @@ def _cut(b: BlockProfile, tp: int, bps: float, whole: int, routed: int) -> Block
         b, params=-(-(b.params - whole) // tp) + whole, largest=-(-b.largest // tp),
         forward_s=b.forward_s / tp + (FORWARD_SUMS + extra) * one,
         backward_s=b.backward_s / tp + (BACKWARD_SUMS + extra) * one,
-        recompute_s=b.recompute_seconds / tp + RECOMPUTE_SUMS * one, flops=b.flops / tp,
+        recompute_s=b.recompute_seconds / tp + (RECOMPUTE_SUMS + (routed if routed > 1 else 0)) * one, flops=b.flops / tp,
         traffic_bytes=b.traffic_bytes / tp, act_bytes=kept + -(-(b.act_bytes - kept) // tp))

@@ -26,10 +26,13 @@ BF16 = [Case("1f1b", 4, 1, dtype="bf16"), Case("aiao", 4, 2, dtype="bf16"), Case
 TIED = [Case("gpipe", 1, 1, tied=True), Case("1f1b", 4, 1, tied=True), Case("aiao", 4, 2, tied=True),
         Case("aiao", 4, 2, plan="disk", tied=True), Case("aiao", 4, 2, clip=0.05, tied=True)]
 TIED_RTOL = 1e-6
-# a transformers Llama cut into stages (its base model's own forward over each stage's layers)
+# transformers causal LMs cut into stages (their base model's own forward over each stage's layers; GPT-2's
+# position embeddings on the first stage alone, GPT-NeoX's partial rotary)
 LLAMA = [Case("1f1b", 4, 1, family="llama"), Case("aiao", 4, 2, plan="disk", family="llama"),
          Case("aiao", 4, 2, tied=True, family="llama"), Case("aiao", 4, 2, plan="stash", family="llama"),
-         Case("1f1b", 4, 1, family="qwen2"), Case("aiao", 4, 2, family="mistral")]
+         Case("1f1b", 4, 1, family="qwen2"), Case("aiao", 4, 2, family="mistral"),
+         Case("aiao", 4, 2, tied=True, family="gpt2"), Case("1f1b", 4, 1, plan="disk", family="gpt2"),
+         Case("aiao", 4, 2, plan="stash", family="gpt_neox"), Case("1f1b", 4, 1, tied=True, family="gpt_neox")]
 SCHEDULES = [Case("gpipe", 2, 1), Case("1f1b", 4, 1), Case("interleaved", 4, 2), Case("aiao", 4, 2)]
 PP2 = SCHEDULES + [Case(c.schedule, c.micro, c.segments, plan="disk") for c in SCHEDULES] + [
     Case("aiao", 4, 2, update="overlap"), Case("aiao", 4, 2, clip=0.05), Case("1f1b", 4, 1, clip=0.05),
@@ -210,8 +213,11 @@ def test_a_model_the_pipeline_cannot_cut_is_refused_before_any_rank_starts(chang
 
 
 @pytest.mark.parametrize("spec, says", [
+    ({"model_type": "opt", "vocab_size": 256, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+      "ffn_dim": 64, "word_embed_proj_dim": 32},
+     "transformers llama, qwen2, mistral, gpt2, gpt_neox models; a OPTForCausalLM has no stages yet"),
     ({"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 32, "n_positions": 64, "vocab_size": 256},
-     "transformers llama, qwen2, mistral models; a GPT2LMHeadModel has no stages yet"),
+     r"dropout \(attn_pdrop=0.1, resid_pdrop=0.1, embd_pdrop=0.1\) is not supported yet"),
     ({"model_type": "granite", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
       "num_attention_heads": 4, "num_key_value_heads": 2, "embedding_multiplier": 12.0},
      "a GraniteForCausalLM has no stages yet"),
@@ -220,6 +226,10 @@ def test_a_model_the_pipeline_cannot_cut_is_refused_before_any_rank_starts(chang
      "layers differ in attention .* give every layer one attention type"),
 ])
 def test_a_transformers_model_a_stage_could_not_compute_is_refused_in_one_line(spec, says):
+    from tiertrain.models.hf_stages import PARTS
+    from tiertrain.models.stages import TIED_NAMES
+
+    assert {p.tied_name for p in PARTS.values()} <= TIED_NAMES  # a tied weight's last-stage copy read once
     from tiertrain.api.pipeline import pipeline
     from tiertrain.errors import ConfigError
     from tiertrain.models import build

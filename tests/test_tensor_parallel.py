@@ -36,7 +36,8 @@ SAVED = TpCase(2, plan="disk")  # saved after its first step; its steps 2 and 3 
 
 
 PP2_TP2 = [Case("1f1b", 2, 1, clip=0.05), Case("aiao", 4, 2, plan="disk"), Case("aiao", 2, 2, plan="stash", clip=0.05),
-           Case("aiao", 4, 2, plan="disk", clip=0.05, family="llama")]
+           Case("aiao", 4, 2, plan="disk", clip=0.05, family="llama"), Case("1f1b", 2, 1, family="gpt2"),
+           Case("aiao", 4, 2, plan="disk", family="gpt_neox")]
 PP_SAVED = Case("1f1b", 2, 1, plan="disk")  # pp = 2 x tp = 2, saved after its first step
 
 

@@ -265,8 +265,9 @@ def test_train_pp_trains_as_one_process_and_its_checkpoint_resumes_in_one_and_cu
     """``train --nproc 2 --pp 2`` (1F1B, 2 micro-batches) takes the steps of one process accumulating the same
     micro-batches, bit for bit (fp32, no clipping); its checkpoint after step 2 resumes in one process and over
     4 AIAO stages (2 segments), each going on with the uninterrupted run's losses. ``--nproc 4 --pp 2 --tp 2``
-    (each stage's blocks cut over two ranks) takes them within the tensor-parallel tests' tolerance, and its
-    checkpoint holds a pipelined part per tensor-parallel rank."""
+    (each stage's blocks cut over two ranks, each block updated on the host as its gradients come: --update
+    overlap) takes them within the tensor-parallel tests' tolerance, and its checkpoint holds a pipelined part
+    per tensor-parallel rank."""
     model = tmp_path / "untied.json"
     model.write_text(json.dumps(UNTIED))
     common = ["--model", str(model), "--batch-size", "2", "--seq-len", "32", "--grad-clip", "0", "--plan", "stream",
@@ -294,7 +295,7 @@ def test_train_pp_trains_as_one_process_and_its_checkpoint_resumes_in_one_and_cu
         assert _losses(tmp_path / name) == _losses(piped)[2:], name
     cut = tmp_path / "pp-tp"
     r = _train(*common, "--steps", "4", "--save-every", "2", "--nproc", "4", "--pp", "2", "--tp", "2", "--schedule",
-               "1f1b", "--micro-batches", "2", "--out", str(cut))
+               "1f1b", "--micro-batches", "2", "--update", "overlap", "--out", str(cut))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "pipeline of 2 ranks, each stage over 2 tensor-parallel ranks x 1 replicas" in r.stdout
     ckpt = cut / "checkpoints" / "step-00000002"
@@ -339,7 +340,8 @@ def test_a_pipeline_the_ranks_would_refuse_is_one_message_before_torchrun_starts
                        ([*piped, "--micro-batches", "2", "--grad-accum", "4"], "name the same count"),
                        ([*piped[:2], "--nproc", "2", "--pp", "2"], "add --plan"),
                        ([*piped, "--precision", "fp16"], "use --precision bf16"),
-                       ([*piped, "--update", "overlap"], "train --pp takes sync updates for now")):
+                       ([*piped, "--update", "overlap"], "add --grad-clip 0, or use --update sync to clip"),
+                       ([*piped, "--update", "lockfree"], "train --pp takes --update sync or overlap")):
         out = tmp_path / "r"
         assert main(["train", *args, "--out", str(out)]) == 2, args
         err = capsys.readouterr().err

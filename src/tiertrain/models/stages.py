@@ -1,6 +1,6 @@
 """A model cut into pipeline stages: what every kind of stage shares (the model's blocks under their own
 indices, a tied weight's copy, the names the stage keeps) and which models can be cut (``check_stageable``:
-tiertrain's GPT, ``models.gpt_stages``; transformers decoders built as Llama, ``models.hf_stages``).
+tiertrain's GPT, ``models.gpt_stages``; transformers causal LMs, ``models.hf_stages``).
 
 Stages are built by hand, as the pipelining issue asks: torch's tracing front end (``pipeline()`` over an
 exported graph) breaks on real models, and a stage here is the model's own modules, so its parameters,
@@ -22,8 +22,9 @@ import torch.nn as nn
 
 from tiertrain.errors import ConfigError
 
-TIED_GPT, TIED_HF = "tok_emb.weight", "model.embed_tokens.weight"  # the embedding weight a tied head uses
-TIED_NAMES = frozenset({TIED_GPT, TIED_HF})  # the tied weights the first and the last stage may both hold
+TIED_GPT = "tok_emb.weight"  # the embedding weight a tied head uses (transformers': ``hf_stages.Parts.tied_name``)
+# the tied weights the first and the last stage may both hold (tests/test_pipeline_run.py checks the families')
+TIED_NAMES = frozenset({TIED_GPT, "model.embed_tokens.weight", "transformer.wte.weight", "gpt_neox.embed_in.weight"})
 
 
 class StageBlocks(nn.ModuleList):
@@ -122,11 +123,13 @@ def check_stageable(model: nn.Module) -> StageCut:
         check_gpt(model)
         return StageCut(model, len(model.blocks), model.lm_head.weight is model.tok_emb.weight, model.tok_emb,
                         GPTStage)
-    if hf_stages.is_decoder(model):
+    parts = hf_stages.parts_of(model)
+    if parts is not None:
         hf_stages.check_decoder(model)
-        embedding = model.model.embed_tokens
-        return StageCut(model, len(model.model.layers), model.lm_head.weight is embedding.weight, embedding,
-                        hf_stages.DecoderStage)
+        base = getattr(model, parts.base)
+        embedding = getattr(base, parts.embed)
+        return StageCut(model, len(getattr(base, parts.layers)), getattr(model, parts.head).weight is embedding.weight,
+                        embedding, hf_stages.DecoderStage)
     raise ConfigError(f"pipeline parallel cuts tiertrain's GPT and transformers {', '.join(hf_stages.FAMILIES)} "
                       f"models; a {type(model).__name__} has no stages yet: train it with data parallel (--nproc N "
                       "without --pp)")

@@ -24,7 +24,6 @@ from torch import nn
 from tiertrain.errors import ConfigError
 from tiertrain.models.config import ModelConfig
 from tiertrain.models.gpt import GPT, Block
-from tiertrain.models.hf_stages import FAMILIES
 from tiertrain.models.stages import tied_head
 from tiertrain.parallel.tensor_layers import Split
 
@@ -92,7 +91,8 @@ GPT2_PLAN = TensorPlan("transformer.h", (Cut("attn.c_attn", True, 3), Cut("attn.
 NEOX_PLAN = TensorPlan("gpt_neox.layers", (Cut("attention.query_key_value", True), Cut("attention.dense", False),
                                            Cut("mlp.dense_h_to_4h", True), Cut("mlp.dense_4h_to_h", False)))
 PLANS = (GPT_PLAN, DECODER_PLAN, GPT2_PLAN, NEOX_PLAN)
-HF_PLANS = {**dict.fromkeys(FAMILIES, DECODER_PLAN), "gpt2": GPT2_PLAN, "gpt_neox": NEOX_PLAN}
+HF_PLANS = {"llama": DECODER_PLAN, "qwen2": DECODER_PLAN, "mistral": DECODER_PLAN, "gpt2": GPT2_PLAN,
+            "gpt_neox": NEOX_PLAN}
 SUPPORTED = ("tiertrain's GPT (--model tiny/small/... or a config JSON, experts too) and transformers models "
              f"of {', '.join(HF_PLANS)}")
 

@@ -111,10 +111,12 @@ class TrainConfig:
         if self.precision == "fp16":
             raise ConfigError("pipeline stages train in fp32 or bf16, not fp16 (its loss scale is not agreed over the "
                               "stages): use --precision bf16")
-        if self.update is not None and (rules(self.update).updates_as_final or rules(self.update).loops):
-            raise ConfigError(f"train --pp takes sync updates for now, not {self.update}: a step's loss is known only "
-                              "after the schedule's backward, where other updates would have applied a non-finite "
-                              "one (tiertrain.pipeline takes overlap in your own loop)")
+        if self.update is not None and rules(self.update).loops:
+            raise ConfigError(f"train --pp takes --update sync or overlap, not {self.update}: a stage's update loop "
+                              "would let the stages read params of different ages")
+        if self.update is not None and rules(self.update).updates_as_final and self.grad_clip > 0:
+            raise ConfigError(f"train --pp --update {self.update} updates each block as its gradients come, before "
+                              "the norm over every stage is known: add --grad-clip 0, or use --update sync to clip")
         if self.ep > 1 or self.shard_group:
             raise ConfigError("--ep and --shard-group do not combine with --pp yet; leave them out")
 

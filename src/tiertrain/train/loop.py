@@ -323,8 +323,12 @@ class Trainer:
         kept = f"the last checkpoint, {latest}, is intact" if latest else "no checkpoint was written"
         became = f"became {float(value)}" if not bool(torch.isfinite(value)) else "stopped being finite on another rank"
         raise TrainingDiverged(f"the {what} {became} at step {self.step + 1}, so the run stopped "
-                               f"before updating the weights; {kept}. Lower --lr (now {self.cfg.lr:g}) or clip "
+                               f"{self._stopped_when()}; {kept}. Lower --lr (now {self.cfg.lr:g}) or clip "
                                "with --grad-clip, then start again or --resume")
+
+    def _stopped_when(self) -> str:
+        """When in the step a non-finite loss stops the run, as ``_stop_if_not_finite`` says it."""
+        return "before updating the weights"
 
     def save(self) -> Path:
         state = TrainerState(step=self.step, data_position=self.sampler.position,

@@ -24,6 +24,7 @@ from tiertrain.checkpoint.run import TrainerState
 from tiertrain.errors import ConfigError
 from tiertrain.models import ModelConfig, param_count
 from tiertrain.plan.pipeline import PipelineLayout
+from tiertrain.plan.update_modes import rules
 from tiertrain.train.config import TrainConfig
 from tiertrain.train.disk_watch import BETWEEN, FORWARD, STEP
 from tiertrain.train.loop import Trainer, model_flops_per_token
@@ -117,6 +118,11 @@ class PipelineTrainer(Trainer):
         self.step += 1
         self.cpu_watch.mark(BETWEEN)
         return float(loss), norm
+
+    def _stopped_when(self) -> str:
+        if rules(self.cfg.update or "sync").updates_as_final:  # the loss is known only after the schedule's backward
+            return "after backward had updated some blocks (--update overlap; nothing of this step is saved)"
+        return super()._stopped_when()
 
     def _agreement(self) -> Any:
         return self.pipe.mesh.world.host  # a stage's data-parallel group is not every rank

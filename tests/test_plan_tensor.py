@@ -75,6 +75,30 @@ def test_plan_tp_plans_each_ranks_share_and_says_what_the_sums_cost(tmp_path, ca
     assert json.loads(out.read_text())["parallel"]["dp"] == 2
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_plan_tp_plans_a_transformers_models_share_by_its_parallelize_plan(tmp_path, capsys, family):
+    """`plan --tp 2` of a transformers Llama (GQA) and GPT-2 (Conv1D): each rank holds half of a block's cut
+    parameters and the whole of the rest, as the family's plan cuts it (of the block's chunk, its padding
+    counted with the cut part)."""
+    from pp_harness import config_of
+
+    from tiertrain.models import build
+    from tiertrain.parallel.tensor_plans import check_tensor_parallel, split_of
+    from tiertrain.runtime.blocks import block_numel, find_blocks
+
+    model = tmp_path / "hf.json"
+    model.write_text(json.dumps(config_of(family)))
+    built = build(config_of(family), device="meta")
+    at = check_tensor_parallel(built, 2).blocks_at
+    whole = sum(p.numel() for n, p in built.named_parameters() if n.startswith(f"{at}.0.") and not split_of(n))
+    chunk = block_numel(find_blocks(built)[0])
+    assert _main("plan", "--model", str(model), "--machine", "h100-sxm-80gb", "--seq", "16", "--solver", "dp",
+                 "--nproc", "2", "--tp", "2", "--out", str(tmp_path / "p.json")) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    mine = -(-(chunk - whole) // 2) + whole
+    assert f"tensor parallel: --tp 2, each rank {mine:,} of a block's {chunk:,} parameters" in said, said
+
+
 def test_plan_pp_tp_plans_a_stage_of_a_group_and_train_takes_the_plan_for_its_replicas(tmp_path, capsys):
     """`plan --nproc 8 --pp 2 --tp 2`: a rank's share of each block cut over its group, its stage of the
     pipeline (schedule, segments, micro-batches chosen), laid out for the 2 replicas; `train --nproc 8 --pp 2

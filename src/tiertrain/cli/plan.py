@@ -27,8 +27,10 @@ from tiertrain.planner.simulator import RESOURCES, Simulation
 from tiertrain.units import format_bytes, format_count
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from tiertrain.autoplan.largest_model import Largest, RunShape
-    from tiertrain.models import ModelConfig
+    from tiertrain.parallel.tensor_plans import TensorPlan
     from tiertrain.plan.fit import Sizes
     from tiertrain.planner.layouts import Layout
     from tiertrain.planner.network import Network
@@ -410,7 +412,7 @@ def _cuts(model: str, tp: int) -> bool:
     if tp == 1:
         return True
     try:
-        _gpt_config(model, tp)
+        _tensor_model(model, tp)
     except ConfigError:
         return False
     return True
@@ -492,34 +494,32 @@ def _check_tensor(req: PlanRequest) -> None:
     if req.ep > 1:
         raise ConfigError("--tp does not combine with --ep yet (train does not run them together); leave it out")
     if not req.model or req.profile_file:
-        raise ConfigError("--tp plans tiertrain's GPT cut over ranks: give --model (a name or config file), not "
-                          "--profile")
-    _gpt_config(req.model, req.tp, req.pp)
+        raise ConfigError("--tp plans a model cut over ranks by its parallelize plan: give --model (a name or config "
+                          "file), not --profile")
+    _tensor_model(req.model, req.tp, req.pp)
 
 
-def _gpt_config(model: str, tp: int, pp: int = 1) -> ModelConfig:
-    """``model``'s config, refused in one line where the tensor-parallel plan cannot cut it into ``tp`` (or,
-    in ``pp`` stages, train would refuse the cut: a tied head)."""
-    from tiertrain.models import ModelConfig, build, resolve_config
+def _tensor_model(model: str, tp: int, pp: int = 1) -> tuple[nn.Module, TensorPlan]:
+    """``model`` built on the meta device and its tensor-parallel plan; refused in one line where the plan
+    cannot cut it into ``tp`` (or, in ``pp`` stages, train would refuse the cut: a tied head)."""
+    from tiertrain.models import build, resolve_config
     from tiertrain.parallel.tensor_plans import check_pipeline_tensor
 
-    cfg = resolve_config(model)
-    check_pipeline_tensor(build(cfg, device="meta"), tp, pp)
-    if not isinstance(cfg, ModelConfig):
-        raise ConfigError(f"plan --tp models tiertrain's GPT cut over ranks; {model}'s transformers layers are not "
-                          "modelled yet: plan it with --nproc alone, and train it with --tp")
-    return cfg
+    built = build(resolve_config(model), device="meta")
+    return built, check_pipeline_tensor(built, tp, pp)
 
 
 def _cut_over_group(req: PlanRequest, profile: Profile, target: Machine, here: Machine) -> tuple[Profile, str]:
     """One rank's profile of a tensor-parallel group (``planner.tensor``), and what the plan says of it."""
-    from tiertrain.parallel.tensor_plans import whole_per_block
+    from tiertrain.models import ModelConfig
+    from tiertrain.parallel.tensor_plans import whole_in_a_block
     from tiertrain.planner.tensor import for_tensor, sums_s
 
     link = _node_link(target, here, profile, req.tp)
-    cfg = _gpt_config(req.model, req.tp)
-    routed = cfg.top_k if cfg.is_moe else 1
-    cut = for_tensor(profile, req.tp, link.all_reduce_bps, whole_per_block(cfg), routed)
+    built, plan = _tensor_model(req.model, req.tp)
+    cfg = built.config
+    routed = cfg.top_k if isinstance(cfg, ModelConfig) and cfg.is_moe else 1
+    cut = for_tensor(profile, req.tp, link.all_reduce_bps, whole_in_a_block(built, plan), routed)
     compute = sum(b.forward_s + b.backward_s for b in cut.blocks)
     sums = sums_s(profile, req.tp, link.all_reduce_bps, routed)
     return cut, (f"tensor parallel: --tp {req.tp}, each rank {cut.blocks[0].params:,} of a block's "

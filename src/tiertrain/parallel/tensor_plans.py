@@ -153,6 +153,14 @@ def _check_counts(tp: int, dropouts: tuple[float, ...], counts: tuple[tuple[str,
             raise ConfigError(f"--tp {tp} must divide the model's {what}, {n}: choose a --tp that divides it")
 
 
+def whole_in_a_block(model: nn.Module, plan: TensorPlan) -> int:
+    """Elements of ``model``'s first block that every rank of a group holds whole as ``plan`` cuts it (norms,
+    a row-parallel layer's bias, a router): what the planner keeps whole per rank (``planner.tensor``)."""
+    block = plan.blocks(model)[0]
+    return sum(p.numel() for name, p in block.named_parameters()
+               if plan.split_of(f"{plan.blocks_at}.0.{name}") is None)
+
+
 def whole_per_block(cfg: ModelConfig) -> int:
     """Elements of one block of our GPT that every rank of a group holds whole (norms, projection biases,
     a router), as its plan cuts it: what the planner keeps whole per rank (``planner.tensor``)."""

@@ -54,6 +54,9 @@ def test_a_ranks_profile_holds_its_share_of_each_block_and_waits_for_the_groups_
         assert c.recompute_seconds == pytest.approx(b.recompute_seconds / tp + 3 * one)  # the experts' sums again
     added = sum(c.forward_s + c.backward_s - (b.forward_s + b.backward_s) / tp for b, c in zip(p.blocks, routed.blocks))
     assert sums_s(p, tp, bps, routed=2) == pytest.approx(added)
+    sliced = for_tensor(p, tp, bps, whole, sequence=True)  # the norms' and residuals' activations 1/T too
+    for b, c, s in zip(p.blocks, cut.blocks, sliced.blocks):
+        assert s.act_bytes == -(-b.act_bytes // tp) < c.act_bytes and (s.forward_s, s.params) == (c.forward_s, c.params)
 
 
 def _main(*args: str) -> int:

@@ -22,10 +22,11 @@ TP2 = [TpCase(2), TpCase(2, plan="disk", clip=0.05), TpCase(2, plan="stash", cli
        TpCase(2, update="overlap"), TpCase(2, skew=True), TpCase(2, plan="disk", clip=0.05, family="llama"),
        TpCase(2, tied=True, family="llama"), TpCase(2, skew=True, family="qwen2"),
        TpCase(2, plan="disk", clip=0.05, tied=True, family="gpt2"), TpCase(2, update="overlap", family="gpt_neox"),
-       TpCase(2, plan="disk", clip=0.05, family="moe"), TpCase(2, plan="stash", family="moe")]
+       TpCase(2, plan="disk", clip=0.05, family="moe"), TpCase(2, plan="stash", family="moe"),
+       TpCase(2, clip=0.05, sequence=True), TpCase(2, plan="stash", clip=0.05, tied=True, sequence=True)]
 META = TpCase(2, plan="resident", meta=True)
 META_MOE = TpCase(2, plan="resident", meta=True, family="moe")  # its routers, whole, drawn by the group too
-DP2_TP2 = [TpCase(2, clip=0.05), TpCase(2, plan="disk")]
+DP2_TP2 = [TpCase(2, clip=0.05), TpCase(2, plan="disk"), TpCase(2, plan="disk", clip=0.05, sequence=True)]
 
 
 def _jobs(cases, disk):
@@ -160,14 +161,24 @@ def test_each_rank_sends_four_sums_of_a_blocks_activations_per_step_five_where_r
     is past); a ring all-reduce of B bytes sends 2 (T-1)/T x B; a clipping step adds the norm (one fp32).
     With experts, each expert sums its own tokens' outputs and input gradients: top_k tokens' worth each
     way in place of the MLP's one (the router's input, whole, is not entered); recomputed, the experts'
-    outputs are summed again (backward weighs each by its gate)."""
+    outputs are summed again (backward weighs each by its gate). With sequence parallel each all-reduce is
+    an all-gather and a reduce-scatter, (T-1)/T of the activations each; a recompute gathers attention's
+    input, scatters its output and gathers the MLP's input again; the sequence is sliced after the
+    embeddings (its gradient gathered) and gathered before the final norm; and each block's whole
+    parameters' gradients are summed over the group (each rank saw its slice of the tokens)."""
     from pp_harness import MOE, ROWS
 
     act = ROWS * 16 * TINY["d_model"] * 4  # every test model is 32 wide
+    blocks = TINY["n_layer"]
     for case in TP2:
         stash, moe, k = case.plan == "stash", case.family == "moe", MOE["top_k"]
-        sums = 4 + stash + (2 * k - 2 + stash * k if moe else 0)
-        want = TINY["n_layer"] * sums * 2 * (case.tp - 1) * act // case.tp + (4 if case.clip else 0)
+        unit = (case.tp - 1) * act // case.tp  # an all-gather's or a reduce-scatter's bytes; an all-reduce: two
+        if case.sequence:
+            whole = _counts(case)[1] * 4 * 2 * (case.tp - 1) // case.tp
+            want = blocks * ((8 + 3 * stash) * unit + whole) + 2 * unit
+        else:
+            want = blocks * 2 * (4 + stash + (2 * k - 2 + stash * k if moe else 0)) * unit
+        want += 4 if case.clip else 0
         for rank in range(2):
             assert tp2[((case,), rank)]["sent"] == [want] * 3, (case, rank)
 
@@ -247,6 +258,11 @@ def test_an_architecture_without_a_plan_and_plan_auto_are_refused_before_any_gro
         tiertrain.tensor_parallel(model, opt, 2, compute_dtype="fp16")
     with pytest.raises(ConfigError, match="--tp 2 must divide the run's 1 ranks"):
         tiertrain.tensor_parallel(model, opt, 2)
+    for family, says in (("llama", "sequence parallel cuts tiertrain's GPT only yet, not a LlamaForCausalLM"),
+                         ("moe", "sequence parallel does not slice a mixture-of-experts model yet")):
+        model, opt = fresh(family=family)
+        with pytest.raises(ConfigError, match=says):
+            tiertrain.tensor_parallel(model, opt, 2, sequence_parallel=True)
     assert not torch.distributed.is_initialized()
 
 

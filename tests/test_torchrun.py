@@ -349,15 +349,17 @@ def test_a_pipeline_the_ranks_would_refuse_is_one_message_before_torchrun_starts
 
 
 def test_train_tp_trains_as_one_process_and_its_checkpoint_resumes_in_one(tmp_path):
-    """``train --nproc 2 --tp 2`` (the tiny GPT's heads and MLP features cut over two ranks, clipped) takes
+    """``train --nproc 2 --tp 2 --sequence-parallel`` (the tiny GPT's heads and MLP features cut over two
+    ranks, the sequence between them sliced, clipped) takes
     one process's steps within the tensor-parallel tests' tolerance (tests/test_tensor_parallel.py says
     why); its checkpoint after step 2 (a sub-checkpoint per rank) resumes in one process with the
     uninterrupted run's losses."""
     common = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--plan", "stream", "--log-every", "1"]
     cut = tmp_path / "tp"
-    r = _train(*common, "--steps", "4", "--save-every", "2", "--nproc", "2", "--tp", "2", "--out", str(cut))
+    r = _train(*common, "--steps", "4", "--save-every", "2", "--nproc", "2", "--tp", "2", "--sequence-parallel",
+               "--out", str(cut))
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "tensor parallel over 2 ranks x 1 replicas" in r.stdout
+    assert "tensor parallel over 2 ranks x 1 replicas, sequence parallel" in r.stdout
     ckpt = cut / "checkpoints" / "step-00000002"
     assert sorted(p.name for p in ckpt.iterdir()) == ["config.json", "rng.safetensors", "tp-000", "tp-001",
                                                       "trainer.json"]
@@ -385,6 +387,10 @@ def test_a_tensor_parallel_layout_the_ranks_would_refuse_is_one_message_before_t
                         "a tied embedding in a pipeline cut over tensor-parallel ranks"),
                        ([*cut, "--precision", "fp16"], "use --precision bf16"),
                        ([*cut, "--update", "lockfree"], "use --update sync or overlap"),
+                       ([*cut[:6], "--sequence-parallel"], "--sequence-parallel slices the sequence over a "
+                                                           "tensor-parallel group: give --tp T"),
+                       ([*cut[:4], "--nproc", "4", "--tp", "2", "--pp", "2", "--sequence-parallel"],
+                        "--sequence-parallel does not combine with --pp yet"),
                        (["--model", str(moe), *cut[2:], "--ep", "2"], "--ep do not combine with --tp yet")):
         out = tmp_path / "r"
         assert main(["train", *args, "--out", str(out)]) == 2, args

@@ -24,6 +24,7 @@ class TpCase:
     tied: bool = False
     skew: bool = False           # each rank's model drawn otherwise (ranks seeded apart): rank 0's must win
     meta: bool = False           # the model built on the meta device: drawn by the group, alike
+    sequence: bool = False       # sequence parallel: each rank its slice of the sequence between cut regions
     family: str = "gpt"          # "gpt": tiertrain's; "moe": with experts; "llama" (GQA: 4 heads, 2 key-value),
     #                              "qwen2", "gpt2", "gpt_neox": transformers' (pp_harness.config_of)
 
@@ -60,7 +61,8 @@ def tp_losses(rank: int, case: TpCase, disk: Path, save_to: Path | None = None, 
         opt, _ = make_adamw(model, 1e-2, (0.9, 0.95), 1e-8, 0.1)
         cut = [model.blocks[0].attn.qkv.weight]  # the whole parameter the cut replaces
     run = tiertrain.tensor_parallel(model, opt, case.tp, Budgets(64 << 20, 64 << 20, 64 << 20, rank_disk(disk, rank)),
-                                    plan=_plan(case.plan, TINY["n_layer"]), page_size=64 << 10, update=case.update)
+                                    plan=_plan(case.plan, TINY["n_layer"]), page_size=64 << 10, update=case.update,
+                                    sequence_parallel=case.sequence)
     out = {"replica": run.mesh.dp_rank, "losses": [], "sent": [], "tp_rank": run.mesh.tp_rank,
            "let_go": [p.is_meta for p in cut]}
     if case.plan == "resident" and case.family in ("gpt", "moe"):  # the blocks' params stay in their slots: as cut

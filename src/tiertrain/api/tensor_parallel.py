@@ -29,9 +29,14 @@ from tiertrain.memory import Budgets
 from tiertrain.parallel.agree import same_on_every_rank
 from tiertrain.parallel.collectives import Collectives
 from tiertrain.parallel.group import ensure_process_group, world_from_env
+from tiertrain.parallel.sequence_ops import sum_whole_gradients
 from tiertrain.parallel.tensor_mesh import TensorMesh, tensor_mesh
 from tiertrain.parallel.tensor_parallelize import parallelize
-from tiertrain.parallel.tensor_plans import check_tensor_parallel, split_of
+from tiertrain.parallel.tensor_plans import (
+    check_sequence_parallel,
+    check_tensor_parallel,
+    split_of,
+)
 from tiertrain.plan import BUILTIN_PLANS, Plan, RunOptions
 from tiertrain.plan.plan import plan_file
 from tiertrain.plan.update_modes import rules
@@ -59,14 +64,19 @@ class TensorParallel:
 
 
 def tensor_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, tp: int, memory: Budgets | None = None,
-                    plan: str | Plan = "stream", options: RunOptions | None = None, **fields: Any) -> TensorParallel:
+                    plan: str | Plan = "stream", options: RunOptions | None = None, sequence_parallel: bool = False,
+                    **fields: Any) -> TensorParallel:
     """Cut ``model``'s blocks over groups of ``tp`` ranks, tier this rank's shards as ``plan`` says within
     ``memory`` (this rank's budgets), and return what the loop drives. ``options`` (or its fields as
-    keywords) as ``tiertrain.setup`` takes them. The user's optimizer is pointed at this rank's shards."""
+    keywords) as ``tiertrain.setup`` takes them. ``sequence_parallel``: between the cut regions each rank
+    holds its slice of the sequence (norms and residuals 1/T each; our GPT). The user's optimizer is
+    pointed at this rank's shards."""
     opts = run_options(options, fields)
     if tp < 1:
         raise ConfigError(f"--tp must be at least 1, not {tp}")
-    check_tensor_parallel(model, tp)
+    cut = check_tensor_parallel(model, tp)
+    if sequence_parallel:
+        check_sequence_parallel(model, cut)
     if isinstance(plan, str) and plan not in BUILTIN_PLANS and plan != "auto":
         plan = plan_file(plan)  # its update mode and dtype checked as given ones
     check_tensor_plan(plan, opts)
@@ -75,10 +85,11 @@ def tensor_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, tp: int,
     if world % tp:
         raise ConfigError(f"--tp {tp} must divide the run's {world} ranks: give --nproc a multiple of --tp")
     ensure_process_group()
-    same_on_every_rank("tensor parallel", _fields(model, tp, opts, plan), FIX)
+    same_on_every_rank("tensor parallel", {**_fields(model, tp, opts, plan),
+                                           "sequence parallel": str(sequence_parallel)}, FIX)
     mesh = tensor_mesh(tp)
     try:
-        new_of = parallelize(model, mesh.tp_rank, mesh.tp_group)
+        new_of = parallelize(model, mesh.tp_rank, mesh.tp_group, sequence_parallel)
         for group in optimizer.param_groups:
             group["params"] = [new_of.get(id(p), p) for p in group["params"]]
         tiered, topt = setup(model, optimizer, memory, plan=plan, options=opts, collectives=mesh.dp_group)
@@ -86,6 +97,8 @@ def tensor_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, tp: int,
         mesh.close()
         raise
     norm_over_group(tiered, mesh.tp_group)
+    if sequence_parallel:
+        sum_whole_gradients(tiered, cut.blocks_at, mesh.tp_group)
     return TensorParallel(tiered, topt, mesh)
 
 

@@ -126,6 +126,9 @@ def cli() -> None:
                                     "heads, MLP features) over groups of this many consecutive ranks, N / tp replicas "
                                     "of the group; with --pp, each stage's blocks (N / (pp x tp) replicas). Default 1; "
                                     "tiertrain's GPT and transformers GPT-2, GPT-NeoX, Llama, Qwen2, Mistral.")
+@click.option("--sequence-parallel", is_flag=True, default=None,
+              help="With --tp: each rank holds its slice of the sequence between the cut regions (Megatron's "
+                   "sequence parallel: norms and residuals 1/tp each; tiertrain's GPT).")
 @click.option("--quiet", is_flag=True, help="Print only the summary.")
 @click.option("--nproc", type=POSITIVE, default=None,
               help="Data-parallel processes on this machine (runs torchrun --nproc-per-node N for you; several "
@@ -149,6 +152,7 @@ def train(config_file: str | None, quiet: bool, nproc: int | None, **flags: Any)
 
     file_values = read_config_file(config_file) if config_file else {}
     _micro_batches_as_accum(file_values, "micro_batches")  # the user's file, before a checkpoint's options join it
+    sliced = flags.get("sequence_parallel") or file_values.get("sequence_parallel")  # asked now, not saved before
     no_save = flags.get("save") is False or file_values.get("save") is False
     if no_save and flags.get("save_every") is None and "save_every" not in file_values:
         flags["save_every"] = 0  # no checkpoints over a resumed run's --save-every: the user's word wins
@@ -170,6 +174,9 @@ def train(config_file: str | None, quiet: bool, nproc: int | None, **flags: Any)
                           "--nproc N)")
     _micro_batches_as_accum(flags, "--micro-batches")
     cfg = make_config(file_values, flags)  # checked here first: a bad value is one message, not one per rank
+    if sliced and cfg.tp == 1:
+        raise ConfigError("--sequence-parallel slices the sequence over a tensor-parallel group: give --tp T (above "
+                          "1) with it")
     if cfg.pp > 1 and nproc == 1 and "LOCAL_RANK" not in os.environ:
         raise ConfigError(f"--pp {cfg.pp} cuts the model over ranks: add --nproc {cfg.pp} (or a multiple of it)"
                           + ("; or resume in one process with --pp 1" if flags.get("resume") else ""))
@@ -253,12 +260,15 @@ def _check_layout(cfg: Any, nproc: int) -> None:
 def _check_tensor_layout(cfg: Any, nproc: int) -> None:
     """--tp's layout and the model's cut, refused before torchrun starts (the model built on the meta device)."""
     from tiertrain.models import build, resolve_config
-    from tiertrain.parallel.tensor_plans import check_pipeline_tensor
+    from tiertrain.parallel.tensor_plans import check_pipeline_tensor, check_sequence_parallel
 
     if nproc % (cfg.tp * cfg.pp):
         both = f"--pp {cfg.pp} x --tp {cfg.tp}" if cfg.pp > 1 else f"--tp {cfg.tp}"
         raise ConfigError(f"{both} must divide --nproc {nproc}: give --nproc a multiple of {cfg.tp * cfg.pp}")
-    check_pipeline_tensor(build(resolve_config(cfg.model), device="meta"), cfg.tp, cfg.pp)
+    model = build(resolve_config(cfg.model), device="meta")
+    cut = check_pipeline_tensor(model, cfg.tp, cfg.pp)
+    if cfg.sequence_parallel:
+        check_sequence_parallel(model, cut)
     if cfg.plan.endswith(".json") and os.path.isfile(cfg.plan):  # a plan file's update mode and dtype too
         from tiertrain.api.tensor_parallel import check_tensor_plan
         from tiertrain.plan import RunOptions
@@ -801,6 +811,9 @@ def bench_description_cmd(d_model: int, layers: int, batch_size: int, seq_len: i
               help="With --nproc N and --model: tensor parallel, each block cut over groups of this many ranks (inside "
                    "a node, on --machine's first link); each rank is planned with its share of every block and the "
                    "group's sums in its times. With --max-model: the largest over every tp a node's ranks allow.")
+@click.option("--sequence-parallel", is_flag=True,
+              help="With --tp: plan each rank with its slice of the sequence between the cut regions (what "
+                   "train --sequence-parallel runs).")
 @click.option("--layouts", is_flag=True,
               help="With --nproc N and --model: plan every dp x pp x tp layout of the N ranks (tp inside a node), "
                    "print their predicted steps and throughput side by side, and write the fastest's plan.")

@@ -66,6 +66,7 @@ class PlanRequest:
     schedule: str | None = None        # with pp: the pipeline's schedule where it is given, not chosen (and its
     segments: int = 1                  # segments; grad_accum micro-batches splitting batch)
     tp: int = 1                        # tensor parallel: each block cut over groups of tp ranks inside a node
+    sequence_parallel: bool = False    # with tp: the sequence sliced over the group between its cut regions
 
     @property
     def layout(self) -> PipelineLayout | None:
@@ -512,17 +513,21 @@ def _tensor_model(model: str, tp: int, pp: int = 1) -> tuple[nn.Module, TensorPl
 def _cut_over_group(req: PlanRequest, profile: Profile, target: Machine, here: Machine) -> tuple[Profile, str]:
     """One rank's profile of a tensor-parallel group (``planner.tensor``), and what the plan says of it."""
     from tiertrain.models import ModelConfig
-    from tiertrain.parallel.tensor_plans import whole_in_a_block
+    from tiertrain.parallel.tensor_plans import check_sequence_parallel, whole_in_a_block
     from tiertrain.planner.tensor import for_tensor, sums_s
 
     link = _node_link(target, here, profile, req.tp)
     built, plan = _tensor_model(req.model, req.tp)
     cfg = built.config
     routed = cfg.top_k if isinstance(cfg, ModelConfig) and cfg.is_moe else 1
-    cut = for_tensor(profile, req.tp, link.all_reduce_bps, whole_in_a_block(built, plan), routed)
+    if req.sequence_parallel:
+        check_sequence_parallel(built, plan)
+    cut = for_tensor(profile, req.tp, link.all_reduce_bps, whole_in_a_block(built, plan), routed,
+                     req.sequence_parallel)
     compute = sum(b.forward_s + b.backward_s for b in cut.blocks)
     sums = sums_s(profile, req.tp, link.all_reduce_bps, routed)
-    return cut, (f"tensor parallel: --tp {req.tp}, each rank {cut.blocks[0].params:,} of a block's "
+    sliced = ", each rank its slice of the sequence between them" if req.sequence_parallel else ""
+    return cut, (f"tensor parallel: --tp {req.tp}{sliced}, each rank {cut.blocks[0].params:,} of a block's "
                  f"{profile.blocks[0].params:,} parameters; the group's sums {sums * 1e3:.1f} ms a step of its "
                  f"blocks' {compute * 1e3:.1f} ms, on the critical path ({link.source or 'measured here'})")
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tiertrain.parallel.collectives import Collectives
+from tiertrain.parallel.sequence_ops import leave_sequence
 from tiertrain.parallel.tensor_ops import enter_region, leave_region
 
 
@@ -48,7 +49,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: Collectives,
                  enters: bool = True, transposed: bool = False) -> None:
         """``enters``: the layer enters its input into the cut region itself (False: its module's pre-hook
-        entered it once for every layer reading it)."""
+        entered it once for every layer reading it, or gathered its sequence slices: sequence parallel)."""
         super().__init__()
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None
@@ -64,14 +65,16 @@ class RowParallelLinear(nn.Module):
     the bias (whole on every rank) added after the sum."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: Collectives,
-                 transposed: bool = False) -> None:
+                 transposed: bool = False, sequence: bool = False) -> None:
+        """``sequence``: its output is left as this rank's slice of the sequence (sequence parallel)."""
         super().__init__()
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None
-        self.group, self.transposed = group, transposed
+        self.group, self.transposed, self.sequence = group, transposed, sequence
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = leave_region(F.linear(x, self.weight.t() if self.transposed else self.weight), self.group)
+        leave = leave_sequence if self.sequence else leave_region
+        y = leave(F.linear(x, self.weight.t() if self.transposed else self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
 
@@ -84,10 +87,11 @@ def column_parallel(linear: nn.Module, split: Split, rank: int, group: Collectiv
 
 
 def row_parallel(linear: nn.Module, split: Split, rank: int, group: Collectives,
-                 transposed: bool = False) -> RowParallelLinear:
+                 transposed: bool = False, sequence: bool = False) -> RowParallelLinear:
     """``linear`` cut by input features (``split``), this rank's shard; the bias kept whole."""
     bias = None if linear.bias is None else linear.bias.detach().clone()
-    return RowParallelLinear(split.shard(linear.weight.detach(), rank, group.world_size), bias, group, transposed)
+    return RowParallelLinear(split.shard(linear.weight.detach(), rank, group.world_size), bias, group, transposed,
+                             sequence)
 
 
 ROWS = Split(1)   # a row-parallel weight: its input features (dim 1 of torch's [out, in])

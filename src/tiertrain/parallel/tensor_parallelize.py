@@ -11,9 +11,19 @@ from torch import nn
 
 from tiertrain.errors import ConfigError
 from tiertrain.parallel.collectives import Collectives
+from tiertrain.parallel.sequence_ops import (
+    enter_sequence,
+    gather_sequence,
+    scatter_sequence,
+)
 from tiertrain.parallel.tensor_layers import column_parallel, row_parallel
 from tiertrain.parallel.tensor_ops import enter_region
-from tiertrain.parallel.tensor_plans import GPT_PLAN, TensorPlan, check_tensor_parallel
+from tiertrain.parallel.tensor_plans import (
+    GPT_PLAN,
+    TensorPlan,
+    check_sequence_parallel,
+    check_tensor_parallel,
+)
 from tiertrain.parallel.tensor_start import (
     back_to_meta,
     drawn_whole,
@@ -22,22 +32,30 @@ from tiertrain.parallel.tensor_start import (
 )
 
 
-def parallelize(model: nn.Module, rank: int, group: Collectives) -> dict[int, nn.Parameter]:
+def parallelize(model: nn.Module, rank: int, group: Collectives, sequence: bool = False) -> dict[int, nn.Parameter]:
     """Cut ``model``'s blocks in place into this rank's shards, every rank of ``group`` from the same whole
-    model; returns each replaced parameter's new one by the old one's ``id`` (an optimizer built over the
-    whole model is pointed at them)."""
+    model (``sequence``: each rank holding its slice of the sequence between the cut regions); returns
+    each replaced parameter's new one by the old one's ``id`` (an optimizer built over the whole model is
+    pointed at them)."""
     plan = check_tensor_parallel(model, group.world_size)
+    if sequence:
+        check_sequence_parallel(model, plan)
     if plan is not GPT_PLAN and any(b.is_meta for b in model.buffers()):
         raise ConfigError(f"a {type(model).__name__} built on the meta device cannot be cut over tensor-parallel "
                           "ranks yet (its buffers, as rotary frequencies, are not drawn): build it in memory "
                           "(a larger --host-memory)")
     seed = group_seed(group)
     same_start(model, group, seed, plan.blocks_at)
-    return parallelize_blocks(plan, plan.blocks(model), rank, group, seed)
+    new_of = parallelize_blocks(plan, plan.blocks(model), rank, group, seed, sequence=sequence)
+    if sequence:
+        first, last = (operator.attrgetter(path)(model) for path in plan.sequence_at)
+        first.register_forward_hook(lambda m, args, out: scatter_sequence(out, group))
+        last.register_forward_pre_hook(lambda m, args: (gather_sequence(args[0], group), *args[1:]))
+    return new_of
 
 
 def parallelize_blocks(plan: TensorPlan, blocks: nn.ModuleList, rank: int, group: Collectives, seed: int,
-                       first: int = 0) -> dict[int, nn.Parameter]:
+                       first: int = 0, sequence: bool = False) -> dict[int, nn.Parameter]:
     """``parallelize`` of some of a checked model's blocks (a pipeline stage's: ``first`` is the index of
     its first block in the model), each alike on every rank of ``group`` already but for its matrices on
     the meta device, drawn whole here from ``seed`` one block at a time (the cut ones let go again once
@@ -57,8 +75,9 @@ def parallelize_blocks(plan: TensorPlan, blocks: nn.ModuleList, rank: int, group
                 if p.is_meta:
                     drawn_whole(f"{plan.blocks_at}.{first + j}.{path}.{pname}", p, seed)
             split = plan.weight_split(cut)
-            new = (column_parallel(linear, split, rank, group, not plan.shared_inputs, plan.transposed) if cut.column
-                   else row_parallel(linear, split, rank, group, plan.transposed))
+            enters = not (plan.sequence_inputs if sequence else plan.shared_inputs)
+            new = (column_parallel(linear, split, rank, group, enters, plan.transposed)
+                   if cut.column else row_parallel(linear, split, rank, group, plan.transposed, sequence))
             for pname, p in linear.named_parameters():
                 new_of[id(p)] = getattr(new, pname)
             for p in drawn:
@@ -67,8 +86,9 @@ def parallelize_blocks(plan: TensorPlan, blocks: nn.ModuleList, rank: int, group
         for name, p in block.named_parameters():  # a whole one still on meta (a router) drawn alike, not by setup
             if p.is_meta:
                 drawn_whole(f"{plan.blocks_at}.{first + j}.{name}", p, seed)
-        for path in plan.shared_inputs:
-            operator.attrgetter(path)(block).register_forward_pre_hook(_entered(group), with_kwargs=True)
+        entered = (plan.sequence_inputs, enter_sequence) if sequence else (plan.shared_inputs, enter_region)
+        for path in entered[0]:
+            operator.attrgetter(path)(block).register_forward_pre_hook(_entered(group, entered[1]), with_kwargs=True)
         for heads in plan.heads_attrs:
             owner_path, _, attr = heads.rpartition(".")
             owner = operator.attrgetter(owner_path)(block)
@@ -76,11 +96,12 @@ def parallelize_blocks(plan: TensorPlan, blocks: nn.ModuleList, rank: int, group
     return new_of
 
 
-def _entered(group: Collectives) -> Callable[[nn.Module, tuple, dict], tuple[tuple, dict]]:
+def _entered(group: Collectives, enter: Callable = enter_region) -> Callable[[nn.Module, tuple, dict], tuple[tuple, dict]]:
     """A pre-hook entering a module's input (its first argument, or ``hidden_states``) into the cut region
-    once, for every column-parallel layer reading it."""
+    once, for every column-parallel layer reading it (``enter``: ``enter_region``, or ``enter_sequence``
+    gathering a rank's sequence slice)."""
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if args:
-            return (enter_region(args[0], group), *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": enter_region(kwargs["hidden_states"], group)}
+            return (enter(args[0], group), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": enter(kwargs["hidden_states"], group)}
     return hook

@@ -46,14 +46,19 @@ class Cut:
 class TensorPlan:
     """An architecture's parallelize plan: its blocks' place, their layers' cuts, the modules whose input
     the column-parallel layers in them share (entered once), the attributes counting a block's heads
-    (divided by the group's size; none where the forward reads the heads from the weights' shapes), and
-    whether its weights are stored [in, out] (GPT-2's Conv1D) rather than torch's [out, in]."""
+    (divided by the group's size; none where the forward reads the heads from the weights' shapes),
+    whether its weights are stored [in, out] (GPT-2's Conv1D) rather than torch's [out, in], and for
+    sequence parallel where it starts and ends (the module whose output is cut into sequence slices before
+    the blocks, the one whose input is put back together after them; None: not supported) and the
+    modules of a block whose input is gathered whole as it enters (they read its length)."""
 
     blocks_at: str
     cuts: tuple[Cut, ...]
     shared_inputs: tuple[str, ...] = ()
     heads_attrs: tuple[str, ...] = ()
     transposed: bool = False
+    sequence_at: tuple[str, str] | None = None
+    sequence_inputs: tuple[str, ...] = ()
 
     def blocks(self, model: nn.Module) -> nn.ModuleList:
         return operator.attrgetter(self.blocks_at)(model)
@@ -79,7 +84,7 @@ _MLP = (Cut("fc", True), Cut("proj", False))
 GPT_PLAN = TensorPlan("blocks", (Cut("attn.qkv", True, 3), Cut("attn.proj", False),
                                  *(Cut(f"ffn.{c.path}", c.column) for c in _MLP),
                                  *(Cut(f"ffn.experts.*.{c.path}", c.column) for c in _MLP)),
-                      heads_attrs=("attn.n_head",))
+                      heads_attrs=("attn.n_head",), sequence_at=("drop", "ln_f"), sequence_inputs=("attn", "ffn"))
 DECODER_PLAN = TensorPlan("model.layers", (
     Cut("self_attn.q_proj", True), Cut("self_attn.k_proj", True), Cut("self_attn.v_proj", True),
     Cut("self_attn.o_proj", False), Cut("mlp.gate_proj", True), Cut("mlp.up_proj", True),
@@ -133,6 +138,17 @@ def check_pipeline_tensor(model: nn.Module, tp: int, pp: int) -> TensorPlan:
         raise ConfigError("a tied embedding in a pipeline cut over tensor-parallel ranks is not supported yet: untie "
                           "the model's head (tie_embeddings: false, tie_word_embeddings: false)")
     return plan
+
+
+def check_sequence_parallel(model: nn.Module, plan: TensorPlan) -> None:
+    """Refuse, in one line, a model sequence parallel cannot slice: one whose plan says not where its
+    sequence is cut and put together, or whose experts need every token of the group."""
+    if plan.sequence_at is None:
+        raise ConfigError(f"sequence parallel cuts tiertrain's GPT only yet, not a {type(model).__name__}: leave "
+                          "--sequence-parallel out (tensor parallel alone cuts it)")
+    if isinstance(model, GPT) and model.config.is_moe:
+        raise ConfigError("sequence parallel does not slice a mixture-of-experts model yet (its experts would need "
+                          "every rank's tokens): leave --sequence-parallel out")
 
 
 def _hf_plan(model: nn.Module) -> TensorPlan | None:

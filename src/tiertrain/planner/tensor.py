@@ -31,13 +31,15 @@ def all_reduce_s(nbytes: float, ranks: int, bps: float) -> float:
     return 2 * (ranks - 1) / ranks * nbytes / bps if ranks > 1 and bps > 0 else 0.0
 
 
-def for_tensor(p: Profile, tp: int, bps: float, whole: int, routed: int = 1) -> Profile:
+def for_tensor(p: Profile, tp: int, bps: float, whole: int, routed: int = 1, sequence: bool = False) -> Profile:
     """The profile of one rank of a tensor-parallel group of ``tp`` over a link of ``bps`` (each block's
-    ``whole`` elements on every rank; ``routed``: the experts a token goes to, 1 for a dense MLP); the rest
-    (embeddings, head) whole, as the ranks hold it."""
+    ``whole`` elements on every rank; ``routed``: the experts a token goes to, 1 for a dense MLP;
+    ``sequence``: sequence parallel, what the norms and residuals keep sliced too, its all-gathers and
+    reduce-scatters the bytes and times of the all-reduces they replace); the rest (embeddings, head)
+    whole, as the ranks hold it."""
     if tp == 1:
         return p
-    return dataclasses.replace(p, blocks=tuple(_cut(b, tp, bps, whole, routed) for b in p.blocks))
+    return dataclasses.replace(p, blocks=tuple(_cut(b, tp, bps, whole, routed, sequence) for b in p.blocks))
 
 
 def sums_s(p: Profile, tp: int, bps: float, routed: int = 1) -> float:
@@ -46,10 +48,10 @@ def sums_s(p: Profile, tp: int, bps: float, routed: int = 1) -> float:
     return sum((FORWARD_SUMS + BACKWARD_SUMS + extra) * all_reduce_s(b.hidden_bytes, tp, bps) for b in p.blocks)
 
 
-def _cut(b: BlockProfile, tp: int, bps: float, whole: int, routed: int) -> BlockProfile:
+def _cut(b: BlockProfile, tp: int, bps: float, whole: int, routed: int, sequence: bool) -> BlockProfile:
     one = all_reduce_s(b.hidden_bytes, tp, bps)
     whole = min(whole, b.params)
-    kept = min(b.act_bytes, WHOLE_INPUTS * b.hidden_bytes)
+    kept = 0 if sequence else min(b.act_bytes, WHOLE_INPUTS * b.hidden_bytes)
     extra = routed - 1
     return dataclasses.replace(
         b, params=-(-(b.params - whole) // tp) + whole, largest=-(-b.largest // tp),

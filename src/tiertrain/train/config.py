@@ -75,6 +75,7 @@ class TrainConfig:
     schedule: str = field(default="aiao", metadata=one_of(*SCHEDULES))  # with pp > 1; its micro-batches: grad_accum
     segments: int = field(default=1, metadata=at_least(1))  # with pp > 1: FOLD3D's segments (virtual stages per rank)
     tp: int = field(default=1, metadata=at_least(1))  # tensor parallel: each block cut over groups of tp ranks
+    sequence_parallel: bool = False  # with tp > 1: each rank its slice of the sequence between the cut regions
 
     def __post_init__(self) -> None:
         typed.check(self, "config")
@@ -121,8 +122,11 @@ class TrainConfig:
             raise ConfigError("--ep and --shard-group do not combine with --pp yet; leave them out")
 
     def _validate_tensor(self) -> None:
-        if self.tp == 1:
+        if self.tp == 1:  # a sequence-parallel run's option stays in its saved options when it resumes at 1
             return
+        if self.sequence_parallel and self.pp > 1:
+            raise ConfigError("--sequence-parallel does not combine with --pp yet (a stage's sequence slices would "
+                              "cross to the next stage): leave one of them out")
         if self.plan is None or self.plan == "auto":
             raise ConfigError(f"--tp {self.tp} tiers each rank's shards under a named plan: add --plan "
                               "resident|stream|max-offload|FILE (not auto yet)")

@@ -33,7 +33,8 @@ class TensorTrainer(Trainer):
                                       page_size=parse_size(cfg.page_size) if cfg.page_size else None,
                                       grad_accum=cfg.grad_accum, update=cfg.update, max_staleness=cfg.max_staleness,
                                       max_grad_norm=cfg.grad_clip or None, reduce_dtype=cfg.reduce_dtype,
-                                      compute_dtype=self.precision.name, init_states=not cfg.resume)
+                                      compute_dtype=self.precision.name, init_states=not cfg.resume,
+                                      sequence_parallel=cfg.sequence_parallel)
         self.model, self.opt = self.tensor.model, self.tensor.optimizer
         self.state = TieredState(self.model)
 
@@ -60,5 +61,6 @@ class TensorTrainer(Trainer):
         tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum * (self.world // cfg.tp)
         name = getattr(model_cfg, "name", "") or type(self.model).__name__
         return (f"training {name} ({format_count(n)} params) on {self.device.type}, "
-                f"{self.precision.name}; tensor parallel over {cfg.tp} ranks x {self.world // cfg.tp} replicas; "
+                f"{self.precision.name}; tensor parallel over {cfg.tp} ranks x {self.world // cfg.tp} replicas"
+                f"{', sequence parallel' if cfg.sequence_parallel else ''}; "
                 f"{tokens} tokens/step; steps {self.step}->{cfg.steps}; out {self.out}; plan {self.model.runtime.plan.name}")

@@ -23,7 +23,8 @@ TP2 = [TpCase(2), TpCase(2, plan="disk", clip=0.05), TpCase(2, plan="stash", cli
        TpCase(2, tied=True, family="llama"), TpCase(2, skew=True, family="qwen2"),
        TpCase(2, plan="disk", clip=0.05, tied=True, family="gpt2"), TpCase(2, update="overlap", family="gpt_neox"),
        TpCase(2, plan="disk", clip=0.05, family="moe"), TpCase(2, plan="stash", family="moe"),
-       TpCase(2, clip=0.05, sequence=True), TpCase(2, plan="stash", clip=0.05, tied=True, sequence=True)]
+       TpCase(2, clip=0.05, sequence=True), TpCase(2, plan="stash", clip=0.05, tied=True, sequence=True),
+       TpCase(2, plan="resident"), TpCase(2, plan="resident", sequence=True)]
 META = TpCase(2, plan="resident", meta=True)
 META_MOE = TpCase(2, plan="resident", meta=True, family="moe")  # its routers, whole, drawn by the group too
 DP2_TP2 = [TpCase(2, clip=0.05), TpCase(2, plan="disk"), TpCase(2, plan="disk", clip=0.05, sequence=True)]
@@ -145,7 +146,7 @@ def test_each_rank_holds_its_share_of_a_blocks_optimizer_states(request, fixture
     results = request.getfixturevalue(fixture)
     blocks = TINY["n_layer"]  # every test model's
     for rank in range(world):
-        for case in TP2 if fixture == "tp2" else DP2_TP2:
+        for case in (c for c in (TP2 if fixture == "tp2" else DP2_TP2) if c.plan != "resident"):  # (no masters apart)
             cut, whole, rest, pad = _counts(case)
             got = results[((case,), rank)]
             for kind, nbytes in got["states"].items():
@@ -181,6 +182,18 @@ def test_each_rank_sends_four_sums_of_a_blocks_activations_per_step_five_where_r
         want += 4 if case.clip else 0
         for rank in range(2):
             assert tp2[((case,), rank)]["sent"] == [want] * 3, (case, rank)
+
+
+def test_sequence_parallel_keeps_a_slice_of_each_norms_input_for_backward(tp2):
+    """What autograd saves in a forward (a resident plan: nothing between the blocks and autograd): with the
+    sequence sliced, each of a block's two norms keeps its input's slice, not the whole sequence, so a
+    rank saves at least 2 x blocks x half an activation less."""
+    from pp_harness import ROWS
+
+    act = ROWS * 16 * TINY["d_model"] * 4
+    for rank in range(2):
+        whole, sliced = (tp2[((TpCase(2, plan="resident", sequence=s),), rank)]["saved"] for s in (False, True))
+        assert 0 < sliced <= whole - 2 * TINY["n_layer"] * act // 2, (rank, whole, sliced)
 
 
 def test_the_shards_are_the_ranks_heads_and_features():

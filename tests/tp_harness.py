@@ -4,6 +4,7 @@ data-parallel replicas, their gradients averaged as DDP does) with the same fuse
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 
@@ -77,7 +78,8 @@ def tp_losses(rank: int, case: TpCase, disk: Path, save_to: Path | None = None, 
             if save_to is not None and step == 1:
                 tiertrain.save_tensor_parallel(run, save_to, step)
             before = run.mesh.tp_group.sent
-            loss = loss_of(run.model, b[:, :-1], b[:, 1:])
+            with _saved_bytes(out if case.plan == "resident" and step == first else {}):
+                loss = loss_of(run.model, b[:, :-1], b[:, 1:])
             loss.backward()
             if case.clip is not None:
                 out.setdefault("norms", []).append(float(torch.nn.utils.clip_grad_norm_(run.model.parameters(),
@@ -91,3 +93,20 @@ def tp_losses(rank: int, case: TpCase, disk: Path, save_to: Path | None = None, 
         return out
     finally:
         run.close()
+
+
+@contextlib.contextmanager
+def _saved_bytes(out: dict):
+    """Counts into ``out["saved"]`` the bytes of every tensor autograd saves for backward in the block
+    (a resident plan's forward keeps its activations as autograd saves them: nothing of ours in between)."""
+    if not isinstance(out, dict) or "losses" not in out:
+        yield
+        return
+    out["saved"] = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, torch.nn.Parameter):
+            out["saved"] += t.numel() * t.element_size()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield

@@ -54,9 +54,14 @@ def test_a_ranks_profile_holds_its_share_of_each_block_and_waits_for_the_groups_
         assert c.recompute_seconds == pytest.approx(b.recompute_seconds / tp + 3 * one)  # the experts' sums again
     added = sum(c.forward_s + c.backward_s - (b.forward_s + b.backward_s) / tp for b, c in zip(p.blocks, routed.blocks))
     assert sums_s(p, tp, bps, routed=2) == pytest.approx(added)
-    sliced = for_tensor(p, tp, bps, whole, sequence=True)  # the norms' and residuals' activations 1/T too
-    for b, c, s in zip(p.blocks, cut.blocks, sliced.blocks):
-        assert s.act_bytes == -(-b.act_bytes // tp) < c.act_bytes and (s.forward_s, s.params) == (c.forward_s, c.params)
+    sliced = for_tensor(p, tp, bps, whole, sequence=True)  # the norms' and residuals' activations 1/T too, the
+    for b, c, s in zip(p.blocks, cut.blocks, sliced.blocks):  # two gathered inputs the column layers keep whole
+        kept = min(b.act_bytes, 2 * b.hidden_bytes)
+        assert s.act_bytes == kept + -(-(b.act_bytes - kept) // tp) < c.act_bytes
+        assert (s.forward_s, s.params) == (c.forward_s, c.params)
+        one = all_reduce_s(b.hidden_bytes, tp, bps)
+        assert s.recompute_seconds == pytest.approx(c.recompute_seconds + 0.5 * one)
+        assert s.backward_s == pytest.approx(c.backward_s + all_reduce_s(4 * whole, tp, bps))
 
 
 def _main(*args: str) -> int:
@@ -86,15 +91,12 @@ def test_plan_tp_plans_a_transformers_models_share_by_its_parallelize_plan(tmp_p
     from pp_harness import config_of
 
     from tiertrain.models import build
-    from tiertrain.parallel.tensor_plans import check_tensor_parallel, split_of
     from tiertrain.runtime.blocks import block_numel, find_blocks
 
     model = tmp_path / "hf.json"
     model.write_text(json.dumps(config_of(family)))
-    built = build(config_of(family), device="meta")
-    at = check_tensor_parallel(built, 2).blocks_at
-    whole = sum(p.numel() for n, p in built.named_parameters() if n.startswith(f"{at}.0.") and not split_of(n))
-    chunk = block_numel(find_blocks(built)[0])
+    whole = {"llama": 2 * 32, "gpt2": 2 * 64 + 2 * 32}[family]  # two norms (GPT-2's with biases), c_proj's biases
+    chunk = block_numel(find_blocks(build(config_of(family), device="meta"))[0])
     assert _main("plan", "--model", str(model), "--machine", "h100-sxm-80gb", "--seq", "16", "--solver", "dp",
                  "--nproc", "2", "--tp", "2", "--out", str(tmp_path / "p.json")) == 0
     said = " ".join(capsys.readouterr().out.split())
@@ -167,6 +169,9 @@ def test_plan_layouts_plans_every_layout_of_the_ranks_and_writes_the_fastests(tm
     (["--nproc", "8", "--nproc-per-node", "2", "--tp", "4"], "must divide --nproc 8 and --nproc-per-node 2"),
     (["--nproc", "4", "--tp", "2", "--pp", "2"], "a tied embedding in a pipeline cut over tensor-parallel ranks"),
     (["--nproc", "4", "--tp", "2", "--ep", "2", "--model", "tiny-moe"], "--tp does not combine with --ep"),
+    (["--nproc", "2", "--sequence-parallel"], "--sequence-parallel plans a tensor-parallel group's sequence slices"),
+    (["--nproc", "2", "--tp", "2", "--sequence-parallel", "--model", "tiny-moe"],
+     "sequence parallel does not slice a mixture-of-experts model yet"),
     (["--nproc", "8", "--tp", "8"], "--tp 8 must divide the model's attention heads (n_head), 2"),
 ])
 def test_a_tensor_parallel_plan_it_cannot_make_is_refused_in_one_line(tmp_path, capsys, extra, says):

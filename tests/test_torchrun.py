@@ -341,7 +341,9 @@ def test_a_pipeline_the_ranks_would_refuse_is_one_message_before_torchrun_starts
                        ([*piped[:2], "--nproc", "2", "--pp", "2"], "add --plan"),
                        ([*piped, "--precision", "fp16"], "use --precision bf16"),
                        ([*piped, "--update", "overlap"], "add --grad-clip 0, or use --update sync to clip"),
-                       ([*piped, "--update", "lockfree"], "train --pp takes --update sync or overlap")):
+                       ([*piped, "--update", "lockfree"], "train --pp takes --update sync or overlap"),
+                       (["--model", "tiny", *piped[2:], "--update", "overlap", "--grad-clip", "0"],
+                        "a head tied to the embedding sums its two stages' gradients first")):
         out = tmp_path / "r"
         assert main(["train", *args, "--out", str(out)]) == 2, args
         err = capsys.readouterr().err
@@ -391,6 +393,7 @@ def test_a_tensor_parallel_layout_the_ranks_would_refuse_is_one_message_before_t
                                                            "tensor-parallel group: give --tp T"),
                        ([*cut[:4], "--nproc", "4", "--tp", "2", "--pp", "2", "--sequence-parallel"],
                         "--sequence-parallel does not combine with --pp yet"),
+                       ([*cut, "--sequence-parallel", "--seq-len", "31"], "give a --seq-len that 2 divides (not 31)"),
                        (["--model", str(moe), *cut[2:], "--ep", "2"], "--ep do not combine with --tp yet")):
         out = tmp_path / "r"
         assert main(["train", *args, "--out", str(out)]) == 2, args

@@ -126,9 +126,10 @@ def cli() -> None:
                                     "heads, MLP features) over groups of this many consecutive ranks, N / tp replicas "
                                     "of the group; with --pp, each stage's blocks (N / (pp x tp) replicas). Default 1; "
                                     "tiertrain's GPT and transformers GPT-2, GPT-NeoX, Llama, Qwen2, Mistral.")
-@click.option("--sequence-parallel", is_flag=True, default=None,
+@click.option("--sequence-parallel/--no-sequence-parallel", default=None,
               help="With --tp: each rank holds its slice of the sequence between the cut regions (Megatron's "
-                   "sequence parallel: norms and residuals 1/tp each; tiertrain's GPT).")
+                   "sequence parallel: norms and residuals 1/tp each; tiertrain's GPT). A resume keeps the "
+                   "checkpoint's unless told.")
 @click.option("--quiet", is_flag=True, help="Print only the summary.")
 @click.option("--nproc", type=POSITIVE, default=None,
               help="Data-parallel processes on this machine (runs torchrun --nproc-per-node N for you; several "
@@ -232,17 +233,10 @@ def _check_layout(cfg: Any, nproc: int) -> None:
 
     if cfg.ep > 1 or cfg.shard_group:
         ParallelLayout(dp=nproc, ep=cfg.ep, shard_group=cfg.shard_group)  # one message where they do not divide it
-    if cfg.pp > 1:
-        from tiertrain.models import config_blocks, resolve_config
-        from tiertrain.plan.pipeline import PipelineLayout
-
-        model_cfg = resolve_config(cfg.model)
-        blocks = config_blocks(model_cfg)
     if cfg.tp > 1:
         _check_tensor_layout(cfg, nproc)
     if cfg.pp > 1:
-        PipelineLayout(cfg.pp, cfg.schedule, cfg.grad_accum, cfg.segments).check(
-            nproc // cfg.tp, blocks or cfg.pp * cfg.segments, cfg.grad_accum)
+        _check_pipeline_layout(cfg, nproc)
     if cfg.plan and cfg.plan.endswith(".json") and os.path.isfile(cfg.plan):
         dp = Plan.from_json(Path(cfg.plan).read_text(), f"plan {cfg.plan}").parallel.dp
         per = cfg.tp * cfg.pp  # a replica's ranks (a group, a pipeline of them): the plan's dp counts replicas
@@ -257,10 +251,28 @@ def _check_layout(cfg: Any, nproc: int) -> None:
                               f"--nproc {nproc}{layout} ...)")
 
 
+def _check_pipeline_layout(cfg: Any, nproc: int) -> None:
+    """--pp's layout, and a tied head with updates during backward (each rank would refuse it), before
+    torchrun starts."""
+    from tiertrain.models import build, config_blocks, resolve_config
+    from tiertrain.models.stages import tied_head
+    from tiertrain.plan.pipeline import PipelineLayout
+    from tiertrain.plan.update_modes import rules
+
+    model_cfg = resolve_config(cfg.model)
+    PipelineLayout(cfg.pp, cfg.schedule, cfg.grad_accum, cfg.segments).check(
+        nproc // cfg.tp, config_blocks(model_cfg) or cfg.pp * cfg.segments, cfg.grad_accum)
+    if cfg.update and rules(cfg.update).updates_as_final and tied_head(build(model_cfg, device="meta")):
+        raise ConfigError(f"--update {cfg.update} updates each block during backward, and a head tied to the "
+                          "embedding sums its two stages' gradients first: use --update sync, or untie the head "
+                          "(tie_embeddings: false)")
+
+
 def _check_tensor_layout(cfg: Any, nproc: int) -> None:
     """--tp's layout and the model's cut, refused before torchrun starts (the model built on the meta device)."""
-    from tiertrain.models import build, resolve_config
+    from tiertrain.models import build, config_vocab_and_len, resolve_config
     from tiertrain.parallel.tensor_plans import check_pipeline_tensor, check_sequence_parallel
+    from tiertrain.train.config import SEQ_LEN
 
     if nproc % (cfg.tp * cfg.pp):
         both = f"--pp {cfg.pp} x --tp {cfg.tp}" if cfg.pp > 1 else f"--tp {cfg.tp}"
@@ -269,6 +281,10 @@ def _check_tensor_layout(cfg: Any, nproc: int) -> None:
     cut = check_pipeline_tensor(model, cfg.tp, cfg.pp)
     if cfg.sequence_parallel:
         check_sequence_parallel(model, cut)
+        seq = cfg.seq_len or min(SEQ_LEN, config_vocab_and_len(resolve_config(cfg.model))[1] or SEQ_LEN)
+        if seq % cfg.tp:
+            raise ConfigError(f"--sequence-parallel slices each sequence over the {cfg.tp} ranks of a group: give a "
+                              f"--seq-len that {cfg.tp} divides (not {seq})")
     if cfg.plan.endswith(".json") and os.path.isfile(cfg.plan):  # a plan file's update mode and dtype too
         from tiertrain.api.tensor_parallel import check_tensor_plan
         from tiertrain.plan import RunOptions

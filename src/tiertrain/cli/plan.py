@@ -387,7 +387,8 @@ def run_layouts(req: PlanRequest, console: Console) -> Planned:
                           "memory (--device-memory, --host-memory, --disk) or more ranks")
     speed, lay, best, text = max(found, key=lambda f: f[0])
     console.print(text, end="", markup=False, highlight=False)  # the fastest layout's plan, as plan prints one
-    console.print(f"fastest layout: --nproc {req.nproc} {lay.flags()} ({lay.dp} replicas), {speed:,.0f} tokens/s "
+    sliced = " --sequence-parallel" if req.sequence_parallel else ""
+    console.print(f"fastest layout: --nproc {req.nproc} {lay.flags()}{sliced} ({lay.dp} replicas), {speed:,.0f} tokens/s "
                   "predicted; the plan above is for one of its ranks: train it with these flags and --plan FILE")
     return best
 
@@ -486,6 +487,9 @@ def _node_link(target: Machine, here: Machine, profile: Profile, ranks: int) -> 
 
 def _check_tensor(req: PlanRequest) -> None:
     """What a tensor-parallel plan cannot be, refused before anything is measured."""
+    if req.sequence_parallel and (req.tp == 1 or req.pp > 1):
+        raise ConfigError("--sequence-parallel plans a tensor-parallel group's sequence slices: give --tp T (above "
+                          "1), without --pp (train runs them so)")
     if req.tp == 1:
         return
     if req.nproc % req.tp or (req.nproc_per_node and req.nproc_per_node % req.tp):
@@ -497,7 +501,11 @@ def _check_tensor(req: PlanRequest) -> None:
     if not req.model or req.profile_file:
         raise ConfigError("--tp plans a model cut over ranks by its parallelize plan: give --model (a name or config "
                           "file), not --profile")
-    _tensor_model(req.model, req.tp, req.pp)
+    built, cut = _tensor_model(req.model, req.tp, req.pp)
+    if req.sequence_parallel:
+        from tiertrain.parallel.tensor_plans import check_sequence_parallel
+
+        check_sequence_parallel(built, cut)
 
 
 def _tensor_model(model: str, tp: int, pp: int = 1) -> tuple[nn.Module, TensorPlan]:
@@ -513,15 +521,13 @@ def _tensor_model(model: str, tp: int, pp: int = 1) -> tuple[nn.Module, TensorPl
 def _cut_over_group(req: PlanRequest, profile: Profile, target: Machine, here: Machine) -> tuple[Profile, str]:
     """One rank's profile of a tensor-parallel group (``planner.tensor``), and what the plan says of it."""
     from tiertrain.models import ModelConfig
-    from tiertrain.parallel.tensor_plans import check_sequence_parallel, whole_in_a_block
+    from tiertrain.parallel.tensor_plans import whole_in_a_block
     from tiertrain.planner.tensor import for_tensor, sums_s
 
     link = _node_link(target, here, profile, req.tp)
     built, plan = _tensor_model(req.model, req.tp)
     cfg = built.config
     routed = cfg.top_k if isinstance(cfg, ModelConfig) and cfg.is_moe else 1
-    if req.sequence_parallel:
-        check_sequence_parallel(built, plan)
     cut = for_tensor(profile, req.tp, link.all_reduce_bps, whole_in_a_block(built, plan), routed,
                      req.sequence_parallel)
     compute = sum(b.forward_s + b.backward_s for b in cut.blocks)

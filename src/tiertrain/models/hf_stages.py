@@ -12,6 +12,7 @@ family keeps those parts is data (``Parts``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,7 @@ class Parts:
     layers: str
     norm: str
     head: str = "lm_head"
+    head_before: str = ""  # the head's name in transformers 4 where it differs (GPT-NeoX's ``embed_out``)
     whole: tuple[str, ...] = ()
     added: tuple[str, ...] = ()
     dropouts: tuple[str, ...] = ("attention_dropout",)  # config fields each stage would draw apart
@@ -49,7 +51,7 @@ _LLAMA = Parts("model", "embed_tokens", "layers", "norm", whole=("rotary_emb",))
 PARTS = {"llama": _LLAMA, "qwen2": _LLAMA, "mistral": _LLAMA,
          "gpt2": Parts("transformer", "wte", "h", "ln_f", added=("wpe",),
                        dropouts=("attn_pdrop", "resid_pdrop", "embd_pdrop")),
-         "gpt_neox": Parts("gpt_neox", "embed_in", "layers", "final_layer_norm",
+         "gpt_neox": Parts("gpt_neox", "embed_in", "layers", "final_layer_norm", head_before="embed_out",
                            whole=("rotary_emb",), dropouts=("attention_dropout", "hidden_dropout"))}
 FAMILIES = tuple(PARTS)
 
@@ -57,6 +59,8 @@ FAMILIES = tuple(PARTS)
 def parts_of(model: nn.Module) -> Parts | None:
     """``model``'s parts where it is a transformers causal LM of one of ``FAMILIES`` laid out as they say."""
     parts = PARTS.get(getattr(getattr(model, "config", None), "model_type", None))
+    if parts is not None and parts.head_before and not hasattr(model, parts.head):
+        parts = dataclasses.replace(parts, head=parts.head_before)
     base = getattr(model, parts.base, None) if parts is not None else None
     if base is None or not isinstance(getattr(model, parts.head, None), nn.Module):
         return None
@@ -64,11 +68,6 @@ def parts_of(model: nn.Module) -> Parts | None:
     if not all(isinstance(getattr(base, p, None), nn.Module) for p in named):
         return None
     return parts if isinstance(getattr(base, parts.layers), nn.ModuleList) else None
-
-
-def is_decoder(model: nn.Module) -> bool:
-    """Whether ``model`` is a transformers causal LM of one of ``FAMILIES``."""
-    return parts_of(model) is not None
 
 
 def check_decoder(model: nn.Module) -> None:

@@ -93,7 +93,8 @@ def scatter_sequence(x: torch.Tensor, group: Collectives) -> torch.Tensor:
     """This rank's slice of the sequence of ``x`` (whole and alike on every rank of ``group``)."""
     if x.shape[1] % group.world_size:
         raise ConfigError(f"sequence parallel over {group.world_size} ranks needs a sequence length they divide; got "
-                          f"{x.shape[1]}: give a --seq-len that {group.world_size} divides")
+                          f"{x.shape[1]}: feed sequences whose length {group.world_size} divides (generate with the "
+                          "model cut without sequence parallel)")
     return _Scatter.apply(x, group)
 
 

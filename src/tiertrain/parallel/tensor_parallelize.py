@@ -7,6 +7,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 from tiertrain.errors import ConfigError
@@ -86,9 +87,9 @@ def parallelize_blocks(plan: TensorPlan, blocks: nn.ModuleList, rank: int, group
         for name, p in block.named_parameters():  # a whole one still on meta (a router) drawn alike, not by setup
             if p.is_meta:
                 drawn_whole(f"{plan.blocks_at}.{first + j}.{name}", p, seed)
-        entered = (plan.sequence_inputs, enter_sequence) if sequence else (plan.shared_inputs, enter_region)
-        for path in entered[0]:
-            operator.attrgetter(path)(block).register_forward_pre_hook(_entered(group, entered[1]), with_kwargs=True)
+        paths, enter = (plan.sequence_inputs, enter_sequence) if sequence else (plan.shared_inputs, enter_region)
+        for path in paths:
+            operator.attrgetter(path)(block).register_forward_pre_hook(_entered(group, enter), with_kwargs=True)
         for heads in plan.heads_attrs:
             owner_path, _, attr = heads.rpartition(".")
             owner = operator.attrgetter(owner_path)(block)
@@ -96,7 +97,10 @@ def parallelize_blocks(plan: TensorPlan, blocks: nn.ModuleList, rank: int, group
     return new_of
 
 
-def _entered(group: Collectives, enter: Callable = enter_region) -> Callable[[nn.Module, tuple, dict], tuple[tuple, dict]]:
+Enter = Callable[[torch.Tensor, Collectives], torch.Tensor]
+
+
+def _entered(group: Collectives, enter: Enter = enter_region) -> Callable[[nn.Module, tuple, dict], tuple[tuple, dict]]:
     """A pre-hook entering a module's input (its first argument, or ``hidden_states``) into the cut region
     once, for every column-parallel layer reading it (``enter``: ``enter_region``, or ``enter_sequence``
     gathering a rank's sequence slice)."""

@@ -14,6 +14,7 @@ without the model.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import re
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from torch import nn
 
 from tiertrain.errors import ConfigError
 from tiertrain.models.config import ModelConfig
-from tiertrain.models.gpt import GPT, Block
+from tiertrain.models.gpt import GPT
 from tiertrain.models.stages import tied_head
 from tiertrain.parallel.tensor_layers import Split
 
@@ -178,8 +179,7 @@ def whole_in_a_block(model: nn.Module, plan: TensorPlan) -> int:
 
 
 def whole_per_block(cfg: ModelConfig) -> int:
-    """Elements of one block of our GPT that every rank of a group holds whole (norms, projection biases,
-    a router), as its plan cuts it: what the planner keeps whole per rank (``planner.tensor``)."""
+    """``whole_in_a_block`` of our GPT of ``cfg`` (built on the meta device, one block)."""
     with torch.device("meta"):
-        block = Block(cfg)
-    return sum(p.numel() for name, p in block.named_parameters() if GPT_PLAN.split_of(f"blocks.0.{name}") is None)
+        model = GPT(dataclasses.replace(cfg, n_layer=1))
+    return whole_in_a_block(model, GPT_PLAN)

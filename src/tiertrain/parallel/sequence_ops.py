@@ -41,52 +41,29 @@ def _reduce_scatter(x: torch.Tensor, group: Collectives) -> torch.Tensor:
 
 
 def _slice(x: torch.Tensor, group: Collectives) -> torch.Tensor:
+    """This rank's slice of the sequence (dim 1) of ``x``, a tensor of its own."""
     n = x.shape[1] // group.world_size
-    return x[:, group.rank * n:(group.rank + 1) * n]
+    return x[:, group.rank * n:(group.rank + 1) * n].contiguous()
 
 
-class _Scatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Collectives) -> torch.Tensor:
+Op = Callable[[torch.Tensor, Collectives], torch.Tensor]
+
+
+def _conjugate(name: str, forward: Op, backward: Op) -> type[torch.autograd.Function]:
+    """An autograd function doing ``forward`` over the group, and ``backward`` to its gradient."""
+    def fwd(ctx: Any, x: torch.Tensor, group: Collectives) -> torch.Tensor:
         ctx.group = group
-        return _slice(x, group).contiguous()
+        return forward(x, group)
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _gather(grad, ctx.group), None
-
-
-class _Gather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Collectives) -> torch.Tensor:
-        ctx.group = group
-        return _gather(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _slice(grad, ctx.group).contiguous(), None
+    def bwd(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return backward(grad, ctx.group), None
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
 
-class _Enter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Collectives) -> torch.Tensor:
-        ctx.group = group
-        return _gather(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _reduce_scatter(grad, ctx.group), None
-
-
-class _Leave(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Collectives) -> torch.Tensor:
-        ctx.group = group
-        return _reduce_scatter(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _gather(grad, ctx.group), None
+_Scatter = _conjugate("_Scatter", _slice, _gather)
+_Gather = _conjugate("_Gather", _gather, _slice)
+_Enter = _conjugate("_Enter", _gather, _reduce_scatter)
+_Leave = _conjugate("_Leave", _reduce_scatter, _gather)
 
 
 def scatter_sequence(x: torch.Tensor, group: Collectives) -> torch.Tensor:

@@ -39,6 +39,21 @@ def test_bench_planner_prints_each_figure_beside_its_limit(tmp_path):
     assert list((tmp_path / "d").iterdir()) == []
 
 
+def test_bench_tensor_prints_tp2_and_sequence_parallel_beside_tp1_with_the_bytes_each_rank_sent():
+    """Each tensor-parallel run's bytes a rank sent per step equal its formula (sequence parallel's: gathers
+    and reduce-scatters, the sequence gathered around the blocks, the whole gradients' sums), printed with
+    its step beside one process's on the same cores."""
+    r = run_cli("bench", "tensor", "--d-model", "64", "--layers", "2", "--rows", "2", "--seq-len", "16", "--steps",
+                "1", "--sequence-parallel", timeout=600)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    cut = [x for x in lines if x.startswith("tp 2")]
+    assert len(cut) == 2 and "sequence parallel" in cut[1] and "sequence" not in cut[0], r.stdout
+    for x in cut:
+        assert "B: 1.000)" in x and "x the time" in x, x
+    assert sum(x.startswith("tp 1 (1 process x 2 threads): step") for x in lines) == 1, r.stdout
+
+
 def test_bench_overhead_prints_plain_and_resident_beside_the_target():
     r = run_cli("bench", "overhead", "--d-model", "64", "--layers", "2", "--batch-size", "2", "--seq-len", "16",
                 "--rounds", "2", "--steps", "1")

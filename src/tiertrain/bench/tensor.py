@@ -1,10 +1,13 @@
 """Tensor parallel against one process (issue 39's benchmark): the same GPT, batches and plan at tp = 2 (two
 ranks of one thread each, the loopback between them) and at tp = 1 (one process of two threads: the same
-two cores), in one run: step time side by side, and the bytes each tp rank sent per step beside the formula.
+two cores), in one run: step time side by side, and the bytes each tp rank sent per step beside the formula;
+with ``--sequence-parallel``, tp = 2 with the sequence sliced between the cut regions beside them too.
 
 The formula: per block, two sums of the block's output activations (rows x tokens x d_model, fp32) in
 forward and two in backward (``parallel.tensor_ops``), each a ring all-reduce that sends 2 (T-1)/T of
-the buffer; a clipping step adds its norm.
+the buffer; a clipping step adds its norm. Sequence parallel: each sum an all-gather and a reduce-scatter
+((T-1)/T each, the same bytes), the sequence gathered once before the final norm and once in backward
+after the embeddings, and each block's whole parameters' gradients summed.
 """
 
 from __future__ import annotations
@@ -36,6 +39,11 @@ class TensorBench:
     seq: int = 128
     steps: int = 4            # timed, after one warm-up step
     plan: str = "stream"      # resident, stream (states on the host) or max-offload (on disk)
+    sequence: bool = False    # the sequence sliced between the cut regions (sequence parallel)
+
+    @property
+    def label(self) -> str:
+        return "sp" if self.sequence else ""
 
 
 def _setup(b: TensorBench, tp: int, disk: Path) -> tuple[Any, Any, Callable[[], int]]:
@@ -55,7 +63,7 @@ def _setup(b: TensorBench, tp: int, disk: Path) -> tuple[Any, Any, Callable[[], 
     if tp == 1:
         tm, topt = tiertrain.setup(model, opt, memory, plan=b.plan)
         return tm, topt, lambda: 0
-    run = tiertrain.tensor_parallel(model, opt, tp, memory, plan=b.plan)
+    run = tiertrain.tensor_parallel(model, opt, tp, memory, plan=b.plan, sequence_parallel=b.sequence)
     return run.model, run.optimizer, lambda: run.mesh.tp_group.sent
 
 
@@ -96,35 +104,50 @@ def worker(b: TensorBench, tp: int, out: Path) -> None:
     finally:
         if tp > 1:
             dist.destroy_process_group()
-    (out / f"tp{tp}-rank{rank}.json").write_text(json.dumps(figures))
+    (out / f"tp{tp}{b.label}-rank{rank}.json").write_text(json.dumps(figures))
 
 
 def formula_bytes(b: TensorBench, tp: int) -> int:
     """What each rank's group sends per step (module docstring), with the clipping step's norm."""
+    from tiertrain.bench.runtime import model_cfg
+    from tiertrain.parallel.tensor_plans import whole_per_block
+
     act = b.rows * b.seq * b.d_model * 4
-    return b.layers * 4 * 2 * (tp - 1) * act // tp + 4
+    if not b.sequence:
+        return b.layers * 4 * 2 * (tp - 1) * act // tp + 4
+    unit = (tp - 1) * act // tp
+    whole = whole_per_block(model_cfg(b.d_model, b.layers, b.seq)) * 4 * 2 * (tp - 1) // tp
+    return b.layers * (8 * unit + whole) + 2 * unit + 4
 
 
-def bench_tensor(b: TensorBench, echo: Callable[[str], None]) -> dict[str, float]:
+def _ranks(b: TensorBench, tp: int, out: Path) -> list[dict[str, Any]]:
+    """``b`` run at ``tp`` (tp ranks of one thread each; one process of TP threads at tp = 1): each rank's figures."""
+    args = ["-m", "tiertrain.bench.tensor", "--worker", str(out), "--config", json.dumps(dataclasses.asdict(b))]
+    done = torchrun(tp, [*args, "--tp", str(tp)], 1 if tp > 1 else TP, 1800)
+    if done.returncode:
+        raise RuntimeError(f"the tensor benchmark's ranks failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return [json.loads((out / f"tp{tp}{b.label}-rank{r}.json").read_text()) for r in range(tp)]
+
+
+def bench_tensor(b: TensorBench, echo: Callable[[str], None], sequence: bool = False) -> dict[str, float]:
+    """tp = 2 beside tp = 1 (and, with ``sequence``, tp = 2 with sequence parallel) in one run."""
+    cuts = [b, dataclasses.replace(b, sequence=True)] if sequence else [b]
     with tempfile.TemporaryDirectory(prefix="tiertrain-bench-tensor-") as tmp:
-        out = Path(tmp)
-        args = ["-m", "tiertrain.bench.tensor", "--worker", str(out), "--config", json.dumps(dataclasses.asdict(b))]
-        for tp, nproc, threads in ((TP, TP, 1), (1, 1, TP)):
-            done = torchrun(nproc, [*args, "--tp", str(tp)], threads, 1800)
-            if done.returncode:
-                raise RuntimeError(f"the tensor benchmark's ranks failed (exit {done.returncode}):\n"
-                                   f"{done.stderr[-3000:]}")
-        cut = [json.loads((out / f"tp{TP}-rank{r}.json").read_text()) for r in range(TP)]
-        one = json.loads((out / "tp1-rank0.json").read_text())
-    step = statistics.median(max(r["step_s"][k] for r in cut) for k in range(b.steps))
+        ranks = [_ranks(c, TP, Path(tmp)) for c in cuts]
+        one = _ranks(b, 1, Path(tmp))[0]
     alone = statistics.median(one["step_s"])
-    sent, want = statistics.median(cut[0]["sent"]), formula_bytes(b, TP)
     echo(f"{b.layers} blocks of d_model {b.d_model}, {b.rows} rows x {b.seq} tokens a step, plan {b.plan}, fp32, "
          f"clipped; {b.steps} timed steps; the same {TP} cores either way")
-    echo(f"tp {TP} (2 ranks x 1 thread): step {step * 1e3:8.1f} ms   sent per rank per step {sent:,.0f} B "
-         f"(formula {want:,} B: {sent / want:.3f})")
-    echo(f"tp 1 (1 process x {TP} threads): step {alone * 1e3:8.1f} ms   tp {TP} / tp 1: {step / alone:.2f}x the time")
-    return {"tp_step_s": step, "one_step_s": alone, "sent": sent, "formula": want}
+    out = {"one_step_s": alone}
+    for c, cut in zip(cuts, ranks):
+        step = statistics.median(max(r["step_s"][k] for r in cut) for k in range(b.steps))
+        sent, want = statistics.median(cut[0]["sent"]), formula_bytes(c, TP)
+        name = f"tp {TP}{' + sequence parallel' if c.sequence else ''} (2 ranks x 1 thread)"
+        echo(f"{name}: step {step * 1e3:8.1f} ms   sent per rank per step {sent:,.0f} B (formula {want:,} B: "
+             f"{sent / want:.3f})   tp {TP} / tp 1: {step / alone:.2f}x the time")
+        out.update({f"tp{c.label}_step_s": step, f"sent{c.label}": sent, f"formula{c.label}": want})
+    echo(f"tp 1 (1 process x {TP} threads): step {alone * 1e3:8.1f} ms")
+    return out
 
 
 def _main() -> None:

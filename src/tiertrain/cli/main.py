@@ -626,7 +626,9 @@ def bench_pipeline_cmd(rate: str | None, schedules: str, plan_name: str, d_model
 @click.option("--rows", type=POSITIVE, default=8, show_default=True, help="Sequences per step.")
 @click.option("--seq-len", type=click.IntRange(1, 1024), default=128, show_default=True)
 @click.option("--steps", type=POSITIVE, default=4, show_default=True, help="Timed steps, after one warm-up step.")
-def bench_tensor_cmd(plan_name: str, d_model: int, layers: int, rows: int, seq_len: int, steps: int) -> None:
+@click.option("--sequence-parallel", is_flag=True, help="tp=2 with the sequence sliced (sequence parallel) too.")
+def bench_tensor_cmd(plan_name: str, d_model: int, layers: int, rows: int, seq_len: int, steps: int,
+                     sequence_parallel: bool) -> None:
     """tp=2 (two ranks) beside tp=1 (one process) on the same cores: step time, and the bytes each rank sent
     per step beside the formula."""
     from tiertrain.bench.machine import describe
@@ -635,7 +637,9 @@ def bench_tensor_cmd(plan_name: str, d_model: int, layers: int, rows: int, seq_l
     if d_model % 8:
         raise ConfigError(f"--d-model {d_model}: the bench model has 8 heads; give a multiple of 8")
     click.echo(f"machine: {describe()}")
-    bench_tensor(TensorBench(d_model, layers, rows, seq_len, steps, plan_name), click.echo)
+    if sequence_parallel and seq_len % 2:
+        raise ConfigError(f"--sequence-parallel slices each sequence over 2 ranks: give an even --seq-len, not {seq_len}")
+    bench_tensor(TensorBench(d_model, layers, rows, seq_len, steps, plan_name), click.echo, sequence_parallel)
 
 
 @bench.command("peers", context_settings=CONTEXT)

@@ -98,7 +98,8 @@ def tensor_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, tp: int,
         raise
     norm_over_group(tiered, mesh.tp_group)
     if sequence_parallel:
-        sum_whole_gradients(tiered, cut.blocks_at, mesh.tp_group)
+        in_blocks = f"{cut.blocks_at}."
+        sum_whole_gradients(tiered, lambda n: n.startswith(in_blocks) and cut.split_of(n) is None, mesh.tp_group)
     return TensorParallel(tiered, topt, mesh)
 
 

@@ -58,6 +58,11 @@ def stage_dir(index: int) -> str:
     return f"stage-{index:03d}"
 
 
+def tp_dir(rank: int) -> str:
+    """A tensor-parallel rank's part of a checkpoint (``checkpoint.tensor_parallel``; here for pp x tp)."""
+    return f"tp-{rank:03d}"
+
+
 @dataclass(frozen=True)
 class PipelineRecord:
     """trainer.json's ``pipeline``: the layout the run saved from."""
@@ -76,7 +81,7 @@ def save_pipelined(out: Path, parts: Sequence[tuple[int, nn.Module]], world: Any
     ``world``), the temporary directory removed and the previous checkpoint intact."""
     save = ManyRankSave.begin(out, state.step, world, "pipeline")
     tp_rank, tp = tensor_rank(parts[0][1])  # every stage of a rank is cut over the same group
-    base = save.tmp / f"tp-{tp_rank:03d}" if tp > 1 else save.tmp
+    base = save.tmp / tp_dir(tp_rank) if tp > 1 else save.tmp
     save.agree(lambda: base.mkdir(exist_ok=True))
     for index, module in parts:
         write_part(base / stage_dir(index), TieredState(module), state, save.agree)
@@ -85,7 +90,7 @@ def save_pipelined(out: Path, parts: Sequence[tuple[int, nn.Module]], world: Any
     mine = world.rank == 0 if tp == 1 else world.rank < tp  # dp x pp x tp: tp-r's first rank is world rank r
     save.agree(lambda: write_top(base, parts[0][1], subdirs, stages, param_groups, state) if mine else None)
     if tp > 1:
-        tps = [f"tp-{r:03d}" for r in range(tp)]
+        tps = [tp_dir(r) for r in range(tp)]
         top = {"tensor": {"tp": tp, "ranks": record.ranks}}
         save.agree(lambda: write_top(save.tmp, parts[0][1], tps, top, param_groups, state) if world.rank == 0 else None)
     return save.publish(keep)

@@ -24,6 +24,7 @@ from tiertrain import typed
 from tiertrain.checkpoint.pipelined import (
     check_covers,
     open_part,
+    tp_dir,
     write_part,
     write_top,
 )
@@ -32,10 +33,6 @@ from tiertrain.checkpoint.train_state import TieredState, TrainState
 from tiertrain.parallel.tensor_layers import tensor_rank
 from tiertrain.parallel.tensor_plans import split_of
 from tiertrain.tensor_file import TensorSpec
-
-
-def tp_dir(rank: int) -> str:
-    return f"tp-{rank:03d}"
 
 
 @dataclass(frozen=True)

@@ -126,6 +126,8 @@ class DecoderStage(PipelineStageModule):
             if self.tied_across:
                 setattr(mine, parts.embed, self._tied_copy(getattr(base, parts.embed).weight, head))
             setattr(self, parts.head, head)
+        layers = getattr(mine, parts.layers)  # a later stage's stand-ins for what the base adds to the input
+        object.__setattr__(self, "_zeros", {} if embeds else {n: _Zeros(self.hidden_size, layers) for n in parts.added})
 
     @property
     def hidden_size(self) -> int:
@@ -135,8 +137,7 @@ class DecoderStage(PipelineStageModule):
         parts, base, mine = self.parts, self._base, getattr(self, self.parts.base)
         layers = getattr(mine, parts.layers)
         swapped = {parts.layers: layers, parts.norm: getattr(mine, parts.norm) if self.heads else nn.Identity()}
-        if not self.embeds:
-            swapped.update({name: _Zeros(self.hidden_size, layers) for name in parts.added})
+        swapped.update(self._zeros)
         kept = {name: getattr(base, name) for name in swapped}
         for name, module in swapped.items():
             setattr(base, name, module)

@@ -90,15 +90,13 @@ def leave_sequence(x: torch.Tensor, group: Collectives) -> torch.Tensor:
     return _Leave.apply(x, group)
 
 
-def sum_whole_gradients(model: nn.Module, blocks_at: str, group: Collectives) -> None:
-    """Each whole parameter of ``model``'s blocks (named ``blocks_at.N...``: norms, row-parallel biases) gets
+def sum_whole_gradients(model: nn.Module, whole: Callable[[str], bool], group: Collectives) -> None:
+    """Each whole parameter of ``model``'s blocks (``whole`` of its name: norms, row-parallel biases) gets
     its gradient summed over ``group`` before it is accumulated: under sequence parallel each rank's is its
     slice of the tokens' part, and every rank must update with the whole. On the parameters the loop
     trains (the tiered module's, after setup)."""
-    from tiertrain.parallel.tensor_plans import split_of
-
     for name, p in model.named_parameters():
-        if name.startswith(f"{blocks_at}.") and split_of(name) is None:
+        if whole(name):
             p.register_hook(_summed(group))
 
 

@@ -40,7 +40,19 @@ def _fresh():
     return model, opt
 
 
-def _loop(model, opt, rank: int, accum: int, clip: float | None, clip_fn, no_sync=None) -> list[float]:
+def _probe(model, rank: int) -> float:
+    """The trained weights as finely as fp32 shows them, for runs with accumulation: the float64 sum of the
+    squares of one batch's logits. Two orders of summing the micro-batches' gradients differ by units in the
+    last place, which AdamW's first steps mostly normalise away: a loss (one fp32 mean) can come out equal
+    for both, this does not."""
+    b = rank_batches(rank + 50, 1)[0]
+    with torch.no_grad():
+        return float(model(b[:, :-1]).double().pow(2).sum())
+
+
+def _loop(model, opt, rank: int, accum: int, clip: float | None, clip_fn, no_sync=None,
+          probe: bool = True) -> list[float]:
+    """Each step's loss, and after them, with accumulation, the weights' ``_probe``."""
     import contextlib
 
     from tiertrain.train.objective import lm_loss
@@ -60,7 +72,7 @@ def _loop(model, opt, rank: int, accum: int, clip: float | None, clip_fn, no_syn
         opt.step()
         opt.zero_grad()
         losses.append(total)
-    return losses
+    return losses + ([_probe(model, rank)] if probe and accum > 1 else [])
 
 
 def ddp_losses(rank: int, accum: int, clip: float | None) -> list[float]:
@@ -99,7 +111,7 @@ def per_micro_losses(rank: int, accum: int) -> list[float]:
         opt.step()
         opt.zero_grad()
         losses.append(total)
-    return losses
+    return losses + [_probe(model, rank)]
 
 
 def tiered_losses(rank: int, plan, update: str, accum: int, clip: float | None, disk: Path,
@@ -116,8 +128,10 @@ def tiered_losses(rank: int, plan, update: str, accum: int, clip: float | None, 
         assert tm.runtime.mem.pool(Tier.DEVICE).capacity == tm.runtime.plan.resolved.device < budgets.device
         assert type(tm.runtime.comm).__name__ == "PlacementChecked"  # every call below held to its side
         before = tm.runtime.comm.sent
-        losses = _loop(tm, topt, rank, accum, clip, lambda c: torch.nn.utils.clip_grad_norm_(tm.parameters(), c))
-        return losses, tm.runtime.comm.sent - before
+        losses = _loop(tm, topt, rank, accum, clip, lambda c: torch.nn.utils.clip_grad_norm_(tm.parameters(), c),
+                       probe=False)
+        sent = tm.runtime.comm.sent - before
+        return losses + ([_probe(tm, rank)] if accum > 1 else []), sent
     finally:
         tm.runtime.close()
         tm.runtime.mem.close()

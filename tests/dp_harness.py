@@ -51,8 +51,10 @@ def _probe(model, rank: int) -> float:
 
 
 def _loop(model, opt, rank: int, accum: int, clip: float | None, clip_fn, no_sync=None,
-          probe: bool = True) -> list[float]:
-    """Each step's loss, and after them, with accumulation, the weights' ``_probe``."""
+          probe: bool = True, lr_decay: float | None = None) -> list[float]:
+    """Each step's loss, and after them, with accumulation, the weights' ``_probe``. ``lr_decay``: each
+    step's learning rate that times the last's, set after the step as a scheduler sets it (an update left
+    for the next forward must still take its own step's)."""
     import contextlib
 
     from tiertrain.train.objective import lm_loss
@@ -70,18 +72,21 @@ def _loop(model, opt, rank: int, accum: int, clip: float | None, clip_fn, no_syn
         if clip:
             clip_fn(clip)
         opt.step()
+        if lr_decay is not None:
+            for group in opt.param_groups:
+                group["lr"] *= lr_decay
         opt.zero_grad()
         losses.append(total)
     return losses + ([_probe(model, rank)] if probe and accum > 1 else [])
 
 
-def ddp_losses(rank: int, accum: int, clip: float | None) -> list[float]:
+def ddp_losses(rank: int, accum: int, clip: float | None, lr_decay: float | None = None) -> list[float]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model, opt = _fresh()
     ddp = DDP(model)
     return _loop(ddp, opt, rank, accum, clip, lambda c: torch.nn.utils.clip_grad_norm_(ddp.parameters(), c),
-                 ddp.no_sync)
+                 ddp.no_sync, lr_decay=lr_decay)
 
 
 def per_micro_losses(rank: int, accum: int) -> list[float]:
@@ -115,7 +120,8 @@ def per_micro_losses(rank: int, accum: int) -> list[float]:
 
 
 def tiered_losses(rank: int, plan, update: str, accum: int, clip: float | None, disk: Path,
-                  reduce_dtype: str | None = None, reduce_every: str | None = None) -> tuple[list[float], int]:
+                  reduce_dtype: str | None = None, reduce_every: str | None = None,
+                  lr_decay: float | None = None) -> tuple[list[float], int]:
     import tiertrain
     from tiertrain.memory import Budgets, Tier
 
@@ -129,7 +135,7 @@ def tiered_losses(rank: int, plan, update: str, accum: int, clip: float | None, 
         assert type(tm.runtime.comm).__name__ == "PlacementChecked"  # every call below held to its side
         before = tm.runtime.comm.sent
         losses = _loop(tm, topt, rank, accum, clip, lambda c: torch.nn.utils.clip_grad_norm_(tm.parameters(), c),
-                       probe=False)
+                       probe=False, lr_decay=lr_decay)
         sent = tm.runtime.comm.sent - before
         return losses + ([_probe(tm, rank)] if accum > 1 else []), sent
     finally:

@@ -170,7 +170,7 @@ def pipelined_losses(rank: int, case: Case, pp: int, disk: Path, events: bool = 
     log: list[tuple[str, int]] = []
     if events:
         _record(run, log)
-    replica, norms = rank // (pp * tp), []
+    replica, norms, recorded = rank // (pp * tp), [], None
     try:
         losses, first = [], tiertrain.load_pipeline(run, load_from).step if load_from else 0
         for step, b in enumerate(batches(replica)[first:], start=first):
@@ -178,15 +178,19 @@ def pipelined_losses(rank: int, case: Case, pp: int, disk: Path, events: bool = 
             losses.append(run.micro_losses.tolist())
             if tp > 1 and case.clip is not None:
                 norms.append(float(run.optimizer.clip_grad_norm_(case.clip)))
+            if events:
+                log.append(("step", step))
             run.optimizer.step()
+            if events:
+                log.append(("stepped", step))
             run.optimizer.zero_grad()
             if save_to is not None and step == 0:
                 tiertrain.save_pipeline(run, save_to, step=1)
-            if events:
+            if events and step == 1:
                 events, recorded = False, list(log)
         out = {"replica": replica, "losses": losses, "pp_rank": run.mesh.pp_rank, "indices": run.indices, "norms": norms,
                "head_released": model.lm_head.weight.is_meta}  # no rank keeps a head it does not train
-        if log:
+        if recorded is not None:
             out["events"] = recorded
             out["synced"] = run.synced
         return out
@@ -195,17 +199,16 @@ def pipelined_losses(rank: int, case: Case, pp: int, disk: Path, events: bool = 
 
 
 def _record(run, log: list) -> None:
-    """Log each stage's backward beginning (its output's gradient arriving), each reduction its runtime
-    issues over the stage's data-parallel group, and each landing of one."""
+    """Log each stage's forward and backward beginning (its output's gradient arriving), each reduction its
+    runtime issues over the stage's data-parallel group, each landing of one, each block's update, and each
+    time a block's params were found ready for a use (tagged with the stage)."""
     for module, v in zip(run.stages, run.indices):
+        module.register_forward_pre_hook(lambda m, a, v=v: log.append(("forward", v)))
         module.register_full_backward_pre_hook(lambda m, g, v=v: log.append(("backward", v)))
-        backward = module.runtime.backward
-        finish = backward._finish_reduction
-
-        def landed(_finish=finish, _v=v):
-            log.append(("landed", _v))
-            _finish()
-        backward._finish_reduction = landed
+        for g in module.runtime.groups:
+            g._land = lambda r, _land=g._land, _e=("landed", v, g.index): (r is None or log.append(_e), _land(r))
+            g.update = _logged(g.update, log, ("updated", v, g.index))
+            g.await_params = _logged(g.await_params, log, ("ready", v, g.index), after=True)
         comm = module.runtime.comm
         for name in ("reduce_scatter", "all_reduce"):
             inner = getattr(comm, name)
@@ -214,6 +217,17 @@ def _record(run, log: list) -> None:
                 log.append(("sync", _v))
                 return _inner(*args, **kwargs)
             setattr(comm, name, logged)
+
+
+def _logged(call, log: list, event: tuple, after: bool = False):
+    def logged(*args, **kwargs):
+        if not after:
+            log.append(event)
+        out = call(*args, **kwargs)
+        if after:
+            log.append(event)
+        return out
+    return logged
 
 
 def stage_dies(rank: int, world: int, store: str, tmp: str, errors) -> None:

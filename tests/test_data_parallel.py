@@ -89,7 +89,9 @@ def dp2(tmp_path_factory, one_process):
                                 ("zero3-like", PLANS["stream"]))]
     jobs += [(("once a step", name, update), functools.partial(
         tiered_losses, plan=PLANS[name], update=update, accum=2, clip=None, disk=tmp / f"once-{name}{update}",
-        reduce_every="step")) for name, update in (("resident", "sync"), ("stream", "overlap"), ("disk", "sync"))]
+        reduce_every="step", lr_decay=0.5)) for name, update in (("resident", "sync"), ("stream", "overlap"),
+                                                                  ("disk", "sync"))]
+    jobs += [(("ddp decayed", 2), functools.partial(ddp_losses, accum=2, clip=None, lr_decay=0.5))]
     jobs += [(("once a step peaks",), functools.partial(pool_peaks, plan=PEAK_PLANS["zero-3"], disk=tmp / "once-peaks",
                                                        reduce_every="step"))]
     jobs += [(("once a step clip", name, update), functools.partial(
@@ -104,10 +106,12 @@ def test_gradients_reduced_once_a_step_equal_ddps_no_sync_bitwise(dp2, case):
     """``reduce_every="step"`` (a pipeline's DP.sync): each rank sums its micro-batches in its stage and the
     blocks are reduced at the last one, DDP's ``no_sync`` order, bit for bit, sending less than a reduction
     every micro-batch; every block's stage held through the step fits the budget the plan was resolved for
-    (a count short of it fails the run)."""
+    (a count short of it fails the run). The step leaves the reductions in flight, each block landing its own
+    and updating at its next use, by then under the next step's learning rate (halved after every step
+    here): each takes its own step's."""
     for rank in (0, 1):
         losses, sent = dp2[(("once a step", *case), rank)]
-        assert losses == dp2[(("ddp", 2, None), rank)]
+        assert losses == dp2[(("ddp decayed", 2), rank)]
         assert sent < dp2[((case[0], case[1], 2, None), rank)][1]
 
 

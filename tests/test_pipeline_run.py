@@ -178,20 +178,32 @@ def test_aiao_issues_each_segments_dp_sync_before_the_segment_before_it_runs_bac
     """On every rank, each stage's gradient reductions over its data-parallel group are issued during its
     last micro-batch's backward, and the later segment's all before the earlier segment's first backward;
     none lands before the earlier segment's last backward has begun (FOLD3D Alg. 1: DP.sync of segment k
-    runs under segment k-1's backward; they land as the step begins). REDUCE_GRAD comes in the same order."""
+    runs under segment k-1's backward). REDUCE_GRAD comes in the same order. The step lands none of them
+    and updates no block: each lands at its block's next use, which updates the block first (Alg. 1 line 5,
+    Alg. 2's forward part), so the later segment's land under the next step's forward of the earlier one."""
     for rank in range(4):
         got = pp2_dp2[(("events",), rank)]
         events, (early, late) = got["events"], got["indices"]
-        backwards = [i for i, e in enumerate(events) if e == ("backward", late)]
-        syncs = [i for i, e in enumerate(events) if e == ("sync", late)]
+        stepping, stepped = events.index(("step", 0)), events.index(("stepped", 0))
+        backwards = [i for i, e in enumerate(events[:stepping]) if e == ("backward", late)]
+        syncs = [i for i, e in enumerate(events[:stepping]) if e == ("sync", late)]
         assert len(backwards) == 4 and syncs, events
         assert min(syncs) > backwards[-1]  # the last micro-batch's backward issues them
         first_early = events.index(("backward", early))
         assert max(syncs) < first_early, events
-        assert any(e == ("sync", early) for e in events[first_early:])
-        landed = [i for i, e in enumerate(events) if e == ("landed", late)]
-        last_early = max(i for i, e in enumerate(events) if e == ("backward", early))
-        assert len(landed) == len(syncs) and min(landed) > last_early, events
+        assert any(e == ("sync", early) for e in events[first_early:stepping])
+        last_early = max(i for i, e in enumerate(events[:stepping]) if e == ("backward", early))
+        assert not any(e[0] == "landed" for e in events[:last_early]), events
+        nxt = events[stepped:]
+        in_flight = {e[1:] for e in nxt if e[0] == "landed"}
+        in_step = events[stepping:stepped]
+        assert in_flight and not any(e[0] == "landed" or e[1:] in in_flight for e in in_step), in_step  # none waited for
+        landed = [i for i, e in enumerate(nxt) if e[:2] == ("landed", late)]
+        assert len(landed) == len(syncs) and min(landed) > nxt.index(("forward", early)), events
+        for v in (early, late):  # each block: landed, updated, then used
+            for i in {e[2] for e in nxt if e[:2] == ("landed", v)}:
+                at = [nxt.index((kind, v, i)) for kind in ("landed", "updated", "ready")]
+                assert at == sorted(at), (v, i, nxt)
         assert got["synced"] == [late, early]
 
 

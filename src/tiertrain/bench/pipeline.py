@@ -8,7 +8,8 @@ rate-limited by a token bucket (``tc tbf``: these kernels have no netem), as scr
 them for the shell benchmarks; without it the ranks share the loopback.
 
 Exposed DP.sync is the time each rank's step thread waited for its stages' gradient reductions to land
-(``runtime.backward.BackwardPass.sync_wait_s``): what the schedule failed to hide under compute. With
+(``runtime.step_clock.StepClock.sync_wait_s``: in backward, and where a block's next use waits for a
+reduction the step left in flight): what the schedule failed to hide under compute. With
 ``--plan stream`` or ``max-offload`` (states on the host, or on disk) each block is updated on the CPU
 workers as its reduction lands (the overlap update mode), under the other segments' compute.
 """
@@ -113,7 +114,7 @@ def _time_compute(run: Any, busy: list[float]) -> None:
 
 
 def _waited(run: Any) -> float:
-    return sum(s.runtime.backward.sync_wait_s for s in run.stages)
+    return sum(s.runtime.clock.sync_wait_s for s in run.stages)
 
 
 def worker(b: PipelineBench, out: Path) -> None:

@@ -13,6 +13,7 @@ a flush waits here for an update in flight to free a chunk.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent import futures
 from typing import TYPE_CHECKING
 
@@ -38,8 +39,9 @@ class BackwardPass:
         earlier plan's backwards saw flush only as backward ended; ``in_flight``: reductions kept in
         flight beside the one starting (``plan.bytes.reductions_in_flight``, what the budget counts);
         ``lands_at_step``: gradients reduced once a step (``Plan.reduce_every``) are all left in flight by the
-        last micro-batch's backward and land when the step begins (``land``): FOLD3D's DP.sync, running under
-        whatever the rank computes next (the backward of a pipeline's earlier segments)."""
+        last micro-batch's backward: FOLD3D's DP.sync, running under whatever the rank computes next (the
+        backward of a pipeline's earlier segments), landing at the step (``land``) or, where the step may
+        leave them, at each block's next use (``hand_over``)."""
         self._groups, self._clock, self._mode, self._mem = groups, clock, mode, mem
         self._in_flight, self.lands_at_step = (len(groups) if lands_at_step else in_flight), lands_at_step
         self._bounded, self._workers, self.tied_early = bounded, update_workers, tied_early
@@ -47,7 +49,6 @@ class BackwardPass:
         self.late_flushes = late                # blocks a backward did not flush as they came (None: none ran yet)
         self._flushed_early: set[int] = set()   # blocks this backward flushed as their gradients came in
         self._reducing: list["BlockGroup"] = []  # blocks whose gradients' reduction is in flight, oldest first
-        self.sync_wait_s = 0.0  # seconds this thread waited for reductions to land: data parallel's exposed sync
 
     def begin(self) -> None:
         """A gradient arrived: the first of a backward queues ``_done`` to run when it ends."""
@@ -77,7 +78,7 @@ class BackwardPass:
         g = self._reducing.pop(0)
         began = time.perf_counter()
         g.finish_reduction()
-        self.sync_wait_s += time.perf_counter() - began
+        self._clock.sync_wait_s += time.perf_counter() - began
         self._mode.grads_final(g)
 
     def room_for_grads(self, tier: Tier) -> None:
@@ -124,6 +125,18 @@ class BackwardPass:
         backward that raised before it ended: ``zero_grad`` drops them (``abandon``)."""
         if not self.running:
             self._land_all()
+
+    def hand_over(self) -> dict[int, Callable[[], None]]:
+        """FOLD3D's DP.sync landing under the next forward (Alg. 1 line 5, Alg. 2's forward part): every
+        reduction the step's last backward left in flight, taken from the blocks as calls that land them (by
+        block index), for the update mode to land each, and update its block, before the block's next use.
+        A block the next forward reaches late (a later segment's, or deep in the stage) finds its reduction
+        landed under the forward before it; the step itself waits for none."""
+        if self.running:
+            return {}
+        later = {g.index: g.landing_later() for g in self._reducing}
+        self._reducing.clear()
+        return later
 
     def _land_all(self) -> None:
         while self._reducing:

@@ -478,6 +478,23 @@ class BlockGroup:
         the grad chunk; after the step's last micro-batch the block's gradients are then final. Nothing
         to do if none is in flight."""
         r, self._reduction = self._reduction, None
+        self._land(r)
+
+    def landing_later(self) -> Callable[[], None]:
+        """Its reduction in flight taken out of the group (``zero_grad`` and the next backward leave it
+        alone), as a call that lands it as ``finish_reduction`` would: the step hands it to the update mode,
+        which lands it and updates the block before the block's next use (``BackwardPass.hand_over``)."""
+        r, self._reduction = self._reduction, None
+        return lambda: self._land(r)
+
+    def land_and_update(self, landing: Callable[[], None], hypers: list[AdamWHyper],
+                        coef: torch.Tensor | None) -> None:
+        """A reduction ``landing_later`` handed over lands, then the step's update of the block, in the calling
+        thread (the step's, at the block's next use; or an update worker)."""
+        landing()
+        self.update_now(hypers, coef)
+
+    def _land(self, r: Reduction | None) -> None:
         if r is None:
             return
         for w in r.works:

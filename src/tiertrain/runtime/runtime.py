@@ -225,11 +225,22 @@ class Runtime:
         return self.mode.clip_grad_norm_(max_norm, norm_type)
 
     def step(self) -> None:
-        self.backward.land()  # reductions a last backward left in flight (``BackwardPass.lands_at_step``)
+        """The step's updates. Reductions the last backward left in flight (``BackwardPass.lands_at_step``)
+        land here, or, where no update waits for every gradient (no norm, no fp16 check, gradients not
+        bounded), each at its block's next use (``BackwardPass.hand_over``: FOLD3D's DP.sync under the
+        next forward), which then updates it first."""
+        later = self.backward.hand_over() if self._lands_later() else {}
+        self.backward.land()
         if self.clock.nonfinite_norm:
             raise FloatingPointError(f"the gradient norm is {float(self.norm.last_norm)}: no block was updated; "
                                      "lower the learning rate, or find where the loss or the gradients overflow")
-        self.mode.step()
+        self.mode.step(later)
+
+    def _lands_later(self) -> bool:
+        """Whether the step may leave reductions in flight to land at their blocks' next use: the update of a
+        block then needs its own gradients only (no global norm or fp16 check waits for all), and the host
+        need not free their chunks for the next backward (bounded gradients)."""
+        return self.backward.lands_at_step and not self.waits_for_norm and not self.bounded_grads
 
     def pop_staleness(self) -> int | None:
         """How many steps the params a forward used lagged at most since last asked; None where the

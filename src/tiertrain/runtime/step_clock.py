@@ -14,6 +14,7 @@ class StepClock:
     updates_started: bool = False  # this step's updates have begun: no backward may run before the step
     skip_step: bool = False       # fp16: this step's gradients overflowed; no block is updated
     nonfinite_norm: bool = False  # overlap with clipping: the norm was NaN/inf, so no update was started
+    sync_wait_s: float = 0.0      # seconds the step's thread waited for reductions to land (the exposed DP.sync)
 
     def final_micro(self) -> bool:
         """Whether the backward running (or next) is the last micro-batch of the step."""

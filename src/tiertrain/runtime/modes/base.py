@@ -11,7 +11,8 @@ and waits for their updates and drops their gradients; it never reaches into a g
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ContextManager, Protocol
@@ -38,6 +39,8 @@ class UpdatableGroup(Protocol):
 
     def update(self, hypers: list[AdamWHyper], coef: torch.Tensor | None) -> None: ...
     def update_now(self, hypers: list[AdamWHyper], coef: torch.Tensor | None) -> None: ...
+    def land_and_update(self, landing: Callable[[], None], hypers: list[AdamWHyper],
+                        coef: torch.Tensor | None) -> None: ...
     def run_update(self, pool: Executor, fn: Callable[..., None], *args: Any) -> Future: ...
     def update_idle(self) -> bool: ...
     def wait_update(self) -> None: ...
@@ -73,6 +76,7 @@ class UpdateMode:
     def __init__(self, ctx: ModeContext) -> None:
         self.ctx = ctx
         self.pool = ThreadPoolExecutor(ctx.plan.update_workers, thread_name_prefix="tiertrain-optim")
+        self._later: dict[int, Callable[[], None]] = {}  # block index -> its step's landing and update, due at its next use
 
     @classmethod
     def check(cls, plan: Plan) -> None:
@@ -80,7 +84,11 @@ class UpdateMode:
 
     # -- the device side -------------------------------------------------------------------
     def params_ready(self, g: UpdatableGroup) -> None:
-        """Return when the block's params may be used: once its update is written back."""
+        """Return when the block's params may be used: once its update is written back (a step's update left
+        for this use, ``land_later``, run first)."""
+        due = self._later.pop(g.index, None)
+        if due is not None:
+            due()
         self.ctx.moves.settle(g)
 
     def step_hypers(self) -> list[AdamWHyper] | None:
@@ -102,37 +110,68 @@ class UpdateMode:
         return 0
 
     # -- the step --------------------------------------------------------------------------
-    def step(self) -> None:
+    def step(self, later: Mapping[int, Callable[[], None]] | None = None) -> None:
+        """``later``: reductions still in flight, by block index (``BackwardPass.hand_over``): those blocks are
+        landed and updated by ``land_later``, the others as the mode does."""
         ctx, clock = self.ctx, self.ctx.clock
+        later = later or {}
         clock.steps_taken += 1
         ctx.settle()
+        if later and not clock.skip_step:
+            coef = ctx.norm.coefficient()
+            for g in self.update_order():
+                if g.index in later:
+                    self.land_later(g, later[g.index], coef)
         if not clock.updates_started:
             if ctx.max_grad_norm is not None and ctx.norm.clip_coef is None:  # declared, and the loop did not clip
                 ctx.norm.clip_grad_norm_(ctx.max_grad_norm)
             coef = ctx.norm.coefficient()
             for g in self.update_order():
-                if not clock.skip_step:
+                if not clock.skip_step and g.index not in later:
                     g.update_now(ctx.hypers(), coef)
         self.after_step()
         clock.end_step()
         ctx.norm.end_step()
+
+    def land_later(self, g: UpdatableGroup, landing: Callable[[], None], coef: torch.Tensor | None) -> None:
+        """``g``'s reduction lands, and ``g`` is updated, in the step's thread at its next use (FOLD3D's
+        ``seg.flush()`` before a segment's forward), with this step's hyperparameters (a scheduler may set
+        the next step's before then)."""
+        hypers = self.ctx.hypers()
+        self._later[g.index] = lambda: self._timed_landing(g, landing, hypers, coef)
+
+    def _timed_landing(self, g: UpdatableGroup, landing: Callable[[], None], hypers: list[AdamWHyper],
+                       coef: torch.Tensor | None) -> None:
+        def timed() -> None:  # the wait for the network, not the update, is the exposed DP.sync
+            began = time.perf_counter()
+            landing()
+            self.ctx.clock.sync_wait_s += time.perf_counter() - began
+        g.land_and_update(timed, hypers, coef)
 
     def update_order(self) -> list[UpdatableGroup]:
         """The rest (embeddings) first: the next forward starts there."""
         return self.ctx.groups[-1:] + self.ctx.groups[:-1]
 
     def after_step(self) -> None:
-        self.wait_all()
+        """The step's updates done, but for those left for their blocks' next use (``land_later``)."""
+        self._finish_updates()
 
     def wait_all(self) -> None:
         """Every gradient taken into the states and every state home (checkpoints, the end)."""
+        for g in self.update_order():
+            due = self._later.pop(g.index, None)
+            if due is not None:
+                due()
+        self._finish_updates()
+
+    def _finish_updates(self) -> None:
         for g in self.ctx.groups:
             g.finish_update()
         self.ctx.moves.drain()
 
     def zero_grad(self, g: UpdatableGroup) -> None:
-        if g.update_future is None:  # an update in flight takes (and frees) the gradients itself
-            g.release()
+        if g.update_future is None and g.index not in self._later:  # an update in flight or due takes (and
+            g.release()                                              # frees) the gradients itself
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

@@ -7,6 +7,7 @@ per pass, since each pass costs the states' disk traffic whatever it carries."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -71,8 +72,9 @@ class LockfreeMode(UpdateMode):
         steps = steps_per_disk_pass("lockfree", self.max_staleness)
         self.submit_loop(g, coalesce=steps if g.plan.home is Tier.DISK else 1)
 
-    def step(self) -> None:
-        """Updates are already running; the device does not wait."""
+    def step(self, later: Mapping[int, Callable[[], None]] | None = None) -> None:
+        """Updates are already running; the device does not wait (no reduction is left for the step: the
+        loops take gradients as they land)."""
         self.ctx.clock.steps_taken += 1
         self.ctx.clock.micro = 0
 

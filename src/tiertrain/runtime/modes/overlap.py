@@ -6,6 +6,9 @@ embeddings first), so the updates run just ahead of the next forward. Same numer
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import torch
 
 from tiertrain.errors import ConfigError
@@ -16,6 +19,7 @@ class OverlapMode(UpdateMode):
     def __init__(self, ctx: ModeContext) -> None:
         super().__init__(ctx)
         self.updates_in_backward_order = not ctx.waits_for_norm
+        self._landing: set[int] = set()  # blocks whose update waits on a reduction handed over by the step
 
     def grads_final(self, g: UpdatableGroup) -> None:
         clock = self.ctx.clock
@@ -51,6 +55,21 @@ class OverlapMode(UpdateMode):
             raise ConfigError(f"in overlap mode updates start during backward, so clipping must be declared up front: "
                               f"tiertrain.setup(..., max_grad_norm={max_norm})")
         return self.ctx.norm.last_norm
+
+    def land_later(self, g: UpdatableGroup, landing: Callable[[], None], coef: torch.Tensor | None) -> None:
+        """On a worker at once: ``g``'s reduction lands there (under the device's next forward), then its
+        update; its next use waits for both, and the time it waits counts as exposed DP.sync."""
+        g.run_update(self.pool, g.land_and_update, landing, self.ctx.hypers(), coef)
+        self._landing.add(g.index)
+        self.ctx.clock.updates_started = True
+
+    def params_ready(self, g: UpdatableGroup) -> None:
+        if g.index in self._landing:
+            self._landing.discard(g.index)
+            began = time.perf_counter()
+            g.wait_update()
+            self.ctx.clock.sync_wait_s += time.perf_counter() - began
+        super().params_ready(g)
 
     def after_step(self) -> None:
         """The step returns at once: the updates' futures are waited for at each block's next use."""

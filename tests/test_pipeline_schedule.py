@@ -118,7 +118,7 @@ def test_a_layouts_predicted_step_is_fold3ds_model_of_its_busiest_stage():
 
     layout = PipelineLayout(pp=2, schedule="aiao", micro_batches=4, segments=2)
     t, params = stage_times(_profile(), layout, Network.from_link(2, 1e9, "test"), 1e9)
-    assert params == 4_000_000 and t.compute_s == pytest.approx(4 * 0.03)
+    assert params == 4_000_000 and t.compute_s == pytest.approx(4 * 0.03) and t.backward_s == pytest.approx(4 * 0.02)
     assert t.dp_sync_s == pytest.approx(2 * 16e6 / 2 / 1e9) and t.pp_sync_s == pytest.approx(2 * (1 << 20) / 1e9)
     assert step_s(t, layout) == aiao_s(t, 2)
     one = PipelineLayout(pp=2, schedule="1f1b", micro_batches=4)
@@ -137,7 +137,9 @@ def test_aiao_with_segments_is_chosen_where_dp_sync_is_large_and_1f1b_never_beat
     best = slow[0]
     assert best.layout.schedule == "aiao" and best.layout.segments > 1, best
     one_f = min(c.step_s for c in slow if c.layout.schedule == "1f1b")
-    assert best.step_s < one_f and "under the other segments' backward" in best.why()
+    ns, r = best.layout.segments, best.times.split(best.layout.segments)
+    assert r == split_ratio(best.times.backward_s / ns, best.times.dp_sync_s / ns) < 1  # the slow link: part waits
+    assert best.step_s < one_f and f"{r:.0%} of a segment's under the backward before it, Alg. 2's r" in best.why()
     assert best.stash == best.layout.micro_batches * best.layout.segments
     alone = choose_pipeline(_profile(), 2, Network.from_link(1, 1e9, "none"), 1e10, rows=8)
     assert all(c.times.dp_sync_s == 0 for c in alone)

@@ -35,6 +35,11 @@ class StageTimes:
     stages: int = field(metadata=at_least(1))          # p
     micro_batches: int = field(metadata=at_least(1))   # M (FOLD3D's ms)
     other_s: float = field(default=0.0, metadata=_TIME)  # T_ip^comm: what never overlaps (tensor parallel's syncs)
+    backward_s: float = field(default=0.0, metadata=_TIME)  # the backward passes' part of compute_s (Alg. 2's r)
+
+    def split(self, segments: int) -> float:
+        """Alg. 2's r for ``segments``: the part of a segment's DP.sync hidden under one segment's backward."""
+        return split_ratio(self.backward_s / segments, self.dp_sync_s / segments)
 
     def bubble_s(self, virtual: int = 1) -> float:
         """Eq. (3): the pipeline's fill and drain, p - 1 forward and backward passes of one micro-batch of
@@ -67,9 +72,12 @@ def aiao_s(t: StageTimes, segments: int) -> float:
 
 
 def split_ratio(backward_s: float, dp_sync_s: float) -> float:
-    """Alg. 2's r: the part of a segment's DP.sync launched as its backward ends, hidden under the backward
-    of the segments before it (one segment's each, ``backward_s``, against one segment's sync,
-    ``dp_sync_s``); the rest waits for the next step's forward of the segments before it."""
+    """Alg. 2's r: the part of a segment's DP.sync hidden under the backward of the segment before it (one
+    segment's each, ``backward_s``, against one segment's sync, ``dp_sync_s``); the rest lands under the
+    next step's forward of the segments before it. FOLD3D launches that rest only then (its communicator
+    runs one collective at a time, and the backward's sends must not queue behind it); tiertrain issues a
+    segment's whole DP.sync as its backward ends, on a group of its own, and each block lands it at its
+    next use (``runtime.backward.BackwardPass.hand_over``), so r here says where it lands, not when it starts."""
     return 1.0 if dp_sync_s <= backward_s else backward_s / dp_sync_s
 
 

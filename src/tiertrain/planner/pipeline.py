@@ -36,8 +36,9 @@ class PipelineChoice:
     def why(self) -> str:
         t, ns = self.times, self.layout.segments
         share = t.dp_sync_s / t.compute_s if t.compute_s else 0.0
-        hidden = f"{(ns - 1) / ns:.0%} of it under the other segments' backward" if self.layout.schedule == "aiao" \
-            else "after the last backward"
+        hidden = (f"{(ns - 1) / ns:.0%} of it under the other segments' compute ({t.split(ns):.0%} of a segment's "
+                  "under the backward before it, Alg. 2's r; the rest under the next forward)"
+                  if self.layout.schedule == "aiao" else "after the last backward")
         return (f"DP.sync {t.dp_sync_s:.3f} s ({share:.0%} of a stage's compute {t.compute_s:.3f} s), {hidden}; "
                 f"bubble {t.bubble_s(ns):.3f} s ((p-1)/({ns} x {t.micro_batches}) of the compute)")
 
@@ -45,18 +46,21 @@ class PipelineChoice:
 def stage_times(p: Profile, layout: PipelineLayout, dp_net: Network, pp_bps: float) -> tuple[StageTimes, int]:
     """FOLD3D's inputs for ``layout`` (the busiest rank's), and that rank's parameter count."""
     runs = fold(len(p.blocks), layout.pp, layout.segments)
-    compute, params = [0.0] * layout.pp, [0] * layout.pp
+    compute, backward, params = [0.0] * layout.pp, [0.0] * layout.pp, [0] * layout.pp
     for v, run in enumerate(runs):
         r = v % layout.pp
         compute[r] += sum(p.blocks[i].forward_s + p.blocks[i].backward_s for i in run)
+        backward[r] += sum(p.blocks[i].backward_s for i in run)
         params[r] += sum(p.blocks[i].params for i in run)
     compute[-1] += p.rest.forward_s + p.rest.backward_s
+    backward[-1] += p.rest.backward_s
     params[-1] += p.rest.params
     busiest = max(range(layout.pp), key=lambda r: (compute[r], params[r]))
     dp_s = dp_net.reduce_s(GRAD_BYTES * params[busiest], False) if dp_net.parallel else 0.0
     hidden = max(b.hidden_bytes for b in p.blocks)  # one segment's hop: every micro-batch's, there and back
     pp_s = 2 * hidden / pp_bps if layout.pp > 1 else 0.0
-    return StageTimes(compute[busiest], dp_s, pp_s, layout.pp, layout.micro_batches), params[busiest]
+    return StageTimes(compute[busiest], dp_s, pp_s, layout.pp, layout.micro_batches,
+                      backward_s=backward[busiest]), params[busiest]
 
 
 def step_s(t: StageTimes, layout: PipelineLayout) -> float:

@@ -47,6 +47,8 @@ class BlockPlan:
     piece: int = field(default=0, metadata=at_least(0))  # disk home: the update streams the states through host
     #                              in pieces of this many bytes of each state (0: the whole block at once), so the
     #                              host needs a few pieces, not 12 B x the block; its gradients wait on the device
+    streams: int = field(default=1, metadata=at_least(1))  # STRONGHOLD's multi-stream execution: the block's batch
+    #                              in this many chunks, each on a device stream of its own (``runtime.streams``)
 
     def to_dict(self) -> dict:
         return {f: (getattr(self, f).value if f == "home" else getattr(self, f)) for f in _BLOCK_FIELDS}

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 from torch.utils.hooks import RemovableHandle
 
+from tiertrain.errors import ConfigError
 from tiertrain.memory import MemorySystem
+from tiertrain.parallel.expert_layer import expert_layers
 from tiertrain.runtime.block_group import BlockGroup
+from tiertrain.runtime.streams import in_streams, streams_for
 from tiertrain.runtime.switches import HostStash, SavedTensors, wrap_forward
 
 
@@ -33,7 +36,7 @@ def install_grad_hooks(g: BlockGroup) -> list[RemovableHandle]:
 
 def apply_switches(g: BlockGroup, mem: MemorySystem, own_forward: object) -> HostStash | None:
     """The block's activation switches as its plan says (recompute, offload_hidden; a streamed block's
-    saved views of its params kept as places in its slot): its forward wrapped, over whatever wrapped it
+    saved views of its params kept as places in its slot) and its streams: its forward wrapped, over whatever wrapped it
     before (a new plan). ``own_forward``: what the module had before any plan wrapped it. The host
     stash, where it offloads."""
     module = g.block.module
@@ -45,4 +48,9 @@ def apply_switches(g: BlockGroup, mem: MemorySystem, own_forward: object) -> Hos
     if g.plan.recompute or g.plan.offload_hidden or g.plan.stream:
         hooks = SavedTensors(g, mem, stash) if g.plan.offload_hidden or g.plan.stream else None
         module.forward = wrap_forward(module.forward, g.plan.recompute, hooks)
+    if g.plan.streams > 1:  # outermost: each chunk its own recompute and stash, as STRONGHOLD's executors
+        if expert_layers(module):
+            raise ConfigError(f"block {g.block.name} holds experts, whose routing and balance loss see the whole "
+                              "batch: run it on one stream (\"streams\": 1 in the plan)")
+        module.forward = in_streams(module.forward, g.plan.streams, streams_for(g.plan.streams, mem.device))
     return stash

@@ -28,6 +28,7 @@ from tiertrain.measure.load import LoadMeter
 from tiertrain.errors import ConfigError
 from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
 from tiertrain.runtime.blocks import Block, block_numel
+from tiertrain.runtime.streams import CudaStreams, Streams, in_streams
 
 log = logging.getLogger("tiertrain")
 
@@ -148,6 +149,34 @@ def _checkpointed(timer: _BlockTimer) -> ExitStack:
     return stack
 
 
+STREAM_COUNTS = (2, 4)  # STRONGHOLD's streams tried per block (its executors: a few, as device memory allows)
+
+
+def _stream_ratios(timer: _BlockTimer, step: Callable[[], None], steps: int, sync: Callable[[], None],
+                   fwd: list[float], bwd: list[float],
+                   make: Callable[[int, torch.device], Streams] = CudaStreams) -> list[tuple[tuple[int, float], ...]]:
+    """Each block's forward and backward with its batch over each of ``STREAM_COUNTS`` CUDA streams
+    (``runtime.streams``; ``make``: a stand-in), as a fraction of one stream's; a count the batch has too
+    few rows for is left out."""
+    out: list[list[tuple[int, float]]] = [[] for _ in timer.blocks]
+    for n in STREAM_COUNTS:
+        timer.clear_times()
+        with ExitStack() as stack:
+            for b in timer.blocks:
+                streams = make(n, next(b.module.parameters()).device)
+                b.module.forward = in_streams(b.module.forward, n, streams)
+                stack.callback(delattr, b.module, "forward")
+            try:
+                for _ in range(steps):
+                    _timed(step, sync)
+            except ConfigError:  # fewer rows than streams
+                continue
+        for i in range(len(timer.blocks)):
+            one = fwd[i] + bwd[i]
+            out[i].append((n, (statistics.median(timer.fwd[i]) + statistics.median(timer.bwd[i])) / one if one else 1.0))
+    return [tuple(r) for r in out]
+
+
 def measure_profile(model: nn.Module, blocks: list[Block], step: Callable[[], None], machine: MachineProfile,
                     precision: str, key: str, page: int, steps: int = 3) -> Profile:
     """Warm up with one ``step`` (a forward+backward at the run's shape), count saved bytes and the
@@ -175,6 +204,7 @@ def measure_profile(model: nn.Module, blocks: list[Block], step: Callable[[], No
             for _ in range(steps):
                 _timed(step, sync)
         recompute = [med(t) for t in timer.rec]
+        ratios = _stream_ratios(timer, step, steps, sync, fwd, bwd) if cuda else [()] * len(repeated)
     finally:
         for h in handles:
             h.remove()
@@ -182,7 +212,7 @@ def measure_profile(model: nn.Module, blocks: list[Block], step: Callable[[], No
     numel = [block_numel(b) for b in blocks]
     largest = [max((p.numel() for _, p in b.params), default=0) for b in blocks]
     out = tuple(BlockProfile(b.name, fwd[i], bwd[i], numel[i], timer.saved[i], timer.hidden[i], recompute[i],
-                             largest=largest[i]) for i, b in enumerate(repeated))
+                             largest=largest[i], stream_ratio=ratios[i]) for i, b in enumerate(repeated))
     calls = [timer.order.count(i) for i in range(len(repeated))]
     left = max(med(totals) - sum(c * (b.forward_s + b.backward_s) for c, b in zip(calls, out)), 0.0)
     rest_profile = BlockProfile(rest.name, left / 3, 2 * left / 3, numel[-1], outside.bytes, 0, largest=largest[-1])

@@ -37,6 +37,9 @@ class BlockProfile:
     largest: int = field(default=0, metadata=at_least(0))  # elements of its largest parameter (0: not known)
     experts: int = field(default=0, metadata=at_least(0))  # expert parallel: of ``params``, the experts one rank
     #                                                         holds whole (never sharded, never streamed)
+    # STRONGHOLD's multi-stream execution, measured on the device: (n, the block's forward and backward over
+    # n streams as a fraction of one stream's); none measured: one stream (a CPU has none to run side by side)
+    stream_ratio: tuple[tuple[int, float], ...] = ()
 
     @property
     def shared(self) -> int:

@@ -35,6 +35,7 @@ from tiertrain.plan.fit import bounded_grads, bounds_grads, tier_bytes
 from tiertrain.plan.update_modes import grad_copies, rules, updates_during_backward
 from tiertrain.planner.costs import GRAD_BYTES, grads_out_s, more_micro_batches, working_bytes
 from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
+from tiertrain.planner.streams import at_streams
 from tiertrain.planner.timeline import RESOURCES, Timeline
 from tiertrain.planner.updates import UpdatePipeline, fills_slot_from_disk, network, own, own_of
 
@@ -72,7 +73,9 @@ def simulate(plan: Plan, p: Profile, needs_all_grads: bool = False, budgets: Bud
     Where the disk goes faster reading and writing at once (``MachineProfile.disk_lanes``), the step
     is replayed both ways and the faster taken: on two lanes each direction runs at its shared rate
     even where the other is idle (a sync step's reads, then its writes), and taking turns at the
-    rates alone is what such a step gets."""
+    rates alone is what such a step gets. Blocks run over several streams at their measured times
+    (``planner.streams``)."""
+    p = at_streams(p, plan)
     turns = _replay_step(plan, p, needs_all_grads, budgets, Timeline())
     lanes = p.machine.disk_lanes()
     if lanes is None:

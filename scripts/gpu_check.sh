@@ -83,6 +83,9 @@ stage largest 220 tt bench largest --device-memory 4GiB --host-memory 12GiB --di
 # 5. states on disk (NVMe here), the planner's fidelity on this machine
 stage offload 100 tt bench offload --disk $DISK/bench-offload --d-model 1024 --layers 8 --batch-size 4 --seq-len 512
 stage planner 100 tt bench planner --part fidelity --disk-dir $DISK/bench-planner --d-model 1024 --layers 8 --seq-len 512
+# 5b. STRONGHOLD's multi-stream execution: every block over 1, 2, 4 CUDA streams, small kernels and large
+stage streams_small 60 tt bench streams --d-model 256 --layers 8 --rows 8 --seq-len 128 --steps 8
+stage streams 90 tt bench streams --d-model 1024 --layers 8 --rows 8 --seq-len 512 --steps 4
 # 6. the same 1.5B model and 6 GiB device budget: tiertrain beside DeepSpeed ZeRO-3 offload and FSDP2 CPU offload
 stage peers 290 tt bench peers --model scripts/gpu-1.5b.json --precision bf16 --batch-size 4 --seq-len 1024 \
     --device-memory 6GiB --host-memory 96GiB --steps 3 --warmup 1

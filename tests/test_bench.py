@@ -54,6 +54,20 @@ def test_bench_tensor_prints_tp2_and_sequence_parallel_beside_tp1_with_the_bytes
     assert sum(x.startswith("tp 1 (1 process x 2 threads): step") for x in lines) == 1, r.stdout
 
 
+def test_bench_streams_prints_each_stream_count_beside_one_with_its_losses_against_its_chunks_on_one_stream():
+    """In process: each count's step beside one stream's, its losses equal to its chunks issued on one stream,
+    within fp32 rounding of the whole batch's; too few rows for 4 streams refused before anything runs."""
+    from tiertrain.bench.streams import StreamsBench, bench_streams
+
+    lines = []
+    got = bench_streams(StreamsBench(d_model=64, layers=2, rows=4, seq=16, steps=1), lines.append)
+    assert sorted(got) == [1, 2, 4] and got[1]["vs_one"] == 1.0 and all(g["exact"] for g in got.values()), got
+    assert all(g["off_whole"] < 1e-5 for g in got.values()) and len(lines) == 3, lines
+    assert all("x one stream's); losses equal the same chunks on one stream" in x for x in lines), lines
+    r = run_cli("bench", "streams", "--rows", "2")
+    assert r.returncode != 0 and "give at least 4" in r.stderr
+
+
 def test_bench_overhead_prints_plain_and_resident_beside_the_target():
     r = run_cli("bench", "overhead", "--d-model", "64", "--layers", "2", "--batch-size", "2", "--seq-len", "16",
                 "--rounds", "2", "--steps", "1")

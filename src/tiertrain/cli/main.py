@@ -642,6 +642,29 @@ def bench_tensor_cmd(plan_name: str, d_model: int, layers: int, rows: int, seq_l
     bench_tensor(TensorBench(d_model, layers, rows, seq_len, steps, plan_name), click.echo, sequence_parallel)
 
 
+@bench.command("streams", context_settings=CONTEXT)
+@click.option("--plan", "plan_name", type=click.Choice(["resident", "stream", "max-offload"]), default="resident",
+              show_default=True, help="Where the states live (max-offload: on disk).")
+@click.option("--d-model", type=POSITIVE, default=512, show_default=True)
+@click.option("--layers", type=POSITIVE, default=8, show_default=True)
+@click.option("--rows", type=POSITIVE, default=8, show_default=True, help="Sequences per step (at least 4).")
+@click.option("--seq-len", type=click.IntRange(1, 1024), default=128, show_default=True)
+@click.option("--steps", type=POSITIVE, default=4, show_default=True, help="Timed steps, after one warm-up step.")
+def bench_streams_cmd(plan_name: str, d_model: int, layers: int, rows: int, seq_len: int, steps: int) -> None:
+    """Every block over 1, 2 and 4 device streams (STRONGHOLD's multi-stream execution): step time beside one
+    stream's, and the losses against the same chunks on one stream (bit for bit) and the whole batch."""
+    from tiertrain.bench.machine import describe
+    from tiertrain.bench.streams import STREAMS, StreamsBench, bench_streams
+
+    if d_model % 8:
+        raise ConfigError(f"--d-model {d_model}: the bench model has 8 heads; give a multiple of 8")
+    if rows < max(STREAMS):
+        raise ConfigError(f"--rows {rows}: each of up to {max(STREAMS)} streams takes a chunk of the rows; give at least "
+                          f"{max(STREAMS)}")
+    click.echo(f"machine: {describe()}")
+    bench_streams(StreamsBench(d_model, layers, rows, seq_len, steps, plan_name), click.echo)
+
+
 @bench.command("peers", context_settings=CONTEXT)
 @click.option("--model", default="gpt-small", show_default=True,
               help="A named model (tiertrain info --list) or one of our model config JSONs.")

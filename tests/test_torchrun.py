@@ -18,9 +18,12 @@ from conftest import made, read_metrics
 TINY = ["--model", "tiny", "--batch-size", "4", "--seq-len", "32", "--grad-clip", "0", "--log-every", "1"]
 
 
-def _train(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def _train(*args: str, timeout: float = 300, threads: int | None = None) -> subprocess.CompletedProcess:
+    """``tiertrain train``; ``threads``: the process's (a one-process run compared bit for bit with ranks of
+    that many threads each: this machine's BLAS sums a matmul in another order at another thread count)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     return subprocess.run([sys.executable, "-m", "tiertrain", "train", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                          timeout=timeout, env=env)
 
 
 def _losses(out: Path) -> list[float]:
@@ -281,7 +284,7 @@ def test_train_pp_trains_as_one_process_and_its_checkpoint_resumes_in_one_and_cu
     assert sorted(p.name for p in ckpt.iterdir()) == ["config.json", "rng.safetensors", "stage-000", "stage-001",
                                                       "trainer.json"]
     one = tmp_path / "one"
-    r = _train(*common, "--steps", "4", "--grad-accum", "2", "--out", str(one))
+    r = _train(*common, "--steps", "4", "--grad-accum", "2", "--out", str(one), threads=1)  # as each of the 2 ranks
     assert r.returncode == 0, r.stderr[-3000:]
     assert _losses(piped) == _losses(one)
     # each tier's peak is the busiest rank's: the host pool held a stage's states, never the whole model's
@@ -289,7 +292,7 @@ def test_train_pp_trains_as_one_process_and_its_checkpoint_resumes_in_one_and_cu
     assert set(piped_peak) == {"device", "host"} and 0 < piped_peak["host"] < one_peak["host"], (piped_peak, one_peak)
     for name, args in (("in-one", ["--nproc", "1", "--pp", "1"]),
                        ("aiao", ["--nproc", "2", "--schedule", "aiao", "--segments", "2"])):
-        r = _train("--resume", str(ckpt), "--steps", "4", "--out", str(tmp_path / name), *args)
+        r = _train("--resume", str(ckpt), "--steps", "4", "--out", str(tmp_path / name), *args, threads=1)
         assert r.returncode == 0, r.stderr[-3000:]
         assert "tokens a step" not in r.stdout, r.stdout  # the same batches: one replica either way
         assert _losses(tmp_path / name) == _losses(piped)[2:], name

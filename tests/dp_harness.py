@@ -137,7 +137,36 @@ def tiered_losses(rank: int, plan, update: str, accum: int, clip: float | None, 
         losses = _loop(tm, topt, rank, accum, clip, lambda c: torch.nn.utils.clip_grad_norm_(tm.parameters(), c),
                        probe=False, lr_decay=lr_decay)
         sent = tm.runtime.comm.sent - before
+        if reduce_every == "step" and clip is None:  # the last step left every block's reduction in flight
+            assert _left_in_flight(tm), "the step landed the reductions it could have left in flight"
         return losses + ([_probe(tm, rank)] if accum > 1 else []), sent
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()
+
+
+def _left_in_flight(tm) -> bool:
+    """Whether the last step left updates for the blocks' next use (sync) or landing on a worker (overlap)."""
+    mode = tm.runtime.mode
+    return bool(mode._later) or bool(getattr(mode, "_landing", ()))
+
+
+def loaded_after_a_step(rank: int, plan) -> tuple[bool, bool]:
+    """Reduced once a step (sync): after the steps each block's update waits for its next use; weights loaded
+    then land it first. Whether updates were left so, and whether the next forward reads the loaded weights
+    (an untrained model's) and not the last step's update written over them."""
+    import tiertrain
+    from tiertrain.memory import Budgets
+
+    model, opt = _fresh()
+    fresh, _ = _fresh()
+    tm, topt = tiertrain.setup(model, opt, Budgets(64 << 20, 64 << 20), plan=plan, update="sync",
+                               page_size=64 << 10, reduce_every="step")
+    try:
+        _loop(tm, topt, rank, 1, None, None, probe=False)
+        left = _left_in_flight(tm)
+        tm.load_state_dict(fresh.state_dict())
+        return left, _probe(tm, rank) == _probe(fresh, rank)
     finally:
         tm.runtime.close()
         tm.runtime.mem.close()
@@ -292,7 +321,7 @@ def reduction_events(rank: int, plan) -> list[tuple[str, int]]:
          HybridCollectives.reduce_scatter) = real
 
 
-def gather_events(rank: int, plan) -> list[tuple[str, int]]:
+def gather_events(rank: int, plan, reduce_every: str | None = None) -> list[tuple[str, int]]:
     """Two steps' ("forward", block) and ("ahead", block) events: when each block's forward began and
     when a block's updated shards started gathering ahead of its own forward."""
     import tiertrain
@@ -313,7 +342,8 @@ def gather_events(rank: int, plan) -> list[tuple[str, int]]:
     BlockGroup.pre_forward = lambda self: (events.append(("forward", self.index)), begins(self))[1]
     BlockGroup.gather_ahead = gather_ahead
     model, opt = _fresh()
-    tm, topt = tiertrain.setup(model, opt, Budgets(64 << 20, 64 << 20), plan=plan, page_size=64 << 10)
+    tm, topt = tiertrain.setup(model, opt, Budgets(64 << 20, 64 << 20), plan=plan, page_size=64 << 10,
+                               reduce_every=reduce_every)
     try:
         for b in rank_batches(rank, 2):
             lm_loss(tm, b[:, :-1], b[:, 1:]).backward()

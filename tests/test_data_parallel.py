@@ -8,7 +8,7 @@ import functools
 
 import pytest
 
-from dp_harness import (TINY4, agreed_auto_setup, agreed_budgets, ddp_losses, failure_on_rank0, gather_events,
+from dp_harness import (TINY4, agreed_auto_setup, loaded_after_a_step, agreed_budgets, ddp_losses, failure_on_rank0, gather_events,
                         mismatched_collective, mismatched_setup, one_process_checkpoint, per_micro_losses, pool_peaks,
                         recheck_on_rank0, reduction_events, resumed_by_parts, run_ranks, run_ranks_one_dies,
                         saved_then_uninterrupted, sent_per_step, tiered_losses, unshared_save, disk_reads_by_thread,
@@ -70,7 +70,8 @@ def dp2(tmp_path_factory, one_process):
     jobs += [(("disk reads",), functools.partial(disk_reads_by_thread, plan=PLANS["disk"], disk=tmp / "disk-reads"))]
     jobs += [(("mixed", plan), functools.partial(tiered_losses, plan=_mixed(PLANS[plan], 2), update="sync", accum=1,
                                                  clip=None, disk=tmp / f"mixed-{plan}")) for plan in ("resident", "stream")]
-    jobs += [(("gathers",), functools.partial(gather_events, plan=PLANS["resident"]))]
+    jobs += [(("gathers", every), functools.partial(gather_events, plan=PLANS["resident"], reduce_every=every))
+             for every in (None, "step")]
     jobs += [(("agreed auto",), functools.partial(agreed_auto_setup, disk=tmp / "agreed")), (("budgets",), agreed_budgets),
              (("rank 0 fails",), failure_on_rank0), (("recheck",), recheck_on_rank0)]
     jobs += [(("mismatch", what), functools.partial(mismatched_setup, what=what)) for what in ("accumulation", "plan")]
@@ -92,6 +93,7 @@ def dp2(tmp_path_factory, one_process):
         reduce_every="step", lr_decay=0.5)) for name, update in (("resident", "sync"), ("stream", "overlap"),
                                                                   ("disk", "sync"))]
     jobs += [(("ddp decayed", 2), functools.partial(ddp_losses, accum=2, clip=None, lr_decay=0.5))]
+    jobs += [(("loaded after a step",), functools.partial(loaded_after_a_step, plan=PLANS["resident"]))]
     jobs += [(("once a step peaks",), functools.partial(pool_peaks, plan=PEAK_PLANS["zero-3"], disk=tmp / "once-peaks",
                                                        reduce_every="step"))]
     jobs += [(("once a step clip", name, update), functools.partial(
@@ -99,6 +101,13 @@ def dp2(tmp_path_factory, one_process):
         reduce_every="step")) for name, update in (("resident", "sync"), ("stream", "overlap"))]
     jobs += [(("backward twice",), backward_twice), (("raised",), raised_then_trained)]
     return run_ranks(2, tmp, jobs + _sent_jobs())
+
+
+def test_weights_loaded_after_a_step_that_left_its_updates_for_the_next_forward_are_what_it_reads(dp2):
+    """The update the step left for a block's next use lands before ``load_state_dict`` writes the block,
+    not after it (which would write the last step's update over the loaded weights)."""
+    for rank in (0, 1):
+        assert dp2[(("loaded after a step",), rank)] == (True, True)
 
 
 @pytest.mark.parametrize("case", [("resident", "sync"), ("stream", "overlap"), ("disk", "sync")])
@@ -166,17 +175,19 @@ def test_a_blocks_gradient_reduction_runs_under_the_next_blocks_backward(dp2, pl
         assert [e for e, _ in events[-2:]] == ["landed", "landed"]
 
 
-def test_a_resident_sharded_blocks_updated_shards_are_gathered_under_the_previous_blocks_forward(dp2):
+@pytest.mark.parametrize("every", [None, "step"])
+def test_a_resident_sharded_blocks_updated_shards_are_gathered_under_the_previous_blocks_forward(dp2, every):
     """ZeRO-2: after a step each resident block's slot is stale; the next forward starts gathering
-    block k+1's shards when block k's forward begins (both ranks alike), not when k+1's begins."""
+    block k+1's shards when block k's forward begins (both ranks alike), not when k+1's begins. Reduced
+    once a step, the step leaves each block's update for its next use: run there, as k's forward begins."""
     for rank in (0, 1):
-        events = dp2[(("gathers",), rank)]
+        events = dp2[(("gathers", every), rank)]
         second = events[events.index(events[0], 1):]  # the second step (in the first nothing is stale)
         forwards = [b for e, b in second if e == "forward"]
         assert ("ahead", forwards[0]) not in events and len(forwards) > 2
         for before, block in zip(forwards, forwards[1:]):
             assert second.index(("ahead", block)) == second.index(("forward", before)) + 1, second
-    assert dp2[(("gathers",), 0)] == dp2[(("gathers",), 1)]
+    assert dp2[(("gathers", every), 0)] == dp2[(("gathers", every), 1)]
 
 
 def test_lockfree_at_staleness_zero_keeps_its_meaning_per_shard_and_equals_ddp(dp2):

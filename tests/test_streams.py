@@ -63,11 +63,14 @@ def test_each_chunk_is_issued_on_its_own_stream_after_the_steps_work_and_joined_
     assert log[18:] == [("join", 0), ("join", 1)]
 
 
-def test_a_batch_smaller_than_the_streams_and_an_output_that_cannot_be_joined_are_refused():
-    with pytest.raises(ConfigError, match="batch of 1 rows: give batches of at least 2 rows"):
-        in_streams(lambda x: x, 2, OneStream())(torch.ones(1, 3))
+def test_fewer_rows_than_streams_run_a_row_a_chunk_and_what_cannot_be_split_or_joined_is_refused():
+    log = []
+    out = in_streams(lambda x: x + 1, 4, Recorded(log))(torch.zeros(2, 3))  # an evaluation of two sequences
+    assert torch.equal(out, torch.ones(2, 3)) and [e for e in log if e[0] == "join"] == [("join", 0), ("join", 1)]
     with pytest.raises(ConfigError, match="returned a dict"):
         in_streams(lambda x: {"h": x}, 2, OneStream())(torch.ones(2, 3))
+    with pytest.raises(ConfigError, match="4 rows of 4 tokens and another argument of 4 along its first dimension"):
+        in_streams(lambda x, mask: x, 2, OneStream())(torch.ones(4, 4, 8), mask=torch.ones(4, 4))  # (T, T)?
 
     class Cache:  # a transformers cache: each chunk would read the one before it as its past
         def __init__(self, held):
@@ -77,7 +80,8 @@ def test_a_batch_smaller_than_the_streams_and_an_output_that_cannot_be_joined_ar
             return self.held
     seen = []
     in_streams(lambda x, cache: seen.append(cache) or x, 2, OneStream())(torch.ones(2, 3, 1), cache=Cache(0))
-    assert seen == [None, None]  # empty (a training forward): left out of the chunks' calls
+    in_streams(lambda x, cache: seen.append(cache) or x, 2, OneStream())(torch.ones(2, 3, 1), Cache(0))  # GPT-2's
+    assert seen == [None] * 4  # empty (a training forward): left out of the chunks' calls, by keyword or position
     with pytest.raises(ConfigError, match="key/value cache \\(cache\\) holding keys: generate on one stream"):
         in_streams(lambda x, cache: x, 2, OneStream())(torch.ones(2, 3, 1), cache=Cache(5))
 
@@ -120,32 +124,29 @@ def test_a_tiered_model_over_two_streams_trains_as_plain_pytorch_with_each_block
     assert whole == pytest.approx(want, rel=1e-5)
 
 
-def test_a_transformers_llama_over_two_streams_trains_as_over_one(tmp_path):
-    """Its decoder layers take the mask, positions and rotary tables as keywords (a tuple of tensors among
-    them): each split by rows where it has them, shared ones given whole; the same losses as one stream
-    within fp32 rounding."""
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_transformers_model_over_two_streams_trains_as_over_one(tmp_path, family):
+    """Llama's decoder layers take the mask, positions and rotary tables as keywords (a tuple of tensors among
+    them), and its empty key/value cache; GPT-2's blocks take the cache by position: each split by rows where
+    it has them, shared ones whole, the cache left out; the same losses as one stream within fp32 rounding."""
     transformers = pytest.importorskip("transformers")
     import tiertrain
-    from tiertrain.train.objective import lm_loss
 
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    if family == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    else:
+        cfg = transformers.GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0)
 
     def run(n):
         torch.manual_seed(0)
-        model = transformers.LlamaForCausalLM(cfg)
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         tm, topt = tiertrain.setup(model, opt, Budgets(64 << 20, 64 << 20),
                                    plan=_streamed(builtin_plan("stream", 2), n), page_size=64 << 10)
         try:
-            losses = []
-            for b in batches(3):
-                loss = lm_loss(tm, b[:, :-1], b[:, 1:])
-                loss.backward()
-                topt.step()
-                topt.zero_grad()
-                losses.append(loss.item())
-            return losses
+            return _loop(tm, topt, None, 3, 1, None)
         finally:
             tm.runtime.close()
             tm.runtime.mem.close()
@@ -190,8 +191,20 @@ def test_the_planner_runs_blocks_over_streams_only_where_the_simulator_shows_a_g
 
     from tiertrain.planner.auto import choose
 
-    chosen, _ = choose(problem(_profile(ratio), 1 << 30))
+    chosen, _ = choose(problem(_profile(ratio), 1 << 30), update="sync")
     assert {b.streams for b in chosen.plan.blocks} == {want}, chosen.plan
+    overlap, _ = choose(problem(_profile(ratio), 1 << 30), update="overlap")  # updates on workers: never
+    assert {b.streams for b in overlap.plan.blocks} == {1}
+
+
+@pytest.mark.parametrize("update", ["overlap", "lockfree"])
+def test_blocks_over_streams_with_updates_on_workers_are_refused_before_anything_is_allocated(update):
+    import tiertrain
+
+    model, opt = _fresh(TINY4)
+    with pytest.raises(ConfigError, match=f"run with update 'sync', not '{update}'"):
+        tiertrain.setup(model, opt, Budgets(64 << 20, 64 << 20), update=update,
+                        plan=_streamed(builtin_plan("stream", TINY4["n_layer"]), 2))
 
 
 def test_the_profiler_times_each_block_over_each_stream_count_its_batch_allows():

@@ -56,7 +56,9 @@ class TieredModule(nn.Module):
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Parameters are written where they live (master and compute copy; moments kept), buffers as
-        ``nn.Module`` loads them. Missing and unexpected keys as torch reports them."""
+        ``nn.Module`` loads them, once every update in flight or left for a block's next use has landed (it
+        would write the last step's update over them). Missing and unexpected keys as torch reports them."""
+        self.runtime.wait_updates()
         keys = _keys_by_param(self, "")
         param_keys = {k for names in keys.values() for k in names}
         others = OrderedDict((k, v) for k, v in state_dict.items() if k not in param_keys)

@@ -618,14 +618,32 @@ def bench_pipeline_cmd(rate: str | None, schedules: str, plan_name: str, d_model
                                  plan=plan_name, schedules=chosen), rate, click.echo)
 
 
+def _bench_model(plan: str, rows_help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The options of a bench over the bench GPT: where its states live, its shape, the batch and the steps."""
+    options = [click.option("--plan", "plan_name", type=click.Choice(["resident", "stream", "max-offload"]),
+                            default=plan, show_default=True, help="Where the states live (max-offload: on disk)."),
+               click.option("--d-model", type=POSITIVE, default=512, show_default=True, callback=_eight_heads),
+               click.option("--layers", type=POSITIVE, default=8, show_default=True),
+               click.option("--rows", type=POSITIVE, default=8, show_default=True, help=rows_help),
+               click.option("--seq-len", type=click.IntRange(1, 1024), default=128, show_default=True),
+               click.option("--steps", type=POSITIVE, default=4, show_default=True,
+                            help="Timed steps, after one warm-up step.")]
+
+    def apply(f: Callable[..., Any]) -> Callable[..., Any]:
+        for option in reversed(options):
+            f = option(f)
+        return f
+    return apply
+
+
+def _eight_heads(ctx: click.Context, param: click.Parameter, d_model: int) -> int:
+    if d_model % 8:
+        raise ConfigError(f"--d-model {d_model}: the bench model has 8 heads; give a multiple of 8")
+    return d_model
+
+
 @bench.command("tensor", context_settings=CONTEXT)
-@click.option("--plan", "plan_name", type=click.Choice(["resident", "stream", "max-offload"]), default="stream",
-              show_default=True, help="Where the states live (max-offload: on disk).")
-@click.option("--d-model", type=POSITIVE, default=512, show_default=True)
-@click.option("--layers", type=POSITIVE, default=8, show_default=True)
-@click.option("--rows", type=POSITIVE, default=8, show_default=True, help="Sequences per step.")
-@click.option("--seq-len", type=click.IntRange(1, 1024), default=128, show_default=True)
-@click.option("--steps", type=POSITIVE, default=4, show_default=True, help="Timed steps, after one warm-up step.")
+@_bench_model("stream", "Sequences per step.")
 @click.option("--sequence-parallel", is_flag=True, help="tp=2 with the sequence sliced (sequence parallel) too.")
 def bench_tensor_cmd(plan_name: str, d_model: int, layers: int, rows: int, seq_len: int, steps: int,
                      sequence_parallel: bool) -> None:
@@ -634,8 +652,6 @@ def bench_tensor_cmd(plan_name: str, d_model: int, layers: int, rows: int, seq_l
     from tiertrain.bench.machine import describe
     from tiertrain.bench.tensor import TensorBench, bench_tensor
 
-    if d_model % 8:
-        raise ConfigError(f"--d-model {d_model}: the bench model has 8 heads; give a multiple of 8")
     click.echo(f"machine: {describe()}")
     if sequence_parallel and seq_len % 2:
         raise ConfigError(f"--sequence-parallel slices each sequence over 2 ranks: give an even --seq-len, not {seq_len}")
@@ -643,21 +659,13 @@ def bench_tensor_cmd(plan_name: str, d_model: int, layers: int, rows: int, seq_l
 
 
 @bench.command("streams", context_settings=CONTEXT)
-@click.option("--plan", "plan_name", type=click.Choice(["resident", "stream", "max-offload"]), default="resident",
-              show_default=True, help="Where the states live (max-offload: on disk).")
-@click.option("--d-model", type=POSITIVE, default=512, show_default=True)
-@click.option("--layers", type=POSITIVE, default=8, show_default=True)
-@click.option("--rows", type=POSITIVE, default=8, show_default=True, help="Sequences per step (at least 4).")
-@click.option("--seq-len", type=click.IntRange(1, 1024), default=128, show_default=True)
-@click.option("--steps", type=POSITIVE, default=4, show_default=True, help="Timed steps, after one warm-up step.")
+@_bench_model("resident", "Sequences per step (at least 4).")
 def bench_streams_cmd(plan_name: str, d_model: int, layers: int, rows: int, seq_len: int, steps: int) -> None:
     """Every block over 1, 2 and 4 device streams (STRONGHOLD's multi-stream execution): step time beside one
     stream's, and the losses against the same chunks on one stream (bit for bit) and the whole batch."""
     from tiertrain.bench.machine import describe
     from tiertrain.bench.streams import STREAMS, StreamsBench, bench_streams
 
-    if d_model % 8:
-        raise ConfigError(f"--d-model {d_model}: the bench model has 8 heads; give a multiple of 8")
     if rows < max(STREAMS):
         raise ConfigError(f"--rows {rows}: each of up to {max(STREAMS)} streams takes a chunk of the rows; give at least "
                           f"{max(STREAMS)}")

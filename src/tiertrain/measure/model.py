@@ -27,6 +27,7 @@ from tiertrain.measure import cache
 from tiertrain.measure.load import LoadMeter
 from tiertrain.errors import ConfigError
 from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
+from tiertrain.parallel.expert_layer import expert_layers
 from tiertrain.runtime.blocks import Block, block_numel
 from tiertrain.runtime.streams import CudaStreams, Streams, in_streams
 
@@ -83,6 +84,7 @@ class _BlockTimer:
         self.saved, self.hidden = [0] * n, [0] * n
         self.order: list[int] = []
         self.count = False
+        self.rows = 0  # of the batch a block was last given (its first tensor's first dimension)
         self._t0, self._counter, self._ctx = 0.0, _SavedBytes(params), ExitStack()
 
     def attach(self) -> list:
@@ -100,6 +102,8 @@ class _BlockTimer:
 
     def _pre(self, i: int, args: tuple) -> None:
         self.in_backward = False
+        first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() > 1), None)
+        self.rows = first.shape[0] if first is not None else 0
         if self.count:
             self.order.append(i)
             first = next((a for a in args if isinstance(a, torch.Tensor)), None)
@@ -159,19 +163,20 @@ def _stream_ratios(timer: _BlockTimer, step: Callable[[], None], steps: int, syn
     (``runtime.streams``; ``make``: a stand-in), as a fraction of one stream's; a count the batch has too
     few rows for is left out."""
     out: list[list[tuple[int, float]]] = [[] for _ in timer.blocks]
-    for n in STREAM_COUNTS:
+    for n in (n for n in STREAM_COUNTS if n <= timer.rows):
         timer.clear_times()
         with ExitStack() as stack:
             for b in timer.blocks:
+                if expert_layers(b.module):  # refused over streams (its routing sees the batch): none measured,
+                    continue                 # so no plan runs the model over streams (``planner.streams``)
                 streams = make(n, next(b.module.parameters()).device)
                 b.module.forward = in_streams(b.module.forward, n, streams)
                 stack.callback(delattr, b.module, "forward")
-            try:
-                for _ in range(steps):
-                    _timed(step, sync)
-            except ConfigError:  # fewer rows than streams
-                continue
+            for _ in range(steps):
+                _timed(step, sync)
         for i in range(len(timer.blocks)):
+            if expert_layers(timer.blocks[i].module):
+                continue
             one = fwd[i] + bwd[i]
             out[i].append((n, (statistics.median(timer.fwd[i]) + statistics.median(timer.bwd[i])) / one if one else 1.0))
     return [tuple(r) for r in out]

@@ -119,9 +119,11 @@ def _widened(plan: Plan, pb: Problem, needs_all_grads: bool) -> tuple[Plan, Simu
 def over_streams(chosen: tuple[Plan, Simulation], pb: Problem, needs_all_grads: bool,
                  room: int) -> tuple[Plan, Simulation]:
     """The plan with its blocks over the stream count the profile measured fastest (``planner.streams``),
-    where the simulator replays it at least ``GAIN`` faster than one stream within the same device room;
-    else the plan as it was."""
+    where the simulator replays it at least ``GAIN`` faster than one stream within the same device room, and
+    its updates run in the step's thread (sync); else the plan as it was."""
     plan, sim = chosen
+    if rules(plan.update).updates_as_final:  # a worker's update would not wait for the streams (``UpdateMode.check``)
+        return chosen
     for n in measured_counts(pb.profile):
         wide = resolved(with_streams(chosen[0], n), pb, needs_all_grads)
         if wide is None:

@@ -255,12 +255,16 @@ class BlockGroup:
         self._ctx.mode.params_ready(self)
 
     def gather_ahead(self) -> None:
-        """A resident sharded block whose slot is stale: start gathering its updated shards now, once
-        its update is final (every rank waits for the same update, so every rank issues the same
+        """A resident sharded block whose slot is stale (or whose update the step left for its next use, run
+        here first): start gathering its updated shards now, once its update is final (every rank waits for the same update, so every rank issues the same
         gathers in the same order), so the gather runs while the block before it computes."""
-        if self._plan.stream or self._slot_state is not Slot.STALE:
+        if self._plan.stream:
             return
-        self.await_params()
+        if self._slot_state is not Slot.STALE and not self._ctx.mode.update_due(self):
+            return
+        self.await_params()  # an update the step left for its next use runs now, so its gather can start
+        if self._slot_state is not Slot.STALE:
+            return
         self._gathering = self.gather_into(self._slot.chunk, async_op=True)
         self._slot_state = moved(SLOT_MOVES, self.name, self._slot_state, Slot.GATHERING)
 

@@ -70,9 +70,19 @@ class CudaStreams:
         torch.cuda.current_stream().wait_stream(self._streams[i])
 
 
+_MADE: dict[tuple[int | None, int], CudaStreams] = {}
+
+
 def streams_for(n: int, device: torch.device) -> Streams:
-    """CUDA streams on a GPU; on a CPU the chunks in turn (there are no streams to run them side by side)."""
-    return CudaStreams(n, device) if device.type == "cuda" else OneStream()
+    """CUDA streams on a GPU, one set of ``n`` per device that every block shares (torch hands streams out
+    round-robin from a small pool that its collectives and tiertrain's copy streams draw from too: a set per
+    block would soon share one with them); on a CPU the chunks in turn (there are no streams there)."""
+    if device.type != "cuda":
+        return OneStream()
+    key = (device.index, n)
+    if key not in _MADE:
+        _MADE[key] = CudaStreams(n, device)
+    return _MADE[key]
 
 
 def in_streams(forward: Callable[..., Any], n: int, streams: Streams) -> Callable[..., Any]:
@@ -80,30 +90,37 @@ def in_streams(forward: Callable[..., Any], n: int, streams: Streams) -> Callabl
     ``i`` on ``streams``' i-th stream, the outputs joined in chunk order. Every argument of two or more
     dimensions with that many rows (hidden states, a per-row mask, per-row positions and their rotary
     tables, also inside a tuple) is split alike; any other (a mask or positions shared by the rows, a 1-D
-    cache position, which may have as many entries as there are rows by chance) goes whole to each chunk."""
+    cache position, which may have as many entries as there are rows by chance) goes whole to each chunk. A
+    batch of fewer rows than streams (an evaluation, one sequence) runs a row per chunk."""
     def chunked(*args: Any, **kwargs: Any) -> Any:
         rows = _rows(args, kwargs)
-        if rows < n:
-            raise ConfigError(f"a block split over {n} streams got a batch of {rows} rows: give batches of at least "
-                              f"{n} rows, or fewer streams (the plan's blocks' \"streams\")")
+        parts = min(n, rows)
         outs = []
-        for i, (a, k) in enumerate(_chunks(args, kwargs, rows, n)):
+        for i, (a, k) in enumerate(_chunks(args, kwargs, rows, parts)):
             streams.fork(i)
             for t in _tensors(a, k):
                 streams.keep(t, i)
             with streams.side(i):
                 outs.append(forward(*a, **k))
-        for i in range(n):
+        for i in range(parts):
             streams.join(i)
         return _joined(outs)
     return chunked
 
 
 def _rows(args: tuple, kwargs: dict) -> int:
-    for t in _tensors(args, kwargs):
-        if t.dim() > 1:
-            return t.shape[0]
-    raise ConfigError("a block run over several streams takes a batch of hidden states as an argument: none was given")
+    """The rows of the hidden states (the first tensor of two or more dimensions). Where they equal its
+    sequence length, a (sequence, ...) table or mask among the other arguments would look like rows: refused."""
+    tensors = [t for t in _tensors(args, kwargs) if t.dim() > 1]
+    if not tensors:
+        raise ConfigError("a block run over several streams takes a batch of hidden states as an argument: none was "
+                          "given")
+    rows = tensors[0].shape[0]
+    if rows == tensors[0].shape[1] and any(t.shape[0] == rows for t in tensors[1:]):
+        raise ConfigError(f"a block over several streams got {rows} rows of {rows} tokens and another argument of "
+                          f"{rows} along its first dimension: whether it is per row or per token cannot be told; give "
+                          "batches whose rows differ from the sequence length, or run it on one stream (\"streams\": 1)")
+    return rows
 
 
 def _tensors(args: Any, kwargs: dict | None = None) -> Iterator[torch.Tensor]:
@@ -121,15 +138,15 @@ def _chunks(args: tuple, kwargs: dict, rows: int, n: int) -> Iterator[tuple[tupl
         if isinstance(a, tuple):
             return [tuple(part) for part in zip(*(split(x) for x in a))] if a else [a] * n
         return [a] * n
-    parts = [split(a) for a in args]
+    parts = [split(_no_cache(f"argument {i + 1}", a)) for i, a in enumerate(args)]
     named = {k: split(_no_cache(k, v)) for k, v in kwargs.items()}
     for i in range(n):
         yield tuple(p[i] for p in parts), {k: v[i] for k, v in named.items()}
 
 
 def _no_cache(name: str, value: Any) -> Any:
-    """A transformers key/value cache given to the block: each chunk would append its rows' keys where the
-    next chunk reads them as its past. An empty one (a training forward, which never reads it back) is
+    """A transformers key/value cache given to the block (by keyword, as Llama does, or by position, as GPT-2
+    does): each chunk would append its rows' keys where the next chunk reads them as its past. An empty one (a training forward, which never reads it back) is
     left out of the chunks' calls, and stays empty; one holding keys (generation) is refused."""
     if not hasattr(value, "get_seq_length"):
         return value

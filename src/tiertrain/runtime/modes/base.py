@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING, Any, ContextManager, Protocol
 import torch
 
 from tiertrain.optim import AdamWHyper
+from tiertrain.errors import ConfigError
 from tiertrain.plan import BlockPlan, Plan
+from tiertrain.plan.update_modes import rules
 from tiertrain.runtime.step_clock import StepClock
 from tiertrain.runtime.step_norm import StepNorm
 
@@ -80,7 +82,14 @@ class UpdateMode:
 
     @classmethod
     def check(cls, plan: Plan) -> None:
-        """Refuse a plan this mode cannot run, before anything is allocated."""
+        """Refuse a plan this mode cannot run, before anything is allocated: blocks over several device
+        streams (``runtime.streams``) only where every update runs after backward has joined the streams in
+        the step's thread (sync); a worker's update during backward would not wait for the chunks' streams."""
+        if not rules(plan.update).updates_as_final or not any(b.streams > 1 for b in plan.blocks):
+            return
+        raise ConfigError(f"blocks over several streams (\"streams\" > 1) run with update 'sync', not {plan.update!r}: "
+                          "an update on a worker thread would not wait for the chunks' device streams; use --update "
+                          "sync, or \"streams\": 1 in the plan")
 
     # -- the device side -------------------------------------------------------------------
     def params_ready(self, g: UpdatableGroup) -> None:
@@ -90,6 +99,10 @@ class UpdateMode:
         if due is not None:
             due()
         self.ctx.moves.settle(g)
+
+    def update_due(self, g: UpdatableGroup) -> bool:
+        """Whether the step left ``g``'s update for its next use, in this thread (``land_later``)."""
+        return g.index in self._later
 
     def step_hypers(self) -> list[AdamWHyper] | None:
         """Hyperparameters to keep with this step's gradients (None: the update's own, taken then)."""
@@ -136,7 +149,10 @@ class UpdateMode:
     def land_later(self, g: UpdatableGroup, landing: Callable[[], None], coef: torch.Tensor | None) -> None:
         """``g``'s reduction lands, and ``g`` is updated, in the step's thread at its next use (FOLD3D's
         ``seg.flush()`` before a segment's forward), with this step's hyperparameters (a scheduler may set
-        the next step's before then)."""
+        the next step's before then). One still due from a step the block was not used after runs first."""
+        due = self._later.pop(g.index, None)
+        if due is not None:
+            due()
         hypers = self.ctx.hypers()
         self._later[g.index] = lambda: self._timed_landing(g, landing, hypers, coef)
 

@@ -35,6 +35,7 @@ class LockfreeMode(UpdateMode):
         """Lockfree with lag over sharded blocks is refused: whether a rank gathers a block's params
         again depends on whether its own update has published them yet, so ranks could issue different
         collectives and hang. At staleness 0 every block waits for its update, on every rank."""
+        super().check(plan)
         if plan.max_staleness > 0 and plan.parallel.dp > 1 and any(b.shard for b in (*plan.blocks, plan.rest)):
             raise ConfigError(f"lockfree updates with max staleness {plan.max_staleness} over {plan.parallel.dp} "
                               "ranks need replicated blocks: use max staleness 0 (--max-staleness 0), update "

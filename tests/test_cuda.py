@@ -151,17 +151,12 @@ def test_a_fresh_process_measures_one_block_of_a_large_model_within_five_seconds
 def test_blocks_over_two_cuda_streams_train_as_their_chunks_on_one_stream_bit_for_bit(tmp_path, plan_name):
     """STRONGHOLD's multi-stream execution on the GPU: each block's two chunks issued on two CUDA streams give
     the bits of the same two chunks issued on the step's stream (``runtime.streams``)."""
+    from tiertrain.bench.streams import one_stream
     from tiertrain.plan import builtin_plan
     from tiertrain.planner.streams import with_streams
-    from tiertrain.runtime import hooks
-    from tiertrain.runtime.streams import OneStream
 
     plan = with_streams(builtin_plan(plan_name, TINY4["n_layer"]), 2)
     got, _ = train_tiered(TINY4, STEPS, 1, None, plan, _budgets(tmp_path / "two"), device="cuda")
-    made = hooks.streams_for
-    hooks.streams_for = lambda n, device: OneStream()
-    try:
+    with one_stream():
         want, _ = train_tiered(TINY4, STEPS, 1, None, plan, _budgets(tmp_path / "one"), device="cuda")
-    finally:
-        hooks.streams_for = made
     assert got == want

@@ -33,7 +33,7 @@ class StreamsBench:
 
 
 @contextmanager
-def _one_stream() -> Iterator[None]:
+def one_stream() -> Iterator[None]:
     """Every chunk issued on the step's own stream: the order n streams are checked against."""
     from tiertrain.runtime import hooks
     from tiertrain.runtime.streams import OneStream
@@ -93,7 +93,7 @@ def bench_streams(b: StreamsBench, echo: Callable[[str], None]) -> dict[int, dic
         one_s, whole = _run(b, 1, disk)
         for n in STREAMS:
             seconds, losses = (one_s, whole) if n == 1 else _run(b, n, disk)
-            with _one_stream():
+            with one_stream():
                 _, chunks = _run(b, n, disk) if n > 1 else (None, whole)
             step = statistics.median(seconds)
             off = max(abs(a - w) / abs(w) for a, w in zip(losses, whole))

@@ -163,20 +163,19 @@ def _stream_ratios(timer: _BlockTimer, step: Callable[[], None], steps: int, syn
     (``runtime.streams``; ``make``: a stand-in), as a fraction of one stream's; a count the batch has too
     few rows for is left out."""
     out: list[list[tuple[int, float]]] = [[] for _ in timer.blocks]
+    # a block holding experts is refused over streams (its routing sees the batch): none measured, so no plan
+    # runs the model over streams (``planner.streams``)
+    tried = [i for i, b in enumerate(timer.blocks) if not expert_layers(b.module)]
     for n in (n for n in STREAM_COUNTS if n <= timer.rows):
         timer.clear_times()
         with ExitStack() as stack:
-            for b in timer.blocks:
-                if expert_layers(b.module):  # refused over streams (its routing sees the batch): none measured,
-                    continue                 # so no plan runs the model over streams (``planner.streams``)
-                streams = make(n, next(b.module.parameters()).device)
-                b.module.forward = in_streams(b.module.forward, n, streams)
-                stack.callback(delattr, b.module, "forward")
+            for i in tried:
+                module = timer.blocks[i].module
+                module.forward = in_streams(module.forward, n, make(n, next(module.parameters()).device))
+                stack.callback(delattr, module, "forward")
             for _ in range(steps):
                 _timed(step, sync)
-        for i in range(len(timer.blocks)):
-            if expert_layers(timer.blocks[i].module):
-                continue
+        for i in tried:
             one = fwd[i] + bwd[i]
             out[i].append((n, (statistics.median(timer.fwd[i]) + statistics.median(timer.bwd[i])) / one if one else 1.0))
     return [tuple(r) for r in out]

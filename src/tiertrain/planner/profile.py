@@ -50,6 +50,11 @@ class BlockProfile:
     def recompute_seconds(self) -> float:
         return self.forward_s if self.recompute_s is None else self.recompute_s
 
+    def computing(self, k: float) -> "BlockProfile":
+        """The block computing ``k`` times as long: forward, backward and recompute."""
+        rec = None if self.recompute_s is None else self.recompute_s * k
+        return dataclasses.replace(self, forward_s=self.forward_s * k, backward_s=self.backward_s * k, recompute_s=rec)
+
 
 @dataclass(frozen=True)
 class MachineProfile:

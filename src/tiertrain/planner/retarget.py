@@ -28,14 +28,9 @@ def block_ratio(b: BlockProfile, dtype: str, here: Machine, there: Machine) -> f
             / compute_seconds(b.flops, weights, b.traffic_bytes, here, dtype))
 
 
-def _scaled(b: BlockProfile, k: float) -> BlockProfile:
-    rec = None if b.recompute_s is None else b.recompute_s * k
-    return dataclasses.replace(b, forward_s=b.forward_s * k, backward_s=b.backward_s * k, recompute_s=rec)
-
-
 def slowed(p: Profile, k: float) -> Profile:
     """``p`` with every block computing ``k`` times as long (other processes taking the cores it computes on)."""
-    return dataclasses.replace(p, blocks=tuple(_scaled(b, k) for b in p.blocks), rest=_scaled(p.rest, k))
+    return dataclasses.replace(p, blocks=tuple(b.computing(k) for b in p.blocks), rest=p.rest.computing(k))
 
 
 def for_machine(p: Profile, here: Machine, there: Machine) -> Profile:
@@ -44,8 +39,8 @@ def for_machine(p: Profile, here: Machine, there: Machine) -> Profile:
     if dataclasses.replace(here, disk_together_gain=there.disk_together_gain) == there:
         return dataclasses.replace(p, machine=there.rates())
     dtype = p.compute_dtype
-    blocks = tuple(_scaled(b, block_ratio(b, dtype, here, there)) for b in p.blocks)
-    rest = _scaled(p.rest, block_ratio(p.rest, dtype, here, there))
+    blocks = tuple(b.computing(block_ratio(b, dtype, here, there)) for b in p.blocks)
+    rest = p.rest.computing(block_ratio(p.rest, dtype, here, there))
     note = (f"; compute carried from {here.name} to {there.name} by FLOPs and bytes at its rates "
             f"(assumes each block reaches the same fraction of its roofline there)")
     return dataclasses.replace(p, blocks=blocks, rest=rest, machine=there.rates(), source=p.source + note)

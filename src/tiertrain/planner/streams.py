@@ -25,12 +25,7 @@ def at_streams(p: Profile, plan: Plan) -> Profile:
     """``p`` with each block's forward, backward and recompute at the count its plan gives it."""
     if all(bp.streams == 1 for bp in plan.blocks):
         return p
-
-    def scaled(b: BlockProfile, n: int) -> BlockProfile:
-        k = ratio(b, n)
-        rec = None if b.recompute_s is None else b.recompute_s * k
-        return dataclasses.replace(b, forward_s=b.forward_s * k, backward_s=b.backward_s * k, recompute_s=rec)
-    return dataclasses.replace(p, blocks=tuple(scaled(b, bp.streams) for b, bp in zip(p.blocks, plan.blocks)))
+    return dataclasses.replace(p, blocks=tuple(b.computing(ratio(b, bp.streams)) for b, bp in zip(p.blocks, plan.blocks)))
 
 
 def measured_counts(p: Profile) -> list[int]:

@@ -256,8 +256,9 @@ class BlockGroup:
 
     def gather_ahead(self) -> None:
         """A resident sharded block whose slot is stale (or whose update the step left for its next use, run
-        here first): start gathering its updated shards now, once its update is final (every rank waits for the same update, so every rank issues the same
-        gathers in the same order), so the gather runs while the block before it computes."""
+        here first): start gathering its updated shards now, once its update is final (every rank waits for
+        the same update, so every rank issues the same gathers in the same order), so the gather runs while
+        the block before it computes."""
         if self._plan.stream:
             return
         if self._slot_state is not Slot.STALE and not self._ctx.mode.update_due(self):

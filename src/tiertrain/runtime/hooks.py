@@ -36,8 +36,8 @@ def install_grad_hooks(g: BlockGroup) -> list[RemovableHandle]:
 
 def apply_switches(g: BlockGroup, mem: MemorySystem, own_forward: object) -> HostStash | None:
     """The block's activation switches as its plan says (recompute, offload_hidden; a streamed block's
-    saved views of its params kept as places in its slot) and its streams: its forward wrapped, over whatever wrapped it
-    before (a new plan). ``own_forward``: what the module had before any plan wrapped it. The host
+    saved views of its params kept as places in its slot) and its streams: its forward wrapped, over
+    whatever wrapped it before (a new plan). ``own_forward``: what the module had before any plan wrapped it. The host
     stash, where it offloads."""
     module = g.block.module
     if own_forward is None:

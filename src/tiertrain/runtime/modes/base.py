@@ -95,10 +95,14 @@ class UpdateMode:
     def params_ready(self, g: UpdatableGroup) -> None:
         """Return when the block's params may be used: once its update is written back (a step's update left
         for this use, ``land_later``, run first)."""
+        self._run_due(g)
+        self.ctx.moves.settle(g)
+
+    def _run_due(self, g: UpdatableGroup) -> None:
+        """The landing and update the step left for ``g``'s next use, if any, now."""
         due = self._later.pop(g.index, None)
         if due is not None:
             due()
-        self.ctx.moves.settle(g)
 
     def update_due(self, g: UpdatableGroup) -> bool:
         """Whether the step left ``g``'s update for its next use, in this thread (``land_later``)."""
@@ -150,9 +154,7 @@ class UpdateMode:
         """``g``'s reduction lands, and ``g`` is updated, in the step's thread at its next use (FOLD3D's
         ``seg.flush()`` before a segment's forward), with this step's hyperparameters (a scheduler may set
         the next step's before then). One still due from a step the block was not used after runs first."""
-        due = self._later.pop(g.index, None)
-        if due is not None:
-            due()
+        self._run_due(g)
         hypers = self.ctx.hypers()
         self._later[g.index] = lambda: self._timed_landing(g, landing, hypers, coef)
 
@@ -175,9 +177,7 @@ class UpdateMode:
     def wait_all(self) -> None:
         """Every gradient taken into the states and every state home (checkpoints, the end)."""
         for g in self.update_order():
-            due = self._later.pop(g.index, None)
-            if due is not None:
-                due()
+            self._run_due(g)
         self._finish_updates()
 
     def _finish_updates(self) -> None:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import shutil
@@ -25,6 +26,21 @@ if "TIERTRAIN_CACHE_DIR" not in os.environ:  # this run's own cache, removed as 
 os.environ["TIERTRAIN_CHECK_COLLECTIVES"] = "1"
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def at_one_thread(fn):
+    """``fn`` run at one thread, as ``dp_harness.run_ranks``' ranks each run: a one-process reference held
+    bit for bit against ranks must sum its matmuls as they do (some CPUs' BLAS splits a sum another way at
+    two threads than at one)."""
+    @functools.wraps(fn)
+    def one_thread(*args, **kwargs):
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.set_num_threads(before)
+    return one_thread
 
 
 def load_meter(others: dict):

@@ -219,6 +219,8 @@ def disk_reads_by_thread(rank: int, plan, disk: Path) -> dict[str, int]:
 
 def _rank_main(rank: int, world: int, store: str, jobs: list, results, errors) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)  # one thread a rank: the ranks share the machine's cores (at two each, 4 ranks on
+    # 2 cores ran several times slower); one-process references held bit for bit run alike (conftest.at_one_thread)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         for key, job in jobs:

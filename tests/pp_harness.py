@@ -8,6 +8,7 @@ import dataclasses
 from pathlib import Path
 
 import torch
+from conftest import at_one_thread
 from dp_harness import rank_disk
 
 TINY = {"n_layer": 4, "n_head": 2, "d_model": 32, "d_ffn": 64, "vocab_size": 256, "max_seq_len": 64,
@@ -58,6 +59,7 @@ def loss_of(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return model(x, y) if isinstance(model, GPT) else token_loss(model(input_ids=x).logits, y)
 
 
+@at_one_thread
 def reference(dp: int, micro: int, clip: float | None = None, start=None, first: int = 0,
               tied: bool = False, family: str = "gpt", norms: list | None = None) -> list[list[list[float]]]:
     """Each replica's micro-batch losses (divided by their count) per step, in one process: every replica's
@@ -95,6 +97,7 @@ def reference(dp: int, micro: int, clip: float | None = None, start=None, first:
     return out
 
 
+@at_one_thread
 def tiered_reference(case: Case, disk: Path) -> list[list[list[float]]]:
     """As ``reference`` for one replica, but a tiered run in one process (``tiertrain.setup`` with the case's
     plan and compute dtype, its forward autocast as ``train``'s loop does): a bf16 run computes in bf16

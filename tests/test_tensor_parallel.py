@@ -24,10 +24,12 @@ TP2 = [TpCase(2), TpCase(2, plan="disk", clip=0.05), TpCase(2, plan="stash", cli
        TpCase(2, plan="disk", clip=0.05, tied=True, family="gpt2"), TpCase(2, update="overlap", family="gpt_neox"),
        TpCase(2, plan="disk", clip=0.05, family="moe"), TpCase(2, plan="stash", family="moe"),
        TpCase(2, clip=0.05, sequence=True), TpCase(2, plan="stash", clip=0.05, tied=True, sequence=True),
-       TpCase(2, plan="resident"), TpCase(2, plan="resident", sequence=True)]
+       TpCase(2, plan="resident"), TpCase(2, plan="resident", sequence=True),
+       TpCase(2, plan="disk", update="lockfree", staleness=0), TpCase(2, update="lockfree", staleness=0, sequence=True)]
 META = TpCase(2, plan="resident", meta=True)
 META_MOE = TpCase(2, plan="resident", meta=True, family="moe")  # its routers, whole, drawn by the group too
-DP2_TP2 = [TpCase(2, clip=0.05), TpCase(2, plan="disk"), TpCase(2, plan="disk", clip=0.05, sequence=True)]
+DP2_TP2 = [TpCase(2, clip=0.05), TpCase(2, plan="disk"), TpCase(2, plan="disk", clip=0.05, sequence=True),
+           TpCase(2, plan="disk", update="lockfree", staleness=0)]
 
 
 def _jobs(cases, disk):
@@ -118,6 +120,42 @@ def test_two_ranks_of_tensor_parallel_train_as_one_process(tp2, case):
 @pytest.mark.parametrize("case", DP2_TP2, ids=str)
 def test_two_replicas_of_two_tensor_parallel_ranks_train_as_one_process_averaging_them(dp2_tp2, case):
     _check(dp2_tp2, case, 4, 2)
+
+
+@pytest.mark.parametrize("fixture,world,sync", [("tp2", 2, ("saved",)), ("dp2_tp2", 4, (TpCase(2, plan="disk"),))])
+def test_lockfree_at_staleness_zero_trains_as_sync_bit_for_bit_in_a_group(request, fixture, world, sync):
+    """Lockfree's update loops at max staleness 0: every block waits for its own update before it is used,
+    on every rank of a tensor-parallel group alike, so the group reads each block at one age and the
+    parameters each rank holds whole stay one; the losses are the sync run's (disk-homed), bit for bit."""
+    results = request.getfixturevalue(fixture)
+    for rank in range(world):
+        got = results[((TpCase(2, plan="disk", update="lockfree", staleness=0),), rank)]["losses"]
+        assert got == results[(sync, rank)]["losses"], f"rank {rank}"
+
+
+def test_train_tp_takes_lockfree_at_staleness_zero_only(tmp_path):
+    """`train --tp --update lockfree` is refused at its default lag, and at a plan file's, naming
+    --max-staleness 0; at 0 it passes the checks made before torchrun starts."""
+    import dataclasses
+
+    from tiertrain.cli.main import _check_tensor_layout
+    from tiertrain.errors import ConfigError
+    from tiertrain.plan import builtin_plan
+    from tiertrain.train.config import make_config
+
+    args = {"model": "tiny", "plan": "stream", "tp": 2, "update": "lockfree"}
+    with pytest.raises(ConfigError, match="max staleness 1 lets each rank .* add --max-staleness 0"):
+        make_config({}, args)
+    _check_tensor_layout(make_config({}, {**args, "max_staleness": 0}), 2)
+    for lag in (0, 2):
+        path = tmp_path / f"lag{lag}.json"
+        path.write_text(dataclasses.replace(builtin_plan("stream", 4), update="lockfree", max_staleness=lag).to_json())
+        cfg = make_config({}, {**args, "plan": str(path), "update": None})
+        if lag:
+            with pytest.raises(ConfigError, match="max staleness 2 lets each rank .* give max_staleness=0"):
+                _check_tensor_layout(cfg, 2)
+        else:
+            _check_tensor_layout(cfg, 2)
 
 
 def _counts(case: TpCase) -> tuple[int, int, int, int]:
@@ -265,8 +303,10 @@ def test_an_architecture_without_a_plan_and_plan_auto_are_refused_before_any_gro
     model, opt = fresh()
     with pytest.raises(ConfigError, match="not plan 'auto'"):
         tiertrain.tensor_parallel(model, opt, 2, plan="auto")
-    with pytest.raises(ConfigError, match="the lockfree update mode lets each rank read params of another age"):
-        tiertrain.tensor_parallel(model, opt, 2, update="lockfree")
+    for lag in ({}, {"max_staleness": 1}):  # the default lag, and one given
+        with pytest.raises(ConfigError, match="the lockfree update mode with max staleness 1 lets each rank read "
+                                              "params of another age.* give max_staleness=0"):
+            tiertrain.tensor_parallel(model, opt, 2, update="lockfree", **lag)
     with pytest.raises(ConfigError, match="not fp16: use bf16"):
         tiertrain.tensor_parallel(model, opt, 2, compute_dtype="fp16")
     with pytest.raises(ConfigError, match="--tp 2 must divide the run's 1 ranks"):

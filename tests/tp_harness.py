@@ -22,6 +22,7 @@ class TpCase:
     plan: str = "stream"         # "stream": states on the host, blocks streamed; "disk": homed on disk; "stash"
     clip: float | None = None    # clipped by the loop's torch.nn.utils.clip_grad_norm_
     update: str = "sync"
+    staleness: int | None = None  # lockfree's max staleness (None: the plan's)
     tied: bool = False
     skew: bool = False           # each rank's model drawn otherwise (ranks seeded apart): rank 0's must win
     meta: bool = False           # the model built on the meta device: drawn by the group, alike
@@ -63,7 +64,7 @@ def tp_losses(rank: int, case: TpCase, disk: Path, save_to: Path | None = None, 
         cut = [model.blocks[0].attn.qkv.weight]  # the whole parameter the cut replaces
     run = tiertrain.tensor_parallel(model, opt, case.tp, Budgets(64 << 20, 64 << 20, 64 << 20, rank_disk(disk, rank)),
                                     plan=_plan(case.plan, TINY["n_layer"]), page_size=64 << 10, update=case.update,
-                                    sequence_parallel=case.sequence)
+                                    max_staleness=case.staleness, sequence_parallel=case.sequence)
     out = {"replica": run.mesh.dp_rank, "losses": [], "sent": [], "tp_rank": run.mesh.tp_rank,
            "let_go": [p.is_meta for p in cut]}
     if case.plan == "resident" and case.family in ("gpt", "moe"):  # the blocks' params stay in their slots: as cut
@@ -88,6 +89,7 @@ def tp_losses(rank: int, case: TpCase, disk: Path, save_to: Path | None = None, 
             run.optimizer.zero_grad()
             out["losses"].append([loss.item()])
             out["sent"].append(run.mesh.tp_group.sent - before)
+        run.model.runtime.wait_updates()  # a lockfree loop may still hold a master it moves between the tiers
         out["states"] = state_bytes(run.model.runtime)
         out["shapes"] = {n: tuple(p.shape) for n, p in run.model.named_parameters()}
         return out

@@ -37,9 +37,9 @@ from tiertrain.parallel.tensor_plans import (
     check_tensor_parallel,
     split_of,
 )
-from tiertrain.plan import BUILTIN_PLANS, Plan, RunOptions
+from tiertrain.plan import BUILTIN_PLANS, DEFAULT_MAX_STALENESS, Plan, RunOptions
 from tiertrain.plan.plan import plan_file
-from tiertrain.plan.update_modes import rules
+from tiertrain.plan.update_modes import check_group_reads_alike
 from tiertrain.runtime.rank_agreement import model_signature
 
 FIX = "start every rank with the same model, --tp and plan (torchrun gives each rank the same command line)"
@@ -119,11 +119,12 @@ def norm_over_group(tiered: nn.Module, group: Collectives) -> None:
 def check_tensor_plan(plan: str | Plan, opts: RunOptions) -> None:
     """Every rank of a group must run its blocks alike (a recomputed block sums its activations again):
     a plan each rank finds for itself could differ, and params of another age on each rank (an update
-    loop's) would part the whole parameters. fp16's loss scale is not agreed over the group."""
+    loop's lag) would part the whole parameters. fp16's loss scale is not agreed over the group."""
     update = opts.update or (plan.update if isinstance(plan, Plan) else "sync")
-    if rules(update).loops:
-        raise ConfigError(f"the {update} update mode lets each rank read params of another age, and a "
-                          "tensor-parallel group's ranks must read the same: use update='sync' or 'overlap'")
+    lag = opts.max_staleness if opts.max_staleness is not None else (
+        plan.max_staleness if isinstance(plan, Plan) else DEFAULT_MAX_STALENESS)
+    check_group_reads_alike(update, lag, "a tensor-parallel group's ranks", "give max_staleness=0 "
+                            "(--max-staleness 0: every block waits for its own update), or update 'sync' or 'overlap'")
     if (opts.compute_dtype or (plan.compute_dtype if isinstance(plan, Plan) else "fp32")) == "fp16":
         raise ConfigError("tensor-parallel runs compute in fp32 or bf16, not fp16: use bf16")
     if isinstance(plan, str) and plan == "auto":

@@ -291,7 +291,8 @@ def _check_tensor_layout(cfg: Any, nproc: int) -> None:
         from tiertrain.plan.plan import plan_file
 
         # the run computes in --precision's dtype (fp16 refused with it), not the file's: its update mode is checked
-        check_tensor_plan(plan_file(cfg.plan), RunOptions(update=cfg.update, compute_dtype="fp32"))
+        check_tensor_plan(plan_file(cfg.plan), RunOptions(update=cfg.update, max_staleness=cfg.max_staleness,
+                                                           compute_dtype="fp32"))
 
 
 def _torchrun(nproc: int, plan: "Path | None" = None) -> int:

@@ -5,6 +5,7 @@ is pure."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from test_machines import small_machine
@@ -80,7 +81,41 @@ def test_plan_tp_plans_each_ranks_share_and_says_what_the_sums_cost(tmp_path, ca
     said = " ".join(capsys.readouterr().out.split())
     assert "2 ranks, each with these budgets" in said
     assert "tensor parallel: --tp 2, each rank" in said and "on the critical path (h100-sxm-80gb's link nvlink4" in said
-    assert json.loads(out.read_text())["parallel"]["dp"] == 2
+    assert json.loads(out.read_text())["parallel"] == {"dp": 2, "tp": 2}
+
+
+def test_a_plan_file_says_the_cut_it_was_made_for_and_train_refuses_another(tmp_path, capsys):
+    """`plan --nproc 2 --tp 2 --sequence-parallel` writes tp and sequence parallel into the file's layout;
+    `train` with that file refuses --tp 1 (each rank would hold whole blocks, twice what was planned) and a
+    run without --sequence-parallel (each rank the whole sequence's norms and residuals), in one line before
+    anything starts, as the Python entry does; with both given, the checks made before torchrun pass."""
+    from pp_harness import fresh
+
+    import tiertrain
+    from tiertrain.cli.main import _check_layout
+    from tiertrain.errors import ConfigError
+    from tiertrain.plan import Plan
+    from tiertrain.train.config import make_config
+
+    out = tmp_path / "plan.json"
+    assert _main("plan", "--model", "tiny", "--machine", "h100-sxm-80gb", "--batch", "4", "--seq", "64", "--solver",
+                 "dp", "--nproc", "2", "--tp", "2", "--sequence-parallel", "--out", str(out)) == 0
+    assert json.loads(out.read_text())["parallel"] == {"dp": 1, "tp": 2, "sequence_parallel": True}
+    assert Plan.from_json(out.read_text()).parallel.sequence_parallel
+    capsys.readouterr()
+    run = ["train", "--model", "tiny", "--plan", str(out), "--out", str(tmp_path / "r"), "--steps", "1"]
+    for extra, says in (([], r"was made for --tp 2 \(each rank 1/2 of a block\) but this run has --tp 1: give --tp 2"),
+                        (["--nproc", "2", "--tp", "2"], "was made with --sequence-parallel .* add --sequence-parallel")):
+        assert _main(*run, *extra) == 2
+        err = capsys.readouterr().err
+        assert re.search(says, " ".join(err.split())), err
+    assert not (tmp_path / "r").exists()
+    _check_layout(make_config({}, {"model": "tiny", "plan": str(out), "tp": 2, "sequence_parallel": True}), 2)
+    model, opt = fresh()
+    with pytest.raises(ConfigError, match="the plan was made with --sequence-parallel"):
+        tiertrain.tensor_parallel(model, opt, 2, plan=str(out))
+    with pytest.raises(ConfigError, match="sequence_parallel slices the sequence over a tensor-parallel group"):
+        Plan.from_json(out.read_text().replace('"tp": 2', '"tp": 1'))
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

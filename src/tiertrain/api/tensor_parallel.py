@@ -79,6 +79,8 @@ def tensor_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, tp: int,
         check_sequence_parallel(model, cut)
     if isinstance(plan, str) and plan not in BUILTIN_PLANS and plan != "auto":
         plan = plan_file(plan)  # its update mode and dtype checked as given ones
+    if isinstance(plan, Plan):
+        plan.parallel.check_run(tp, sequence_parallel, "the plan")
     check_tensor_plan(plan, opts)
     optimizer_groups(optimizer, model)  # an AdamW, fresh, over every parameter: refused before anything changes
     world = world_from_env()

@@ -178,6 +178,10 @@ def train(config_file: str | None, quiet: bool, nproc: int | None, **flags: Any)
     if sliced and cfg.tp == 1:
         raise ConfigError("--sequence-parallel slices the sequence over a tensor-parallel group: give --tp T (above "
                           "1) with it")
+    if "LOCAL_RANK" not in os.environ and cfg.plan and cfg.plan.endswith(".json") and os.path.isfile(cfg.plan):
+        from tiertrain.plan.plan import plan_file
+
+        plan_file(cfg.plan).parallel.check_run(cfg.tp, cfg.sequence_parallel, f"the plan {cfg.plan}")
     if cfg.pp > 1 and nproc == 1 and "LOCAL_RANK" not in os.environ:
         raise ConfigError(f"--pp {cfg.pp} cuts the model over ranks: add --nproc {cfg.pp} (or a multiple of it)"
                           + ("; or resume in one process with --pp 1" if flags.get("resume") else ""))

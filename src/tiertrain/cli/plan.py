@@ -322,7 +322,7 @@ def run_plan(req: PlanRequest, console: Console) -> Planned:
     profile = dataclasses.replace(profile, machine=dataclasses.replace(
         profile.machine, disk_together_gain=_disk_gain(req, profile, here, target, disk_dir)))
     profile = run_profile(profile, req.update, req.max_staleness, req.needs_all_grads)
-    tensor_line = None
+    tensor_line, tp = None, req.tp
     if req.tp > 1:  # the data-parallel ranks are a group's replicas: each holds its rank's share of every block
         profile, tensor_line = _cut_over_group(req, profile, target, here)
         per_node = req.nproc_per_node // req.tp if req.nproc_per_node else 0
@@ -343,6 +343,9 @@ def run_plan(req: PlanRequest, console: Console) -> Planned:
         profile, sizes, needs_all = one_stage(profile, sizes, pipeline[0].layout, req)
     pb = Problem.sized(profile, sizes, req.levels)
     chosen, cands = choose_layout(pb, req.solvers or tuple(SOLVERS), req.update, needs_all, req.max_staleness)
+    if tensor_line is not None and chosen.plan is not None:  # the file says how the run is cut, and train refuses another cut (check_run)
+        chosen = dataclasses.replace(chosen, plan=dataclasses.replace(chosen.plan, parallel=dataclasses.replace(
+            chosen.plan.parallel, tp=tp, sequence_parallel=req.sequence_parallel)))
     if target is not here:
         console.print(f"planned for {target.name} ({target.source or 'described'})")
     if req.nproc > 1:

@@ -26,10 +26,15 @@ class ParallelLayout:
     dp: int = field(default=1, metadata=at_least(1))  # data-parallel ranks each block's chunks are split over
     ep: int = field(default=1, metadata=at_least(1))  # ranks a mixture-of-experts layer's experts are divided over
     shard_group: int = field(default=0, metadata=at_least(0))  # ranks a sharded block is split over (0: all dp)
+    tp: int = field(default=1, metadata=at_least(1))  # tensor parallel: each rank holds 1/tp of a block's cut part
+    sequence_parallel: bool = False  # with tp: each rank holds its slice of the sequence between the cut regions
 
     def __post_init__(self) -> None:
-        if not all(isinstance(v, int) for v in (self.dp, self.ep, self.shard_group)):
+        if not all(isinstance(v, int) for v in (self.dp, self.ep, self.shard_group, self.tp)):
             return  # typed.load names the field of another type
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("sequence_parallel slices the sequence over a tensor-parallel group: give tp above 1, "
+                              "or leave sequence_parallel out")
         if self.ep >= 1 and self.dp % self.ep:
             raise ConfigError(f"expert parallel ep={self.ep} does not divide the {self.dp} data-parallel ranks; "
                               f"choose ep among {_divisors(self.dp)}")
@@ -62,7 +67,20 @@ class ParallelLayout:
 
     def to_dict(self) -> dict:
         return {"dp": self.dp} | ({"ep": self.ep} if self.ep > 1 else {}) | (
-            {"shard_group": self.shard_group} if self.hybrid else {})
+            {"shard_group": self.shard_group} if self.hybrid else {}) | ({"tp": self.tp} if self.tp > 1 else {}) | (
+            {"sequence_parallel": True} if self.sequence_parallel else {})
+
+    def check_run(self, tp: int, sequence_parallel: bool, where: str) -> None:
+        """Refuse a run cut otherwise than the plan was made for: its bytes a rank holds are 1/tp of each
+        block's cut part, and without sequence parallel each rank would hold the whole sequence's norms and
+        residuals its planned activations leave out. (A plan made without sequence parallel fits a run with
+        it: that holds less.)"""
+        if self.tp > 1 and tp != self.tp:
+            raise ConfigError(f"{where} was made for --tp {self.tp} (each rank 1/{self.tp} of a block) but this run "
+                              f"has --tp {tp}: give --tp {self.tp}, or make the plan for it (tiertrain plan --tp {tp} ...)")
+        if self.sequence_parallel and not sequence_parallel:
+            raise ConfigError(f"{where} was made with --sequence-parallel (each rank its slice of the sequence between "
+                              "the cut regions): add --sequence-parallel, or make the plan without it")
 
 
 def _divisors(n: int) -> str:

@@ -122,7 +122,7 @@ def test_a_plan_file_says_the_cut_it_was_made_for_and_train_refuses_another(tmp_
 def test_plan_tp_plans_a_transformers_models_share_by_its_parallelize_plan(tmp_path, capsys, family):
     """`plan --tp 2` of a transformers Llama (GQA) and GPT-2 (Conv1D): each rank holds half of a block's cut
     parameters and the whole of the rest, as the family's plan cuts it (of the block's chunk, its padding
-    counted with the cut part)."""
+    counted with the cut part); with --sequence-parallel too."""
     from pp_harness import config_of
 
     from tiertrain.models import build
@@ -137,6 +137,11 @@ def test_plan_tp_plans_a_transformers_models_share_by_its_parallelize_plan(tmp_p
     said = " ".join(capsys.readouterr().out.split())
     mine = -(-(chunk - whole) // 2) + whole
     assert f"tensor parallel: --tp 2, each rank {mine:,} of a block's {chunk:,} parameters" in said, said
+    assert _main("plan", "--model", str(model), "--machine", "h100-sxm-80gb", "--seq", "16", "--solver", "dp",
+                 "--nproc", "2", "--tp", "2", "--sequence-parallel", "--out", str(tmp_path / "s.json")) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert f"--tp 2, each rank its slice of the sequence between them, each rank {mine:,} of a block's" in said, said
+    assert json.loads((tmp_path / "s.json").read_text())["parallel"]["sequence_parallel"] is True
 
 
 def test_plan_pp_tp_plans_a_stage_of_a_group_and_train_takes_the_plan_for_its_replicas(tmp_path, capsys):

@@ -25,7 +25,9 @@ TP2 = [TpCase(2), TpCase(2, plan="disk", clip=0.05), TpCase(2, plan="stash", cli
        TpCase(2, plan="disk", clip=0.05, family="moe"), TpCase(2, plan="stash", family="moe"),
        TpCase(2, clip=0.05, sequence=True), TpCase(2, plan="stash", clip=0.05, tied=True, sequence=True),
        TpCase(2, plan="resident"), TpCase(2, plan="resident", sequence=True),
-       TpCase(2, plan="disk", update="lockfree", staleness=0), TpCase(2, update="lockfree", staleness=0, sequence=True)]
+       TpCase(2, plan="disk", update="lockfree", staleness=0), TpCase(2, update="lockfree", staleness=0, sequence=True),
+       TpCase(2, plan="stash", clip=0.05, sequence=True, family="llama"),
+       TpCase(2, plan="disk", tied=True, sequence=True, family="gpt2"), TpCase(2, sequence=True, family="gpt_neox")]
 META = TpCase(2, plan="resident", meta=True)
 META_MOE = TpCase(2, plan="resident", meta=True, family="moe")  # its routers, whole, drawn by the group too
 DP2_TP2 = [TpCase(2, clip=0.05), TpCase(2, plan="disk"), TpCase(2, plan="disk", clip=0.05, sequence=True),
@@ -202,8 +204,8 @@ def test_each_rank_sends_four_sums_of_a_blocks_activations_per_step_five_where_r
     way in place of the MLP's one (the router's input, whole, is not entered); recomputed, the experts'
     outputs are summed again (backward weighs each by its gate). With sequence parallel each all-reduce is
     an all-gather and a reduce-scatter, (T-1)/T of the activations each; a recompute gathers attention's
-    input, scatters its output and gathers the MLP's input again; the sequence is sliced after the
-    embeddings (its gradient gathered) and gathered before the final norm; and each block's whole
+    input, scatters its output and gathers the MLP's input again; the sequence is sliced as the first
+    block begins (its gradient gathered) and gathered before the final norm; and each block's whole
     parameters' gradients are summed over the group (each rank saw its slice of the tokens)."""
     from pp_harness import MOE, ROWS
 
@@ -311,8 +313,7 @@ def test_an_architecture_without_a_plan_and_plan_auto_are_refused_before_any_gro
         tiertrain.tensor_parallel(model, opt, 2, compute_dtype="fp16")
     with pytest.raises(ConfigError, match="--tp 2 must divide the run's 1 ranks"):
         tiertrain.tensor_parallel(model, opt, 2)
-    for family, says in (("llama", "sequence parallel cuts tiertrain's GPT only yet, not a LlamaForCausalLM"),
-                         ("moe", "sequence parallel does not slice a mixture-of-experts model yet")):
+    for family, says in (("moe", "sequence parallel does not slice a mixture-of-experts model yet"),):
         model, opt = fresh(family=family)
         with pytest.raises(ConfigError, match=says):
             tiertrain.tensor_parallel(model, opt, 2, sequence_parallel=True)

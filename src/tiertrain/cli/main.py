@@ -128,7 +128,7 @@ def cli() -> None:
                                     "tiertrain's GPT and transformers GPT-2, GPT-NeoX, Llama, Qwen2, Mistral.")
 @click.option("--sequence-parallel/--no-sequence-parallel", default=None,
               help="With --tp: each rank holds its slice of the sequence between the cut regions (Megatron's "
-                   "sequence parallel: norms and residuals 1/tp each; tiertrain's GPT). A resume keeps the "
+                   "sequence parallel: norms and residuals 1/tp each; not with experts). A resume keeps the "
                    "checkpoint's unless told.")
 @click.option("--quiet", is_flag=True, help="Print only the summary.")
 @click.option("--nproc", type=POSITIVE, default=None,

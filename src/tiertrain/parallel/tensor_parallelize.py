@@ -50,8 +50,8 @@ def parallelize(model: nn.Module, rank: int, group: Collectives, sequence: bool 
     new_of = parallelize_blocks(plan, plan.blocks(model), rank, group, seed, sequence=sequence)
     if sequence:
         first, last = (operator.attrgetter(path)(model) for path in plan.sequence_at)
-        first.register_forward_hook(lambda m, args, out: scatter_sequence(out, group))
-        last.register_forward_pre_hook(lambda m, args: (gather_sequence(args[0], group), *args[1:]))
+        first.register_forward_pre_hook(_entered(group, scatter_sequence), with_kwargs=True)
+        last.register_forward_pre_hook(_entered(group, gather_sequence), with_kwargs=True)
     return new_of
 
 
@@ -103,7 +103,8 @@ Enter = Callable[[torch.Tensor, Collectives], torch.Tensor]
 def _entered(group: Collectives, enter: Enter = enter_region) -> Callable[[nn.Module, tuple, dict], tuple[tuple, dict]]:
     """A pre-hook entering a module's input (its first argument, or ``hidden_states``) into the cut region
     once, for every column-parallel layer reading it (``enter``: ``enter_region``, or ``enter_sequence``
-    gathering a rank's sequence slice)."""
+    gathering a rank's sequence slice); with ``scatter_sequence`` or ``gather_sequence``, where the
+    blocks' sequence is sliced and put together again."""
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if args:
             return (enter(args[0], group), *args[1:]), kwargs

@@ -49,9 +49,11 @@ class TensorPlan:
     the column-parallel layers in them share (entered once), the attributes counting a block's heads
     (divided by the group's size; none where the forward reads the heads from the weights' shapes),
     whether its weights are stored [in, out] (GPT-2's Conv1D) rather than torch's [out, in], and for
-    sequence parallel where it starts and ends (the module whose output is cut into sequence slices before
-    the blocks, the one whose input is put back together after them; None: not supported) and the
-    modules of a block whose input is gathered whole as it enters (they read its length)."""
+    sequence parallel where it starts and ends (the first block, whose input is cut into sequence slices,
+    and the module after the blocks whose input is put back together; None: not supported. Slicing at the
+    first block, not at the embeddings, leaves what a transformers model builds from the input's length
+    before its layers, its causal mask and rotary tables, whole) and the modules of a block whose input is
+    gathered whole as it enters (they read its length)."""
 
     blocks_at: str
     cuts: tuple[Cut, ...]
@@ -85,17 +87,21 @@ _MLP = (Cut("fc", True), Cut("proj", False))
 GPT_PLAN = TensorPlan("blocks", (Cut("attn.qkv", True, 3), Cut("attn.proj", False),
                                  *(Cut(f"ffn.{c.path}", c.column) for c in _MLP),
                                  *(Cut(f"ffn.experts.*.{c.path}", c.column) for c in _MLP)),
-                      heads_attrs=("attn.n_head",), sequence_at=("drop", "ln_f"), sequence_inputs=("attn", "ffn"))
+                      heads_attrs=("attn.n_head",), sequence_at=("blocks.0", "ln_f"), sequence_inputs=("attn", "ffn"))
 DECODER_PLAN = TensorPlan("model.layers", (
     Cut("self_attn.q_proj", True), Cut("self_attn.k_proj", True), Cut("self_attn.v_proj", True),
     Cut("self_attn.o_proj", False), Cut("mlp.gate_proj", True), Cut("mlp.up_proj", True),
-    Cut("mlp.down_proj", False)), shared_inputs=("self_attn", "mlp"))
+    Cut("mlp.down_proj", False)), shared_inputs=("self_attn", "mlp"), sequence_at=("model.layers.0", "model.norm"),
+    sequence_inputs=("self_attn", "mlp"))
 GPT2_PLAN = TensorPlan("transformer.h", (Cut("attn.c_attn", True, 3), Cut("attn.c_proj", False),
                                          Cut("mlp.c_fc", True), Cut("mlp.c_proj", False)),
-                       heads_attrs=("attn.split_size", "attn.num_heads"), transposed=True)
+                       heads_attrs=("attn.split_size", "attn.num_heads"), transposed=True,
+                       sequence_at=("transformer.h.0", "transformer.ln_f"), sequence_inputs=("attn", "mlp"))
 # GPT-NeoX fuses q, k and v head by head ([head][q k v] rows): a plain cut of the rows is whole heads
 NEOX_PLAN = TensorPlan("gpt_neox.layers", (Cut("attention.query_key_value", True), Cut("attention.dense", False),
-                                           Cut("mlp.dense_h_to_4h", True), Cut("mlp.dense_4h_to_h", False)))
+                                           Cut("mlp.dense_h_to_4h", True), Cut("mlp.dense_4h_to_h", False)),
+                       sequence_at=("gpt_neox.layers.0", "gpt_neox.final_layer_norm"),
+                       sequence_inputs=("attention", "mlp"))
 PLANS = (GPT_PLAN, DECODER_PLAN, GPT2_PLAN, NEOX_PLAN)
 HF_PLANS = {"llama": DECODER_PLAN, "qwen2": DECODER_PLAN, "mistral": DECODER_PLAN, "gpt2": GPT2_PLAN,
             "gpt_neox": NEOX_PLAN}
@@ -145,8 +151,8 @@ def check_sequence_parallel(model: nn.Module, plan: TensorPlan) -> None:
     """Refuse, in one line, a model sequence parallel cannot slice: one whose plan says not where its
     sequence is cut and put together, or whose experts need every token of the group."""
     if plan.sequence_at is None:
-        raise ConfigError(f"sequence parallel cuts tiertrain's GPT only yet, not a {type(model).__name__}: leave "
-                          "--sequence-parallel out (tensor parallel alone cuts it)")
+        raise ConfigError(f"sequence parallel has no place to slice a {type(model).__name__}'s sequence yet: "
+                          "leave --sequence-parallel out (tensor parallel alone cuts it)")
     if isinstance(model, GPT) and model.config.is_moe:
         raise ConfigError("sequence parallel does not slice a mixture-of-experts model yet (its experts would need "
                           "every rank's tokens): leave --sequence-parallel out")

@@ -203,7 +203,8 @@ def test_each_rank_sends_four_sums_of_a_blocks_activations_per_step_five_where_r
     With experts, each expert sums its own tokens' outputs and input gradients: top_k tokens' worth each
     way in place of the MLP's one (the router's input, whole, is not entered); recomputed, the experts'
     outputs are summed again (backward weighs each by its gate). With sequence parallel each all-reduce is
-    an all-gather and a reduce-scatter, (T-1)/T of the activations each; a recompute gathers attention's
+    an all-gather and a reduce-scatter, (T-1)/T of the activations each; backward gathers attention's and
+    the MLP's input again (the column layers kept their slices: Megatron's); a recompute gathers attention's
     input, scatters its output and gathers the MLP's input again; the sequence is sliced as the first
     block begins (its gradient gathered) and gathered before the final norm; and each block's whole
     parameters' gradients are summed over the group (each rank saw its slice of the tokens)."""
@@ -216,7 +217,7 @@ def test_each_rank_sends_four_sums_of_a_blocks_activations_per_step_five_where_r
         unit = (case.tp - 1) * act // case.tp  # an all-gather's or a reduce-scatter's bytes; an all-reduce: two
         if case.sequence:
             whole = _counts(case)[1] * 4 * 2 * (case.tp - 1) // case.tp
-            want = blocks * ((8 + 3 * stash) * unit + whole) + 2 * unit
+            want = blocks * ((10 + 3 * stash) * unit + whole) + 2 * unit
         else:
             want = blocks * 2 * (4 + stash + (2 * k - 2 + stash * k if moe else 0)) * unit
         want += 4 if case.clip else 0
@@ -226,14 +227,59 @@ def test_each_rank_sends_four_sums_of_a_blocks_activations_per_step_five_where_r
 
 def test_sequence_parallel_keeps_a_slice_of_each_norms_input_for_backward(tp2):
     """What autograd saves in a forward (a resident plan: nothing between the blocks and autograd): with the
-    sequence sliced, each of a block's two norms keeps its input's slice, not the whole sequence, so a
-    rank saves at least 2 x blocks x half an activation less."""
+    sequence sliced, each of a block's two norms keeps its input's slice, not the whole sequence, and so do
+    the two column layers reading the gathered sequence (they gather it again in backward), so a rank
+    saves at least 4 x blocks x half an activation less."""
     from pp_harness import ROWS
 
     act = ROWS * 16 * TINY["d_model"] * 4
     for rank in range(2):
         whole, sliced = (tp2[((TpCase(2, plan="resident", sequence=s),), rank)]["saved"] for s in (False, True))
-        assert 0 < sliced <= whole - 2 * TINY["n_layer"] * act // 2, (rank, whole, sliced)
+        assert 0 < sliced <= whole - 4 * TINY["n_layer"] * act // 2, (rank, whole, sliced)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("bias", [True, False])
+def test_column_layers_reading_a_gathered_sequence_save_its_slice_and_gather_it_once_again_in_backward(transposed,
+                                                                                                      bias):
+    """Three column layers reading one gathered sequence (q, k and v): each saves the slice, not the whole;
+    backward gathers the whole once for the three; outputs and gradients bit for bit autograd's F.linear
+    (one rank's group: the gather is a copy, counted)."""
+    from tiertrain.parallel.local import LocalCollectives
+    from tiertrain.parallel.sequence_ops import enter_sequence
+    from tiertrain.parallel.tensor_layers import ColumnParallelLinear
+
+    class Counted(LocalCollectives):
+        gathers = 0
+
+        def all_gather(self, out, shard, async_op=False):
+            Counted.gathers += 1
+            return super().all_gather(out, shard, async_op)
+
+    torch.manual_seed(0)
+    group, w = Counted(), torch.randn(*((32, 48) if transposed else (48, 32)))
+    b = torch.randn(48) if bias else None
+    results = []
+    for regather in (True, False):
+        layers = [ColumnParallelLinear(w.clone(), None if b is None else b.clone(), group, False, transposed)
+                  for _ in range(3)]
+        x = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        saved: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            part = x * 2
+            whole = enter_sequence(part, group)
+            if not regather:
+                whole.gathered_from = None  # autograd's F.linear, saving the whole
+            loss = sum((layer(whole) ** 2).sum() for layer in layers)
+        Counted.gathers = 0
+        loss.backward()
+        slices = sum(t.data_ptr() == part.data_ptr() for t in saved)
+        wholes = sum(t.numel() == whole.numel() and t.data_ptr() != part.data_ptr() for t in saved)
+        assert (slices, wholes) == ((3, 0) if regather else (0, 3))  # (F.linear saves a 2-D copy of the whole)
+        results.append((loss, x.grad, *[p.grad for layer in layers for p in layer.parameters()], Counted.gathers))
+    (*mine, gathers), (*plain, none) = results
+    assert all(torch.equal(a, c) for a, c in zip(mine, plain))
+    assert (gathers, none) == (1, 0)
 
 
 def test_the_shards_are_the_ranks_heads_and_features():

@@ -6,8 +6,9 @@ with ``--sequence-parallel``, tp = 2 with the sequence sliced between the cut re
 The formula: per block, two sums of the block's output activations (rows x tokens x d_model, fp32) in
 forward and two in backward (``parallel.tensor_ops``), each a ring all-reduce that sends 2 (T-1)/T of
 the buffer; a clipping step adds its norm. Sequence parallel: each sum an all-gather and a reduce-scatter
-((T-1)/T each, the same bytes), the sequence gathered once before the final norm and once in backward
-after the embeddings, and each block's whole parameters' gradients summed.
+((T-1)/T each, the same bytes), backward gathering attention's and the MLP's input again (the column
+layers keep their slices), the sequence gathered once before the final norm and once in backward as the
+first block's input, and each block's whole parameters' gradients summed.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def formula_bytes(b: TensorBench, tp: int) -> int:
         return b.layers * 4 * 2 * (tp - 1) * act // tp + 4
     unit = (tp - 1) * act // tp
     whole = whole_per_block(model_cfg(b.d_model, b.layers, b.seq)) * 4 * 2 * (tp - 1) // tp
-    return b.layers * (8 * unit + whole) + 2 * unit + 4
+    return b.layers * (10 * unit + whole) + 2 * unit + 4  # 10: backward gathers the column layers' inputs again
 
 
 def _ranks(b: TensorBench, tp: int, out: Path) -> list[dict[str, Any]]:

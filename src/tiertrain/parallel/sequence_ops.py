@@ -80,9 +80,28 @@ def gather_sequence(x: torch.Tensor, group: Collectives) -> torch.Tensor:
     return _Gather.apply(x, group)
 
 
+class Gathered:
+    """The slice a whole sequence was gathered from, for the column-parallel layers reading the whole: they
+    save the slice for backward, not the whole (Korthikanti et al. 2022, §4.2.2: Megatron gathers it again
+    in backward), and the first of them to need the whole in backward gathers it for all of them."""
+
+    def __init__(self, group: Collectives) -> None:
+        self.group, self.readers, self._whole = group, 0, None
+
+    def whole(self, part: torch.Tensor) -> torch.Tensor:
+        """The whole sequence again, from the slice ``part`` a reader saved; let go after its last reader."""
+        whole = self._whole if self._whole is not None else _gather(part, self.group)
+        self.readers -= 1
+        self._whole = whole if self.readers > 0 else None
+        return whole
+
+
 def enter_sequence(x: torch.Tensor, group: Collectives) -> torch.Tensor:
-    """``enter_region`` for a rank's sequence slice: the whole sequence in, its gradient summed into slices."""
-    return _Enter.apply(x, group)
+    """``enter_region`` for a rank's sequence slice: the whole sequence in, its gradient summed into slices.
+    The whole carries ``gathered_from`` (the slice, and a ``Gathered``) for the column layers reading it."""
+    whole = _Enter.apply(x, group)
+    whole.gathered_from = (x, Gathered(group))
+    return whole
 
 
 def leave_sequence(x: torch.Tensor, group: Collectives) -> torch.Tensor:

@@ -13,6 +13,7 @@ name in the whole one, and its layout: torch's [out, in], or [in, out] where the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -57,7 +58,35 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = enter_region(x, self.group) if self.enters else x
-        return F.linear(x, self.weight.t() if self.transposed else self.weight, self.bias)
+        weight = self.weight.t() if self.transposed else self.weight
+        if getattr(x, "gathered_from", None) is not None and torch.is_grad_enabled():
+            part, gathered = x.gathered_from  # sequence parallel: keep the slice for backward, not the whole
+            gathered.readers += 1
+            return _LinearOfGathered.apply(x, part, weight, self.bias, gathered)
+        return F.linear(x, weight, self.bias)
+
+
+class _LinearOfGathered(torch.autograd.Function):
+    """``F.linear`` of a whole sequence gathered from ``part``, saving ``part`` for backward and gathering
+    the whole from it again there (``sequence_ops.Gathered``): autograd's linear would save the whole.
+    Written by hand because no torch layer takes its saved input from elsewhere; its gradients are
+    ``F.linear``'s, summed in the same order."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, part: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                gathered: Any) -> torch.Tensor:
+        ctx.save_for_backward(part, weight)
+        ctx.gathered, ctx.has_bias = gathered, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        part, weight = ctx.saved_tensors
+        x = ctx.gathered.whole(part)
+        flat = grad.reshape(-1, grad.shape[-1])
+        grad_w = flat.t().mm(x.reshape(-1, x.shape[-1]))
+        grad_b = flat.sum(0) if ctx.has_bias else None
+        return grad.matmul(weight), None, grad_w, grad_b, None
 
 
 class RowParallelLinear(nn.Module):

@@ -23,7 +23,7 @@ import dataclasses
 from tiertrain.planner.profile import BlockProfile, Profile
 
 WHOLE_INPUTS = 5      # saved activations every rank keeps whole, in block inputs' worth (module docstring)
-GATHERED_INPUTS = 2   # under sequence parallel: what stays whole is the two gathered inputs qkv and fc keep
+REGATHERS = 2         # under sequence parallel: the column layers' inputs gathered again in backward
 FORWARD_SUMS, BACKWARD_SUMS, RECOMPUTE_SUMS = 2, 2, 1  # of a dense block: one attention's, one its MLP's
 
 
@@ -35,10 +35,10 @@ def all_reduce_s(nbytes: float, ranks: int, bps: float) -> float:
 def for_tensor(p: Profile, tp: int, bps: float, whole: int, routed: int = 1, sequence: bool = False) -> Profile:
     """The profile of one rank of a tensor-parallel group of ``tp`` over a link of ``bps`` (each block's
     ``whole`` elements on every rank; ``routed``: the experts a token goes to, 1 for a dense MLP;
-    ``sequence``: sequence parallel, what the norms and residuals keep sliced too but the two gathered
-    inputs the column layers keep whole, its all-gathers and reduce-scatters the bytes of the all-reduces
-    they replace, a recompute half a sum more, and the whole parameters' gradients summed backward); the
-    rest (embeddings, head) whole, as the ranks hold it."""
+    ``sequence``: sequence parallel, what the norms and residuals keep sliced too, and the column layers
+    their input's slice (gathered again in backward: Megatron's), its all-gathers and reduce-scatters the
+    bytes of the all-reduces they replace, a recompute half a sum more, and the whole parameters' gradients
+    summed backward); the rest (embeddings, head) whole, as the ranks hold it."""
     if tp == 1:
         return p
     return dataclasses.replace(p, blocks=tuple(_cut(b, tp, bps, whole, routed, sequence) for b in p.blocks))
@@ -53,11 +53,12 @@ def sums_s(p: Profile, tp: int, bps: float, routed: int = 1) -> float:
 def _cut(b: BlockProfile, tp: int, bps: float, whole: int, routed: int, sequence: bool) -> BlockProfile:
     one = all_reduce_s(b.hidden_bytes, tp, bps)
     whole = min(whole, b.params)
-    kept = min(b.act_bytes, (GATHERED_INPUTS if sequence else WHOLE_INPUTS) * b.hidden_bytes)
+    kept = 0 if sequence else min(b.act_bytes, WHOLE_INPUTS * b.hidden_bytes)
     extra = routed - 1
-    # sequence parallel: a recompute gathers, scatters and gathers again (1.5 sums); each whole parameter's
-    # gradient (fp32 at most) summed over the group
-    again, grads = (0.5 * one, all_reduce_s(4 * whole, tp, bps)) if sequence else (0.0, 0.0)
+    # sequence parallel: a recompute gathers, scatters and gathers again (1.5 sums); backward gathers the
+    # column layers' inputs again (an all-gather: half a sum each) and sums each whole parameter's gradient
+    # (fp32 at most) over the group
+    again, grads = (0.5 * one, all_reduce_s(4 * whole, tp, bps) + REGATHERS * 0.5 * one) if sequence else (0.0, 0.0)
     return dataclasses.replace(
         b, params=-(-(b.params - whole) // tp) + whole, largest=-(-b.largest // tp),
         forward_s=b.forward_s / tp + (FORWARD_SUMS + extra) * one,

@@ -138,6 +138,7 @@ class Case:
     dtype: str = "fp32"
     tied: bool = False             # the head uses the token embedding's weight: across the first and last stage
     family: str = "gpt"            # "gpt": tiertrain's; "llama": a transformers Llama
+    sequence: bool = False         # with tp: sequence parallel, the sequence sliced between stages too
 
 
 def _plan(name: str, n_blocks: int):
@@ -169,14 +170,16 @@ def pipelined_losses(rank: int, case: Case, pp: int, disk: Path, events: bool = 
     layout = PipelineLayout(pp=pp, schedule=case.schedule, micro_batches=case.micro, segments=case.segments)
     run = pipeline(model, opt, layout, Budgets(64 << 20, 64 << 20, 64 << 20, rank_disk(disk, rank)),
                    plan=_plan(case.plan, TINY["n_layer"]), page_size=64 << 10, update=case.update,
-                   max_grad_norm=case.clip, compute_dtype=case.dtype, tp=tp)
+                   max_grad_norm=case.clip, compute_dtype=case.dtype, tp=tp, sequence_parallel=case.sequence)
     log: list[tuple[str, int]] = []
     if events:
         _record(run, log)
     replica, norms, recorded = rank // (pp * tp), [], None
     try:
         losses, first = [], tiertrain.load_pipeline(run, load_from).step if load_from else 0
+        sent = []  # the bytes this rank's tensor-parallel group sent a step (backward's and the norm's included)
         for step, b in enumerate(batches(replica)[first:], start=first):
+            before = run.mesh.tp_group.sent if tp > 1 else 0
             run.step(b[:, :-1], b[:, 1:])
             losses.append(run.micro_losses.tolist())
             if tp > 1 and case.clip is not None:
@@ -187,12 +190,14 @@ def pipelined_losses(rank: int, case: Case, pp: int, disk: Path, events: bool = 
             if events:
                 log.append(("stepped", step))
             run.optimizer.zero_grad()
+            sent.append(run.mesh.tp_group.sent - before if tp > 1 else 0)
             if save_to is not None and step == 0:
                 tiertrain.save_pipeline(run, save_to, step=1)
             if events and step == 1:
                 events, recorded = False, list(log)
         out = {"replica": replica, "losses": losses, "pp_rank": run.mesh.pp_rank, "indices": run.indices, "norms": norms,
-               "head_released": model.lm_head.weight.is_meta}  # no rank keeps a head it does not train
+               "head_released": model.lm_head.weight.is_meta,  # no rank keeps a head it does not train
+               "tp_sent": sent}
         if recorded is not None:
             out["events"] = recorded
             out["synced"] = run.synced

@@ -58,6 +58,7 @@ def test_a_ranks_profile_holds_its_share_of_each_block_and_waits_for_the_groups_
     sliced = for_tensor(p, tp, bps, whole, sequence=True)  # the norms' and residuals' activations 1/T too, and
     for b, c, s in zip(p.blocks, cut.blocks, sliced.blocks):  # the column layers' inputs, gathered again backward
         assert s.act_bytes == -(-b.act_bytes // tp) < c.act_bytes
+        assert (s.hidden_bytes, c.hidden_bytes) == (-(-b.hidden_bytes // tp), b.hidden_bytes)  # a slice in, sent on
         assert (s.forward_s, s.params) == (c.forward_s, c.params)
         one = all_reduce_s(b.hidden_bytes, tp, bps)
         assert s.recompute_seconds == pytest.approx(c.recompute_seconds + 0.5 * one)
@@ -167,6 +168,11 @@ def test_plan_pp_tp_plans_a_stage_of_a_group_and_train_takes_the_plan_for_its_re
     _check_layout(make_config({}, cfg), 8)
     with pytest.raises(ConfigError, match="laid out for 2 ranks but --nproc 16 --pp 2 --tp 2 makes 4: use --nproc 8"):
         _check_layout(make_config({}, cfg), 16)
+    assert _main(*base, "--nproc", "8", "--pp", "2", "--tp", "2", "--sequence-parallel") == 0  # the slices cross too
+    said = " ".join(capsys.readouterr().out.split())
+    assert "--tp 2, each rank its slice of the sequence between them" in said and "pipeline: --pp 2" in said, said
+    assert json.loads(out.read_text())["parallel"] == {"dp": 2, "tp": 2, "sequence_parallel": True}
+    _check_layout(make_config({}, {**cfg, "sequence_parallel": True}), 8)
     assert _main(*base, "--nproc", "4", "--pp", "2") == 0
     _check_layout(make_config({}, {"model": str(model), "plan": str(out), "pp": 2}), 4)
     capsys.readouterr()

@@ -43,7 +43,8 @@ SAVED = TpCase(2, plan="disk")  # saved after its first step; its steps 2 and 3 
 
 PP2_TP2 = [Case("1f1b", 2, 1, clip=0.05), Case("aiao", 4, 2, plan="disk"), Case("aiao", 2, 2, plan="stash", clip=0.05),
            Case("aiao", 4, 2, plan="disk", clip=0.05, family="llama"), Case("1f1b", 2, 1, family="gpt2"),
-           Case("aiao", 4, 2, plan="disk", family="gpt_neox")]
+           Case("aiao", 4, 2, plan="disk", family="gpt_neox"), Case("1f1b", 2, 1, clip=0.05, sequence=True),
+           Case("aiao", 4, 2, plan="stash", sequence=True)]
 PP_SAVED = Case("1f1b", 2, 1, plan="disk")  # pp = 2 x tp = 2, saved after its first step
 
 
@@ -443,6 +444,24 @@ def test_a_pipeline_of_two_stages_each_cut_over_two_ranks_trains_as_one_process(
         flat = [x for step in got["losses"] for x in step]
         assert flat == pytest.approx([x for step in want for x in step[0]], rel=RTOL, abs=0), f"rank {rank}"
         assert got["norms"] == pytest.approx(norms, rel=RTOL, abs=0), f"rank {rank}"
+
+
+def test_sequence_parallel_in_a_pipeline_sends_what_slicing_adds_to_tensor_parallel(dp2_tp2):
+    """pp = 2 x tp = 2 with the sequence sliced, beside the same run without: each rank's group sends, a
+    step, for each micro-batch and each of its stage's blocks the two column inputs gathered again backward
+    and the whole parameters' gradient sums; the first stage gathers the slices' gradient backward, the last
+    the slices before the final norm (an all-gather of a micro-batch's activations, (T-1)/T of them, each)."""
+    from pp_harness import ROWS, TINY
+
+    micro = 2
+    unit = ROWS // micro * 16 * TINY["d_model"] * 4 // 2  # a micro-batch's rows x tokens x d fp32, (T-1)/T of it
+    whole = _counts(TpCase(2))[1] * 4 * 2 // 2  # a block's whole fp32 gradients all-reduced: 2 (T-1)/T of them
+    blocks = TINY["n_layer"] // 2
+    for rank in range(4):
+        plain = dp2_tp2[(("pp", Case("1f1b", micro, 1, clip=0.05)), rank)]["tp_sent"]
+        sliced = dp2_tp2[(("pp", Case("1f1b", micro, 1, clip=0.05, sequence=True)), rank)]["tp_sent"]
+        extra = micro * (blocks * (2 * unit + whole) + unit)
+        assert [s - p for s, p in zip(sliced, plain)] == [extra] * 3, rank
 
 
 def test_a_pipeline_cut_over_tensor_parallel_ranks_saves_and_resumes_at_another_layout(tp2, dp2_tp2):

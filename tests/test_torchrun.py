@@ -268,9 +268,9 @@ def test_train_pp_trains_as_one_process_and_its_checkpoint_resumes_in_one_and_cu
     """``train --nproc 2 --pp 2`` (1F1B, 2 micro-batches) takes the steps of one process accumulating the same
     micro-batches, bit for bit (fp32, no clipping); its checkpoint after step 2 resumes in one process and over
     4 AIAO stages (2 segments), each going on with the uninterrupted run's losses. ``--nproc 4 --pp 2 --tp 2``
-    (each stage's blocks cut over two ranks, each block updated on the host as its gradients come: --update
-    overlap) takes them within the tensor-parallel tests' tolerance, and its checkpoint holds a pipelined part
-    per tensor-parallel rank."""
+    (each stage's blocks cut over two ranks, the sequence sliced over them and between the stages, each block
+    updated on the host as its gradients come: --update overlap) takes them within the tensor-parallel tests'
+    tolerance, and its checkpoint holds a pipelined part per tensor-parallel rank."""
     model = tmp_path / "untied.json"
     model.write_text(json.dumps(UNTIED))
     common = ["--model", str(model), "--batch-size", "2", "--seq-len", "32", "--grad-clip", "0", "--plan", "stream",
@@ -298,9 +298,10 @@ def test_train_pp_trains_as_one_process_and_its_checkpoint_resumes_in_one_and_cu
         assert _losses(tmp_path / name) == _losses(piped)[2:], name
     cut = tmp_path / "pp-tp"
     r = _train(*common, "--steps", "4", "--save-every", "2", "--nproc", "4", "--pp", "2", "--tp", "2", "--schedule",
-               "1f1b", "--micro-batches", "2", "--update", "overlap", "--out", str(cut))
+               "1f1b", "--micro-batches", "2", "--update", "overlap", "--sequence-parallel", "--out", str(cut))
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "pipeline of 2 ranks, each stage over 2 tensor-parallel ranks x 1 replicas" in r.stdout
+    assert ("pipeline of 2 ranks, each stage over 2 tensor-parallel ranks (sequence parallel) x 1 replicas"
+            in r.stdout), r.stdout
     ckpt = cut / "checkpoints" / "step-00000002"
     assert sorted(p.name for p in ckpt.iterdir()) == ["config.json", "rng.safetensors", "tp-000", "tp-001",
                                                       "trainer.json"]
@@ -384,6 +385,10 @@ def test_a_tensor_parallel_layout_the_ranks_would_refuse_is_one_message_before_t
     cut = ["--model", "tiny", "--plan", "stream", "--nproc", "2", "--tp", "2"]
     moe = tmp_path / "moe.json"
     moe.write_text(json.dumps({**UNTIED, "n_experts": 2}))
+    llama = tmp_path / "llama.json"
+    llama.write_text(json.dumps({"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
+                                 "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+                                 "max_position_embeddings": 64, "tie_word_embeddings": False}))
     for args, says in (([*cut[:4], "--tp", "2"], "add --nproc 2"),
                        ([*cut[:4], "--nproc", "3", "--tp", "2"], "--tp 2 must divide --nproc 3"),
                        ([*cut[:2], "--nproc", "2", "--tp", "2"], "add --plan"),
@@ -394,8 +399,8 @@ def test_a_tensor_parallel_layout_the_ranks_would_refuse_is_one_message_before_t
                        ([*cut, "--update", "lockfree"], "use --update sync or overlap"),
                        ([*cut[:6], "--sequence-parallel"], "--sequence-parallel slices the sequence over a "
                                                            "tensor-parallel group: give --tp T"),
-                       ([*cut[:4], "--nproc", "4", "--tp", "2", "--pp", "2", "--sequence-parallel"],
-                        "--sequence-parallel does not combine with --pp yet"),
+                       (["--model", str(llama), *cut[2:4], "--nproc", "4", "--tp", "2", "--pp", "2",
+                         "--sequence-parallel"], "sequence parallel in a pipeline slices tiertrain's GPT only yet"),
                        ([*cut, "--sequence-parallel", "--seq-len", "31"], "give a --seq-len that 2 divides (not 31)"),
                        (["--model", str(moe), *cut[2:], "--ep", "2"], "--ep do not combine with --tp yet")):
         out = tmp_path / "r"

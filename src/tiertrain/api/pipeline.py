@@ -49,8 +49,13 @@ from tiertrain.parallel.pipeline_schedule import (
     schedule_for,
     stages_for,
 )
-from tiertrain.parallel.tensor_parallelize import parallelize_blocks
-from tiertrain.parallel.tensor_plans import TensorPlan, check_pipeline_tensor
+from tiertrain.parallel.sequence_ops import sum_whole_gradients
+from tiertrain.parallel.tensor_parallelize import parallelize_blocks, slice_sequence
+from tiertrain.parallel.tensor_plans import (
+    TensorPlan,
+    check_pipeline_tensor,
+    check_sequence_parallel,
+)
 from tiertrain.parallel.tensor_start import group_seed, same_start
 from tiertrain.parallel.tied_stages import TiedStages
 from tiertrain.plan import BUILTIN_PLANS, Plan, RunOptions
@@ -77,6 +82,7 @@ class Pipelined:
     synced: list[int] = field(default_factory=list)  # the stages whose DP.sync was issued, in order, this step
     micro_losses: torch.Tensor | None = None  # the last step's micro-batches' losses (each divided by their count)
     tie: TiedStages | None = None           # this rank's side of a weight tied across the first and last stage
+    slices: int = 1                         # sequence parallel: the sequence's slices between stages (tp), else 1
     _schedule: Any = None
     _shape: tuple[int, ...] | None = None
 
@@ -116,8 +122,13 @@ class Pipelined:
             raise ConfigError(f"a batch of shape {shape} does not split into {m} micro-batches of token rows; "
                               "give batches of (rows, tokens) with rows a multiple of the micro-batches")
         rows, tokens = shape[0] // m, shape[1]
-        ins = [self._meta(s.embeds, rows, tokens) for s in self.stages]
-        outs = [self._meta(False, rows, tokens, s.config.vocab_size if s.heads else None) for s in self.stages]
+        if tokens % self.slices:
+            raise ConfigError(f"sequence parallel slices each sequence over {self.slices} ranks: give sequences whose "
+                              f"length {self.slices} divides, not {tokens}")
+        part = tokens // self.slices  # a hidden state crosses between stages as the rank's slice of the sequence
+        ins = [self._meta(s.embeds, rows, tokens if s.embeds else part) for s in self.stages]
+        outs = [self._meta(False, rows, tokens if s.heads else part, s.config.vocab_size if s.heads else None)
+                for s in self.stages]
         stages = stages_for(self.stages, self.indices, self.layout, self.mesh.pp_group, compute_device(), ins, outs,
                             self._handoffs())
         self._schedule = schedule_for(stages, self.layout, self._loss, self.synced.append)
@@ -171,13 +182,15 @@ def _close_all(stages: list[nn.Module], mesh: PipelineMesh) -> None:
 
 def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, layout: PipelineLayout,
              memory: Budgets | None = None, plan: str | Plan = "stream", options: RunOptions | None = None,
-             tp: int = 1, **fields: Any) -> Pipelined:
+             tp: int = 1, sequence_parallel: bool = False, **fields: Any) -> Pipelined:
     """Cut ``model`` into ``layout``'s stages over the run's ranks, tier this rank's stages as ``plan``
     says within ``memory`` (this rank's budgets, shared by its stages), and return what the loop drives.
     ``options`` (or its fields as keywords) as ``tiertrain.setup`` takes them; ``grad_accum`` is the
     layout's micro-batches. Parts of the model other ranks hold are moved to the meta device here, and the
     user's optimizer's groups become the run's (``run.optimizer`` shares them: a scheduler over either
-    drives every stage). A failure part way leaves the model and the optimizer partly changed: build both
+    drives every stage). ``tp``: each stage's blocks cut over groups of that many ranks;
+    ``sequence_parallel``: the sequence sliced over each group between its cut regions, and between the
+    stages (our GPT). A failure part way leaves the model and the optimizer partly changed: build both
     again."""
     opts = _options(options, fields, layout)
     plan = _plan_from_file(plan)
@@ -186,10 +199,11 @@ def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Pipelin
     cut = check_stageable(model)
     _check_tied(cut, layout, opts, plan)
     optimizer_groups(optimizer, model)  # an AdamW, fresh, over every parameter: refused before anything changes
-    cuts = _check_tensor(model, layout, tp, opts, plan)
+    cuts = _check_tensor(model, layout, tp, opts, plan, sequence_parallel)
     ensure_process_group()
     layout.check(world_from_env() // tp, cut.n_blocks, layout.micro_batches)
     same_on_every_rank("the pipeline", {**_pipeline_fields(model, layout, opts, plan), "--tp": str(tp),
+                                        "sequence parallel": str(sequence_parallel),
                                         "built on the meta device": str(built_on_meta(model))}, FIX)
     mesh = pipeline_mesh(layout.pp, tied=cut.ties and layout.pp > 1, tp=tp)
     tiered: list[nn.Module] = []
@@ -199,7 +213,7 @@ def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Pipelin
         indices = [v for v in range(layout.stages) if v % layout.pp == mesh.pp_rank]
         modules = [cut.stage(runs[v]) for v in indices]
         if cuts is not None and mesh.tp_group is not None:
-            _cut_blocks(cuts, modules, [runs[v].start for v in indices], optimizer, mesh.tp_group)
+            _cut_blocks(cuts, modules, [runs[v].start for v in indices], optimizer, mesh.tp_group, sequence_parallel)
         stage_opts = [_stage_adamw(optimizer, m) for m in modules]
         release_others(model, modules)
         for group in optimizer.param_groups:  # the stages' optimizers hold this rank's originals now, each let
@@ -210,10 +224,13 @@ def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Pipelin
             t, topt = setup(module, stage_opt, share, plan=chosen, options=opts, collectives=mesh.stage_dp)
             if mesh.tp_group is not None:
                 norm_over_group(t, mesh.tp_group)
+                if sequence_parallel:
+                    sum_whole_gradients(t, cuts.whole_in_block, mesh.tp_group)
             tiered.append(t)
             parts.append(topt)
         return Pipelined(layout, mesh, tiered, indices, StagesOptimizer(optimizer, parts, mesh.pp_host,
-                                                                       opts.max_grad_norm), tie=_tied_side(tiered, mesh))
+                                                                       opts.max_grad_norm), tie=_tied_side(tiered, mesh),
+                         slices=tp if sequence_parallel else 1)
     except BaseException as exc:
         try:
             _close_all(tiered, mesh)
@@ -223,30 +240,39 @@ def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Pipelin
 
 
 def _check_tensor(model: nn.Module, layout: PipelineLayout, tp: int, opts: RunOptions,
-                  plan: str | Plan) -> TensorPlan | None:
+                  plan: str | Plan, sequence: bool = False) -> TensorPlan | None:
     """A pipeline whose stages' blocks are cut over ``tp`` ranks: a model a tensor-parallel plan cuts (that
     plan returned), the ranks in whole groups, no weight tied across the first and the last stage (its
-    pair of ranks is one per pipeline, not per group, yet)."""
+    pair of ranks is one per pipeline, not per group, yet); with ``sequence``, a model whose sequence a
+    pipeline can slice."""
     if tp == 1:
+        if sequence:
+            raise ConfigError("sequence parallel slices the sequence over a tensor-parallel group: give tp above 1")
         return None
     world = world_from_env()
     if tp < 1 or world % (layout.pp * tp):
         raise ConfigError(f"--pp {layout.pp} x --tp {tp} must divide the run's {world} ranks: give --nproc a "
                           f"multiple of {layout.pp * max(tp, 1)}")
     check_tensor_plan(plan, opts)  # (a plan file already read)
-    return check_pipeline_tensor(model, tp, layout.pp)
+    cut = check_pipeline_tensor(model, tp, layout.pp)
+    if sequence:
+        check_sequence_parallel(model, cut, layout.pp)
+    return cut
 
 
 def _cut_blocks(plan: TensorPlan, modules: list[nn.Module], firsts: list[int], optimizer: torch.optim.Optimizer,
-                group: Collectives) -> None:
+                group: Collectives, sequence: bool = False) -> None:
     """Each stage's blocks (the first of each the model's ``firsts``; a stage keeps them where the whole
     model does, ``plan.blocks_at``) cut into this rank's shards over ``group``, every rank of it from the
-    same whole stage; the user's optimizer pointed at them."""
+    same whole stage; the user's optimizer pointed at them. ``sequence``: the sequence sliced as the model's
+    first block begins and put together before the final norm, in the stages that hold them."""
     new_of: dict[int, nn.Parameter] = {}
     seed = group_seed(group)
     for module, first in zip(modules, firsts):
         same_start(module, group, seed, plan.blocks_at)
-        new_of.update(parallelize_blocks(plan, plan.blocks(module), group.rank, group, seed, first))
+        new_of.update(parallelize_blocks(plan, plan.blocks(module), group.rank, group, seed, first, sequence))
+        if sequence:
+            slice_sequence(module, plan, group, first=module.embeds, last=module.heads)
     for g in optimizer.param_groups:
         g["params"] = [new_of.get(id(p), p) for p in g["params"]]
 

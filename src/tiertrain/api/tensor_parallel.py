@@ -100,8 +100,7 @@ def tensor_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, tp: int,
         raise
     norm_over_group(tiered, mesh.tp_group)
     if sequence_parallel:
-        in_blocks = f"{cut.blocks_at}."
-        sum_whole_gradients(tiered, lambda n: n.startswith(in_blocks) and cut.split_of(n) is None, mesh.tp_group)
+        sum_whole_gradients(tiered, cut.whole_in_block, mesh.tp_group)
     return TensorParallel(tiered, topt, mesh)
 
 

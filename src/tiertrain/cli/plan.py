@@ -490,9 +490,9 @@ def _node_link(target: Machine, here: Machine, profile: Profile, ranks: int) -> 
 
 def _check_tensor(req: PlanRequest) -> None:
     """What a tensor-parallel plan cannot be, refused before anything is measured."""
-    if req.sequence_parallel and (req.tp == 1 or req.pp > 1):
+    if req.sequence_parallel and req.tp == 1:
         raise ConfigError("--sequence-parallel plans a tensor-parallel group's sequence slices: give --tp T (above "
-                          "1), without --pp (train runs them so)")
+                          "1)")
     if req.tp == 1:
         return
     if req.nproc % req.tp or (req.nproc_per_node and req.nproc_per_node % req.tp):
@@ -508,7 +508,7 @@ def _check_tensor(req: PlanRequest) -> None:
     if req.sequence_parallel:
         from tiertrain.parallel.tensor_plans import check_sequence_parallel
 
-        check_sequence_parallel(built, cut)
+        check_sequence_parallel(built, cut, req.pp)
 
 
 def _tensor_model(model: str, tp: int, pp: int = 1) -> tuple[nn.Module, TensorPlan]:

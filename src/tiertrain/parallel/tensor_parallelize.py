@@ -49,10 +49,21 @@ def parallelize(model: nn.Module, rank: int, group: Collectives, sequence: bool 
     same_start(model, group, seed, plan.blocks_at)
     new_of = parallelize_blocks(plan, plan.blocks(model), rank, group, seed, sequence=sequence)
     if sequence:
-        first, last = (operator.attrgetter(path)(model) for path in plan.sequence_at)
-        first.register_forward_pre_hook(_entered(group, scatter_sequence), with_kwargs=True)
-        last.register_forward_pre_hook(_entered(group, gather_sequence), with_kwargs=True)
+        slice_sequence(model, plan, group)
     return new_of
+
+
+def slice_sequence(model: nn.Module, plan: TensorPlan, group: Collectives, first: bool = True,
+                   last: bool = True) -> None:
+    """Sequence parallel's two ends (``plan.sequence_at``): the first block's input cut into slices over
+    ``group``, and the input of what follows the blocks put together again. A pipeline stage installs the
+    ends it holds (``first``: the model's first block, ``last``: the final norm)."""
+    begin, end = plan.sequence_at
+    if first:
+        operator.attrgetter(begin)(model).register_forward_pre_hook(_entered(group, scatter_sequence),
+                                                                     with_kwargs=True)
+    if last:
+        operator.attrgetter(end)(model).register_forward_pre_hook(_entered(group, gather_sequence), with_kwargs=True)
 
 
 def parallelize_blocks(plan: TensorPlan, blocks: nn.ModuleList, rank: int, group: Collectives, seed: int,

@@ -75,6 +75,11 @@ class TensorPlan:
         out_dim = 1 if self.transposed else 0
         return Split(out_dim if cut.column else 1 - out_dim, cut.parts)
 
+    def whole_in_block(self, name: str) -> bool:
+        """Whether ``name`` is a block's parameter every rank of a group holds whole (a norm, a row-parallel
+        layer's bias): under sequence parallel each rank's gradient of it is its slice of the tokens' part."""
+        return name.startswith(f"{self.blocks_at}.") and self.split_of(name) is None
+
     def split_of(self, name: str) -> Split | None:
         m = re.match(rf"^{re.escape(self.blocks_at)}\.\d+\.(.+)\.(weight|bias)$", name)
         cut = self.cut_at(m.group(1)) if m else None
@@ -147,9 +152,15 @@ def check_pipeline_tensor(model: nn.Module, tp: int, pp: int) -> TensorPlan:
     return plan
 
 
-def check_sequence_parallel(model: nn.Module, plan: TensorPlan) -> None:
+def check_sequence_parallel(model: nn.Module, plan: TensorPlan, pp: int = 1) -> None:
     """Refuse, in one line, a model sequence parallel cannot slice: one whose plan says not where its
-    sequence is cut and put together, or whose experts need every token of the group."""
+    sequence is cut and put together, whose experts need every token of the group, or, in a pipeline of
+    ``pp`` stages, a transformers model (a stage after the first builds its causal mask and rotary tables
+    from the hidden states it receives: a slice's length, not the sequence's)."""
+    if pp > 1 and plan is not GPT_PLAN:
+        raise ConfigError(f"sequence parallel in a pipeline slices tiertrain's GPT only yet, not a "
+                          f"{type(model).__name__} (its later stages would build their causal mask and rotary "
+                          "tables from a slice): leave --sequence-parallel out, or train it without --pp")
     if plan.sequence_at is None:
         raise ConfigError(f"sequence parallel has no place to slice a {type(model).__name__}'s sequence yet: "
                           "leave --sequence-parallel out (tensor parallel alone cuts it)")

@@ -36,7 +36,8 @@ def for_tensor(p: Profile, tp: int, bps: float, whole: int, routed: int = 1, seq
     """The profile of one rank of a tensor-parallel group of ``tp`` over a link of ``bps`` (each block's
     ``whole`` elements on every rank; ``routed``: the experts a token goes to, 1 for a dense MLP;
     ``sequence``: sequence parallel, what the norms and residuals keep sliced too, and the column layers
-    their input's slice (gathered again in backward: Megatron's), its all-gathers and reduce-scatters the
+    their input's slice (gathered again in backward: Megatron's), the block's input a slice (what a
+    recompute keeps, and a pipeline stage sends on), its all-gathers and reduce-scatters the
     bytes of the all-reduces they replace, a recompute half a sum more, and the whole parameters' gradients
     summed backward); the rest (embeddings, head) whole, as the ranks hold it."""
     if tp == 1:
@@ -64,4 +65,6 @@ def _cut(b: BlockProfile, tp: int, bps: float, whole: int, routed: int, sequence
         forward_s=b.forward_s / tp + (FORWARD_SUMS + extra) * one,
         backward_s=b.backward_s / tp + (BACKWARD_SUMS + extra) * one + grads,
         recompute_s=b.recompute_seconds / tp + (RECOMPUTE_SUMS + (routed if routed > 1 else 0)) * one + again, flops=b.flops / tp,
-        traffic_bytes=b.traffic_bytes / tp, act_bytes=kept + -(-(b.act_bytes - kept) // tp))
+        traffic_bytes=b.traffic_bytes / tp, act_bytes=kept + -(-(b.act_bytes - kept) // tp),
+        hidden_bytes=-(-b.hidden_bytes // tp) if sequence else b.hidden_bytes)  # a slice: what recompute keeps,
+    #                                                                          and what crosses between stages

@@ -124,9 +124,6 @@ class TrainConfig:
     def _validate_tensor(self) -> None:
         if self.tp == 1:  # a sequence-parallel run's option stays in its saved options when it resumes at 1
             return
-        if self.sequence_parallel and self.pp > 1:
-            raise ConfigError("--sequence-parallel does not combine with --pp yet (a stage's sequence slices would "
-                              "cross to the next stage): leave one of them out")
         if self.plan is None or self.plan == "auto":
             raise ConfigError(f"--tp {self.tp} tiers each rank's shards under a named plan: add --plan "
                               "resident|stream|max-offload|FILE (not auto yet)")

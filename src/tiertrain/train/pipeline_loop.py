@@ -71,7 +71,7 @@ class PipelineTrainer(Trainer):
                              page_size=parse_size(cfg.page_size) if cfg.page_size else None,
                              update=cfg.update or "sync",
                              max_grad_norm=cfg.grad_clip or None, reduce_dtype=cfg.reduce_dtype or "fp32",
-                             compute_dtype=self.precision.name, tp=cfg.tp)
+                             compute_dtype=self.precision.name, tp=cfg.tp, sequence_parallel=cfg.sequence_parallel)
         self.opt = self.pipe.optimizer
         self.state = _PipelineState(self.model)  # type: ignore[assignment]
 
@@ -151,7 +151,8 @@ class PipelineTrainer(Trainer):
         n = param_count(model_cfg) if isinstance(model_cfg, ModelConfig) else self.whole_params
         replicas = self._replica()[1]
         tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum * replicas
-        cut = f", each stage over {cfg.tp} tensor-parallel ranks" if cfg.tp > 1 else ""
+        cut = (f", each stage over {cfg.tp} tensor-parallel ranks"
+               f"{' (sequence parallel)' if cfg.sequence_parallel else ''}" if cfg.tp > 1 else "")
         return (f"training {name} ({format_count(n)} params) on {self.device.type}, "
                 f"{self.precision.name}; pipeline of {cfg.pp} ranks{cut} x {replicas} replicas, {cfg.schedule}, "
                 f"{cfg.grad_accum} micro-batches, {self.layout.stages} stages; {tokens} tokens/step; "

@@ -115,6 +115,11 @@ def test_a_plan_file_says_the_cut_it_was_made_for_and_train_refuses_another(tmp_
     model, opt = fresh()
     with pytest.raises(ConfigError, match="the plan was made with --sequence-parallel"):
         tiertrain.tensor_parallel(model, opt, 2, plan=str(out))
+    from tiertrain.plan.pipeline import PipelineLayout
+
+    model, opt = fresh()
+    with pytest.raises(ConfigError, match=r"the plan was made for --tp 2 \(each rank 1/2 of a block\)"):
+        tiertrain.pipeline(model, opt, PipelineLayout(pp=2, micro_batches=2), plan=str(out))
     with pytest.raises(ConfigError, match="sequence_parallel slices the sequence over a tensor-parallel group"):
         Plan.from_json(out.read_text().replace('"tp": 2', '"tp": 1'))
 
@@ -219,6 +224,9 @@ def test_plan_layouts_plans_every_layout_of_the_ranks_and_writes_the_fastests(tm
     (["--nproc", "2", "--tp", "2", "--sequence-parallel", "--model", "tiny-moe"],
      "sequence parallel does not slice a mixture-of-experts model yet"),
     (["--nproc", "8", "--tp", "8"], "--tp 8 must divide the model's attention heads (n_head), 2"),
+    (["--nproc", "2", "--tp", "2", "--update", "lockfree", "--grad-clip", "0"],
+     ("max staleness 1 lets each rank read params of another age, and a tensor-parallel group's ranks must read the "
+      "same: add --max-staleness 0")),
 ])
 def test_a_tensor_parallel_plan_it_cannot_make_is_refused_in_one_line(tmp_path, capsys, extra, says):
     assert _main("plan", "--model", "tiny", "--machine", "h100-sxm-80gb", *extra, "--out", str(tmp_path / "p")) == 2

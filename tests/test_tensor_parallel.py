@@ -239,13 +239,15 @@ def test_sequence_parallel_keeps_a_slice_of_each_norms_input_for_backward(tp2):
         assert 0 < sliced <= whole - 4 * TINY["n_layer"] * act // 2, (rank, whole, sliced)
 
 
-@pytest.mark.parametrize("transposed", [False, True])
-@pytest.mark.parametrize("bias", [True, False])
-def test_column_layers_reading_a_gathered_sequence_save_its_slice_and_gather_it_once_again_in_backward(transposed,
-                                                                                                      bias):
+@pytest.mark.parametrize("transposed,bias,autocast", [(False, True, False), (False, False, False),
+                                                       (True, True, False), (True, False, False),
+                                                       (False, True, True), (True, True, True)])
+def test_column_layers_reading_a_gathered_sequence_save_its_slice_and_gather_it_once_again_in_backward(
+        transposed, bias, autocast):
     """Three column layers reading one gathered sequence (q, k and v): each saves the slice, not the whole;
     backward gathers the whole once for the three; outputs and gradients bit for bit autograd's F.linear
-    (one rank's group: the gather is a copy, counted)."""
+    (one rank's group: the gather is a copy, counted); under bf16 autocast with an fp32 slice too (a norm
+    autocast keeps in fp32 on a GPU)."""
     from tiertrain.parallel.local import LocalCollectives
     from tiertrain.parallel.sequence_ops import enter_sequence
     from tiertrain.parallel.tensor_layers import ColumnParallelLinear
@@ -266,17 +268,19 @@ def test_column_layers_reading_a_gathered_sequence_save_its_slice_and_gather_it_
                   for _ in range(3)]
         x = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
         saved: list[torch.Tensor] = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-            part = x * 2
+        with (torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t),
+              torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)):
+            part = x * 2  # fp32 either way
             whole = enter_sequence(part, group)
             if not regather:
                 whole.gathered_from = None  # autograd's F.linear, saving the whole
-            loss = sum((layer(whole) ** 2).sum() for layer in layers)
+            loss = sum((layer(whole).float() ** 2).sum() for layer in layers)
         Counted.gathers = 0
         loss.backward()
-        slices = sum(t.data_ptr() == part.data_ptr() for t in saved)
-        wholes = sum(t.numel() == whole.numel() and t.data_ptr() != part.data_ptr() for t in saved)
-        assert (slices, wholes) == ((3, 0) if regather else (0, 3))  # (F.linear saves a 2-D copy of the whole)
+        if not autocast:  # (autocast saves cast copies: what is saved is told apart by data in fp32 only)
+            slices = sum(t.data_ptr() == part.data_ptr() for t in saved)
+            wholes = sum(t.numel() == whole.numel() and t.data_ptr() != part.data_ptr() for t in saved)
+            assert (slices, wholes) == ((3, 0) if regather else (0, 3))  # (F.linear saves a 2-D copy of the whole)
         results.append((loss, x.grad, *[p.grad for layer in layers for p in layer.parameters()], Counted.gathers))
     (*mine, gathers), (*plain, none) = results
     assert all(torch.equal(a, c) for a, c in zip(mine, plain))

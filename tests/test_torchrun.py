@@ -270,7 +270,8 @@ def test_train_pp_trains_as_one_process_and_its_checkpoint_resumes_in_one_and_cu
     4 AIAO stages (2 segments), each going on with the uninterrupted run's losses. ``--nproc 4 --pp 2 --tp 2``
     (each stage's blocks cut over two ranks, the sequence sliced over them and between the stages, each block
     updated on the host as its gradients come: --update overlap) takes them within the tensor-parallel tests'
-    tolerance, and its checkpoint holds a pipelined part per tensor-parallel rank."""
+    tolerance, and its checkpoint holds a pipelined part per tensor-parallel rank, which a run at --tp 1
+    resumes."""
     model = tmp_path / "untied.json"
     model.write_text(json.dumps(UNTIED))
     common = ["--model", str(model), "--batch-size", "2", "--seq-len", "32", "--grad-clip", "0", "--plan", "stream",
@@ -308,6 +309,9 @@ def test_train_pp_trains_as_one_process_and_its_checkpoint_resumes_in_one_and_cu
     assert sorted(p.name for p in (ckpt / "tp-001").iterdir()) == ["config.json", "rng.safetensors", "stage-000",
                                                                    "stage-001", "trainer.json"]
     assert _losses(cut) == pytest.approx(_losses(one), rel=1e-5, abs=0)
+    r = _train("--resume", str(ckpt), "--steps", "4", "--nproc", "2", "--tp", "1", "--out", str(tmp_path / "tp1"))
+    assert r.returncode == 0, r.stderr[-3000:]  # the saved --sequence-parallel stays, and a run at tp 1 leaves it
+    assert _losses(tmp_path / "tp1") == pytest.approx(_losses(cut)[2:], rel=1e-5, abs=0)
 
 
 def test_train_pp_plan_auto_plans_the_stages_once_and_the_ranks_and_the_resume_take_that_plan(tmp_path):

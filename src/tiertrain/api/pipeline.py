@@ -194,6 +194,8 @@ def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Pipelin
     again."""
     opts = _options(options, fields, layout)
     plan = _plan_from_file(plan)
+    if isinstance(plan, Plan):
+        plan.parallel.check_run(tp, sequence_parallel, "the plan")
     _check_clipping(opts, plan)
     _check_precision(opts, plan)
     cut = check_stageable(model)
@@ -247,7 +249,8 @@ def _check_tensor(model: nn.Module, layout: PipelineLayout, tp: int, opts: RunOp
     pipeline can slice."""
     if tp == 1:
         if sequence:
-            raise ConfigError("sequence parallel slices the sequence over a tensor-parallel group: give tp above 1")
+            raise ConfigError("sequence parallel slices the sequence over a tensor-parallel group: give tp above 1, "
+                              "or sequence_parallel=False")
         return None
     world = world_from_env()
     if tp < 1 or world % (layout.pp * tp):

@@ -11,7 +11,7 @@ import click
 from rich.console import Console
 
 from tiertrain.errors import ConfigError, UserError
-from tiertrain.plan import DEFAULT_MAX_STALENESS
+from tiertrain.plan import BUILTIN_PLANS, DEFAULT_MAX_STALENESS
 from tiertrain.precisions import PRECISIONS
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -178,7 +178,7 @@ def train(config_file: str | None, quiet: bool, nproc: int | None, **flags: Any)
     if sliced and cfg.tp == 1:
         raise ConfigError("--sequence-parallel slices the sequence over a tensor-parallel group: give --tp T (above "
                           "1) with it")
-    if "LOCAL_RANK" not in os.environ and cfg.plan and cfg.plan.endswith(".json") and os.path.isfile(cfg.plan):
+    if cfg.plan and cfg.plan not in (*BUILTIN_PLANS, "auto") and os.path.isfile(cfg.plan):  # on every rank too
         from tiertrain.plan.plan import plan_file
 
         plan_file(cfg.plan).parallel.check_run(cfg.tp, cfg.sequence_parallel, f"the plan {cfg.plan}")

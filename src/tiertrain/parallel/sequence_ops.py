@@ -90,7 +90,7 @@ class Gathered:
 
     def whole(self, part: torch.Tensor) -> torch.Tensor:
         """The whole sequence again, from the slice ``part`` a reader saved; let go after its last reader."""
-        whole = self._whole if self._whole is not None else _gather(part, self.group)
+        whole = self._whole if self._whole is not None else _gather(part, self.group).contiguous()
         self.readers -= 1
         self._whole = whole if self.readers > 0 else None
         return whole

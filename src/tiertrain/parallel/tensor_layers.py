@@ -66,27 +66,34 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(x, weight, self.bias)
 
 
+
 class _LinearOfGathered(torch.autograd.Function):
     """``F.linear`` of a whole sequence gathered from ``part``, saving ``part`` for backward and gathering
     the whole from it again there (``sequence_ops.Gathered``): autograd's linear would save the whole.
     Written by hand because no torch layer takes its saved input from elsewhere; its gradients are
-    ``F.linear``'s, summed in the same order."""
+    ``F.linear``'s, summed in the same order. A recomputed block gathers the sequence for its recompute and
+    again here: torch's checkpoint holds the recompute to the forward's saved tensors, and the original
+    node cannot reach the recompute's whole. Under autocast the slice is saved (and gathered again) in the
+    dtype the product ran in, as autocast's ``F.linear`` saves its input cast, and each gradient is cast
+    back to its input's dtype."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, part: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 gathered: Any) -> torch.Tensor:
-        ctx.save_for_backward(part, weight)
-        ctx.gathered, ctx.has_bias = gathered, bias is not None
-        return F.linear(x, weight, bias)
+        out = F.linear(x, weight, bias)
+        ctx.save_for_backward(part.to(out.dtype), weight)
+        ctx.gathered, ctx.dtypes = gathered, (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         part, weight = ctx.saved_tensors
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
         x = ctx.gathered.whole(part)
         flat = grad.reshape(-1, grad.shape[-1])
-        grad_w = flat.t().mm(x.reshape(-1, x.shape[-1]))
-        grad_b = flat.sum(0) if ctx.has_bias else None
-        return grad.matmul(weight), None, grad_w, grad_b, None
+        grad_w = flat.t().mm(x.reshape(-1, x.shape[-1])).to(w_dtype)
+        grad_b = None if b_dtype is None else flat.sum(0).to(b_dtype)
+        return grad.matmul(weight.to(grad.dtype)).to(x_dtype), None, grad_w, grad_b, None
 
 
 class RowParallelLinear(nn.Module):

@@ -14,7 +14,7 @@ import yaml
 from tiertrain import typed
 from tiertrain.errors import ConfigError
 from tiertrain.plan import COMPUTE_DTYPES as PRECISIONS
-from tiertrain.plan import DEFAULT_MAX_STALENESS, UPDATE_MODES
+from tiertrain.plan import BUILTIN_PLANS, DEFAULT_MAX_STALENESS, UPDATE_MODES
 from tiertrain.plan.update_modes import check_group_reads_alike, rules
 from tiertrain.plan.pipeline import SCHEDULES
 from tiertrain.typed import above, at_least, between, one_of
@@ -133,7 +133,7 @@ class TrainConfig:
                               "leave them out")
         if self.precision == "fp16":
             raise ConfigError("tensor-parallel runs train in fp32 or bf16, not fp16: use --precision bf16")
-        if self.update is not None and not (self.max_staleness is None and self.plan.endswith(".json")):
+        if self.update is not None and not (self.max_staleness is None and self.plan not in BUILTIN_PLANS):
             # (a plan file's own max staleness is checked with the file, before torchrun starts)
             check_group_reads_alike(self.update, DEFAULT_MAX_STALENESS if self.max_staleness is None else
                                     self.max_staleness, "a tensor-parallel group's ranks",

@@ -46,7 +46,7 @@ def test_a_ranks_profile_holds_its_share_of_each_block_and_waits_for_the_groups_
         kept = min(b.act_bytes, WHOLE_INPUTS * b.hidden_bytes)
         assert c.act_bytes == kept + -(-(b.act_bytes - kept) // tp) and c.flops == pytest.approx(b.flops / tp)
     added = sum(c.forward_s + c.backward_s - (b.forward_s + b.backward_s) / tp for b, c in zip(p.blocks, cut.blocks))
-    assert sums_s(p, tp, bps) == pytest.approx(added) and sums_s(p, tp, bps) > 0
+    assert sums_s(p, cut, tp) == pytest.approx(added) == pytest.approx(len(p.blocks) * 4 * one) and added > 0
     assert for_tensor(p, 1, bps, whole) is p
     routed = for_tensor(p, tp, bps, whole, routed=2)  # experts, 2 a token: each MLP sum twice the tokens
     for b, c in zip(p.blocks, routed.blocks):
@@ -54,7 +54,7 @@ def test_a_ranks_profile_holds_its_share_of_each_block_and_waits_for_the_groups_
         assert (c.forward_s, c.backward_s) == pytest.approx((b.forward_s / tp + 3 * one, b.backward_s / tp + 3 * one))
         assert c.recompute_seconds == pytest.approx(b.recompute_seconds / tp + 3 * one)  # the experts' sums again
     added = sum(c.forward_s + c.backward_s - (b.forward_s + b.backward_s) / tp for b, c in zip(p.blocks, routed.blocks))
-    assert sums_s(p, tp, bps, routed=2) == pytest.approx(added)
+    assert sums_s(p, routed, tp) == pytest.approx(added)
     sliced = for_tensor(p, tp, bps, whole, sequence=True)  # the norms' and residuals' activations 1/T too, and
     for b, c, s in zip(p.blocks, cut.blocks, sliced.blocks):  # the column layers' inputs, gathered again backward
         assert s.act_bytes == -(-b.act_bytes // tp) < c.act_bytes
@@ -64,6 +64,8 @@ def test_a_ranks_profile_holds_its_share_of_each_block_and_waits_for_the_groups_
         assert s.recompute_seconds == pytest.approx(c.recompute_seconds + 0.5 * one)
         regather = 2 * (tp - 1) / tp * b.hidden_bytes / bps  # two all-gathers of the block's input
         assert s.backward_s == pytest.approx(c.backward_s + all_reduce_s(4 * whole, tp, bps) + regather)
+    assert sums_s(p, sliced, tp) == pytest.approx(sums_s(p, cut, tp) + len(p.blocks) * (
+        all_reduce_s(4 * whole, tp, bps) + 2 * (tp - 1) / tp * p.blocks[0].hidden_bytes / bps))  # the plan says so
 
 
 def _main(*args: str) -> int:

@@ -539,7 +539,7 @@ def _cut_over_group(req: PlanRequest, profile: Profile, target: Machine, here: M
     cut = for_tensor(profile, req.tp, link.all_reduce_bps, whole_in_a_block(built, plan), routed,
                      req.sequence_parallel)
     compute = sum(b.forward_s + b.backward_s for b in cut.blocks)
-    sums = sums_s(profile, req.tp, link.all_reduce_bps, routed)
+    sums = sums_s(profile, cut, req.tp)
     sliced = ", each rank its slice of the sequence between them" if req.sequence_parallel else ""
     return cut, (f"tensor parallel: --tp {req.tp}{sliced}, each rank {cut.blocks[0].params:,} of a block's "
                  f"{profile.blocks[0].params:,} parameters; the group's sums {sums * 1e3:.1f} ms a step of its "

@@ -45,10 +45,11 @@ def for_tensor(p: Profile, tp: int, bps: float, whole: int, routed: int = 1, seq
     return dataclasses.replace(p, blocks=tuple(_cut(b, tp, bps, whole, routed, sequence) for b in p.blocks))
 
 
-def sums_s(p: Profile, tp: int, bps: float, routed: int = 1) -> float:
-    """A step's sums over the group, forward and backward, without recompute: what ``for_tensor`` adds."""
-    extra = 2 * (routed - 1)  # an expert layer's sums beyond a dense MLP's, forward and backward
-    return sum((FORWARD_SUMS + BACKWARD_SUMS + extra) * all_reduce_s(b.hidden_bytes, tp, bps) for b in p.blocks)
+def sums_s(p: Profile, cut: Profile, tp: int) -> float:
+    """A step's collectives over the group, forward and backward, without recompute: what ``for_tensor``
+    added to ``p``'s blocks to make ``cut`` (its sums; under sequence parallel its gathers again and its
+    whole gradients' sums too)."""
+    return sum(c.forward_s + c.backward_s - (b.forward_s + b.backward_s) / tp for b, c in zip(p.blocks, cut.blocks))
 
 
 def _cut(b: BlockProfile, tp: int, bps: float, whole: int, routed: int, sequence: bool) -> BlockProfile:

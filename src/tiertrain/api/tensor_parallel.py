@@ -124,8 +124,8 @@ def check_tensor_plan(plan: str | Plan, opts: RunOptions) -> None:
     update = opts.update or (plan.update if isinstance(plan, Plan) else "sync")
     lag = opts.max_staleness if opts.max_staleness is not None else (
         plan.max_staleness if isinstance(plan, Plan) else DEFAULT_MAX_STALENESS)
-    check_group_reads_alike(update, lag, "a tensor-parallel group's ranks", "give max_staleness=0 "
-                            "(--max-staleness 0: every block waits for its own update), or update 'sync' or 'overlap'")
+    check_group_reads_alike(update, lag, "give max_staleness=0 (--max-staleness 0: every block waits for its own "
+                            "update), or update 'sync' or 'overlap'")
     if (opts.compute_dtype or (plan.compute_dtype if isinstance(plan, Plan) else "fp32")) == "fp16":
         raise ConfigError("tensor-parallel runs compute in fp32 or bf16, not fp16: use bf16")
     if isinstance(plan, str) and plan == "auto":

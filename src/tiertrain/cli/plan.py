@@ -497,9 +497,7 @@ def _check_tensor(req: PlanRequest) -> None:
         return
     from tiertrain.plan.update_modes import check_group_reads_alike
 
-    check_group_reads_alike(req.update, req.max_staleness, "a tensor-parallel group's ranks",
-                            "add --max-staleness 0 (every block waits for its own update), or use --update sync or "
-                            "overlap")
+    check_group_reads_alike(req.update, req.max_staleness)
     if req.nproc % req.tp or (req.nproc_per_node and req.nproc_per_node % req.tp):
         raise ConfigError(f"--tp {req.tp} must divide --nproc {req.nproc}"
                           + (f" and --nproc-per-node {req.nproc_per_node} (a group stays inside a node)"

@@ -75,14 +75,18 @@ def disk_passes_per_step(update: str, max_staleness: int) -> float:
     return 1 / steps_per_disk_pass(update, max_staleness)
 
 
-def check_group_reads_alike(update: str, max_staleness: int, group: str, fix: str) -> None:
-    """Refuse an update loop allowed to lag in a run whose ``group`` of ranks must read each block's params
-    at one age: each rank's loop runs on its own clock, so at lag 1 or more one rank may read a block one
+LAG_FIX = "add --max-staleness 0 (every block waits for its own update), or use --update sync or overlap"
+
+
+def check_group_reads_alike(update: str, max_staleness: int, fix: str = LAG_FIX) -> None:
+    """Refuse an update loop allowed to lag in a tensor-parallel run, whose group of ranks must read each
+    block's params at one age (``fix``: the way out, in the caller's spelling; the command line's by
+    default): each rank's loop runs on its own clock, so at lag 1 or more one rank may read a block one
     step older than the other, and the parameters every rank holds whole (norms, biases) would part. At
     staleness 0 every block waits for its own update before it is used, on every rank alike."""
     if rules(update).loops and max_staleness > 0:
         raise ConfigError(f"the {update} update mode with max staleness {max_staleness} lets each rank read params "
-                          f"of another age, and {group} must read the same: {fix}")
+                          f"of another age, and a tensor-parallel group's ranks must read the same: {fix}")
 
 
 def check_update_mode(update: str, compute_dtype: str, grad_accum: int, clips: bool) -> None:

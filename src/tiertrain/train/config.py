@@ -136,9 +136,7 @@ class TrainConfig:
         if self.update is not None and not (self.max_staleness is None and self.plan not in BUILTIN_PLANS):
             # (a plan file's own max staleness is checked with the file, before torchrun starts)
             check_group_reads_alike(self.update, DEFAULT_MAX_STALENESS if self.max_staleness is None else
-                                    self.max_staleness, "a tensor-parallel group's ranks",
-                                    "add --max-staleness 0 (every block waits for its own update), or use --update "
-                                    "sync or overlap")
+                                    self.max_staleness)
 
     @property
     def final_lr(self) -> float:

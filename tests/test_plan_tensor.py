@@ -87,6 +87,27 @@ def test_plan_tp_plans_each_ranks_share_and_says_what_the_sums_cost(tmp_path, ca
     assert json.loads(out.read_text())["parallel"] == {"dp": 2, "tp": 2}
 
 
+def test_plan_tp_with_ep_plans_each_rank_with_its_experts_shards(tmp_path, capsys):
+    """`plan --nproc 8 --tp 2 --ep 2`: four replicas of a group of two, each holding half the experts, each
+    expert cut over the group as a dense MLP is: a rank's share of a block is half its matrices (and whole
+    norms, routers, row-parallel biases) outside the experts and a quarter of the experts' (within the
+    chunks' padding); the file is laid out so."""
+    from tiertrain.memory.layout import DEFAULT_ALIGN, TENSOR_ALIGN
+    from tiertrain.models import build, resolve_config
+    from tiertrain.parallel.tensor_plans import split_of
+
+    out = tmp_path / "plan.json"
+    assert _main("plan", "--model", "tiny-moe", "--machine", "h100-sxm-80gb", "--batch", "2", "--seq", "32",
+                 "--solver", "dp", "--nproc", "8", "--tp", "2", "--ep", "2", "--out", str(out)) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    got = int(re.search(r"each rank ([\d,]+) of a block's", said).group(1).replace(",", ""))
+    block = [(n, p.numel()) for n, p in build(resolve_config("tiny-moe"), device="meta").named_parameters()
+             if n.startswith("blocks.0.")]
+    share = [k // (2 if split_of(n) else 1) // (2 if ".experts." in n else 1) for n, k in block]
+    assert sum(share) <= got < sum(share) + 2 * (len(block) * TENSOR_ALIGN + DEFAULT_ALIGN), said
+    assert json.loads(out.read_text())["parallel"] == {"dp": 4, "ep": 2, "tp": 2}
+
+
 def test_a_plan_file_says_the_cut_it_was_made_for_and_train_refuses_another(tmp_path, capsys):
     """`plan --nproc 2 --tp 2 --sequence-parallel` writes tp and sequence parallel into the file's layout;
     `train` with that file refuses --tp 1 (each rank would hold whole blocks, twice what was planned) and a
@@ -221,7 +242,7 @@ def test_plan_layouts_plans_every_layout_of_the_ranks_and_writes_the_fastests(tm
     (["--nproc", "2", "--tp", "3"], "--tp 3 must divide --nproc 2"),
     (["--nproc", "8", "--nproc-per-node", "2", "--tp", "4"], "must divide --nproc 8 and --nproc-per-node 2"),
     (["--nproc", "4", "--tp", "2", "--pp", "2"], "a tied embedding in a pipeline cut over tensor-parallel ranks"),
-    (["--nproc", "4", "--tp", "2", "--ep", "2", "--model", "tiny-moe"], "--tp does not combine with --ep"),
+    (["--nproc", "4", "--tp", "2", "--ep", "4", "--model", "tiny-moe"], "ep=4 does not divide the 2 data-parallel"),
     (["--nproc", "2", "--sequence-parallel"], "--sequence-parallel plans a tensor-parallel group's sequence slices"),
     (["--nproc", "2", "--tp", "2", "--sequence-parallel", "--model", "tiny-moe"],
      "sequence parallel does not slice a mixture-of-experts model yet"),

@@ -31,7 +31,13 @@ TP2 = [TpCase(2), TpCase(2, plan="disk", clip=0.05), TpCase(2, plan="stash", cli
 META = TpCase(2, plan="resident", meta=True)
 META_MOE = TpCase(2, plan="resident", meta=True, family="moe")  # its routers, whole, drawn by the group too
 DP2_TP2 = [TpCase(2, clip=0.05), TpCase(2, plan="disk"), TpCase(2, plan="disk", clip=0.05, sequence=True),
-           TpCase(2, plan="disk", update="lockfree", staleness=0)]
+           TpCase(2, plan="disk", update="lockfree", staleness=0), TpCase(2, plan="disk", clip=0.05, family="moe", ep=2)]
+
+
+# dp = 4 x tp = 2 (8 ranks): each data-parallel group split again, inside the dp x tp mesh (parallel.mesh):
+# sharded over pairs of replicas and replicated across them (hybrid), or experts divided over pairs of replicas
+DP4_TP2 = [TpCase(2, plan="disk", clip=0.05, shard_group=2), TpCase(2, plan="disk", clip=0.05, family="moe", ep=2)]
+EP_SAVED = TpCase(2, plan="disk", family="moe", ep=2)  # dp = 2 x tp = 2, its experts over the replicas: saved
 
 
 def _jobs(cases, disk):
@@ -65,8 +71,17 @@ def dp2_tp2(tmp_path_factory):
     piped = tmp_path_factory.mktemp("pprun")  # pp = 2 x dp = 2, no tp: a checkpoint saved whole, cut by tp2's
     jobs += [(("pp whole",), functools.partial(pipelined_losses, case=Case("1f1b", 2, 1, plan="disk"), pp=2,
                                                disk=disk / "pw", save_to=piped))]
+    experts = tmp_path_factory.mktemp("eptprun")
+    jobs += [(("ep saved",), functools.partial(tp_losses, case=EP_SAVED, disk=disk / "e", save_to=experts))]
     return {**run_ranks(4, tmp_path_factory.mktemp("dp2tp2"), jobs), "out": out, "tp1 out": whole, "pp out": staged,
-            "pp whole": piped}
+            "pp whole": piped, "ep out": experts}
+
+
+@pytest.fixture(scope="module")
+def dp4_tp2(tmp_path_factory):
+    """The 8-rank launch: dp = 4 x tp = 2, the data-parallel groups split again (hybrid sharding, experts)."""
+    disk = tmp_path_factory.mktemp("dp4tp2d")
+    return run_ranks(8, tmp_path_factory.mktemp("dp4tp2"), _jobs(DP4_TP2, disk))
 
 
 def _saved_by_one_process(out) -> None:
@@ -125,6 +140,27 @@ def test_two_replicas_of_two_tensor_parallel_ranks_train_as_one_process_averagin
     _check(dp2_tp2, case, 4, 2)
 
 
+@pytest.mark.parametrize("case", DP4_TP2, ids=str)
+def test_four_replicas_of_two_tensor_parallel_ranks_shard_over_pairs_or_divide_experts_and_train_as_one_process(
+        dp4_tp2, case):
+    _check(dp4_tp2, case, 8, 4)
+
+
+@pytest.mark.parametrize("fixture,world,case", [("dp2_tp2", 4, DP2_TP2[-1]), ("dp4_tp2", 8, DP4_TP2[1])])
+def test_expert_parallel_inside_tensor_parallel_ranks_holds_its_replicas_experts_cut_and_exchanges_tokens(
+        request, fixture, world, case):
+    """ep x tp: each replica holds the experts of its place in its expert group (replicas 0 and 2 experts 0
+    and 1 of 4, replicas 1 and 3 experts 2 and 3), each cut over its tensor-parallel group as a dense MLP is,
+    and every rank sends the tokens its replica routed elsewhere (a group's ranks hold the same tokens)."""
+    results = request.getfixturevalue(fixture)
+    for rank in range(world):
+        got = results[((case,), rank)]
+        held, sent = got["experts"]
+        assert held == [2 * (got["replica"] % case.ep), 2 * (got["replica"] % case.ep) + 1], rank
+        assert sent > 0 and results[((case,), rank ^ 1)]["experts"][1] == sent, rank  # its tp peer sent as much
+        assert got["shapes"][f"blocks.0.ffn.experts.{held[0]}.fc.weight"] == (TINY["d_ffn"] // 2, TINY["d_model"])
+
+
 @pytest.mark.parametrize("fixture,world,sync", [("tp2", 2, ("saved",)), ("dp2_tp2", 4, (TpCase(2, plan="disk"),))])
 def test_lockfree_at_staleness_zero_trains_as_sync_bit_for_bit_in_a_group(request, fixture, world, sync):
     """Lockfree's update loops at max staleness 0: every block waits for its own update before it is used,
@@ -161,10 +197,11 @@ def test_train_tp_takes_lockfree_at_staleness_zero_only(tmp_path):
             _check_tensor_layout(cfg, 2)
 
 
-def _counts(case: TpCase) -> tuple[int, int, int, int]:
-    """The test model's parameters: one block's the group cuts, one block's every rank holds whole, those
-    outside the blocks (a tied head's weight is the embedding's: counted once), and the padding their
-    chunks may add (each tensor aligned, each chunk's end)."""
+def _counts(case: TpCase) -> tuple[int, int, int, int, int]:
+    """The test model's parameters: one block's the group cuts outside its experts, one block's every rank
+    holds whole, those outside the blocks (a tied head's weight is the embedding's: counted once), the
+    padding their chunks may add (each tensor aligned, each chunk's end), and a rank's share of one block's
+    experts (their matrices cut in two, a row-parallel bias whole)."""
     from pp_harness import fresh
 
     from tiertrain.memory.layout import DEFAULT_ALIGN, TENSOR_ALIGN
@@ -173,26 +210,32 @@ def _counts(case: TpCase) -> tuple[int, int, int, int]:
     model, _ = fresh(case.tied, case.family)
     at = check_tensor_parallel(model, case.tp).blocks_at
     params = list(model.named_parameters())
-    cut = sum(p.numel() for n, p in params if n.startswith(f"{at}.0.") and split_of(n))
-    whole = sum(p.numel() for n, p in params if n.startswith(f"{at}.0.") and not split_of(n))
-    pad = (len(params) + 1) * TENSOR_ALIGN + (TINY["n_layer"] + 1) * DEFAULT_ALIGN
-    return cut, whole, sum(p.numel() for n, p in params if not n.startswith(f"{at}.")), pad
+    block = [(n, p.numel()) for n, p in params if n.startswith(f"{at}.0.") and ".experts." not in n]
+    cut, whole = (sum(k for n, k in block if bool(split_of(n)) == c) for c in (True, False))
+    experts = sum(p.numel() // (2 if split_of(n) else 1) for n, p in params  # a rank's share: cut in 2
+                  if n.startswith(f"{at}.0.") and ".experts." in n)
+    pad = (len(params) + 1) * TENSOR_ALIGN + 2 * (TINY["n_layer"] + 1) * DEFAULT_ALIGN  # (experts: chunks of their own)
+    return cut, whole, sum(p.numel() for n, p in params if not n.startswith(f"{at}.")), pad, experts
 
 
-@pytest.mark.parametrize("fixture,world", [("tp2", 2), ("dp2_tp2", 4)])
+@pytest.mark.parametrize("fixture,world", [("tp2", 2), ("dp2_tp2", 4), ("dp4_tp2", 8)])
 def test_each_rank_holds_its_share_of_a_blocks_optimizer_states(request, fixture, world):
     """From the memory system's accounting: each rank's states of a block are 1/T of the block's cut
     parameters plus its whole ones (norms, projection biases, a router), the embeddings and head whole,
-    all of it split over the replicas where there are two (ZeRO-3-like), within the chunks' padding."""
+    all of it split over the replicas (ZeRO-3-like), or over a pair of them (hybrid); under expert
+    parallel the rank's experts, 1/T of each, apart (held whole by each of their replicas), within the
+    chunks' padding."""
     results = request.getfixturevalue(fixture)
-    blocks = TINY["n_layer"]  # every test model's
+    blocks, replicas = TINY["n_layer"], world // 2  # every test model's
+    cases = {"tp2": TP2, "dp2_tp2": DP2_TP2, "dp4_tp2": DP4_TP2}[fixture]
     for rank in range(world):
-        for case in (c for c in (TP2 if fixture == "tp2" else DP2_TP2) if c.plan != "resident"):  # (no masters apart)
-            cut, whole, rest, pad = _counts(case)
+        for case in (c for c in cases if c.plan != "resident"):  # (no masters apart)
+            cut, whole, rest, pad, experts = _counts(case)
             got = results[((case,), rank)]
             for kind, nbytes in got["states"].items():
-                mine = nbytes // 4  # fp32 states, split over the replicas where there are two
-                want = (blocks * (cut // 2 + whole) + rest) // (world // 2)
+                mine = nbytes // 4  # fp32 states
+                want = (blocks * (cut // 2 + whole) + rest) // (case.shard_group or replicas)
+                want += blocks * experts // (case.ep if case.ep > 1 else replicas)
                 assert want <= mine < want + pad, (rank, case, kind)
 
 
@@ -371,14 +414,14 @@ def test_an_architecture_without_a_plan_and_plan_auto_are_refused_before_any_gro
     assert not torch.distributed.is_initialized()
 
 
-def _plain_from(ckpt_dir):
+def _plain_from(ckpt_dir, family: str = "gpt"):
     """One process of plain PyTorch (the whole model, torch's AdamW) from a tensor-parallel checkpoint."""
     from pp_harness import fresh
 
     from tiertrain.checkpoint.run import find_checkpoint, load_checkpoint
     from tiertrain.checkpoint.train_state import PlainState
 
-    model, opt = fresh()
+    model, opt = fresh(family=family)
     state = load_checkpoint(find_checkpoint(ckpt_dir), PlainState(model, opt, _names(model)))
     return model, opt, state
 
@@ -400,6 +443,18 @@ def test_a_tensor_parallel_checkpoint_resumes_in_one_process_of_plain_pytorch(re
     want = reference(world // 2, 1, start=(model, opt), first=state.step)
     for rank in range(world):
         got = results[(("saved",), rank)]
+        flat = [x for step in got["losses"][1:] for x in step]
+        assert flat == pytest.approx([step[got["replica"]][0] for step in want], rel=RTOL, abs=0), f"rank {rank}"
+
+
+def test_an_expert_and_tensor_parallel_checkpoint_resumes_in_one_process_of_plain_pytorch(dp2_tp2):
+    """Saved at dp = 2 x tp = 2 with each replica holding half the experts, each cut over its group, after
+    step 1: every expert's shards put back together load into one process, whose steps 2 and 3 are the run's."""
+    model, opt, state = _plain_from(dp2_tp2["ep out"], family="moe")
+    assert (state.step, state.world) == (1, 4)
+    want = reference(2, 1, start=(model, opt), first=state.step)
+    for rank in range(4):
+        got = dp2_tp2[(("ep saved",), rank)]
         flat = [x for step in got["losses"][1:] for x in step]
         assert flat == pytest.approx([step[got["replica"]][0] for step in want], rel=RTOL, abs=0), f"rank {rank}"
 

@@ -156,8 +156,9 @@ def test_a_rank_killed_mid_step_stops_the_other_naming_it_with_nothing_left(tmp_
 
 def test_nproc_with_ep_trains_expert_parallel_and_its_checkpoint_resumes_at_ep2_and_in_one_process(tmp_path):
     """Each rank writes the experts it holds (rank 1's file holds experts 2 and 3 of every layer,
-    under their own names); the checkpoint resumes at ep = 2 (the same losses as the uninterrupted
-    run) and in one process holding every expert (rank 0's next loss as at ep = 2)."""
+    under their own names); the checkpoint resumes at ep = 2 over two tensor-parallel groups of two
+    (each expert cut over its group: the uninterrupted run's losses within the tensor-parallel tests'
+    tolerance) and in one process holding every expert (rank 0's next loss as at ep = 2)."""
     moe = ["--model", "tiny-moe", "--batch-size", "2", "--seq-len", "16", "--grad-clip", "0", "--log-every", "1",
            "--plan", "stream"]
     out = tmp_path / "run"
@@ -170,13 +171,17 @@ def test_nproc_with_ep_trains_expert_parallel_and_its_checkpoint_resumes_at_ep2_
     held = [b for b in blocks if b.get("rank") == 1]
     assert held and all(".experts.2." in b["params"][0][0] for b in held)
     ep2 = _losses(out)
-    for world, ep in ((2, 2), (1, 1)):
+    for world, ep, tp in ((4, 2, 2), (1, 1, 1)):
         other = tmp_path / f"at{world}"
-        r = _train("--resume", str(ckpt), "--steps", "4", "--out", str(other), "--nproc", str(world), "--ep", str(ep))
+        r = _train("--resume", str(ckpt), "--steps", "4", "--out", str(other), "--nproc", str(world), "--ep", str(ep),
+                   "--tp", str(tp))
         assert r.returncode == 0, r.stderr[-3000:]
-        assert [m["step"] for m in read_metrics(other)] == [3, 4] and _losses(other)[0] == ep2[2]
-        if world == 2:
-            assert _losses(other) == ep2[2:]
+        assert [m["step"] for m in read_metrics(other)] == [3, 4], world
+        if tp > 1:
+            assert "each MoE layer's experts divided over 2 ranks" in r.stderr, r.stderr[-3000:]
+            assert _losses(other) == pytest.approx(ep2[2:], rel=1e-5, abs=0)
+        else:
+            assert _losses(other)[0] == ep2[2]
 
 
 def test_a_run_ends_its_process_group_before_the_interpreter_does(tmp_path):
@@ -406,7 +411,10 @@ def test_a_tensor_parallel_layout_the_ranks_would_refuse_is_one_message_before_t
                        (["--model", str(llama), *cut[2:4], "--nproc", "4", "--tp", "2", "--pp", "2",
                          "--sequence-parallel"], "sequence parallel in a pipeline slices tiertrain's GPT only yet"),
                        ([*cut, "--sequence-parallel", "--seq-len", "31"], "give a --seq-len that 2 divides (not 31)"),
-                       (["--model", str(moe), *cut[2:], "--ep", "2"], "--ep do not combine with --tp yet")):
+                       (["--model", str(moe), *cut[2:], "--ep", "2"],
+                        "ep=2 does not divide the 1 data-parallel ranks"),  # N / T replicas, not N ranks
+                       ([*cut[:4], "--nproc", "4", "--tp", "2", "--shard-group", "4"],
+                        "groups of 4 ranks does not divide the 2 data-parallel ranks")):
         out = tmp_path / "r"
         assert main(["train", *args, "--out", str(out)]) == 2, args
         err = capsys.readouterr().err

@@ -27,6 +27,8 @@ class TpCase:
     skew: bool = False           # each rank's model drawn otherwise (ranks seeded apart): rank 0's must win
     meta: bool = False           # the model built on the meta device: drawn by the group, alike
     sequence: bool = False       # sequence parallel: each rank its slice of the sequence between cut regions
+    ep: int = 1                  # expert parallel: each MoE layer's experts divided over this many replicas
+    shard_group: int = 0         # hybrid sharding: the blocks sharded over groups of this many replicas
     family: str = "gpt"          # "gpt": tiertrain's; "moe": with experts; "llama" (GQA: 4 heads, 2 key-value),
     #                              "qwen2", "gpt2", "gpt_neox": transformers' (pp_harness.config_of)
 
@@ -64,7 +66,9 @@ def tp_losses(rank: int, case: TpCase, disk: Path, save_to: Path | None = None, 
         cut = [model.blocks[0].attn.qkv.weight]  # the whole parameter the cut replaces
     run = tiertrain.tensor_parallel(model, opt, case.tp, Budgets(64 << 20, 64 << 20, 64 << 20, rank_disk(disk, rank)),
                                     plan=_plan(case.plan, TINY["n_layer"]), page_size=64 << 10, update=case.update,
-                                    max_staleness=case.staleness, sequence_parallel=case.sequence)
+                                    max_staleness=case.staleness, sequence_parallel=case.sequence,
+                                    **({"ep": case.ep} if case.ep > 1 else {}),
+                                    **({"shard_group": case.shard_group} if case.shard_group else {}))
     out = {"replica": run.mesh.dp_rank, "losses": [], "sent": [], "tp_rank": run.mesh.tp_rank,
            "let_go": [p.is_meta for p in cut]}
     if case.plan == "resident" and case.family in ("gpt", "moe"):  # the blocks' params stay in their slots: as cut
@@ -92,6 +96,8 @@ def tp_losses(rank: int, case: TpCase, disk: Path, save_to: Path | None = None, 
         run.model.runtime.wait_updates()  # a lockfree loop may still hold a master it moves between the tiers
         out["states"] = state_bytes(run.model.runtime)
         out["shapes"] = {n: tuple(p.shape) for n, p in run.model.named_parameters()}
+        if case.ep > 1:  # the experts this rank holds, and the bytes of tokens it sent them
+            out["experts"] = (list(run.model.blocks[0].ffn.owned), run.model.runtime.experts.sent)
         return out
     finally:
         run.close()

@@ -229,18 +229,19 @@ def _micro_batches_as_accum(values: dict[str, Any], name: str) -> None:
 
 
 def _check_layout(cfg: Any, nproc: int) -> None:
-    """What the ranks would each refuse, said once before torchrun starts them: an ``--ep`` that does
-    not divide the ranks, a plan file laid out for another number of ranks."""
+    """What the ranks would each refuse, said once before torchrun starts them: an ``--ep`` or
+    ``--shard-group`` that does not divide the data-parallel ranks (a tensor-parallel group's or a
+    pipeline's replicas), a plan file laid out for another number of ranks."""
     from pathlib import Path
 
     from tiertrain.plan import ParallelLayout, Plan
 
-    if cfg.ep > 1 or cfg.shard_group:
-        ParallelLayout(dp=nproc, ep=cfg.ep, shard_group=cfg.shard_group)  # one message where they do not divide it
     if cfg.tp > 1:
         _check_tensor_layout(cfg, nproc)
     if cfg.pp > 1:
         _check_pipeline_layout(cfg, nproc)
+    if cfg.ep > 1 or cfg.shard_group:  # one message where they do not divide the replicas
+        ParallelLayout(dp=nproc // (cfg.tp * cfg.pp), ep=cfg.ep, shard_group=cfg.shard_group)
     if cfg.plan and cfg.plan.endswith(".json") and os.path.isfile(cfg.plan):
         dp = Plan.from_json(Path(cfg.plan).read_text(), f"plan {cfg.plan}").parallel.dp
         per = cfg.tp * cfg.pp  # a replica's ranks (a group, a pipeline of them): the plan's dp counts replicas

@@ -265,17 +265,19 @@ def _check_experts(req: PlanRequest) -> Sizes:
     if req.nproc == 1 or not req.model:
         raise ConfigError(f"--ep {req.ep} divides a mixture of experts' experts over ranks: plan a --model over "
                           f"--nproc N ranks (N a multiple of {req.ep})")
-    ParallelLayout(dp=req.nproc, ep=req.ep)  # one message where ep does not divide the ranks
+    ParallelLayout(dp=req.nproc // req.tp, ep=req.ep)  # one message where ep does not divide the replicas
     return held_experts(req)
 
 
 def held_experts(req: PlanRequest) -> Sizes:
     """What each block of ``req``'s model holds on one rank at ``req.ep`` (the model built on the meta
-    device: no memory), with the run's own count (``runtime.blocks.block_sizes``)."""
+    device: no memory; under ``--tp``, its rank's shards), with the run's own count
+    (``runtime.blocks.block_sizes``)."""
     import torch
 
     from tiertrain.models import build, resolve_config
     from tiertrain.parallel.experts import expert_layers_for
+    from tiertrain.parallel.tensor_plans import check_tensor_parallel, cut_on_meta
     from tiertrain.runtime.blocks import block_sizes, find_blocks
 
     with torch.device("meta"):
@@ -283,6 +285,8 @@ def held_experts(req: PlanRequest) -> Sizes:
     layers = expert_layers_for(model, req.ep)
     if any(m.n_experts % req.ep for m in layers):
         raise ConfigError(f"--ep {req.ep} does not divide the model's {layers[0].n_experts} experts")
+    if req.tp > 1:
+        cut_on_meta(model, check_tensor_parallel(model, req.tp), req.tp)
     return block_sizes(find_blocks(model, None), req.ep)
 
 
@@ -306,9 +310,9 @@ def run_plan(req: PlanRequest, console: Console) -> Planned:
     target = find_machine(req.machine) if req.machine else None
     if target is not None:
         target.matmul(req.precision)  # a machine without this precision is refused before anything is measured
-    held = _check_experts(req) if req.ep > 1 else None  # refused before anything is measured too
     _check_tensor(req)
     _check_pipeline(req)
+    held = _check_experts(req) if req.ep > 1 else None  # refused before anything is measured too
     if 0 < req.nproc_per_node < req.nproc:  # over nodes: refused before anything is measured too
         from tiertrain.measure.collectives import network_for
 
@@ -324,7 +328,7 @@ def run_plan(req: PlanRequest, console: Console) -> Planned:
     profile = run_profile(profile, req.update, req.max_staleness, req.needs_all_grads)
     tensor_line, tp = None, req.tp
     if req.tp > 1:  # the data-parallel ranks are a group's replicas: each holds its rank's share of every block
-        profile, tensor_line = _cut_over_group(req, profile, target, here)
+        profile, tensor_line = _cut_over_group(req, profile, target, here, held)
         per_node = req.nproc_per_node // req.tp if req.nproc_per_node else 0
         req = dataclasses.replace(req, nproc=req.nproc // req.tp, nproc_per_node=per_node)
     if req.pp > 1:  # the data-parallel ranks are a stage's replicas: those of one node hold the same stage
@@ -333,7 +337,7 @@ def run_plan(req: PlanRequest, console: Console) -> Planned:
     if req.nproc > 1:
         profile = dataclasses.replace(profile, network=dataclasses.replace(_network(req, target, here, profile),
                                                                            ep=req.ep, staged=req.pp > 1))
-    if req.ep > 1:
+    if req.ep > 1 and req.tp == 1:  # (cut over a group: counted with the rank's shards)
         profile = with_experts(profile, held)
     needs_all, pipeline = req.needs_all_grads, None
     if req.pp > 1:  # the layout first: a rank plans the largest of its stages within its share of the budgets
@@ -502,8 +506,6 @@ def _check_tensor(req: PlanRequest) -> None:
         raise ConfigError(f"--tp {req.tp} must divide --nproc {req.nproc}"
                           + (f" and --nproc-per-node {req.nproc_per_node} (a group stays inside a node)"
                              if req.nproc_per_node else ""))
-    if req.ep > 1:
-        raise ConfigError("--tp does not combine with --ep yet (train does not run them together); leave it out")
     if not req.model or req.profile_file:
         raise ConfigError("--tp plans a model cut over ranks by its parallelize plan: give --model (a name or config "
                           "file), not --profile")
@@ -524,8 +526,10 @@ def _tensor_model(model: str, tp: int, pp: int = 1) -> tuple[nn.Module, TensorPl
     return built, check_pipeline_tensor(built, tp, pp)
 
 
-def _cut_over_group(req: PlanRequest, profile: Profile, target: Machine, here: Machine) -> tuple[Profile, str]:
-    """One rank's profile of a tensor-parallel group (``planner.tensor``), and what the plan says of it."""
+def _cut_over_group(req: PlanRequest, profile: Profile, target: Machine, here: Machine,
+                    held: Sizes | None) -> tuple[Profile, str]:
+    """One rank's profile of a tensor-parallel group (``planner.tensor``), and what the plan says of it;
+    ``held``: under expert parallel, the shards of its experts and of the rest of each block it holds."""
     from tiertrain.models import ModelConfig
     from tiertrain.parallel.tensor_plans import whole_in_a_block
     from tiertrain.planner.tensor import for_tensor, sums_s
@@ -536,6 +540,8 @@ def _cut_over_group(req: PlanRequest, profile: Profile, target: Machine, here: M
     routed = cfg.top_k if isinstance(cfg, ModelConfig) and cfg.is_moe else 1
     cut = for_tensor(profile, req.tp, link.all_reduce_bps, whole_in_a_block(built, plan), routed,
                      req.sequence_parallel)
+    if held is not None:
+        cut = with_experts(cut, held)
     compute = sum(b.forward_s + b.backward_s for b in cut.blocks)
     sums = sums_s(profile, cut, req.tp)
     sliced = ", each rank its slice of the sequence between them" if req.sequence_parallel else ""

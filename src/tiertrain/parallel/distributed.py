@@ -6,12 +6,16 @@ machines run 2.11, which has only the old names, so we take whichever this torch
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from tiertrain.parallel.collectives import Waitable, ring_bytes, split_bytes
 from tiertrain.parallel.health import Heartbeat, failure
+
+if TYPE_CHECKING:
+    from tiertrain.parallel.mesh import MeshDim
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
@@ -39,6 +43,7 @@ class ProcessGroupCollectives:
         self.world_size = dist.get_world_size(group)
         self.ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world_size))
         self.sent = 0
+        self.place: MeshDim | None = None  # where a mesh's group lies in it (``parallel.mesh``: split again there)
         self._own_heartbeat = heartbeat is None
         self.heartbeat = heartbeat or Heartbeat(dist.distributed_c10d._get_default_store(), self.rank, self.world_size)
         self._gather = _flat_call("all_gather_single", "all_gather_into_tensor")

@@ -2,7 +2,8 @@
 fast links: tensor parallel sums activations twice per block forward and twice backward) cuts every
 block over itself, and the ranks holding the same shard in each group are that shard's data-parallel
 group (its gradients' reductions, across the nodes), made as data parallel's hybrid groups are
-(``parallel.mesh``, on ``torch.distributed.device_mesh``).
+(``parallel.mesh``, on ``torch.distributed.device_mesh``); that group splits again for hybrid sharding or
+expert parallel inside it (dp x tp as outer x inner x tp).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from tiertrain.parallel.collectives import Collectives
 from tiertrain.parallel.distributed import ProcessGroupCollectives
 from tiertrain.parallel.local import LocalCollectives
-from tiertrain.parallel.mesh import mesh_collectives
+from tiertrain.parallel.mesh import MeshDim, dim_groups
 
 
 @dataclass
@@ -44,5 +45,5 @@ def tensor_mesh(tp: int) -> TensorMesh:
         return TensorMesh(tp, dp, world, LocalCollectives(), world)
     if tp == 1:
         return TensorMesh(tp, dp, LocalCollectives(), world, world)
-    tp_group, dp_group = mesh_collectives(world, dp, tp, ("dp", "tp"))
+    tp_group, dp_group = dim_groups(MeshDim((dp, tp), ("dp", "tp"), 0), ("tp", "dp"), world.heartbeat)
     return TensorMesh(tp, dp, tp_group, dp_group, world)

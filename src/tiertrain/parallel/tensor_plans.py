@@ -195,6 +195,18 @@ def whole_in_a_block(model: nn.Module, plan: TensorPlan) -> int:
                if plan.split_of(f"{plan.blocks_at}.0.{name}") is None)
 
 
+def cut_on_meta(model: nn.Module, plan: TensorPlan, tp: int) -> None:
+    """``model`` (on the meta device) as one rank of a group of ``tp`` holds it: each parameter ``plan`` cuts
+    in its shard's shape, what the planner counts a rank's blocks from (``runtime.blocks.block_sizes``)."""
+    for name, p in list(model.named_parameters()):
+        split = plan.split_of(name)
+        if split is not None:
+            shape = list(p.shape)
+            shape[split.dim] //= tp
+            module, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(module), attr, nn.Parameter(torch.empty(shape, dtype=p.dtype, device="meta")))
+
+
 def whole_per_block(cfg: ModelConfig) -> int:
     """``whole_in_a_block`` of our GPT of ``cfg`` (built on the meta device, one block)."""
     with torch.device("meta"):

@@ -127,10 +127,6 @@ class TrainConfig:
         if self.plan is None or self.plan == "auto":
             raise ConfigError(f"--tp {self.tp} tiers each rank's shards under a named plan: add --plan "
                               "resident|stream|max-offload|FILE (not auto yet)")
-        others = {"--ep": self.ep > 1, "--shard-group": bool(self.shard_group)}
-        if any(others.values()):
-            raise ConfigError(f"{' and '.join(k for k, v in others.items() if v)} do not combine with --tp yet; "
-                              "leave them out")
         if self.precision == "fp16":
             raise ConfigError("tensor-parallel runs train in fp32 or bf16, not fp16: use --precision bf16")
         if self.update is not None and not (self.max_staleness is None and self.plan not in BUILTIN_PLANS):

@@ -34,7 +34,8 @@ class TensorTrainer(Trainer):
                                       grad_accum=cfg.grad_accum, update=cfg.update, max_staleness=cfg.max_staleness,
                                       max_grad_norm=cfg.grad_clip or None, reduce_dtype=cfg.reduce_dtype,
                                       compute_dtype=self.precision.name, init_states=not cfg.resume,
-                                      sequence_parallel=cfg.sequence_parallel)
+                                      sequence_parallel=cfg.sequence_parallel, ep=cfg.ep if cfg.ep > 1 else None,
+                                      shard_group=cfg.shard_group or None)
         self.model, self.opt = self.tensor.model, self.tensor.optimizer
         self.state = TieredState(self.model)
 

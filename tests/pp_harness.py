@@ -139,6 +139,8 @@ class Case:
     tied: bool = False             # the head uses the token embedding's weight: across the first and last stage
     family: str = "gpt"            # "gpt": tiertrain's; "llama": a transformers Llama
     sequence: bool = False         # with tp: sequence parallel, the sequence sliced between stages too
+    ep: int = 1                    # expert parallel: each stage's experts divided over this many replicas
+    shard_group: int = 0           # hybrid sharding: each stage's blocks sharded over groups of this many replicas
 
 
 def _plan(name: str, n_blocks: int):
@@ -170,7 +172,9 @@ def pipelined_losses(rank: int, case: Case, pp: int, disk: Path, events: bool = 
     layout = PipelineLayout(pp=pp, schedule=case.schedule, micro_batches=case.micro, segments=case.segments)
     run = pipeline(model, opt, layout, Budgets(64 << 20, 64 << 20, 64 << 20, rank_disk(disk, rank)),
                    plan=_plan(case.plan, TINY["n_layer"]), page_size=64 << 10, update=case.update,
-                   max_grad_norm=case.clip, compute_dtype=case.dtype, tp=tp, sequence_parallel=case.sequence)
+                   max_grad_norm=case.clip, compute_dtype=case.dtype, tp=tp, sequence_parallel=case.sequence,
+                   **({"ep": case.ep} if case.ep > 1 else {}),
+                   **({"shard_group": case.shard_group} if case.shard_group else {}))
     log: list[tuple[str, int]] = []
     if events:
         _record(run, log)

@@ -225,6 +225,10 @@ def _hybrid_jobs(tmp, dp2_checkpoint: str) -> list:
                                                   accum=1, clip=0.5, disk=tmp / "hybrid-clip")),
              (("hybrid mixed",), functools.partial(tiered_losses, plan=_mixed(PLANS["stream"], 4, shard_group=2),
                                                    update="overlap", accum=1, clip=0.5, disk=tmp / "hybrid-mixed"))]
+    jobs += [(("hybrid once a step", name, update), functools.partial(  # a pipeline stage's DP.sync
+        tiered_losses, plan=_hybrid(PLANS[name]), update=update, accum=2, clip=None, disk=tmp / f"honce-{name}",
+        reduce_every="step", lr_decay=0.5)) for name, update in (("stream", "overlap"), ("disk", "sync"))]
+    jobs += [(("ddp decayed", 2), functools.partial(ddp_losses, accum=2, clip=None, lr_decay=0.5))]
     jobs += [(("hybrid events", plan), functools.partial(reduction_events, plan=_hybrid(PLANS[plan])))
              for plan in ("resident", "stream")]
     jobs += [(("hybrid sent", name), functools.partial(sent_per_step, plan=_hybrid(plan)))
@@ -577,6 +581,18 @@ def test_hybrid_sharding_equals_ddp_within_the_rounding_of_a_four_way_sum(dp4, p
     for rank in range(4):
         got, _ = dp4[(("hybrid", plan, accum), rank)]
         want = dp4[(("ddp", accum), rank)]
+        assert got[0] == want[0] and got == pytest.approx(want, rel=1e-5, abs=0), (rank, got, want)
+
+
+@pytest.mark.parametrize("case", [("stream", "overlap"), ("disk", "sync")])
+def test_hybrid_sharding_reduced_once_a_step_equals_ddps_no_sync_within_the_rounding_of_a_four_way_sum(dp4, case):
+    """``reduce_every="step"`` (a pipeline stage's DP.sync) with hybrid sharding: the last micro-batch leaves
+    each block's two collectives chained in flight (the reduce-scatter inside the group, then the shard's
+    all-reduce across), landed at each block's next use (``tiered_losses`` checks they were left so) under
+    the next step's learning rate; the losses are DDP's with no_sync within the four-way sum's rounding."""
+    for rank in range(4):
+        got, _ = dp4[(("hybrid once a step", *case), rank)]
+        want = dp4[(("ddp decayed", 2), rank)]
         assert got[0] == want[0] and got == pytest.approx(want, rel=1e-5, abs=0), (rank, got, want)
 
 

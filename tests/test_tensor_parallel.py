@@ -38,6 +38,8 @@ DP2_TP2 = [TpCase(2, clip=0.05), TpCase(2, plan="disk"), TpCase(2, plan="disk", 
 # sharded over pairs of replicas and replicated across them (hybrid), or experts divided over pairs of replicas
 DP4_TP2 = [TpCase(2, plan="disk", clip=0.05, shard_group=2), TpCase(2, plan="disk", clip=0.05, family="moe", ep=2)]
 EP_SAVED = TpCase(2, plan="disk", family="moe", ep=2)  # dp = 2 x tp = 2, its experts over the replicas: saved
+# pp = 2 x dp = 4 (the same 8 ranks): each stage's blocks sharded over pairs of its replicas (hybrid)
+PP2_DP4 = [Case("1f1b", 2, 1, plan="disk", clip=0.05, shard_group=2), Case("aiao", 4, 2, shard_group=2)]
 
 
 def _jobs(cases, disk):
@@ -79,9 +81,12 @@ def dp2_tp2(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def dp4_tp2(tmp_path_factory):
-    """The 8-rank launch: dp = 4 x tp = 2, the data-parallel groups split again (hybrid sharding, experts)."""
+    """The 8-rank launch: dp = 4 x tp = 2 and pp = 2 x dp = 4, the data-parallel groups split again inside
+    their mesh (hybrid sharding, experts)."""
     disk = tmp_path_factory.mktemp("dp4tp2d")
-    return run_ranks(8, tmp_path_factory.mktemp("dp4tp2"), _jobs(DP4_TP2, disk))
+    jobs = _jobs(DP4_TP2, disk) + [(("pp", c), functools.partial(pipelined_losses, case=c, pp=2, disk=disk / f"pp{i}"))
+                                   for i, c in enumerate(PP2_DP4)]
+    return run_ranks(8, tmp_path_factory.mktemp("dp4tp2"), jobs)
 
 
 def _saved_by_one_process(out) -> None:
@@ -144,6 +149,23 @@ def test_two_replicas_of_two_tensor_parallel_ranks_train_as_one_process_averagin
 def test_four_replicas_of_two_tensor_parallel_ranks_shard_over_pairs_or_divide_experts_and_train_as_one_process(
         dp4_tp2, case):
     _check(dp4_tp2, case, 8, 4)
+
+
+@pytest.mark.parametrize("case", PP2_DP4, ids=str)
+def test_a_pipelines_stages_sharded_over_pairs_of_their_replicas_train_as_one_process(dp4_tp2, case):
+    """pp = 2 x dp = 4 with hybrid sharding inside each stage's data-parallel group (dp 4 split into 2 x 2
+    inside the dp x pp mesh): each stage's DP.sync is a reduce-scatter inside its pair and the shard's
+    all-reduce across, once a step, under 1F1B (disk-homed, clipped) and AIAO (two segments, each synced as
+    its backward ends); every replica's micro-batch losses are one process's within the tolerance (a
+    four-way sum in two steps)."""
+    want = reference(4, case.micro, case.clip)
+    for rank in range(8):
+        got = dp4_tp2[(("pp", case), rank)]
+        assert got["replica"] == rank // 2
+        mine = [step[got["replica"]] for step in want]
+        flat = [x for step in got["losses"] for x in step]
+        assert flat == pytest.approx([x for step in mine for x in step], rel=RTOL, abs=0), f"rank {rank}"
+        assert len(set(flat)) == len(flat)  # the model moved at every step
 
 
 @pytest.mark.parametrize("fixture,world,case", [("dp2_tp2", 4, DP2_TP2[-1]), ("dp4_tp2", 8, DP4_TP2[1])])

@@ -355,6 +355,9 @@ def test_a_pipeline_the_ranks_would_refuse_is_one_message_before_torchrun_starts
                        ([*piped, "--precision", "fp16"], "use --precision bf16"),
                        ([*piped, "--update", "overlap"], "add --grad-clip 0, or use --update sync to clip"),
                        ([*piped, "--update", "lockfree"], "train --pp takes --update sync or overlap"),
+                       ([*piped[:-4], "--nproc", "4", "--pp", "2", "--shard-group", "4"],
+                        "groups of 4 ranks does not divide the 2 data-parallel ranks"),  # N / P replicas
+                       ([*piped, "--ep", "2"], "--ep does not combine with --pp yet"),
                        (["--model", "tiny", *piped[2:], "--update", "overlap", "--grad-clip", "0"],
                         "a head tied to the embedding sums its two stages' gradients first")):
         out = tmp_path / "r"

@@ -343,9 +343,9 @@ def _options(options: RunOptions | None, fields: dict[str, Any], layout: Pipelin
     if opts.grad_accum not in (1, layout.micro_batches):
         raise ConfigError(f"a pipelined step accumulates its {layout.micro_batches} micro-batches: leave grad_accum "
                           f"out (it is --micro-batches), not {opts.grad_accum}")
-    for key, why in (("ep", "expert parallel"), ("shard_group", "hybrid sharding")):
-        if getattr(opts, key) not in (None, 0, 1):
-            raise ConfigError(f"{why} inside a pipeline stage is not supported yet: leave out --{key.replace('_', '-')}")
+    if opts.ep not in (None, 1):
+        raise ConfigError("expert parallel inside a pipeline stage is not supported yet (nor experts in a pipeline): "
+                          "leave out --ep")
     # FOLD3D's DP.sync: a stage's gradients reduced once a step, after its last micro-batch's backward (not M times)
     return dataclasses.replace(opts, grad_accum=layout.micro_batches, reduce_every=opts.reduce_every or "step")
 

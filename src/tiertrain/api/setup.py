@@ -293,9 +293,6 @@ def _laid_out(plan: Plan, opts: RunOptions, world: int) -> Plan:
                           f"run {'has one process' if world == 1 else 'replicates every block (shard=False)'}: launch "
                           "it under torchrun with sharded blocks, or leave shard_group (--shard-group) out and remove "
                           "it from the plan's \"parallel\" field")
-    if group and plan.reduce_every == "step":
-        raise ConfigError("hybrid sharding reduces in two collectives chained block by block; reducing once a step "
-                          "beside it is not supported yet: leave out shard_group (--shard-group) or reduce_every")
     if plan.parallel.dp == world:
         layout = ParallelLayout(world, ep, group)
         return plan if plan.parallel == layout else dataclasses.replace(plan, parallel=layout)

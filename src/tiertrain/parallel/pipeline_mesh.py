@@ -18,6 +18,7 @@ import torch.distributed as dist
 from tiertrain.parallel.collectives import Collectives
 from tiertrain.parallel.distributed import ProcessGroupCollectives
 from tiertrain.parallel.local import LocalCollectives
+from tiertrain.parallel.mesh import MeshDim
 from tiertrain.parallel.tied_stages import pair_groups
 
 NAMES = ("dp", "pp")
@@ -68,6 +69,8 @@ def pipeline_mesh(pp: int, tied: bool = False, tp: int = 1) -> PipelineMesh:
                                        host_group=None if gloo else twins.get_group(name))
 
     stage_dp = LocalCollectives() if dp == 1 else group("dp")
+    if dp > 1:  # hybrid sharding and expert parallel split it again (``parallel.mesh``)
+        stage_dp.place = MeshDim(shape, names, 0)
     pp_group = mesh.get_group("pp")
     world_group = dist.distributed_c10d._get_default_group()  # a dimension of every rank may be it: not the mesh's
     made = {id(g): g for m in (mesh, twins) for g in (m.get_group(n) for n in names) if g is not world_group}

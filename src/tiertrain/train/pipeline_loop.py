@@ -71,7 +71,7 @@ class PipelineTrainer(Trainer):
                              page_size=parse_size(cfg.page_size) if cfg.page_size else None,
                              update=cfg.update or "sync",
                              max_grad_norm=cfg.grad_clip or None, reduce_dtype=cfg.reduce_dtype or "fp32",
-                             compute_dtype=self.precision.name, tp=cfg.tp,
+                             compute_dtype=self.precision.name, tp=cfg.tp, shard_group=cfg.shard_group or None,
                              sequence_parallel=cfg.sequence_parallel and cfg.tp > 1)  # (a resume at tp 1 keeps it)
         self.opt = self.pipe.optimizer
         self.state = _PipelineState(self.model)  # type: ignore[assignment]

@@ -106,6 +106,9 @@ def test_plan_tp_with_ep_plans_each_rank_with_its_experts_shards(tmp_path, capsy
     share = [k // (2 if split_of(n) else 1) // (2 if ".experts." in n else 1) for n, k in block]
     assert sum(share) <= got < sum(share) + 2 * (len(block) * TENSOR_ALIGN + DEFAULT_ALIGN), said
     assert json.loads(out.read_text())["parallel"] == {"dp": 4, "ep": 2, "tp": 2}
+    assert _main("plan", "--model", "tiny-moe", "--machine", "h100-sxm-80gb", "--batch", "2", "--seq", "32", "--solver",
+                 "dp", "--nproc", "2", "--tp", "2", "--sequence-parallel", "--out", str(out)) == 0  # experts sliced too
+    assert json.loads(out.read_text())["parallel"] == {"dp": 1, "tp": 2, "sequence_parallel": True}
 
 
 def test_a_plan_file_says_the_cut_it_was_made_for_and_train_refuses_another(tmp_path, capsys):
@@ -244,8 +247,6 @@ def test_plan_layouts_plans_every_layout_of_the_ranks_and_writes_the_fastests(tm
     (["--nproc", "4", "--tp", "2", "--pp", "2"], "a tied embedding in a pipeline cut over tensor-parallel ranks"),
     (["--nproc", "4", "--tp", "2", "--ep", "4", "--model", "tiny-moe"], "ep=4 does not divide the 2 data-parallel"),
     (["--nproc", "2", "--sequence-parallel"], "--sequence-parallel plans a tensor-parallel group's sequence slices"),
-    (["--nproc", "2", "--tp", "2", "--sequence-parallel", "--model", "tiny-moe"],
-     "sequence parallel does not slice a mixture-of-experts model yet"),
     (["--nproc", "8", "--tp", "8"], "--tp 8 must divide the model's attention heads (n_head), 2"),
     (["--nproc", "2", "--tp", "2", "--update", "lockfree", "--grad-clip", "0"],
      ("max staleness 1 lets each rank read params of another age, and a tensor-parallel group's ranks must read the "

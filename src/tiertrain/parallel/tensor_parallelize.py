@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from tiertrain.errors import ConfigError
+from tiertrain.models.gpt import GPT
 from tiertrain.parallel.collectives import Collectives
 from tiertrain.parallel.sequence_ops import (
     enter_sequence,
@@ -20,7 +21,6 @@ from tiertrain.parallel.sequence_ops import (
 from tiertrain.parallel.tensor_layers import column_parallel, row_parallel
 from tiertrain.parallel.tensor_ops import enter_region
 from tiertrain.parallel.tensor_plans import (
-    GPT_PLAN,
     TensorPlan,
     check_sequence_parallel,
     check_tensor_parallel,
@@ -41,7 +41,7 @@ def parallelize(model: nn.Module, rank: int, group: Collectives, sequence: bool 
     plan = check_tensor_parallel(model, group.world_size)
     if sequence:
         check_sequence_parallel(model, plan)
-    if plan is not GPT_PLAN and any(b.is_meta for b in model.buffers()):
+    if not isinstance(model, GPT) and any(b.is_meta for b in model.buffers()):
         raise ConfigError(f"a {type(model).__name__} built on the meta device cannot be cut over tensor-parallel "
                           "ranks yet (its buffers, as rotary frequencies, are not drawn): build it in memory "
                           "(a larger --host-memory)")
@@ -87,9 +87,10 @@ def parallelize_blocks(plan: TensorPlan, blocks: nn.ModuleList, rank: int, group
                 if p.is_meta:
                     drawn_whole(f"{plan.blocks_at}.{first + j}.{path}.{pname}", p, seed)
             split = plan.weight_split(cut)
-            enters = not (plan.sequence_inputs if sequence else plan.shared_inputs)
+            sliced = sequence and not plan.in_whole(path)  # (in a module run whole: cut as without slices)
+            enters = not (plan.sequence_inputs if sliced else plan.shared_inputs)
             new = (column_parallel(linear, split, rank, group, enters, plan.transposed)
-                   if cut.column else row_parallel(linear, split, rank, group, plan.transposed, sequence))
+                   if cut.column else row_parallel(linear, split, rank, group, plan.transposed, sliced))
             for pname, p in linear.named_parameters():
                 new_of[id(p)] = getattr(new, pname)
             for p in drawn:
@@ -101,6 +102,10 @@ def parallelize_blocks(plan: TensorPlan, blocks: nn.ModuleList, rank: int, group
         paths, enter = (plan.sequence_inputs, enter_sequence) if sequence else (plan.shared_inputs, enter_region)
         for path in paths:
             operator.attrgetter(path)(block).register_forward_pre_hook(_entered(group, enter), with_kwargs=True)
+        for path in plan.sequence_whole if sequence else ():
+            whole = operator.attrgetter(path)(block)
+            whole.register_forward_pre_hook(_entered(group, gather_sequence), with_kwargs=True)
+            whole.register_forward_hook(_sliced(group))
         for heads in plan.heads_attrs:
             owner_path, _, attr = heads.rpartition(".")
             owner = operator.attrgetter(owner_path)(block)
@@ -109,6 +114,14 @@ def parallelize_blocks(plan: TensorPlan, blocks: nn.ModuleList, rank: int, group
 
 
 Enter = Callable[[torch.Tensor, Collectives], torch.Tensor]
+
+
+def _sliced(group: Collectives) -> Callable[[nn.Module, tuple, torch.Tensor], torch.Tensor]:
+    """A hook handing each rank its slice of the sequence of a module's output, whole and alike on every rank
+    of ``group`` (a mixture of experts run whole: each expert's partial outputs summed over the group)."""
+    def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        return scatter_sequence(out, group)
+    return hook
 
 
 def _entered(group: Collectives, enter: Enter = enter_region) -> Callable[[nn.Module, tuple, dict], tuple[tuple, dict]]:

@@ -52,8 +52,10 @@ class TensorPlan:
     sequence parallel where it starts and ends (the first block, whose input is cut into sequence slices,
     and the module after the blocks whose input is put back together; None: not supported. Slicing at the
     first block, not at the embeddings, leaves what a transformers model builds from the input's length
-    before its layers, its causal mask and rotary tables, whole) and the modules of a block whose input is
-    gathered whole as it enters (they read its length)."""
+    before its layers, its causal mask and rotary tables, whole), the modules of a block whose input is
+    gathered whole as it enters (they read its length), and those that run whole on every rank between
+    the slices (``sequence_whole``: a mixture of experts, whose router and gates read every token; its
+    input gathered, its output sliced again, its experts cut as without sequence parallel)."""
 
     blocks_at: str
     cuts: tuple[Cut, ...]
@@ -62,6 +64,7 @@ class TensorPlan:
     transposed: bool = False
     sequence_at: tuple[str, str] | None = None
     sequence_inputs: tuple[str, ...] = ()
+    sequence_whole: tuple[str, ...] = ()
 
     def blocks(self, model: nn.Module) -> nn.ModuleList:
         return operator.attrgetter(self.blocks_at)(model)
@@ -77,8 +80,14 @@ class TensorPlan:
 
     def whole_in_block(self, name: str) -> bool:
         """Whether ``name`` is a block's parameter every rank of a group holds whole (a norm, a row-parallel
-        layer's bias): under sequence parallel each rank's gradient of it is its slice of the tokens' part."""
-        return name.startswith(f"{self.blocks_at}.") and self.split_of(name) is None
+        layer's bias) outside the modules that run whole (``sequence_whole``): under sequence parallel each
+        rank's gradient of it is its slice of the tokens' part."""
+        inside = name.split(".", self.blocks_at.count(".") + 2)[-1]  # its path in its block
+        return name.startswith(f"{self.blocks_at}.") and self.split_of(name) is None and not self.in_whole(inside)
+
+    def in_whole(self, path: str) -> bool:
+        """Whether ``path`` (inside a block) lies in a module that runs whole under sequence parallel."""
+        return any(path == w or path.startswith(f"{w}.") for w in self.sequence_whole)
 
     def split_of(self, name: str) -> Split | None:
         m = re.match(rf"^{re.escape(self.blocks_at)}\.\d+\.(.+)\.(weight|bias)$", name)
@@ -107,6 +116,8 @@ NEOX_PLAN = TensorPlan("gpt_neox.layers", (Cut("attention.query_key_value", True
                                            Cut("mlp.dense_h_to_4h", True), Cut("mlp.dense_4h_to_h", False)),
                        sequence_at=("gpt_neox.layers.0", "gpt_neox.final_layer_norm"),
                        sequence_inputs=("attention", "mlp"))
+# with experts: the router and gates read every token, so the mixture runs whole between the slices
+GPT_MOE_PLAN = dataclasses.replace(GPT_PLAN, sequence_inputs=("attn",), sequence_whole=("ffn",))
 PLANS = (GPT_PLAN, DECODER_PLAN, GPT2_PLAN, NEOX_PLAN)
 HF_PLANS = {"llama": DECODER_PLAN, "qwen2": DECODER_PLAN, "mistral": DECODER_PLAN, "gpt2": GPT2_PLAN,
             "gpt_neox": NEOX_PLAN}
@@ -125,7 +136,7 @@ def check_tensor_parallel(model: nn.Module, tp: int) -> TensorPlan:
     if isinstance(model, GPT):
         cfg = model.config
         _check_counts(tp, (cfg.dropout,), (("attention heads (n_head)", cfg.n_head), ("MLP features (d_ffn)", cfg.d_ffn)))
-        return GPT_PLAN
+        return GPT_MOE_PLAN if cfg.is_moe else GPT_PLAN
     plan = _hf_plan(model)
     if plan is None:
         raise ConfigError(f"tensor parallel (--tp) has a parallelize plan for {SUPPORTED} only; got "
@@ -154,19 +165,16 @@ def check_pipeline_tensor(model: nn.Module, tp: int, pp: int) -> TensorPlan:
 
 def check_sequence_parallel(model: nn.Module, plan: TensorPlan, pp: int = 1) -> None:
     """Refuse, in one line, a model sequence parallel cannot slice: one whose plan says not where its
-    sequence is cut and put together, whose experts need every token of the group, or, in a pipeline of
+    sequence is cut and put together, or, in a pipeline of
     ``pp`` stages, a transformers model (a stage after the first builds its causal mask and rotary tables
     from the hidden states it receives: a slice's length, not the sequence's)."""
-    if pp > 1 and plan is not GPT_PLAN:
+    if pp > 1 and not isinstance(model, GPT):
         raise ConfigError(f"sequence parallel in a pipeline slices tiertrain's GPT only yet, not a "
                           f"{type(model).__name__} (its later stages would build their causal mask and rotary "
                           "tables from a slice): leave --sequence-parallel out, or train it without --pp")
     if plan.sequence_at is None:
         raise ConfigError(f"sequence parallel has no place to slice a {type(model).__name__}'s sequence yet: "
                           "leave --sequence-parallel out (tensor parallel alone cuts it)")
-    if isinstance(model, GPT) and model.config.is_moe:
-        raise ConfigError("sequence parallel does not slice a mixture-of-experts model yet (its experts would need "
-                          "every rank's tokens): leave --sequence-parallel out")
 
 
 def _hf_plan(model: nn.Module) -> TensorPlan | None:

@@ -85,6 +85,7 @@ class Pipelined:
     slices: int = 1                         # sequence parallel: the sequence's slices between stages (tp), else 1
     _schedule: Any = None
     _shape: tuple[int, ...] | None = None
+    _token_losses: list[torch.Tensor] = field(default_factory=list)  # with experts: each micro-batch's cross-entropy
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward and backward of every micro-batch of one batch (token ids and their targets, as every rank
@@ -93,14 +94,21 @@ class Pipelined:
         share of it in ``micro_losses``."""
         self._schedule_for(tuple(inputs.shape))
         self.synced.clear()
+        if self.stages[0].balance_scale is not None:  # what a step that raised part way left
+            self._token_losses.clear()
+            for stage in self.stages:
+                stage.balance_seen.clear()
         first, last = self.mesh.pp_rank == 0, self.mesh.pp_rank == self.mesh.pp - 1
         losses: list[torch.Tensor] = []
         try:
             self._schedule.step(*((inputs,) if first else ()), target=targets if last else None,
                                 losses=losses if last else None)
-            each = (torch.stack([x.detach().float().cpu() for x in losses]) if last
-                    else torch.zeros(self.layout.micro_batches))
-            self.mesh.pp_host.broadcast(each, src=self.mesh.pp - 1)  # from the last stage, which holds the loss
+            if self.stages[0].balance_scale is None:
+                each = (torch.stack([x.detach().float().cpu() for x in losses]) if last
+                        else torch.zeros(self.layout.micro_batches))
+                self.mesh.pp_host.broadcast(each, src=self.mesh.pp - 1)  # from the last stage, which holds the loss
+            else:
+                each = self._with_balance(last)
             if self.tie is not None:
                 self.tie.sum_grads()
         except RuntimeError as exc:  # a stage's sends and receives are torch's: a lost peer is named here
@@ -111,6 +119,21 @@ class Pipelined:
             raise failure(beat, exc, "the pipeline's sends and receives", lost) from exc
         self.micro_losses = each
         return each.double().sum()  # as a loop adding each micro-batch's loss.item() sums them
+
+    def _with_balance(self, last: bool) -> torch.Tensor:
+        """Each micro-batch's loss with the blocks' load-balancing losses, which every stage saw a part of: the
+        last stage's cross-entropies and each stage's blocks' losses put in one table (every other entry 0)
+        and summed over the pipeline, then added as ``GPT.forward`` adds them, micro-batch by micro-batch (the
+        one-process run's loss bit for bit)."""
+        m, cfg = self.layout.micro_batches, self.stages[0].config
+        table = torch.zeros(m, 1 + cfg.n_layer)
+        if last:
+            table[:, 0] = torch.stack(self._token_losses).float().cpu()
+        for stage in self.stages:
+            for k, seen in enumerate(stage.balance_seen):
+                table[k, 1 + stage.block_indices.start:1 + stage.block_indices.stop] = seen.float().cpu()
+        self.mesh.pp_host.all_reduce(table)
+        return torch.stack([(row[0] + cfg.aux_loss_coef * row[1:].mean()) / m for row in table])
 
     def _schedule_for(self, shape: tuple[int, ...]) -> None:
         """Torch's stages and schedule for batches of ``shape`` (made at the first step, and again where a
@@ -159,8 +182,12 @@ class Pipelined:
         return torch_dtype(self.stages[0].runtime.plan.compute_dtype)
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """One micro-batch's share of the batch's loss: the loop accumulating them divides so too."""
-        return token_loss(logits, targets) / self.layout.micro_batches
+        """One micro-batch's share of the batch's loss: the loop accumulating them divides so too (its
+        cross-entropy kept for the loss reported where blocks add losses of their own)."""
+        loss = token_loss(logits, targets)
+        if self.stages[-1].balance_scale is not None:
+            self._token_losses.append(loss.detach())  # (to the host once the step is over)
+        return loss / self.layout.micro_batches
 
     def close(self) -> None:
         """Every stage's runtime and memory, then the mesh's groups and heartbeat: each closed even where one
@@ -190,7 +217,7 @@ def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Pipelin
     user's optimizer's groups become the run's (``run.optimizer`` shares them: a scheduler over either
     drives every stage). ``tp``: each stage's blocks cut over groups of that many ranks;
     ``sequence_parallel``: the sequence sliced over each group between its cut regions, and between the
-    stages (our GPT). A failure part way leaves the model and the optimizer partly changed: build both
+    stages. A failure part way leaves the model and the optimizer partly changed: build both
     again."""
     opts = _options(options, fields, layout)
     plan = _plan_from_file(plan)
@@ -214,6 +241,8 @@ def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Pipelin
         runs = fold(cut.n_blocks, layout.pp, layout.segments)
         indices = [v for v in range(layout.stages) if v % layout.pp == mesh.pp_rank]
         modules = [cut.stage(runs[v]) for v in indices]
+        for module in modules:
+            module.weigh_balance(layout.micro_batches, compute_device())
         if cuts is not None and mesh.tp_group is not None:
             _cut_blocks(cuts, modules, [runs[v].start for v in indices], optimizer, mesh.tp_group, sequence_parallel)
         stage_opts = [_stage_adamw(optimizer, m) for m in modules]
@@ -343,9 +372,6 @@ def _options(options: RunOptions | None, fields: dict[str, Any], layout: Pipelin
     if opts.grad_accum not in (1, layout.micro_batches):
         raise ConfigError(f"a pipelined step accumulates its {layout.micro_batches} micro-batches: leave grad_accum "
                           f"out (it is --micro-batches), not {opts.grad_accum}")
-    if opts.ep not in (None, 1):
-        raise ConfigError("expert parallel inside a pipeline stage is not supported yet (nor experts in a pipeline): "
-                          "leave out --ep")
     # FOLD3D's DP.sync: a stage's gradients reduced once a step, after its last micro-batch's backward (not M times)
     return dataclasses.replace(opts, grad_accum=layout.micro_batches, reduce_every=opts.reduce_every or "step")
 

@@ -61,6 +61,7 @@ class PipelineStageModule(nn.Module):
     ``copy_of``: a tied weight's copy here (the last stage's) -> the model's own parameter."""
 
     tied_name = ""  # the name of the weight the head shares with the input embedding, where it ties
+    balance_scale: torch.Tensor | None = None  # where blocks add losses of their own: their weight (weigh_balance)
 
     def __init__(self, config: object, embeds: bool, heads: bool, ties: bool) -> None:
         super().__init__()
@@ -71,6 +72,11 @@ class PipelineStageModule(nn.Module):
     @property
     def hidden_size(self) -> int:
         raise NotImplementedError
+
+    def weigh_balance(self, micro_batches: int, device: torch.device) -> None:
+        """Where the model adds its blocks' own losses to its loss (a mixture of experts' load balancing),
+        their weight in a micro-batch's loss of ``micro_batches`` (on the compute ``device``); nothing to
+        weigh otherwise."""
 
     @property
     def tied(self) -> bool:

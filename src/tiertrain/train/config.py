@@ -118,8 +118,6 @@ class TrainConfig:
         if self.update is not None and rules(self.update).updates_as_final and self.grad_clip > 0:
             raise ConfigError(f"train --pp --update {self.update} updates each block as its gradients come, before "
                               "the norm over every stage is known: add --grad-clip 0, or use --update sync to clip")
-        if self.ep > 1:
-            raise ConfigError("--ep does not combine with --pp yet (nor experts with a pipeline); leave it out")
 
     def _validate_tensor(self) -> None:
         if self.tp == 1:  # a sequence-parallel run's option stays in its saved options when it resumes at 1

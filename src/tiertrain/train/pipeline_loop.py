@@ -72,6 +72,7 @@ class PipelineTrainer(Trainer):
                              update=cfg.update or "sync",
                              max_grad_norm=cfg.grad_clip or None, reduce_dtype=cfg.reduce_dtype or "fp32",
                              compute_dtype=self.precision.name, tp=cfg.tp, shard_group=cfg.shard_group or None,
+                             ep=cfg.ep if cfg.ep > 1 else None,
                              sequence_parallel=cfg.sequence_parallel and cfg.tp > 1)  # (a resume at tp 1 keeps it)
         self.opt = self.pipe.optimizer
         self.state = _PipelineState(self.model)  # type: ignore[assignment]

@@ -314,7 +314,7 @@ def test_expert_parallel_needs_moe_layers_that_ep_divides_and_more_than_one_proc
     with pytest.raises(ConfigError, match="has no mixture-of-experts layer"):
         apply_expert_parallel(LocalCollectives(), 2, 2, build({**MOE, "n_experts": 0}))
     model, opt = _fresh(MOE)
-    with pytest.raises(ConfigError, match="ep=2 .* this run has one process: launch it under torchrun"):
+    with pytest.raises(ConfigError, match="ep=2 .* this run has one process: launch it on 2 times the ranks"):
         tiertrain.setup(model, opt, Budgets(64 << 20, 64 << 20), plan="resident", ep=2)
 
 

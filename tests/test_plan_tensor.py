@@ -66,6 +66,13 @@ def test_a_ranks_profile_holds_its_share_of_each_block_and_waits_for_the_groups_
         assert s.backward_s == pytest.approx(c.backward_s + all_reduce_s(4 * whole, tp, bps) + regather)
     assert sums_s(p, sliced, tp) == pytest.approx(sums_s(p, cut, tp) + len(p.blocks) * (
         all_reduce_s(4 * whole, tp, bps) + 2 * (tp - 1) / tp * p.blocks[0].hidden_bytes / bps))  # the plan says so
+    mixed = for_tensor(p, tp, bps, whole, routed=2, sequence=True, summed=whole // 2)  # experts run whole between
+    for b, r, m in zip(p.blocks, routed.blocks, mixed.blocks):  # the slices: their gathered input kept whole, by
+        one = all_reduce_s(b.hidden_bytes, tp, bps)  # the router and each of the 2 experts; half a sum more forward
+        kept = min(b.act_bytes, 3 * b.hidden_bytes)
+        assert m.act_bytes == kept + -(-(b.act_bytes - kept) // tp)
+        assert m.forward_s == pytest.approx(r.forward_s + 0.5 * one)
+        assert m.backward_s == pytest.approx(r.backward_s + all_reduce_s(4 * (whole // 2), tp, bps) + one)
 
 
 def _main(*args: str) -> int:
@@ -94,7 +101,12 @@ def test_plan_tp_with_ep_plans_each_rank_with_its_experts_shards(tmp_path, capsy
     chunks' padding); the file is laid out so."""
     from tiertrain.memory.layout import DEFAULT_ALIGN, TENSOR_ALIGN
     from tiertrain.models import build, resolve_config
-    from tiertrain.parallel.tensor_plans import split_of
+    from tiertrain.parallel.tensor_plans import (
+        check_tensor_parallel,
+        split_of,
+        summed_in_a_block,
+        whole_in_a_block,
+    )
 
     out = tmp_path / "plan.json"
     assert _main("plan", "--model", "tiny-moe", "--machine", "h100-sxm-80gb", "--batch", "2", "--seq", "32",
@@ -106,6 +118,10 @@ def test_plan_tp_with_ep_plans_each_rank_with_its_experts_shards(tmp_path, capsy
     share = [k // (2 if split_of(n) else 1) // (2 if ".experts." in n else 1) for n, k in block]
     assert sum(share) <= got < sum(share) + 2 * (len(block) * TENSOR_ALIGN + DEFAULT_ALIGN), said
     assert json.loads(out.read_text())["parallel"] == {"dp": 4, "ep": 2, "tp": 2}
+    moe = build(resolve_config("tiny-moe"), device="meta")  # under sequence parallel the mixture runs whole: its
+    cut = check_tensor_parallel(moe, 2)                      # router's and biases' gradients are not summed
+    outside = sum(k for n, k in block if not split_of(n) and not n.startswith("blocks.0.ffn."))
+    assert summed_in_a_block(moe, cut) == outside < whole_in_a_block(moe, cut)
     assert _main("plan", "--model", "tiny-moe", "--machine", "h100-sxm-80gb", "--batch", "2", "--seq", "32", "--solver",
                  "dp", "--nproc", "2", "--tp", "2", "--sequence-parallel", "--out", str(out)) == 0  # experts sliced too
     assert json.loads(out.read_text())["parallel"] == {"dp": 1, "tp": 2, "sequence_parallel": True}

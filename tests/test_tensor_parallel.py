@@ -15,7 +15,7 @@ import pytest
 import torch
 from dp_harness import run_ranks
 from pp_harness import TINY, Case, pipelined_losses, reference
-from tp_harness import TpCase, tp_losses
+from tp_harness import TpCase, refused, tp_losses
 
 RTOL = 1e-5
 TP2 = [TpCase(2), TpCase(2, plan="disk", clip=0.05), TpCase(2, plan="stash", clip=0.05, tied=True),
@@ -53,7 +53,9 @@ SAVED = TpCase(2, plan="disk")  # saved after its first step; its steps 2 and 3 
 PP2_TP2 = [Case("1f1b", 2, 1, clip=0.05), Case("aiao", 4, 2, plan="disk"), Case("aiao", 2, 2, plan="stash", clip=0.05),
            Case("aiao", 4, 2, plan="disk", clip=0.05, family="llama"), Case("1f1b", 2, 1, family="gpt2"),
            Case("aiao", 4, 2, plan="disk", family="gpt_neox"), Case("1f1b", 2, 1, clip=0.05, sequence=True),
-           Case("aiao", 4, 2, plan="stash", sequence=True)]
+           Case("aiao", 4, 2, plan="stash", sequence=True), Case("1f1b", 2, 1, clip=0.05, family="llama"),
+           Case("1f1b", 2, 1, clip=0.05, family="llama", sequence=True),
+           Case("aiao", 4, 2, plan="stash", family="gpt_neox", sequence=True)]
 PP_SAVED = Case("1f1b", 2, 1, plan="disk")  # pp = 2 x tp = 2, saved after its first step
 
 
@@ -119,6 +121,7 @@ def tp2(tmp_path_factory, dp2_tp2):
         (("pp resumed tp",), functools.partial(tp_losses, case=TpCase(2), disk=disk / "t", load_from=dp2_tp2["pp out"])),
         (("cut plain",), functools.partial(tp_losses, case=TpCase(2, plan="disk"), disk=disk / "a", load_from=plain)),
         (("cut pp",), functools.partial(tp_losses, case=TpCase(2), disk=disk / "b", load_from=dp2_tp2["pp whole"]))]
+    jobs += [(("refused", key), functools.partial(refused, disk=disk / "x", **{key: 2})) for key in ("ep", "shard_group")]
     return {**run_ranks(2, tmp_path_factory.mktemp("tp2"), jobs), "out": out, "plain": plain}
 
 
@@ -450,6 +453,15 @@ def test_an_architecture_without_a_plan_and_plan_auto_are_refused_before_any_gro
     assert not torch.distributed.is_initialized()
 
 
+def test_expert_parallel_or_hybrid_sharding_over_a_group_without_replicas_is_refused_naming_why(tp2):
+    """tp = 2 on two ranks leaves one data-parallel replica: ep or shard_group over replicas is refused on every
+    rank in one line that says so (not "launch it under torchrun": it runs under it)."""
+    for key, what in (("ep", "expert parallel ep=2"), ("shard_group", "hybrid sharding (shard_group=2)")):
+        for rank in range(2):
+            said = tp2[(("refused", key), rank)]
+            assert said.startswith(what) and "has one data-parallel replica (its 2 ranks are a tensor-parallel" in said
+
+
 def _plain_from(ckpt_dir, family: str = "gpt"):
     """One process of plain PyTorch (the whole model, torch's AdamW) from a tensor-parallel checkpoint."""
     from pp_harness import fresh
@@ -557,6 +569,26 @@ def test_sequence_parallel_in_a_pipeline_sends_what_slicing_adds_to_tensor_paral
         sliced = dp2_tp2[(("pp", Case("1f1b", micro, 1, clip=0.05, sequence=True)), rank)]["tp_sent"]
         extra = micro * (blocks * (2 * unit + whole) + unit)
         assert [s - p for s, p in zip(sliced, plain)] == [extra] * 3, rank
+
+
+def test_a_transformers_models_later_stage_gathers_its_slices_to_build_its_mask_and_slices_them_again(dp2_tp2):
+    """A Llama at pp = 2 x tp = 2 with the sequence sliced: its slices cross between the stages, and the last
+    stage gathers them whole before its base model builds the causal mask and rotary tables (the whole
+    sequence's, as the first stage's), then slices them again at its first layer (each gradient gathered):
+    beside the first stage's bytes, two all-gathers of a micro-batch's activations more (its losses are one
+    process's: ``test_a_pipeline_of_two_stages_each_cut_over_two_ranks_trains_as_one_process``)."""
+    from pp_harness import ROWS, TINY
+
+    micro = 2
+    unit = ROWS // micro * 16 * TINY["d_model"] * 4 // 2
+    whole = _counts(TpCase(2, family="llama"))[1] * 4 * 2 // 2
+    blocks = TINY["n_layer"] // 2
+    for rank in range(4):
+        plain = dp2_tp2[(("pp", Case("1f1b", micro, 1, clip=0.05, family="llama")), rank)]
+        sliced = dp2_tp2[(("pp", Case("1f1b", micro, 1, clip=0.05, family="llama", sequence=True)), rank)]
+        later = sliced["pp_rank"] == 1
+        extra = micro * (blocks * (2 * unit + whole) + unit + 2 * unit * later)
+        assert [s - p for s, p in zip(sliced["tp_sent"], plain["tp_sent"])] == [extra] * 3, rank
 
 
 def test_a_pipeline_cut_over_tensor_parallel_ranks_saves_and_resumes_at_another_layout(tp2, dp2_tp2):

@@ -357,7 +357,7 @@ def test_a_pipeline_the_ranks_would_refuse_is_one_message_before_torchrun_starts
                        ([*piped, "--update", "lockfree"], "train --pp takes --update sync or overlap"),
                        ([*piped[:-4], "--nproc", "4", "--pp", "2", "--shard-group", "4"],
                         "groups of 4 ranks does not divide the 2 data-parallel ranks"),  # N / P replicas
-                       ([*piped, "--ep", "2"], "--ep does not combine with --pp yet"),
+                       ([*piped, "--ep", "2"], "ep=2 does not divide the 1 data-parallel ranks"),
                        (["--model", "tiny", *piped[2:], "--update", "overlap", "--grad-clip", "0"],
                         "a head tied to the embedding sums its two stages' gradients first")):
         out = tmp_path / "r"
@@ -397,10 +397,10 @@ def test_a_tensor_parallel_layout_the_ranks_would_refuse_is_one_message_before_t
     cut = ["--model", "tiny", "--plan", "stream", "--nproc", "2", "--tp", "2"]
     moe = tmp_path / "moe.json"
     moe.write_text(json.dumps({**UNTIED, "n_experts": 2}))
-    llama = tmp_path / "llama.json"
-    llama.write_text(json.dumps({"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
-                                 "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
-                                 "max_position_embeddings": 64, "tie_word_embeddings": False}))
+    gpt2 = tmp_path / "gpt2.json"
+    gpt2.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 256, "n_embd": 32, "n_layer": 2, "n_head": 2,
+                                "n_positions": 64, "attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+                                "tie_word_embeddings": False}))
     for args, says in (([*cut[:4], "--tp", "2"], "add --nproc 2"),
                        ([*cut[:4], "--nproc", "3", "--tp", "2"], "--tp 2 must divide --nproc 3"),
                        ([*cut[:2], "--nproc", "2", "--tp", "2"], "add --plan"),
@@ -411,9 +411,11 @@ def test_a_tensor_parallel_layout_the_ranks_would_refuse_is_one_message_before_t
                        ([*cut, "--update", "lockfree"], "use --update sync or overlap"),
                        ([*cut[:6], "--sequence-parallel"], "--sequence-parallel slices the sequence over a "
                                                            "tensor-parallel group: give --tp T"),
-                       (["--model", str(llama), *cut[2:4], "--nproc", "4", "--tp", "2", "--pp", "2",
-                         "--sequence-parallel"], "sequence parallel in a pipeline slices tiertrain's GPT only yet"),
+                       (["--model", str(moe), *cut[2:4], "--nproc", "4", "--tp", "2", "--pp", "2", "--ep", "2"],
+                        "ep=2 does not divide the 1 data-parallel ranks"),  # N / (P x T) replicas
                        ([*cut, "--sequence-parallel", "--seq-len", "31"], "give a --seq-len that 2 divides (not 31)"),
+                       (["--model", str(gpt2), *cut[2:4], "--nproc", "4", "--tp", "2", "--pp", "2",
+                         "--sequence-parallel"], "sequence parallel in a pipeline of a GPT2LMHeadModel is not"),
                        (["--model", str(moe), *cut[2:], "--ep", "2"],
                         "ep=2 does not divide the 1 data-parallel ranks"),  # N / T replicas, not N ranks
                        ([*cut[:4], "--nproc", "4", "--tp", "2", "--shard-group", "4"],

@@ -118,3 +118,20 @@ def _saved_bytes(out: dict):
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield
+
+
+def refused(rank: int, disk: Path, **fields) -> str:
+    """What ``tiertrain.tensor_parallel`` of the test MoE model over every rank (one group, one replica) with
+    ``fields`` says, refusing them (the run's ranks are a group, not data-parallel replicas)."""
+    import tiertrain
+    from tiertrain.errors import ConfigError
+    from tiertrain.memory import Budgets
+
+    model, opt = fresh(family="moe")
+    try:
+        run = tiertrain.tensor_parallel(model, opt, 2, Budgets(64 << 20, 64 << 20, 64 << 20, rank_disk(disk, rank)),
+                                        plan="stream", **fields)
+    except ConfigError as exc:
+        return str(exc)
+    run.close()
+    return "not refused"

@@ -285,13 +285,16 @@ def _laid_out(plan: Plan, opts: RunOptions, world: int) -> Plan:
     refused. ``opts.ep`` (expert parallel) and ``opts.shard_group`` (hybrid sharding) override the plan's."""
     ep = opts.ep or plan.parallel.ep
     group = opts.shard_group or plan.parallel.shard_group
+    ranks = world_from_env()  # more than ``world`` where a tensor-parallel group or a pipeline holds one model
+    one = "has one process" if ranks == 1 else (f"has one data-parallel replica (its {ranks} ranks are a tensor-"
+                                                "parallel group or a pipeline holding one model)")
     if ep > 1 and world == 1:
-        raise ConfigError(f"expert parallel ep={ep} divides the experts over {ep} ranks, but this run has one "
-                          f"process: launch it under torchrun (tiertrain train --nproc {ep} ...), or use ep=1 (--ep 1)")
+        raise ConfigError(f"expert parallel ep={ep} divides the experts over {ep} data-parallel ranks, but this run "
+                          f"{one}: launch it on {ep} times the ranks (tiertrain train --nproc ...), or use ep=1 (--ep 1)")
     if group and (world == 1 or opts.shard is False):
         raise ConfigError(f"hybrid sharding (shard_group={group}) splits sharded blocks over groups of ranks, but this "
-                          f"run {'has one process' if world == 1 else 'replicates every block (shard=False)'}: launch "
-                          "it under torchrun with sharded blocks, or leave shard_group (--shard-group) out and remove "
+                          f"run {one if world == 1 else 'replicates every block (shard=False)'}: launch "
+                          "it on more ranks with sharded blocks, or leave shard_group (--shard-group) out and remove "
                           "it from the plan's \"parallel\" field")
     if plan.parallel.dp == world:
         layout = ParallelLayout(world, ep, group)

@@ -69,7 +69,8 @@ def tensor_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, tp: int,
     """Cut ``model``'s blocks over groups of ``tp`` ranks, tier this rank's shards as ``plan`` says within
     ``memory`` (this rank's budgets), and return what the loop drives. ``options`` (or its fields as
     keywords) as ``tiertrain.setup`` takes them. ``sequence_parallel``: between the cut regions each rank
-    holds its slice of the sequence (norms and residuals 1/T each; not with experts). The user's optimizer is
+    holds its slice of the sequence (norms and residuals 1/T each; a mixture of experts runs whole between the
+    slices). The user's optimizer is
     pointed at this rank's shards."""
     opts = run_options(options, fields)
     if tp < 1:

@@ -466,7 +466,8 @@ def _check_pipeline(req: PlanRequest) -> None:
         raise ConfigError(f"--pp {req.pp} does not divide --nproc {req.nproc}{over}: the ranks form --nproc{over} / "
                           "--pp replicas of the pipeline")
     if req.ep > 1:
-        raise ConfigError("--pp plans a pipeline of a dense model: leave out --ep")
+        raise ConfigError("plan --pp does not plan experts divided over a stage's replicas yet: leave out --ep (train "
+                          "--pp --ep runs them; plan the stages with their experts whole)")
     if req.layout is not None:
         from tiertrain.models import config_blocks, resolve_config
 
@@ -531,7 +532,7 @@ def _cut_over_group(req: PlanRequest, profile: Profile, target: Machine, here: M
     """One rank's profile of a tensor-parallel group (``planner.tensor``), and what the plan says of it;
     ``held``: under expert parallel, the shards of its experts and of the rest of each block it holds."""
     from tiertrain.models import ModelConfig
-    from tiertrain.parallel.tensor_plans import whole_in_a_block
+    from tiertrain.parallel.tensor_plans import summed_in_a_block, whole_in_a_block
     from tiertrain.planner.tensor import for_tensor, sums_s
 
     link = _node_link(target, here, profile, req.tp)
@@ -539,7 +540,7 @@ def _cut_over_group(req: PlanRequest, profile: Profile, target: Machine, here: M
     cfg = built.config
     routed = cfg.top_k if isinstance(cfg, ModelConfig) and cfg.is_moe else 1
     cut = for_tensor(profile, req.tp, link.all_reduce_bps, whole_in_a_block(built, plan), routed,
-                     req.sequence_parallel)
+                     req.sequence_parallel, summed_in_a_block(built, plan))
     if held is not None:
         cut = with_experts(cut, held)
     compute = sum(b.forward_s + b.backward_s for b in cut.blocks)

@@ -57,11 +57,17 @@ def slice_sequence(model: nn.Module, plan: TensorPlan, group: Collectives, first
                    last: bool = True) -> None:
     """Sequence parallel's two ends (``plan.sequence_at``): the first block's input cut into slices over
     ``group``, and the input of what follows the blocks put together again. A pipeline stage installs the
-    ends it holds (``first``: the model's first block, ``last``: the final norm)."""
+    ends it holds (``first``: the model's first block, ``last``: the final norm); a later stage of a model
+    that builds what its blocks read from its input's length (``plan.length_before_blocks``) gathers the
+    slices it receives whole and slices them again as its first block begins (its causal mask and rotary
+    tables built for the whole sequence, as the first stage builds them)."""
     begin, end = plan.sequence_at
-    if first:
-        operator.attrgetter(begin)(model).register_forward_pre_hook(_entered(group, scatter_sequence),
-                                                                     with_kwargs=True)
+    later = not first and plan.length_before_blocks
+    if later:
+        model.register_forward_pre_hook(_entered(group, gather_sequence), with_kwargs=True)
+    if first or later:  # (a stage's blocks are under the model's indices: its first by position)
+        start = operator.attrgetter(begin)(model) if first else plan.blocks(model)[0]
+        start.register_forward_pre_hook(_entered(group, scatter_sequence), with_kwargs=True)
     if last:
         operator.attrgetter(end)(model).register_forward_pre_hook(_entered(group, gather_sequence), with_kwargs=True)
 

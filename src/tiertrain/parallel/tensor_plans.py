@@ -55,7 +55,12 @@ class TensorPlan:
     before its layers, its causal mask and rotary tables, whole), the modules of a block whose input is
     gathered whole as it enters (they read its length), and those that run whole on every rank between
     the slices (``sequence_whole``: a mixture of experts, whose router and gates read every token; its
-    input gathered, its output sliced again, its experts cut as without sequence parallel)."""
+    input gathered, its output sliced again, its experts cut as without sequence parallel); and whether the
+    model builds what its blocks read from its input's length before them (``length_before_blocks``: a
+    transformers model's causal mask and rotary tables, which a later pipeline stage builds from the hidden
+    states it receives, so under sequence parallel it gathers them whole first), and whether it views its
+    blocks' output to its input's length after them (``views_after_blocks``: GPT-2's base model, which a
+    pipeline stage's slice does not fit)."""
 
     blocks_at: str
     cuts: tuple[Cut, ...]
@@ -65,6 +70,8 @@ class TensorPlan:
     sequence_at: tuple[str, str] | None = None
     sequence_inputs: tuple[str, ...] = ()
     sequence_whole: tuple[str, ...] = ()
+    length_before_blocks: bool = False
+    views_after_blocks: bool = False
 
     def blocks(self, model: nn.Module) -> nn.ModuleList:
         return operator.attrgetter(self.blocks_at)(model)
@@ -106,16 +113,17 @@ DECODER_PLAN = TensorPlan("model.layers", (
     Cut("self_attn.q_proj", True), Cut("self_attn.k_proj", True), Cut("self_attn.v_proj", True),
     Cut("self_attn.o_proj", False), Cut("mlp.gate_proj", True), Cut("mlp.up_proj", True),
     Cut("mlp.down_proj", False)), shared_inputs=("self_attn", "mlp"), sequence_at=("model.layers.0", "model.norm"),
-    sequence_inputs=("self_attn", "mlp"))
+    sequence_inputs=("self_attn", "mlp"), length_before_blocks=True)
 GPT2_PLAN = TensorPlan("transformer.h", (Cut("attn.c_attn", True, 3), Cut("attn.c_proj", False),
                                          Cut("mlp.c_fc", True), Cut("mlp.c_proj", False)),
                        heads_attrs=("attn.split_size", "attn.num_heads"), transposed=True,
-                       sequence_at=("transformer.h.0", "transformer.ln_f"), sequence_inputs=("attn", "mlp"))
+                       sequence_at=("transformer.h.0", "transformer.ln_f"), sequence_inputs=("attn", "mlp"),
+                       length_before_blocks=True, views_after_blocks=True)
 # GPT-NeoX fuses q, k and v head by head ([head][q k v] rows): a plain cut of the rows is whole heads
 NEOX_PLAN = TensorPlan("gpt_neox.layers", (Cut("attention.query_key_value", True), Cut("attention.dense", False),
                                            Cut("mlp.dense_h_to_4h", True), Cut("mlp.dense_4h_to_h", False)),
                        sequence_at=("gpt_neox.layers.0", "gpt_neox.final_layer_norm"),
-                       sequence_inputs=("attention", "mlp"))
+                       sequence_inputs=("attention", "mlp"), length_before_blocks=True)
 # with experts: the router and gates read every token, so the mixture runs whole between the slices
 GPT_MOE_PLAN = dataclasses.replace(GPT_PLAN, sequence_inputs=("attn",), sequence_whole=("ffn",))
 PLANS = (GPT_PLAN, DECODER_PLAN, GPT2_PLAN, NEOX_PLAN)
@@ -165,13 +173,12 @@ def check_pipeline_tensor(model: nn.Module, tp: int, pp: int) -> TensorPlan:
 
 def check_sequence_parallel(model: nn.Module, plan: TensorPlan, pp: int = 1) -> None:
     """Refuse, in one line, a model sequence parallel cannot slice: one whose plan says not where its
-    sequence is cut and put together, or, in a pipeline of
-    ``pp`` stages, a transformers model (a stage after the first builds its causal mask and rotary tables
-    from the hidden states it receives: a slice's length, not the sequence's)."""
-    if pp > 1 and not isinstance(model, GPT):
-        raise ConfigError(f"sequence parallel in a pipeline slices tiertrain's GPT only yet, not a "
-                          f"{type(model).__name__} (its later stages would build their causal mask and rotary "
-                          "tables from a slice): leave --sequence-parallel out, or train it without --pp")
+    sequence is cut and put together, or, in a pipeline of ``pp`` stages, one whose base model views its
+    blocks' output to the whole sequence's length (a stage's output is its slice)."""
+    if pp > 1 and plan.views_after_blocks:
+        raise ConfigError(f"sequence parallel in a pipeline of a {type(model).__name__} is not supported yet (its base "
+                          "model views each stage's output to the whole sequence's length, and a stage holds its "
+                          "slice): leave --sequence-parallel out, or train it without --pp")
     if plan.sequence_at is None:
         raise ConfigError(f"sequence parallel has no place to slice a {type(model).__name__}'s sequence yet: "
                           "leave --sequence-parallel out (tensor parallel alone cuts it)")
@@ -213,6 +220,13 @@ def cut_on_meta(model: nn.Module, plan: TensorPlan, tp: int) -> None:
             shape[split.dim] //= tp
             module, _, attr = name.rpartition(".")
             setattr(model.get_submodule(module), attr, nn.Parameter(torch.empty(shape, dtype=p.dtype, device="meta")))
+
+
+def summed_in_a_block(model: nn.Module, plan: TensorPlan) -> int:
+    """Elements of ``model``'s first block whose gradients sequence parallel sums over a group
+    (``TensorPlan.whole_in_block``: whole, outside a module run whole between the slices)."""
+    block = plan.blocks(model)[0]
+    return sum(p.numel() for name, p in block.named_parameters() if plan.whole_in_block(f"{plan.blocks_at}.0.{name}"))
 
 
 def whole_per_block(cfg: ModelConfig) -> int:

@@ -32,17 +32,22 @@ def all_reduce_s(nbytes: float, ranks: int, bps: float) -> float:
     return 2 * (ranks - 1) / ranks * nbytes / bps if ranks > 1 and bps > 0 else 0.0
 
 
-def for_tensor(p: Profile, tp: int, bps: float, whole: int, routed: int = 1, sequence: bool = False) -> Profile:
+def for_tensor(p: Profile, tp: int, bps: float, whole: int, routed: int = 1, sequence: bool = False,
+               summed: int | None = None) -> Profile:
     """The profile of one rank of a tensor-parallel group of ``tp`` over a link of ``bps`` (each block's
     ``whole`` elements on every rank; ``routed``: the experts a token goes to, 1 for a dense MLP;
     ``sequence``: sequence parallel, what the norms and residuals keep sliced too, and the column layers
     their input's slice (gathered again in backward: Megatron's), the block's input a slice (what a
     recompute keeps, and a pipeline stage sends on), its all-gathers and reduce-scatters the
-    bytes of the all-reduces they replace, a recompute half a sum more, and the whole parameters' gradients
-    summed backward); the rest (embeddings, head) whole, as the ranks hold it."""
+    bytes of the all-reduces they replace, a recompute half a sum more, and the ``summed`` whole elements'
+    gradients (all ``whole`` by default) summed backward; a mixture of experts runs whole between the
+    slices: its gathered input, kept by the router and once per routed expert, whole, its gather forward
+    half a sum more, and the gather of its output's gradient in place of the MLP's re-gather); the rest
+    (embeddings, head) whole, as the ranks hold it."""
     if tp == 1:
         return p
-    return dataclasses.replace(p, blocks=tuple(_cut(b, tp, bps, whole, routed, sequence) for b in p.blocks))
+    summed = whole if summed is None else summed
+    return dataclasses.replace(p, blocks=tuple(_cut(b, tp, bps, whole, routed, sequence, summed) for b in p.blocks))
 
 
 def sums_s(p: Profile, cut: Profile, tp: int) -> float:
@@ -52,18 +57,21 @@ def sums_s(p: Profile, cut: Profile, tp: int) -> float:
     return sum(c.forward_s + c.backward_s - (b.forward_s + b.backward_s) / tp for b, c in zip(p.blocks, cut.blocks))
 
 
-def _cut(b: BlockProfile, tp: int, bps: float, whole: int, routed: int, sequence: bool) -> BlockProfile:
+def _cut(b: BlockProfile, tp: int, bps: float, whole: int, routed: int, sequence: bool, summed: int) -> BlockProfile:
     one = all_reduce_s(b.hidden_bytes, tp, bps)
     whole = min(whole, b.params)
-    kept = 0 if sequence else min(b.act_bytes, WHOLE_INPUTS * b.hidden_bytes)
+    experts = sequence and routed > 1  # a mixture run whole between the slices (``TensorPlan.sequence_whole``)
+    kept = (min(b.act_bytes, (1 + routed) * b.hidden_bytes) if experts else 0) if sequence else \
+        min(b.act_bytes, WHOLE_INPUTS * b.hidden_bytes)
     extra = routed - 1
+    gather = 0.5 * experts  # the mixture's input gathered forward, beside attention's gather and scatter
     # sequence parallel: a recompute gathers, scatters and gathers again (1.5 sums); backward gathers the
-    # column layers' inputs again (an all-gather: half a sum each) and sums each whole parameter's gradient
-    # (fp32 at most) over the group
-    again, grads = (0.5 * one, all_reduce_s(4 * whole, tp, bps) + REGATHERS * 0.5 * one) if sequence else (0.0, 0.0)
+    # column layers' inputs again (an all-gather: half a sum each; a mixture gathers its output's gradient in
+    # place of the MLP's) and sums each whole parameter's gradient (fp32 at most) over the group
+    again, grads = (0.5 * one, all_reduce_s(4 * summed, tp, bps) + REGATHERS * 0.5 * one) if sequence else (0.0, 0.0)
     return dataclasses.replace(
         b, params=-(-(b.params - whole) // tp) + whole, largest=-(-b.largest // tp),
-        forward_s=b.forward_s / tp + (FORWARD_SUMS + extra) * one,
+        forward_s=b.forward_s / tp + (FORWARD_SUMS + extra + gather) * one,
         backward_s=b.backward_s / tp + (BACKWARD_SUMS + extra) * one + grads,
         recompute_s=b.recompute_seconds / tp + (RECOMPUTE_SUMS + (routed if routed > 1 else 0)) * one + again, flops=b.flops / tp,
         traffic_bytes=b.traffic_bytes / tp, act_bytes=kept + -(-(b.act_bytes - kept) // tp),

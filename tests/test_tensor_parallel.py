@@ -15,7 +15,7 @@ import pytest
 import torch
 from dp_harness import run_ranks
 from pp_harness import TINY, Case, pipelined_losses, reference
-from tp_harness import TpCase, refused, tp_losses
+from tp_harness import TpCase, groups_left, refused, tp_losses
 
 RTOL = 1e-5
 TP2 = [TpCase(2), TpCase(2, plan="disk", clip=0.05), TpCase(2, plan="stash", clip=0.05, tied=True),
@@ -89,6 +89,7 @@ def dp4_tp2(tmp_path_factory):
     disk = tmp_path_factory.mktemp("dp4tp2d")
     jobs = _jobs(DP4_TP2, disk) + [(("pp", c), functools.partial(pipelined_losses, case=c, pp=2, disk=disk / f"pp{i}"))
                                    for i, c in enumerate(PP2_DP4)]
+    jobs += [(("left", c), functools.partial(groups_left, case=c, disk=disk / f"left{i}")) for i, c in enumerate(DP4_TP2)]
     return run_ranks(8, tmp_path_factory.mktemp("dp4tp2"), jobs)
 
 
@@ -153,6 +154,13 @@ def test_two_replicas_of_two_tensor_parallel_ranks_train_as_one_process_averagin
 def test_four_replicas_of_two_tensor_parallel_ranks_shard_over_pairs_or_divide_experts_and_train_as_one_process(
         dp4_tp2, case):
     _check(dp4_tp2, case, 8, 4)
+
+
+def test_a_closed_run_leaves_no_process_group_its_meshes_made(dp4_tp2):
+    """The dp x tp mesh and the meshes its data-parallel group is split again in (hybrid sharding's, expert
+    parallel's) are destroyed as the run closes: a process running many leaves none behind."""
+    for case in DP4_TP2:
+        assert [dp4_tp2[(("left", case), rank)] for rank in range(8)] == [0] * 8, case
 
 
 @pytest.mark.parametrize("case", PP2_DP4, ids=str)

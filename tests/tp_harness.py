@@ -135,3 +135,13 @@ def refused(rank: int, disk: Path, **fields) -> str:
         return str(exc)
     run.close()
     return "not refused"
+
+
+def groups_left(rank: int, case: TpCase, disk: Path) -> int:
+    """The process groups ``case``'s run left behind once closed (torch's private map of them: no public
+    call counts them)."""
+    import torch.distributed as dist
+
+    before = len(dist.distributed_c10d._world.pg_map)
+    tp_losses(rank, case, disk)
+    return len(dist.distributed_c10d._world.pg_map) - before

@@ -44,6 +44,7 @@ class ProcessGroupCollectives:
         self.ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world_size))
         self.sent = 0
         self.place: MeshDim | None = None  # where a mesh's group lies in it (``parallel.mesh``: split again there)
+        self.made: list[dist.ProcessGroup] = []  # the groups a mesh made with it, destroyed when it closes
         self._own_heartbeat = heartbeat is None
         self.heartbeat = heartbeat or Heartbeat(dist.distributed_c10d._get_default_store(), self.rank, self.world_size)
         self._gather = _flat_call("all_gather_single", "all_gather_into_tensor")
@@ -71,8 +72,15 @@ class ProcessGroupCollectives:
             raise failure(self.heartbeat, exc, name) from None
 
     def close(self) -> None:
+        """Its heartbeat stopped where it is its own, and the groups a mesh made with it destroyed (once)."""
         if self._own_heartbeat:
             self.heartbeat.close()
+        made, self.made = self.made, []
+        for group in made:
+            try:
+                dist.destroy_process_group(group)
+            except (ValueError, RuntimeError):  # already gone (the run's end destroyed every group)
+                continue
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Waitable | None:
         self._count("all_gather", out)

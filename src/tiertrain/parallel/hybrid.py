@@ -71,7 +71,9 @@ class HybridCollectives:
         self.shard.broadcast(t, 0)
 
     def close(self) -> None:
-        return None  # the groups share the run's heartbeat, which the run's collectives close
+        """The groups its mesh made (they share the run's heartbeat, which the run's collectives close)."""
+        self.shard.close()
+        self.replicas.close()
 
 
 class Chained:

@@ -72,6 +72,9 @@ def dim_groups(mesh: MeshDim, names: tuple[str, ...], heartbeat=None) -> list[Co
                                         host_group=None if twins is None else twins.get_group(name))
         group.place = MeshDim(mesh.shape, mesh.names, mesh.names.index(name))
         out.append(group)
+    world = dist.distributed_c10d._get_default_group()  # a dimension of every rank may be it: not the mesh's
+    every = {id(g): g for m in (made, twins) if m is not None for g in map(m.get_group, mesh.names) if g is not world}
+    out[0].made = list(every.values())  # (the first group named closes them all, the others' too)
     return out
 
 

@@ -34,7 +34,11 @@ class TensorMesh:
         return self.dp_group.rank
 
     def close(self) -> None:
+        """The heartbeat stopped and the groups the mesh made destroyed."""
         self.world.close()
+        for group in (self.tp_group, self.dp_group):
+            if group is not self.world:
+                group.close()
 
 
 def tensor_mesh(tp: int) -> TensorMesh:

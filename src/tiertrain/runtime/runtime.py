@@ -275,6 +275,8 @@ class Runtime:
         self.wait_updates()
         self.mode.close()
         self.comm.close()
+        if getattr(self, "shards", self.comm) is not self.comm:  # hybrid sharding's groups
+            self.shards.close()
         if self.experts is not None:
             self.experts.a2a.close()
             self.experts.replicas.close()

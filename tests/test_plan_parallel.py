@@ -264,6 +264,7 @@ def test_a_ranks_held_experts_are_counted_whole_and_reduced_over_their_replicas_
 
 def test_plan_with_ep_plans_each_rank_with_the_experts_it_holds_and_refuses_what_cannot_run(tmp_path, capsys):
     from tiertrain.cli.main import main
+    from tiertrain.models import build, resolve_config
 
     out = tmp_path / "plan.json"
     base = ["plan", "--model", "tiny-moe", "--batch", "2", "--seq", "32", "--machine", "h100-sxm-80gb", "--solver", "dp"]
@@ -278,6 +279,18 @@ def test_plan_with_ep_plans_each_rank_with_the_experts_it_holds_and_refuses_what
     dense = ["plan", "--model", "gpt-small", "--batch", "2", "--seq", "32", "--machine", "h100-sxm-80gb"]
     assert main([*dense, "--nproc", "2", "--ep", "2", "--out", str(out)]) == 2
     assert "no mixture-of-experts layer" in capsys.readouterr().err
+    # a pipeline's stages over 4 replicas, each stage's experts over pairs of them: a rank holds half its experts
+    held = {}
+    for ep in (1, 2):
+        assert main([*base, "--nproc", "8", "--pp", "2", "--ep", str(ep), "--out", str(out)]) == 0
+        said = " ".join(capsys.readouterr().out.split())
+        held[ep] = int(re.search(r"per rank: ([\d,]+) parameters", said).group(1).replace(",", ""))
+        assert json.loads(out.read_text())["parallel"] == ({"dp": 4, "ep": 2} if ep > 1 else {"dp": 4})
+    model = build(resolve_config("tiny-moe"), device="meta")
+    experts = sum(p.numel() for n, p in model.named_parameters() if n.startswith("blocks.0.ffn.experts."))
+    assert held[1] - held[2] == experts // 2, held  # (a stage holds one of the 2 blocks)
+    assert main([*base, "--nproc", "4", "--pp", "2", "--ep", "4", "--out", str(out)]) == 2
+    assert "ep=4 does not divide the 2 data-parallel ranks" in capsys.readouterr().err
 
 
 def test_gradients_reduced_once_a_step_are_counted_as_every_blocks_stage_held_at_once():

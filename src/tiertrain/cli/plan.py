@@ -265,7 +265,7 @@ def _check_experts(req: PlanRequest) -> Sizes:
     if req.nproc == 1 or not req.model:
         raise ConfigError(f"--ep {req.ep} divides a mixture of experts' experts over ranks: plan a --model over "
                           f"--nproc N ranks (N a multiple of {req.ep})")
-    ParallelLayout(dp=req.nproc // req.tp, ep=req.ep)  # one message where ep does not divide the replicas
+    ParallelLayout(dp=req.nproc // (req.tp * req.pp), ep=req.ep)  # one message where ep does not divide the replicas
     return held_experts(req)
 
 
@@ -465,9 +465,6 @@ def _check_pipeline(req: PlanRequest) -> None:
         over = f" / --tp {req.tp}" if req.tp > 1 else ""
         raise ConfigError(f"--pp {req.pp} does not divide --nproc {req.nproc}{over}: the ranks form --nproc{over} / "
                           "--pp replicas of the pipeline")
-    if req.ep > 1:
-        raise ConfigError("plan --pp does not plan experts divided over a stage's replicas yet: leave out --ep (train "
-                          "--pp --ep runs them; plan the stages with their experts whole)")
     if req.layout is not None:
         from tiertrain.models import config_blocks, resolve_config
 

@@ -11,7 +11,9 @@ Exposed DP.sync is the time each rank's step thread waited for its stages' gradi
 (``runtime.step_clock.StepClock.sync_wait_s``: in backward, and where a block's next use waits for a
 reduction the step left in flight): what the schedule failed to hide under compute. With
 ``--plan stream`` or ``max-offload`` (states on the host, or on disk) each block is updated on the CPU
-workers as its reduction lands (the overlap update mode), under the other segments' compute.
+workers as its reduction lands (the overlap update mode), under the other segments' compute; a block's
+next use waiting for both counts only the part before its reduction landed as exposed DP.sync (the rest is
+the update's own time).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ class OverlapMode(UpdateMode):
         super().__init__(ctx)
         self.updates_in_backward_order = not ctx.waits_for_norm
         self._landing: set[int] = set()  # blocks whose update waits on a reduction handed over by the step
+        self._landed: dict[int, float] = {}  # block index -> when its handed-over reduction landed (a worker's)
 
     def grads_final(self, g: UpdatableGroup) -> None:
         clock = self.ctx.clock
@@ -58,8 +59,12 @@ class OverlapMode(UpdateMode):
 
     def land_later(self, g: UpdatableGroup, landing: Callable[[], None], coef: torch.Tensor | None) -> None:
         """On a worker at once: ``g``'s reduction lands there (under the device's next forward), then its
-        update; its next use waits for both, and the time it waits counts as exposed DP.sync."""
-        g.run_update(self.pool, g.land_and_update, landing, self.ctx.hypers(), coef)
+        update; its next use waits for both, and the part of that wait before the reduction landed counts
+        as exposed DP.sync (the rest is the update's own time, which sync would spend too)."""
+        def landing_noted() -> None:
+            landing()
+            self._landed[g.index] = time.perf_counter()
+        g.run_update(self.pool, g.land_and_update, landing_noted, self.ctx.hypers(), coef)
         self._landing.add(g.index)
         self.ctx.clock.updates_started = True
 
@@ -68,7 +73,9 @@ class OverlapMode(UpdateMode):
             self._landing.discard(g.index)
             began = time.perf_counter()
             g.wait_update()
-            self.ctx.clock.sync_wait_s += time.perf_counter() - began
+            ended = time.perf_counter()
+            landed = self._landed.pop(g.index, ended)  # (none where the landing raised: the whole wait)
+            self.ctx.clock.sync_wait_s += max(0.0, min(landed, ended) - began)
         super().params_ready(g)
 
     def after_step(self) -> None:

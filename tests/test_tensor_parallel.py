@@ -55,7 +55,8 @@ PP2_TP2 = [Case("1f1b", 2, 1, clip=0.05), Case("aiao", 4, 2, plan="disk"), Case(
            Case("aiao", 4, 2, plan="disk", family="gpt_neox"), Case("1f1b", 2, 1, clip=0.05, sequence=True),
            Case("aiao", 4, 2, plan="stash", sequence=True), Case("1f1b", 2, 1, clip=0.05, family="llama"),
            Case("1f1b", 2, 1, clip=0.05, family="llama", sequence=True),
-           Case("aiao", 4, 2, plan="stash", family="gpt_neox", sequence=True)]
+           Case("aiao", 4, 2, plan="stash", family="gpt_neox", sequence=True),
+           Case("1f1b", 2, 1, plan="disk", clip=0.05, family="gpt2", sequence=True)]
 PP_SAVED = Case("1f1b", 2, 1, plan="disk")  # pp = 2 x tp = 2, saved after its first step
 
 

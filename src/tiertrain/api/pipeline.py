@@ -288,7 +288,7 @@ def _check_tensor(model: nn.Module, layout: PipelineLayout, tp: int, opts: RunOp
     check_tensor_plan(plan, opts)  # (a plan file already read)
     cut = check_pipeline_tensor(model, tp, layout.pp)
     if sequence:
-        check_sequence_parallel(model, cut, layout.pp)
+        check_sequence_parallel(model, cut)
     return cut
 
 

@@ -285,7 +285,7 @@ def _check_tensor_layout(cfg: Any, nproc: int) -> None:
     model = build(resolve_config(cfg.model), device="meta")
     cut = check_pipeline_tensor(model, cfg.tp, cfg.pp)
     if cfg.sequence_parallel:
-        check_sequence_parallel(model, cut, cfg.pp)
+        check_sequence_parallel(model, cut)
         seq = cfg.seq_len or min(SEQ_LEN, config_vocab_and_len(resolve_config(cfg.model))[1] or SEQ_LEN)
         if seq % cfg.tp:
             raise ConfigError(f"--sequence-parallel slices each sequence over the {cfg.tp} ranks of a group: give a "

@@ -511,7 +511,7 @@ def _check_tensor(req: PlanRequest) -> None:
     if req.sequence_parallel:
         from tiertrain.parallel.tensor_plans import check_sequence_parallel
 
-        check_sequence_parallel(built, cut, req.pp)
+        check_sequence_parallel(built, cut)
 
 
 def _tensor_model(model: str, tp: int, pp: int = 1) -> tuple[nn.Module, TensorPlan]:

@@ -126,6 +126,7 @@ class DecoderStage(PipelineStageModule):
             if self.tied_across:
                 setattr(mine, parts.embed, self._tied_copy(getattr(base, parts.embed).weight, head))
             setattr(self, parts.head, head)
+        self.handoff = nn.Identity()  # in the final norm's place before the last stage: hidden states handed on
         layers = getattr(mine, parts.layers)  # a later stage's stand-ins for what the base adds to the input
         object.__setattr__(self, "_zeros", {} if embeds else {n: _Zeros(self.hidden_size, layers) for n in parts.added})
 
@@ -136,7 +137,7 @@ class DecoderStage(PipelineStageModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         parts, base, mine = self.parts, self._base, getattr(self, self.parts.base)
         layers = getattr(mine, parts.layers)
-        swapped = {parts.layers: layers, parts.norm: getattr(mine, parts.norm) if self.heads else nn.Identity()}
+        swapped = {parts.layers: layers, parts.norm: getattr(mine, parts.norm) if self.heads else self.handoff}
         swapped.update(self._zeros)
         kept = {name: getattr(base, name) for name in swapped}
         for name, module in swapped.items():

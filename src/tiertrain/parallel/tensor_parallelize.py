@@ -60,7 +60,9 @@ def slice_sequence(model: nn.Module, plan: TensorPlan, group: Collectives, first
     ends it holds (``first``: the model's first block, ``last``: the final norm); a later stage of a model
     that builds what its blocks read from its input's length (``plan.length_before_blocks``) gathers the
     slices it receives whole and slices them again as its first block begins (its causal mask and rotary
-    tables built for the whole sequence, as the first stage builds them)."""
+    tables built for the whole sequence, as the first stage builds them); a stage before the last of a model
+    whose base views its blocks' output to its input's length (``plan.views_after_blocks``: GPT-2) gathers
+    its output whole where the final norm would be, and hands on its slice again."""
     begin, end = plan.sequence_at
     later = not first and plan.length_before_blocks
     if later:
@@ -70,6 +72,9 @@ def slice_sequence(model: nn.Module, plan: TensorPlan, group: Collectives, first
         start.register_forward_pre_hook(_entered(group, scatter_sequence), with_kwargs=True)
     if last:
         operator.attrgetter(end)(model).register_forward_pre_hook(_entered(group, gather_sequence), with_kwargs=True)
+    elif plan.views_after_blocks:  # a stage before the last whose base views its output to the whole length:
+        model.handoff.register_forward_pre_hook(_entered(group, gather_sequence), with_kwargs=True)  # whole there,
+        model.register_forward_hook(_sliced(group))  # then the stage hands on its slice (``hf_stages.DecoderStage``)
 
 
 def parallelize_blocks(plan: TensorPlan, blocks: nn.ModuleList, rank: int, group: Collectives, seed: int,

@@ -60,7 +60,7 @@ class TensorPlan:
     transformers model's causal mask and rotary tables, which a later pipeline stage builds from the hidden
     states it receives, so under sequence parallel it gathers them whole first), and whether it views its
     blocks' output to its input's length after them (``views_after_blocks``: GPT-2's base model, which a
-    pipeline stage's slice does not fit)."""
+    pipeline stage's slice does not fit: a stage before the last gathers its output whole first)."""
 
     blocks_at: str
     cuts: tuple[Cut, ...]
@@ -171,14 +171,9 @@ def check_pipeline_tensor(model: nn.Module, tp: int, pp: int) -> TensorPlan:
     return plan
 
 
-def check_sequence_parallel(model: nn.Module, plan: TensorPlan, pp: int = 1) -> None:
+def check_sequence_parallel(model: nn.Module, plan: TensorPlan) -> None:
     """Refuse, in one line, a model sequence parallel cannot slice: one whose plan says not where its
-    sequence is cut and put together, or, in a pipeline of ``pp`` stages, one whose base model views its
-    blocks' output to the whole sequence's length (a stage's output is its slice)."""
-    if pp > 1 and plan.views_after_blocks:
-        raise ConfigError(f"sequence parallel in a pipeline of a {type(model).__name__} is not supported yet (its base "
-                          "model views each stage's output to the whole sequence's length, and a stage holds its "
-                          "slice): leave --sequence-parallel out, or train it without --pp")
+    sequence is cut and put together."""
     if plan.sequence_at is None:
         raise ConfigError(f"sequence parallel has no place to slice a {type(model).__name__}'s sequence yet: "
                           "leave --sequence-parallel out (tensor parallel alone cuts it)")

@@ -41,7 +41,7 @@ def test_a_blocks_wait_counts_the_reduction_still_landing_not_its_update(monkeyp
     monkeypatch.setattr(overlap, "time", SimpleNamespace(perf_counter=lambda: now.t))
     clock = StepClock()
     ctx = SimpleNamespace(plan=SimpleNamespace(update_workers=1), waits_for_norm=False, clock=clock,
-                          hypers=lambda: [], moves=SimpleNamespace(settle=lambda g: None))
+                          hypers=list, moves=SimpleNamespace(settle=lambda g: None))
     mode = overlap.OverlapMode(ctx)
     try:
         block = _Block(now, landing_s=5.0, update_s=3.0)

@@ -56,7 +56,8 @@ PP2_TP2 = [Case("1f1b", 2, 1, clip=0.05), Case("aiao", 4, 2, plan="disk"), Case(
            Case("aiao", 4, 2, plan="stash", sequence=True), Case("1f1b", 2, 1, clip=0.05, family="llama"),
            Case("1f1b", 2, 1, clip=0.05, family="llama", sequence=True),
            Case("aiao", 4, 2, plan="stash", family="gpt_neox", sequence=True),
-           Case("1f1b", 2, 1, plan="disk", clip=0.05, family="gpt2", sequence=True)]
+           Case("1f1b", 2, 1, plan="disk", clip=0.05, family="gpt2", sequence=True),
+           Case("aiao", 4, 2, plan="disk", family="moe"), Case("1f1b", 2, 1, clip=0.05, family="moe", sequence=True)]
 PP_SAVED = Case("1f1b", 2, 1, plan="disk")  # pp = 2 x tp = 2, saved after its first step
 
 
@@ -549,9 +550,9 @@ def test_a_tensor_parallel_checkpoint_resumes_as_one_tiered_process(tp2, tmp_pat
 @pytest.mark.parametrize("case", PP2_TP2, ids=str)
 def test_a_pipeline_of_two_stages_each_cut_over_two_ranks_trains_as_one_process(dp2_tp2, case):
     """pp = 2 x tp = 2: each stage's blocks cut over its two ranks, under 1F1B and AIAO (2 segments), with
-    host- and disk-homed states and recompute with offloaded checkpoints, our GPT and a Llama: each
-    micro-batch's loss, and each clipped step's norm over every stage and shard, as one process
-    accumulating the same micro-batches."""
+    host- and disk-homed states and recompute with offloaded checkpoints, our GPT (experts too) and the
+    transformers families, the sequence sliced too: each micro-batch's loss, and each clipped step's norm over
+    every stage and shard, as one process accumulating the same micro-batches."""
     norms: list[float] = []
     want = reference(1, case.micro, case.clip, family=case.family, norms=norms)
     for rank in range(4):

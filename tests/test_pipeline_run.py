@@ -41,6 +41,7 @@ LLAMA = [Case("1f1b", 4, 1, family="llama"), Case("aiao", 4, 2, plan="disk", fam
 MOE = [Case("1f1b", 2, 1, clip=0.05, family="moe"), Case("aiao", 4, 2, plan="stash", family="moe"),
        Case("interleaved", 4, 2, plan="disk", family="moe")]
 MOE_DP2 = [Case("gpipe", 2, 1, plan="disk", family="moe"), Case("aiao", 4, 2, clip=0.05, family="moe", ep=2)]
+MOE_SAVED = Case("1f1b", 2, 1, plan="disk", family="moe", ep=2)
 SCHEDULES = [Case("gpipe", 2, 1), Case("1f1b", 4, 1), Case("interleaved", 4, 2), Case("aiao", 4, 2)]
 PP2 = SCHEDULES + [Case(c.schedule, c.micro, c.segments, plan="disk") for c in SCHEDULES] + [
     Case("aiao", 4, 2, update="overlap"), Case("aiao", 4, 2, clip=0.05), Case("1f1b", 4, 1, clip=0.05),
@@ -104,8 +105,11 @@ def pp2(tmp_path_factory):
 def pp2_dp2(tmp_path_factory):
     disk, out = tmp_path_factory.mktemp("pp2dp2d"), tmp_path_factory.mktemp("pp2dp2run")
     jobs = _jobs(PP2_DP2, 2, disk, Case("aiao", 4, 2)) + _checkpoint_jobs(2, disk, out, resume=False)
+    experts = tmp_path_factory.mktemp("pp2dp2moe")  # each stage's experts over its two replicas, saved after step 1
+    jobs += [(("saved moe",), functools.partial(pipelined_losses, case=MOE_SAVED, pp=2, disk=disk / "sm",
+                                                save_to=experts))]
     jobs += [(("meta",), functools.partial(meta_built, pp=2, disk=disk / "meta"))]
-    return {**run_ranks(4, tmp_path_factory.mktemp("pp2dp2"), jobs), "out": out}
+    return {**run_ranks(4, tmp_path_factory.mktemp("pp2dp2"), jobs), "out": out, "moe out": experts}
 
 
 def _check(results, case, world, dp, tmp):
@@ -346,6 +350,27 @@ def test_a_pipelined_checkpoint_resumes_in_one_process_of_plain_pytorch(request,
     for rank in range(2 * dp):
         got = results[(("saved",), rank)]
         assert got["losses"][1:] == [step[got["replica"]] for step in want], f"rank {rank}"
+
+
+def test_a_pipelined_checkpoint_with_experts_over_the_replicas_resumes_in_one_process_of_plain_pytorch(pp2_dp2):
+    """pp = 2 x dp = 2 with each stage's experts divided over its two replicas (expert parallel), saved after
+    step 1: every stage's experts, each written by the replica holding it, load into one process, whose
+    steps 2 and 3 are the pipeline's within CLIP_RTOL (an expert summed both replicas' micro-batches in
+    their order: not bit for bit)."""
+    from pp_harness import fresh
+    from tiertrain.checkpoint.run import find_checkpoint, load_checkpoint
+    from tiertrain.checkpoint.train_state import PlainState
+
+    model, opt = fresh(family="moe")
+    names = {i: n for i, n in enumerate([n for n, p in model.named_parameters() if p.dim() >= 2]
+                                        + [n for n, p in model.named_parameters() if p.dim() < 2])}
+    state = load_checkpoint(find_checkpoint(pp2_dp2["moe out"]), PlainState(model, opt, names))
+    assert (state.step, state.world) == (1, 4)
+    want = reference(2, MOE_SAVED.micro, start=(model, opt), first=state.step)
+    for rank in range(4):
+        got = pp2_dp2[(("saved moe",), rank)]
+        flat = [x for step in got["losses"][1:] for x in step]
+        assert flat == pytest.approx([x for step in want for x in step[got["replica"]]], rel=CLIP_RTOL, abs=0), rank
 
 
 def test_a_tied_pipelined_checkpoint_resumes_cut_otherwise_in_one_process_and_from_one_process(pp2):

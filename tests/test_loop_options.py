@@ -43,3 +43,15 @@ def test_the_loops_hand_the_layouts_inside_the_replicas_to_their_entries(monkeyp
         trainer._setup_tiered()
     kwargs = called.value.args[0]
     assert {k: kwargs.get(k) for k in passed} == passed, kwargs
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_train_pp_plan_auto_plans_the_stages_with_the_experts_each_rank_holds(ep):
+    """``train --pp --ep --plan auto`` plans the stages before torchrun starts with ``tiertrain plan``'s flags:
+    with expert parallel, ``--ep`` among them (each rank holds 1/ep of a stage's experts)."""
+    from tiertrain.cli.stage_plan import _plan_args
+    from tiertrain.memory import Budgets
+
+    cfg = make_config({}, {"model": "tiny-moe", "plan": "auto", "pp": 2, "ep": ep})
+    args = _plan_args(cfg, 4, Budgets(64 << 20, 64 << 20))
+    assert (args[args.index("--ep") + 1] == "2") if ep > 1 else "--ep" not in args, args

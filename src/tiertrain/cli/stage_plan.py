@@ -63,7 +63,7 @@ def _per_rank(cfg: TrainConfig, nproc: int) -> Budgets:
 
 def _plan_args(cfg: TrainConfig, nproc: int, budgets: Budgets) -> list[str]:
     """``tiertrain plan``'s flags for ``cfg``'s run: its model, a step's sequences, its precision, budgets,
-    clipping, micro-batches and layout."""
+    clipping, micro-batches and layout (expert parallel's too)."""
     from tiertrain.memory.system import compute_device
     from tiertrain.runtime.precision import choose_precision
 
@@ -80,4 +80,6 @@ def _plan_args(cfg: TrainConfig, nproc: int, budgets: Budgets) -> list[str]:
         args += ["--disk", cfg.disk]
     if cfg.page_size:
         args += ["--page-size", cfg.page_size]
+    if cfg.ep > 1:  # each rank's stages planned with the experts it holds
+        args += ["--ep", str(cfg.ep)]
     return args

@@ -74,7 +74,7 @@ class OverlapMode(UpdateMode):
             began = time.perf_counter()
             g.wait_update()
             ended = time.perf_counter()
-            landed = self._landed.pop(g.index, ended)  # (none where the landing raised: the whole wait)
+            landed = self._landed.pop(g.index, ended)
             self.ctx.clock.sync_wait_s += max(0.0, min(landed, ended) - began)
         super().params_ready(g)
 

@@ -94,7 +94,7 @@ class Pipelined:
         share of it in ``micro_losses``."""
         self._schedule_for(tuple(inputs.shape))
         self.synced.clear()
-        if self.stages[0].balance_scale is not None:  # what a step that raised part way left
+        if self._balanced:  # what a step that raised part way left
             self._token_losses.clear()
             for stage in self.stages:
                 stage.balance_seen.clear()
@@ -103,7 +103,7 @@ class Pipelined:
         try:
             self._schedule.step(*((inputs,) if first else ()), target=targets if last else None,
                                 losses=losses if last else None)
-            if self.stages[0].balance_scale is None:
+            if not self._balanced:
                 each = (torch.stack([x.detach().float().cpu() for x in losses]) if last
                         else torch.zeros(self.layout.micro_batches))
                 self.mesh.pp_host.broadcast(each, src=self.mesh.pp - 1)  # from the last stage, which holds the loss
@@ -119,6 +119,11 @@ class Pipelined:
             raise failure(beat, exc, "the pipeline's sends and receives", lost) from exc
         self.micro_losses = each
         return each.double().sum()  # as a loop adding each micro-batch's loss.item() sums them
+
+    @property
+    def _balanced(self) -> bool:
+        """Whether the model's blocks add losses of their own (a mixture of experts' load balancing)."""
+        return self.stages[0].balance_scale is not None
 
     def _with_balance(self, last: bool) -> torch.Tensor:
         """Each micro-batch's loss with the blocks' load-balancing losses, which every stage saw a part of: the
@@ -185,7 +190,7 @@ class Pipelined:
         """One micro-batch's share of the batch's loss: the loop accumulating them divides so too (its
         cross-entropy kept for the loss reported where blocks add losses of their own)."""
         loss = token_loss(logits, targets)
-        if self.stages[-1].balance_scale is not None:
+        if self._balanced:
             self._token_losses.append(loss.detach())  # (to the host once the step is over)
         return loss / self.layout.micro_batches
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from tiertrain.parallel.collectives import Collectives
 from tiertrain.parallel.distributed import ProcessGroupCollectives
 from tiertrain.parallel.local import LocalCollectives
-from tiertrain.parallel.mesh import MeshDim
+from tiertrain.parallel.mesh import MeshDim, dim_groups
 from tiertrain.parallel.tied_stages import pair_groups
 
 NAMES = ("dp", "pp")
@@ -53,30 +53,15 @@ def pipeline_mesh(pp: int, tied: bool = False, tp: int = 1) -> PipelineMesh:
     """The run's ranks (the default process group's) as dp x pp, or dp x pp x tp (each stage's blocks cut
     over ``tp`` consecutive ranks: the fastest links); ``pp`` (and ``tp``) must divide them (checked before);
     ``tied``: with each pipeline's (first, last) stage pair as a group too (pp > 1, tp = 1)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     world = ProcessGroupCollectives()
     dp = world.world_size // (pp * tp)
     names = NAMES if tp == 1 else (*NAMES, "tp")
     shape = (dp, pp) if tp == 1 else (dp, pp, tp)
-    gloo = dist.get_backend() == "gloo"
-    mesh = init_device_mesh("cpu" if gloo else "cuda", shape, mesh_dim_names=names)
-    twins = mesh if gloo else init_device_mesh("cpu", shape, mesh_dim_names=names,
-                                               backend_override={n: "gloo" for n in names})
-
-    def group(name: str) -> Collectives:
-        return ProcessGroupCollectives(mesh.get_group(name), heartbeat=world.heartbeat,
-                                       host_group=None if gloo else twins.get_group(name))
-
-    stage_dp = LocalCollectives() if dp == 1 else group("dp")
-    if dp > 1:  # hybrid sharding and expert parallel split it again (``parallel.mesh``)
-        stage_dp.place = MeshDim(shape, names, 0)
-    pp_group = mesh.get_group("pp")
-    world_group = dist.distributed_c10d._get_default_group()  # a dimension of every rank may be it: not the mesh's
-    made = {id(g): g for m in (mesh, twins) for g in (m.get_group(n) for n in names) if g is not world_group}
-    pp_host = ProcessGroupCollectives(twins.get_group("pp"), heartbeat=world.heartbeat)
-    out = PipelineMesh(pp, dp, dist.get_rank(pp_group), pp_group, pp_host, stage_dp, world, tuple(made.values()),
-                       tp_group=group("tp") if tp > 1 else None)
+    by = dict(zip(names, dim_groups(MeshDim(shape, names, 0), names, world.heartbeat)))
+    made, by["dp"].made = by["dp"].made, []  # the mesh's groups: this mesh destroys them as it closes
+    pp_group = by["pp"].group
+    out = PipelineMesh(pp, dp, dist.get_rank(pp_group), pp_group, by["pp"].host,
+                       LocalCollectives() if dp == 1 else by["dp"], world, tuple(made), tp_group=by.get("tp"))
     if tied:
         try:
             out.tied, pairs = pair_groups(pp, dp, world.heartbeat)

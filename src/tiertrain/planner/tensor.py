@@ -61,8 +61,10 @@ def _cut(b: BlockProfile, tp: int, bps: float, whole: int, routed: int, sequence
     one = all_reduce_s(b.hidden_bytes, tp, bps)
     whole = min(whole, b.params)
     experts = sequence and routed > 1  # a mixture run whole between the slices (``TensorPlan.sequence_whole``)
-    kept = (min(b.act_bytes, (1 + routed) * b.hidden_bytes) if experts else 0) if sequence else \
-        min(b.act_bytes, WHOLE_INPUTS * b.hidden_bytes)
+    if not sequence:
+        kept = min(b.act_bytes, WHOLE_INPUTS * b.hidden_bytes)
+    else:  # all sliced but a mixture's gathered input, kept by its router and each routed expert
+        kept = min(b.act_bytes, (1 + routed) * b.hidden_bytes) if experts else 0
     extra = routed - 1
     gather = 0.5 * experts  # the mixture's input gathered forward, beside attention's gather and scatter
     # sequence parallel: a recompute gathers, scatters and gathers again (1.5 sums); backward gathers the

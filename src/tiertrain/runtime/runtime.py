@@ -275,7 +275,7 @@ class Runtime:
         self.wait_updates()
         self.mode.close()
         self.comm.close()
-        if getattr(self, "shards", self.comm) is not self.comm:  # hybrid sharding's groups
+        if self.shards is not self.comm:  # hybrid sharding's groups
             self.shards.close()
         if self.experts is not None:
             self.experts.a2a.close()

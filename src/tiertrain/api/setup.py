@@ -111,6 +111,9 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, memo
     found = find_blocks(model, opts.blocks)
     expert_layers_for(model, opts.ep or 1)  # a dense model is refused before anything is laid out
     world = collectives.world_size if collectives is not None else world_from_env()
+    if isinstance(plan, str) and plan == "auto" and opts.fixed_lag:
+        raise ConfigError("plan 'auto' does not plan a fixed lag (its master a step ahead of its params) yet: give "
+                          "a named plan or a plan file with fixed_lag, or leave fixed_lag out")
     if isinstance(plan, str) and plan == "auto" and profile_step is None:
         _check_first_step_auto(opts, world)  # before anything is measured
     numels = [block_numel(b) for b in found]
@@ -321,6 +324,8 @@ def _chosen(plan: "str | Plan", found: list, memory: Budgets, opts: RunOptions) 
     chosen = load_plan(plan, n, disk=memory.disk > 0, update=opts.update)
     if opts.max_staleness is not None:
         chosen = dataclasses.replace(chosen, max_staleness=opts.max_staleness).validate(n)
+    if opts.fixed_lag is not None:
+        chosen = dataclasses.replace(chosen, fixed_lag=opts.fixed_lag).validate(n)
     if opts.compute_dtype is not None:
         chosen = dataclasses.replace(chosen, compute_dtype=opts.compute_dtype).validate(n)
     if opts.reduce_dtype is not None:

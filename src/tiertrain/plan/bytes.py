@@ -9,7 +9,7 @@ import dataclasses
 
 from tiertrain.plan.plan import BlockPlan, Plan
 from tiertrain.plan.tiers import Tier
-from tiertrain.plan.update_modes import rules
+from tiertrain.plan.update_modes import fixed_lag, rules
 
 F32_BYTES = 4
 
@@ -36,17 +36,18 @@ def separate_param_home(bp: BlockPlan, plan: Plan, train: bool = True) -> bool:
     else its fp32 master is what its device slot is filled (gathered) from, wherever the master lives
     (disk too). A master that travels between disk and host is no source for a lockfree forward (an
     update may have it in flight), nor for ``param_copy``'s; one kept on the host is, as a
-    host-homed block's is."""
-    return (not train or plan.compute_dtype != "fp32"
+    host-homed block's is, except at a fixed lag, where the master runs a step ahead of the params."""
+    return (not train or plan.compute_dtype != "fp32" or fixed_lag(plan)
             or (master_home(bp) is Tier.DISK and (bp.param_copy or rules(plan.update).loops)))
 
 
 def master_in_slot(bp: BlockPlan, plan: Plan, train: bool = True) -> bool:
     """Whether a block's fp32 master *is* its device slot: a resident fp32 block whose states live
     on the device is updated in place, as plain PyTorch updates its parameters, instead of keeping
-    a second fp32 copy and copying it into the slot after every update."""
+    a second fp32 copy and copying it into the slot after every update (not at a fixed lag, whose master
+    runs a step ahead of the params the slot holds)."""
     return (train and not bp.stream and bp.home is Tier.DEVICE and plan.compute_dtype == "fp32"
-            and not sharded(bp, plan))
+            and not sharded(bp, plan) and not fixed_lag(plan))
 
 
 def master_home(bp: BlockPlan) -> Tier:

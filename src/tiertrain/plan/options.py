@@ -29,6 +29,7 @@ class RunOptions:
     blocks: str | None = None       # the nn.ModuleList of blocks, when the finder should not guess
     update: str | None = field(default=None, metadata=one_of(*UPDATE_MODES))   # None: the plan's
     max_staleness: int | None = field(default=None, metadata=at_least(0))       # None: the plan's
+    fixed_lag: bool | None = None   # None: the plan's; True: lockfree exactly one step behind (``Plan.fixed_lag``)
     compute_dtype: str | None = field(default=None, metadata=one_of(*COMPUTE_DTYPES))  # None: the plan's
     reduce_dtype: str | None = field(default=None, metadata=one_of(*REDUCE_DTYPES))  # None: the plan's (fp32)
     reduce_every: str | None = field(default=None, metadata=one_of(*REDUCE_EVERY))  # None: the plan's (micro-batch)

@@ -101,6 +101,8 @@ class Plan:
     update_workers: int = field(default=2, metadata=at_least(1))  # CPU optimizer threads (each holds one block's
     #                                                               states in host)
     max_staleness: int = field(default=DEFAULT_MAX_STALENESS, metadata=at_least(0))  # lockfree: steps params may lag
+    fixed_lag: bool = False  # lockfree at max staleness 1: every forward reads params exactly one step old, on
+    #                          every rank alike (ZeRO-Offload's delayed parameter update; a tensor-parallel group's)
     compute_dtype: str = field(default="fp32", metadata=one_of(*COMPUTE_DTYPES))  # fp32 | bf16 | fp16: the dtype of
     #                                        device params (master stays fp32; fp16 brings dynamic loss scaling)
     parallel: ParallelLayout = ParallelLayout()  # processes the run spans, and how experts are divided over them
@@ -141,7 +143,20 @@ class Plan:
                               f"{split[0].home.value}: set host_master to false or home to disk")
         if self.read_ahead < 0 or self.update_workers < 1 or self.max_staleness < 0 or self.cache < 0:
             raise ConfigError("cache, read_ahead and max_staleness must be >= 0 and update_workers >= 1")
+        if self.fixed_lag:
+            self._check_fixed_lag()
         return self
+
+    def _check_fixed_lag(self) -> None:
+        """A fixed lag holds one step's update in the master until the next update publishes it: a lockfree
+        loop's, at max staleness 1, of blocks whose master an update holds whole."""
+        if not rules(self.update).loops or self.max_staleness != 1:
+            raise ConfigError(f"fixed_lag runs lockfree updates exactly one step behind, but this plan has update "
+                              f"{self.update!r} at max staleness {self.max_staleness}: use update 'lockfree' with "
+                              "max_staleness 1, or set fixed_lag to false")
+        if any(b.piece for b in (*self.blocks, self.rest)):
+            raise ConfigError("fixed_lag publishes a block's params from its whole master at its next update, which a "
+                              "block updated in pieces never holds: set piece to 0, or fixed_lag to false")
 
     @property
     def world_size(self) -> int:
@@ -154,6 +169,7 @@ class Plan:
     def to_json(self) -> str:
         return json.dumps({"name": self.name, "window": self.window, "cache": self.cache, "prefetch": self.prefetch,
                            "update": self.update, "read_ahead": self.read_ahead, "max_staleness": self.max_staleness,
+                           **({"fixed_lag": True} if self.fixed_lag else {}),
                            "compute_dtype": self.compute_dtype,
                            "update_workers": self.update_workers, "parallel": self.parallel.to_dict(),
                            **{k: getattr(self, k) for k in ("beside_pool", "stash") if getattr(self, k)},

@@ -12,8 +12,12 @@ lag ``max_staleness`` steps.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tiertrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tiertrain.plan.plan import Plan
 
 UPDATE_MODES = ("sync", "overlap", "lockfree")
 
@@ -75,16 +79,25 @@ def disk_passes_per_step(update: str, max_staleness: int) -> float:
     return 1 / steps_per_disk_pass(update, max_staleness)
 
 
-LAG_FIX = "add --max-staleness 0 (every block waits for its own update), or use --update sync or overlap"
+LAG_FIX = "give --max-staleness 1 (a fixed lag of one step) or 0, or use --update sync or overlap"
+
+
+def fixed_lag(plan: Plan) -> bool:
+    """Whether a plan's lockfree loop runs exactly one step behind (``Plan.fixed_lag``): each update
+    publishes the params of the update before it and keeps its own in the master, so every forward reads
+    params one step old, on every rank alike. A streamed block's compute params then live apart from its
+    fp32 master, and a resident block's slot is never its master (``plan.bytes``)."""
+    return plan.fixed_lag and rules(plan.update).loops and plan.max_staleness == 1
 
 
 def check_group_reads_alike(update: str, max_staleness: int, fix: str = LAG_FIX) -> None:
-    """Refuse an update loop allowed to lag in a tensor-parallel run, whose group of ranks must read each
-    block's params at one age (``fix``: the way out, in the caller's spelling; the command line's by
-    default): each rank's loop runs on its own clock, so at lag 1 or more one rank may read a block one
-    step older than the other, and the parameters every rank holds whole (norms, biases) would part. At
-    staleness 0 every block waits for its own update before it is used, on every rank alike."""
-    if rules(update).loops and max_staleness > 0:
+    """Refuse an update loop allowed to lag more than one step in a tensor-parallel run, whose group of
+    ranks must read each block's params at one age (``fix``: the way out, in the caller's spelling; the
+    command line's by default): each rank's free loop runs on its own clock, so one rank may read a block
+    one step older than the other, and the parameters every rank holds whole (norms, biases) would part.
+    At staleness 1 the group runs at a fixed lag (``fixed_lag``): every rank reads the same version; at 0
+    every block waits for its own update before it is used, on every rank alike."""
+    if rules(update).loops and max_staleness > 1:
         raise ConfigError(f"the {update} update mode with max staleness {max_staleness} lets each rank read params "
                           f"of another age, and a tensor-parallel group's ranks must read the same: {fix}")
 

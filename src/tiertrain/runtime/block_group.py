@@ -116,6 +116,7 @@ class BlockGroup:
         self._reduction: Reduction | None = None      # data parallel: its gradients' reduction in flight
         self._update: Future | None = None            # its update in flight
         self._version = version                       # the params include the updates of steps < version
+        self._master_version = version                # the master does (ahead of the params at a fixed lag)
         self._gathering: Waitable | None = None       # a resident sharded block's gather, started ahead of its forward
         self._pass, self._grad_state, self._slot_state = Pass.IDLE, Grads.NONE, Slot.FRESH
         self._before_forward = Pass.IDLE
@@ -579,10 +580,14 @@ class BlockGroup:
         return self._grads.lock
 
     # -- the update ----------------------------------------------------------------------------
-    def update(self, hypers: list[AdamWHyper], coef: torch.Tensor | None) -> None:
+    def update(self, hypers: list[AdamWHyper], coef: torch.Tensor | None,
+               lagged: Callable[[], None] | None = None) -> None:
         """Update the block where the calling thread runs: its states in, AdamW, its params published,
-        its states home (a block updated in pieces does all of it a piece at a time)."""
-        if in_pieces(self._plan):
+        its states home (a block updated in pieces does all of it a piece at a time). ``lagged`` (a fixed
+        lag, ``plan.update_modes.fixed_lag``): the params the master holds from the update before are
+        published first, then the gradients taken and ``lagged`` called (the block's next forward may go
+        on); this update's stay in the master until the next one (or one without gradients) publishes them."""
+        if in_pieces(self._plan):  # (never at a fixed lag: ``Plan.validate``)
             taken = self._grads.take()
             if taken is not None:
                 update_in_pieces(self, taken, hypers, coef)
@@ -590,7 +595,10 @@ class BlockGroup:
             return
         moves = self._ctx.moves
         moves.bring_in(self)
-        self._apply(hypers, coef)
+        if lagged is None:
+            self._apply(hypers, coef)
+        else:
+            self._apply_lagged(hypers, coef, lagged)
         moves.send_home(self)
 
     def _apply(self, hypers: list[AdamWHyper], coef: torch.Tensor | None) -> None:
@@ -602,7 +610,20 @@ class BlockGroup:
             self._mem.release(taken.chunk)  # gradients live from backward's flush to here
         self._publish()
         if taken is not None:
-            self._version = max(self._version, taken.step + 1)
+            self._version = self._master_version = max(self._version, taken.step + 1)
+
+    def _apply_lagged(self, hypers: list[AdamWHyper], coef: torch.Tensor | None, lagged: Callable[[], None]) -> None:
+        """A fixed lag's update: the master's params (the update before's) published, then the gradients
+        taken (the next backward's go into a chunk of their own) and ``lagged`` told, then AdamW into the
+        master alone, which the params no longer read."""
+        self._publish()
+        self._version = self._master_version
+        taken = self._grads.take()
+        lagged()
+        if taken is not None:
+            adamw_block(self, taken.hypers or hypers, coef, taken)
+            self._mem.release(taken.chunk)
+            self._master_version = max(self._master_version, taken.step + 1)
 
     def _publish(self) -> None:
         """Write the fp32 master into the compute copy the next forward reads (rounded to the compute
@@ -617,7 +638,7 @@ class BlockGroup:
     def _published(self, step: int) -> None:
         """A block updated in pieces published its new params piece by piece (``runtime.pieces``)."""
         self._mark_written()
-        self._version = max(self._version, step + 1)
+        self._version = self._master_version = max(self._version, step + 1)
 
     def _mark_written(self) -> None:
         if self._shard is not None and not self._plan.stream:

@@ -265,8 +265,11 @@ def test_plan_layouts_plans_every_layout_of_the_ranks_and_writes_the_fastests(tm
     (["--nproc", "2", "--sequence-parallel"], "--sequence-parallel plans a tensor-parallel group's sequence slices"),
     (["--nproc", "8", "--tp", "8"], "--tp 8 must divide the model's attention heads (n_head), 2"),
     (["--nproc", "2", "--tp", "2", "--update", "lockfree", "--grad-clip", "0"],
-     ("max staleness 1 lets each rank read params of another age, and a tensor-parallel group's ranks must read the "
-      "same: add --max-staleness 0")),
+     ("a tensor-parallel group runs lockfree updates at a fixed lag of one step (its master a step ahead of its "
+      "params), which the planner does not count yet: plan with --max-staleness 0")),
+    (["--nproc", "2", "--tp", "2", "--update", "lockfree", "--max-staleness", "2", "--grad-clip", "0"],
+     ("max staleness 2 lets each rank read params of another age, and a tensor-parallel group's ranks must read the "
+      "same: give --max-staleness 1 (a fixed lag of one step) or 0")),
 ])
 def test_a_tensor_parallel_plan_it_cannot_make_is_refused_in_one_line(tmp_path, capsys, extra, says):
     assert _main("plan", "--model", "tiny", "--machine", "h100-sxm-80gb", *extra, "--out", str(tmp_path / "p")) == 2

@@ -95,6 +95,7 @@ def tp_losses(rank: int, case: TpCase, disk: Path, save_to: Path | None = None, 
             out["sent"].append(run.mesh.tp_group.sent - before)
         run.model.runtime.wait_updates()  # a lockfree loop may still hold a master it moves between the tiers
         out["states"] = state_bytes(run.model.runtime)
+        out["whole"] = {k: v for k, v in run.model.state_dict().items() if "ln" in k or "norm" in k}  # never cut
         out["shapes"] = {n: tuple(p.shape) for n, p in run.model.named_parameters()}
         if case.ep > 1:  # the experts this rank holds, and the bytes of tokens it sent them
             out["experts"] = (list(run.model.blocks[0].ffn.owned), run.model.runtime.experts.sent)

@@ -30,6 +30,7 @@ from tiertrain.api.stages_optimizer import StagesOptimizer
 from tiertrain.api.tensor_parallel import (
     built_on_meta,
     check_tensor_plan,
+    lag_in_group,
     norm_over_group,
 )
 from tiertrain.errors import ConfigError
@@ -234,6 +235,8 @@ def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Pipelin
     _check_tied(cut, layout, opts, plan)
     optimizer_groups(optimizer, model)  # an AdamW, fresh, over every parameter: refused before anything changes
     cuts = _check_tensor(model, layout, tp, opts, plan, sequence_parallel)
+    if tp > 1:
+        opts = lag_in_group(plan, opts)
     ensure_process_group()
     layout.check(world_from_env() // tp, cut.n_blocks, layout.micro_batches)
     same_on_every_rank("the pipeline", {**_pipeline_fields(model, layout, opts, plan), "--tp": str(tp),

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +41,7 @@ from tiertrain.parallel.tensor_plans import (
 )
 from tiertrain.plan import BUILTIN_PLANS, DEFAULT_MAX_STALENESS, Plan, RunOptions
 from tiertrain.plan.plan import plan_file
-from tiertrain.plan.update_modes import check_group_reads_alike
+from tiertrain.plan.update_modes import check_group_reads_alike, rules
 from tiertrain.runtime.rank_agreement import model_signature
 
 FIX = "start every rank with the same model, --tp and plan (torchrun gives each rank the same command line)"
@@ -83,6 +85,7 @@ def tensor_parallel(model: nn.Module, optimizer: torch.optim.Optimizer, tp: int,
     if isinstance(plan, Plan):
         plan.parallel.check_run(tp, sequence_parallel, "the plan")
     check_tensor_plan(plan, opts)
+    opts = lag_in_group(plan, opts)
     optimizer_groups(optimizer, model)  # an AdamW, fresh, over every parameter: refused before anything changes
     world = world_from_env()
     if world % tp:
@@ -120,19 +123,36 @@ def norm_over_group(tiered: nn.Module, group: Collectives) -> None:
 
 def check_tensor_plan(plan: str | Plan, opts: RunOptions) -> None:
     """Every rank of a group must run its blocks alike (a recomputed block sums its activations again):
-    a plan each rank finds for itself could differ, and params of another age on each rank (an update
-    loop's lag) would part the whole parameters. fp16's loss scale is not agreed over the group."""
-    update = opts.update or (plan.update if isinstance(plan, Plan) else "sync")
-    lag = opts.max_staleness if opts.max_staleness is not None else (
-        plan.max_staleness if isinstance(plan, Plan) else DEFAULT_MAX_STALENESS)
-    check_group_reads_alike(update, lag, "give max_staleness=0 (--max-staleness 0: every block waits for its own "
-                            "update), or update 'sync' or 'overlap'")
+    a plan each rank finds for itself could differ, and params of another age on each rank (a free update
+    loop's lag above one step) would part the whole parameters. fp16's loss scale is not agreed over the group."""
+    check_group_reads_alike(*_update_and_lag(plan, opts), "give max_staleness=1 (a fixed lag of one step) or 0, "
+                            "or update 'sync' or 'overlap'")
     if (opts.compute_dtype or (plan.compute_dtype if isinstance(plan, Plan) else "fp32")) == "fp16":
         raise ConfigError("tensor-parallel runs compute in fp32 or bf16, not fp16: use bf16")
     if isinstance(plan, str) and plan == "auto":
         raise ConfigError("tensor parallel takes a named plan or a plan file, not plan 'auto' yet (each rank would "
                           "profile and choose alone): give --plan stream, max-offload, ... or a file from "
                           "`tiertrain plan`")
+
+
+def lag_in_group(plan: str | Plan, opts: RunOptions) -> RunOptions:
+    """The options a tensor-parallel group's ranks run with: a lockfree loop at max staleness 1 runs at a
+    fixed lag (``Plan.fixed_lag``), so that every rank of the group reads each block at one age."""
+    update, lag = _update_and_lag(plan, opts)
+    if not rules(update).loops or lag != 1 or opts.fixed_lag:
+        return opts
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("tiertrain: lockfree updates run at a fixed lag of one step in a tensor-parallel group (every rank "
+              "reads each block's params exactly one step old)", file=sys.stderr)
+    return dataclasses.replace(opts, fixed_lag=True)
+
+
+def _update_and_lag(plan: str | Plan, opts: RunOptions) -> tuple[str, int]:
+    """The run's update mode and max staleness: the options', else the plan's."""
+    update = opts.update or (plan.update if isinstance(plan, Plan) else "sync")
+    lag = opts.max_staleness if opts.max_staleness is not None else (
+        plan.max_staleness if isinstance(plan, Plan) else DEFAULT_MAX_STALENESS)
+    return update, lag
 
 
 def _fields(model: nn.Module, tp: int, opts: RunOptions, plan: str | Plan) -> dict[str, str]:

@@ -497,9 +497,13 @@ def _check_tensor(req: PlanRequest) -> None:
                           "1)")
     if req.tp == 1:
         return
-    from tiertrain.plan.update_modes import check_group_reads_alike
+    from tiertrain.plan.update_modes import check_group_reads_alike, rules
 
     check_group_reads_alike(req.update, req.max_staleness)
+    if rules(req.update).loops and req.max_staleness:
+        raise ConfigError(f"a tensor-parallel group runs {req.update} updates at a fixed lag of one step (its master a "
+                          "step ahead of its params), which the planner does not count yet: plan with --max-staleness "
+                          "0 or --update overlap, or train a named plan (--plan stream) with --update lockfree")
     if req.nproc % req.tp or (req.nproc_per_node and req.nproc_per_node % req.tp):
         raise ConfigError(f"--tp {req.tp} must divide --nproc {req.nproc}"
                           + (f" and --nproc-per-node {req.nproc_per_node} (a group stays inside a node)"

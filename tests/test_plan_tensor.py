@@ -94,6 +94,44 @@ def test_plan_tp_plans_each_ranks_share_and_says_what_the_sums_cost(tmp_path, ca
     assert json.loads(out.read_text())["parallel"] == {"dp": 2, "tp": 2}
 
 
+def test_plan_tp_plans_lockfree_at_its_default_lag_as_a_fixed_lag_and_counts_its_compute_copies(tmp_path, capsys):
+    """`plan --tp 2 --update lockfree` (max staleness 1) writes a plan at a fixed lag, as the group runs it; the
+    planner's bytes for it (a streamed fp32 block's compute copy on the host, a device-homed resident block's
+    slot apart from its master) are the budget check's, block by block, in whole pages."""
+    from tiertrain.plan import Plan, Tier
+    from tiertrain.plan.fit import tier_bytes
+    from tiertrain.planner.auto import run_profile, to_plan
+    from tiertrain.planner.costs import Choice, device_bytes, host_bytes
+    from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
+    from tiertrain.planner.solvers import Solution
+
+    out = tmp_path / "plan.json"
+    assert _main("plan", "--model", "tiny", "--machine", "h100-sxm-80gb", "--batch", "4", "--seq", "64", "--nproc", "2",
+                 "--tp", "2", "--update", "lockfree", "--grad-clip", "0", "--out", str(out)) == 0
+    written = Plan.from_json(out.read_text())
+    assert (written.update, written.max_staleness, written.fixed_lag) == ("lockfree", 1, True)
+    page, n = 4096, 10_000
+    blocks = tuple(BlockProfile(f"blocks.{i}", 1e-3, 2e-3, n, 1 << 12, 1 << 10) for i in range(2))
+    machine = MachineProfile(h2d_bps=1e10, d2h_bps=1e10, disk_read_bps=1e9, disk_write_bps=1e9, adam_params_per_s=1e9)
+    base = Profile(blocks, BlockProfile("rest", 1e-4, 2e-4, n, 1 << 12, 1 << 10), machine, page=page)
+    streamed, resident = Choice(True, False, False, False), Choice(False, False, False, True)
+    for choice in (streamed, resident):
+        solution = Solution((choice, choice), 2, (False, False), 0.0, "dp")
+        need = {}
+        for group in (False, True):
+            p = run_profile(base, "lockfree", 1, False, group=group)
+            plan = to_plan(solution, p, "lockfree", 1)
+            assert plan.fixed_lag is group
+            need[group] = (tier_bytes([n, n, n], plan, page), sum(device_bytes(p, b, choice) for b in blocks),
+                           host_bytes(p, (choice, choice), (False, False)))
+        fit_more = {t: need[True][0][t] - need[False][0][t] for t in Tier}
+        planner_more = {Tier.DEVICE: need[True][1] - need[False][1], Tier.HOST: need[True][2] - need[False][2]}
+        copies = 2 * -(-n * 4 // page) * page  # two blocks' fp32 compute copies in whole pages, at least
+        where = Tier.DEVICE if choice is resident else Tier.HOST
+        assert fit_more[where] == planner_more[where] >= copies, choice
+        assert fit_more[Tier.DISK] == 0 and fit_more[where] == sum(fit_more.values())
+
+
 def test_plan_tp_with_ep_plans_each_rank_with_its_experts_shards(tmp_path, capsys):
     """`plan --nproc 8 --tp 2 --ep 2`: four replicas of a group of two, each holding half the experts, each
     expert cut over the group as a dense MLP is: a rank's share of a block is half its matrices (and whole
@@ -264,9 +302,6 @@ def test_plan_layouts_plans_every_layout_of_the_ranks_and_writes_the_fastests(tm
     (["--nproc", "4", "--tp", "2", "--ep", "4", "--model", "tiny-moe"], "ep=4 does not divide the 2 data-parallel"),
     (["--nproc", "2", "--sequence-parallel"], "--sequence-parallel plans a tensor-parallel group's sequence slices"),
     (["--nproc", "8", "--tp", "8"], "--tp 8 must divide the model's attention heads (n_head), 2"),
-    (["--nproc", "2", "--tp", "2", "--update", "lockfree", "--grad-clip", "0"],
-     ("a tensor-parallel group runs lockfree updates at a fixed lag of one step (its master a step ahead of its "
-      "params), which the planner does not count yet: plan with --max-staleness 0")),
     (["--nproc", "2", "--tp", "2", "--update", "lockfree", "--max-staleness", "2", "--grad-clip", "0"],
      ("max staleness 2 lets each rank read params of another age, and a tensor-parallel group's ranks must read the "
       "same: give --max-staleness 1 (a fixed lag of one step) or 0")),

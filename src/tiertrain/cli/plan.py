@@ -325,7 +325,7 @@ def run_plan(req: PlanRequest, console: Console) -> Planned:
     profile = dataclasses.replace(profile, page=_page(req, profile, target, disk_dir))
     profile = dataclasses.replace(profile, machine=dataclasses.replace(
         profile.machine, disk_together_gain=_disk_gain(req, profile, here, target, disk_dir)))
-    profile = run_profile(profile, req.update, req.max_staleness, req.needs_all_grads)
+    profile = run_profile(profile, req.update, req.max_staleness, req.needs_all_grads, group=req.tp > 1)
     tensor_line, tp = None, req.tp
     if req.tp > 1:  # the data-parallel ranks are a group's replicas: each holds its rank's share of every block
         profile, tensor_line = _cut_over_group(req, profile, target, here, held)
@@ -435,7 +435,8 @@ def one_stage(profile: Profile, budgets: Budgets, layout: PipelineLayout, req: P
     several micro-batches (they accumulate)."""
     runs = fold(len(profile.blocks), layout.pp, layout.segments)
     needs_all = req.needs_all_grads or layout.micro_batches > 1
-    staged = run_profile(for_stage(profile, layout, max(map(len, runs))), req.update, req.max_staleness, needs_all)
+    staged = run_profile(for_stage(profile, layout, max(map(len, runs))), req.update, req.max_staleness, needs_all,
+                         group=req.tp > 1)
     n = layout.segments
     return staged, Budgets(budgets.device // n, budgets.host // n, budgets.disk // n, budgets.disk_dir), needs_all
 
@@ -497,13 +498,9 @@ def _check_tensor(req: PlanRequest) -> None:
                           "1)")
     if req.tp == 1:
         return
-    from tiertrain.plan.update_modes import check_group_reads_alike, rules
+    from tiertrain.plan.update_modes import check_group_reads_alike
 
     check_group_reads_alike(req.update, req.max_staleness)
-    if rules(req.update).loops and req.max_staleness:
-        raise ConfigError(f"a tensor-parallel group runs {req.update} updates at a fixed lag of one step (its master a "
-                          "step ahead of its params), which the planner does not count yet: plan with --max-staleness "
-                          "0 or --update overlap, or train a named plan (--plan stream) with --update lockfree")
     if req.nproc % req.tp or (req.nproc_per_node and req.nproc_per_node % req.tp):
         raise ConfigError(f"--tp {req.tp} must divide --nproc {req.nproc}"
                           + (f" and --nproc-per-node {req.nproc_per_node} (a group stays inside a node)"

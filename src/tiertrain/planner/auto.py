@@ -48,17 +48,22 @@ def to_plan(s: Solution, p: Profile, update: str = "overlap", max_staleness: int
                                   piece=p.piece if rest_disk else 0),
                 window=s.window if streams else 1, prefetch=lifetime_prefetch(p, s.window) if streams else 0,
                 update=update, name=f"auto/{s.solver}{layout}", compute_dtype=p.compute_dtype,
-                max_staleness=max_staleness, read_ahead=p.read_ahead, update_workers=p.update_workers,
+                max_staleness=max_staleness, fixed_lag=p.fixed_lag, read_ahead=p.read_ahead,
+                update_workers=p.update_workers,
                 parallel=ParallelLayout(dp=net.dp, ep=net.ep, shard_group=net.split if net.hybrid else 0))
 
 
-def run_profile(p: Profile, update: str, max_staleness: int, needs_all_grads: bool) -> Profile:
+def run_profile(p: Profile, update: str, max_staleness: int, needs_all_grads: bool, group: bool = False) -> Profile:
     """The profile with what the run's update mode makes the runtime hold: gradient chunks per block,
-    disk passes per step, and whether gradients are updated away as backward flushes them. ``plan
-    auto`` and ``tiertrain plan`` both plan through this, so they choose the same plan for one run."""
+    disk passes per step, whether gradients are updated away as backward flushes them, and (``group``: a
+    tensor-parallel group's ranks, which run a lockfree loop at max staleness 1 at a fixed lag,
+    ``api.tensor_parallel.lag_in_group``) the compute copies a fixed lag keeps. ``plan auto`` and
+    ``tiertrain plan`` both plan through this, so they choose the same plan for one run."""
+    lagged = group and rules(update).loops and max_staleness == 1
     return dataclasses.replace(p, grad_copies=grad_copies(update, max_staleness),
                                disk_passes=disk_passes_per_step(update, max_staleness),
-                               transient_grads=transient(update, needs_all_grads), master_moves=rules(update).loops)
+                               transient_grads=transient(update, needs_all_grads), master_moves=rules(update).loops,
+                               fixed_lag=lagged, piece=0 if lagged else p.piece)
 
 
 @dataclass(frozen=True)
@@ -298,7 +303,7 @@ def _fallbacks(pb: Problem) -> list[Problem]:
     p = pb.profile
     lean = dataclasses.replace(p, read_ahead=1, update_workers=1)
     profiles = [lean] if lean != p else []
-    if not p.piece and pb.disk:
+    if not p.piece and pb.disk and not p.fixed_lag:  # (a fixed lag's update holds a block's master whole)
         for pipeline in dict.fromkeys((p, lean)):  # the default pipeline's pieces first, largest first
             profiles += [dataclasses.replace(pipeline, piece=max(piece, p.page)) for piece in PIECES_TRIED]
     return [dataclasses.replace(pb, profile=q) for q in profiles]
@@ -320,7 +325,7 @@ def fits(pb: Problem) -> bool:
     simulation and no hints: what ``--max-model`` asks of each candidate model."""
     lean = dataclasses.replace(pb.profile, read_ahead=1, update_workers=1)
     frugal = [lean] + ([dataclasses.replace(lean, piece=max(PIECES_TRIED[-1], lean.page))]
-                       if pb.disk and not pb.profile.piece else [])
+                       if pb.disk and not pb.profile.piece and not pb.profile.fixed_lag else [])
     return feasible(pb) or any(feasible(dataclasses.replace(pb, profile=f)) for f in frugal if f != pb.profile)
 
 

@@ -52,13 +52,13 @@ def device_bytes(p: Profile, b: BlockProfile, c: Choice) -> int:
     host: the device budget holds the compute's memory, pool and activations, on a CPU-only machine
     too (there the device is the host's RAM, and a process holds its budgets and an overhead, no more).
     A device-homed block keeps its gradients there too (``plan_bytes.grad_tier``), and a resident fp32
-    one's slot is its master (``plan_bytes.master_in_slot``), unless its states are sharded: the slot
-    holds the whole block, the master this rank's shard."""
+    one's slot is its master (``plan_bytes.master_in_slot``), unless its states are sharded (the slot
+    holds the whole block, the master this rank's shard) or it runs a fixed lag (the master a step ahead)."""
     slot = b.experts if c.stream else b.params  # a streamed block's held experts keep a slot of their own
     own = pages(slot * p.compute_bytes, p.page) if slot else 0
     states = _states(p, b) + _grads(p, b) if c.device_home else 0
     sharded = p.network.parallel and p.network.shard
-    if c.device_home and not c.stream and p.compute_bytes == GRAD_BYTES and not sharded:
+    if c.device_home and not c.stream and p.compute_bytes == GRAD_BYTES and not sharded and not p.fixed_lag:
         own = 0
     if c.offload_hidden:  # one micro-batch's comes back ahead of its backward in a pipeline
         acts = saved_bytes(b, c) if p.stash_ahead else 0
@@ -221,6 +221,7 @@ def host_bytes(p: Profile, choices: tuple[Choice, ...], disk_home: tuple[bool, .
     ahead, updates them and writes them back (``plan_bytes.tier_bytes``' rule). ``disk_home`` has
     one more entry than there are blocks where the rest block's states may go to disk too."""
     rest_disk = len(disk_home) > len(p.blocks) and disk_home[-1]
+    sharded = p.network.parallel and p.network.shard
     in_host = [b for b, c, d in zip(p.blocks, choices, disk_home) if not c.device_home and not (p.piece and d)]
     total = (0 if rest_disk else _states(p, p.rest)) + _grads_of(
         p, ([] if p.piece and rest_disk else [p.rest]) + in_host)
@@ -228,7 +229,8 @@ def host_bytes(p: Profile, choices: tuple[Choice, ...], disk_home: tuple[bool, .
         if not c.device_home and not disk:
             total += _states(p, b)
         total += switch_host_bytes(p, b, c)
-        if disk and c.stream and p.master_moves and p.compute_bytes == 4:  # ``plan.bytes.separate_param_home``
+        # a compute copy apart from an fp32 master: ``plan.bytes.separate_param_home``
+        if (c.stream or sharded) and p.compute_bytes == 4 and (p.fixed_lag or disk and p.master_moves):
             total += pages(own_numel(p.network, b) * p.compute_bytes, p.page)
     disk_blocks = [b for b, d in zip(p.blocks, disk_home) if d] + ([p.rest] if rest_disk else [])
     if p.piece:  # a few pieces per worker, not whole blocks' states

@@ -98,6 +98,8 @@ class Profile:
     transient_grads: bool = False      # overlap without clipping or accumulation: few grad chunks at once
     master_moves: bool = False         # an update loop may be moving a disk-homed master while forward reads the
     #                                    params (lockfree): such a block keeps its compute params on the host too
+    fixed_lag: bool = False            # lockfree one step behind (``Plan.fixed_lag``): every streamed block keeps its
+    #                                    compute params apart from its master, a resident one's slot is never its master
     read_ahead: int = field(default=2, metadata=at_least(0))  # the plan's disk-homed blocks read in ahead
     update_workers: int = field(default=2, metadata=at_least(1))  # the plan's optimizer threads (Plan.update_workers)
     source: str = ""                   # how its block figures were found (measured, reduced shape, estimate)

@@ -4,11 +4,10 @@ equals it bit for bit in plain PyTorch, on every tier."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from conftest import at_one_thread
+from delayed_update import DelayedAdamW
 from tiered_harness import TINY4, _fresh, batches
 
 import tiertrain
@@ -16,65 +15,55 @@ from tiertrain.memory import Budgets, Tier
 from tiertrain.models import build
 from tiertrain.plan import BlockPlan, Plan
 from tiertrain.train.objective import lm_loss
-from tiertrain.train.optimizer import make_adamw
 
 STEPS = 6
 
 
-def _plan(home: Tier, stream: bool = True, host_master: bool = False, compute: str = "fp32") -> Plan:
+def _plan(home: Tier, stream: bool = True, host_master: bool = False) -> Plan:
     blocks = tuple(BlockPlan(home=home, stream=stream, host_master=host_master) for _ in range(TINY4["n_layer"]))
     return Plan(blocks, BlockPlan(home=home, host_master=host_master), window=2, prefetch=1, update="lockfree",
-                max_staleness=1, fixed_lag=True, compute_dtype=compute, name="fixed-lag")
+                max_staleness=1, fixed_lag=True, name="fixed-lag")
 
 
 @at_one_thread
-def delayed_plain(steps: int) -> tuple[list[float], float]:
-    """Plain PyTorch with a delayed parameter update: AdamW steps a copy of the model (the master), and
-    after each backward the model takes the master's values from before that step's update, so step s
-    computes with the updates of steps before s - 1. Also the master's loss on one more batch, after the
-    last update."""
+def delayed_plain(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Plain PyTorch with a delayed parameter update (``DelayedAdamW``): the losses, and the master after
+    the last update."""
     torch.manual_seed(0)
-    model = build(TINY4)
-    master = copy.deepcopy(model)
-    opt, _ = make_adamw(master, 1e-2, (0.9, 0.95), 1e-8, 0.1)
-    losses, data = [], batches(steps + 1)
-    for b in data[:steps]:
-        loss = lm_loss(model, b[:, :-1], b[:, 1:])
+    opt = DelayedAdamW(build(TINY4))
+    losses = []
+    for b in batches(steps):
+        loss = lm_loss(opt.model, b[:, :-1], b[:, 1:])
         loss.backward()
-        with torch.no_grad():
-            for p, m in zip(model.parameters(), master.parameters()):
-                m.grad, p.grad = p.grad, None
-                p.copy_(m)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    with torch.no_grad():
-        return losses, lm_loss(master, data[-1][:, :-1], data[-1][:, 1:]).item()
+    return losses, opt.master.state_dict()
 
 
 @at_one_thread
-def fixed_lag_run(plan: Plan, tmp_path, steps: int = STEPS) -> tuple[list[float], list[int], float]:
-    """The losses, the staleness each step reported, and the loss on one more batch after ``wait_updates``
-    (which brings the params up to the master)."""
+def fixed_lag_run(plan: Plan, tmp_path, steps: int = STEPS,
+                  read_at: int | None = None) -> tuple[list[float], list[int], dict[str, torch.Tensor]]:
+    """The losses, the staleness each step reported, and the state dict after the last step (the master's).
+    ``read_at``: the state dict read after that step too, as a loop that logs or saves it does."""
     model, opt = _fresh(TINY4)
     budgets = Budgets(device=8 << 20, host=64 << 20, disk=64 << 20, disk_dir=str(tmp_path / "disk"))
     tm, topt = tiertrain.setup(model, opt, budgets, plan=plan, page_size=64 << 10)
-    losses, stale, data = [], [], batches(steps + 1)
+    losses, stale = [], []
     try:
-        for b in data[:steps]:
+        for step, b in enumerate(batches(steps)):
             loss = lm_loss(tm, b[:, :-1], b[:, 1:])
             loss.backward()
             topt.step()
             topt.zero_grad()
             losses.append(loss.item())
             stale.append(tm.runtime.mode.pop_staleness())
-        tm.runtime.wait_updates()
-        with torch.no_grad():
-            after = lm_loss(tm, data[-1][:, :-1], data[-1][:, 1:]).item()
+            if step == read_at:
+                tm.state_dict()
+        return losses, stale, tm.state_dict()
     finally:
         tm.runtime.close()
         tm.runtime.mem.close()
-    return losses, stale, after
 
 
 @pytest.mark.parametrize("home,stream,host_master", [(Tier.HOST, True, False), (Tier.DISK, True, False),
@@ -82,13 +71,13 @@ def fixed_lag_run(plan: Plan, tmp_path, steps: int = STEPS) -> tuple[list[float]
                                                      (Tier.DEVICE, False, False), (Tier.DISK, False, False)])
 def test_a_fixed_lag_is_the_delayed_parameter_update_bit_for_bit(tmp_path, home, stream, host_master):
     """Streamed or resident, states on the host, the device or disk: the same losses as plain PyTorch
-    delaying each update by a step, a staleness of exactly one from the second step on, and the params
-    caught up with every update once the run waits for them."""
-    got, stale, after = fixed_lag_run(_plan(home, stream, host_master), tmp_path)
-    want, caught_up = delayed_plain(STEPS)
+    delaying each update by a step, a staleness of exactly one from the second step on, and the master
+    plain PyTorch's. A state dict read part way (it waits for the updates in flight) changes nothing."""
+    got, stale, after = fixed_lag_run(_plan(home, stream, host_master), tmp_path, read_at=2)
+    want, master = delayed_plain(STEPS)
     assert got == want
     assert stale == [0] + [1] * (STEPS - 1)
-    assert after == caught_up
+    assert after.keys() == master.keys() and all(torch.equal(after[k], master[k]) for k in master)
 
 
 def test_a_slow_update_holds_the_next_step_back_not_its_params(tmp_path, monkeypatch):
@@ -106,31 +95,80 @@ def test_a_slow_update_holds_the_next_step_back_not_its_params(tmp_path, monkeyp
             time.sleep(0.2)
         adamw(group, *args, **kwargs)
     monkeypatch.setattr(block_group, "adamw_block", slow)
-    got, stale, after = fixed_lag_run(_plan(Tier.HOST), tmp_path, steps=4)
-    want, caught_up = delayed_plain(4)
-    assert (got, stale, after) == (want, [0, 1, 1, 1], caught_up)
+    got, stale, _ = fixed_lag_run(_plan(Tier.HOST), tmp_path, steps=4)
+    assert (got, stale) == (delayed_plain(4)[0], [0, 1, 1, 1])
 
 
 def test_a_fixed_lag_it_cannot_keep_is_refused_naming_the_fix(tmp_path):
-    """A fixed lag is lockfree's at max staleness 1, of blocks whose master an update holds whole; a plan file
-    keeps it; plan auto does not plan it yet."""
+    """A fixed lag is lockfree's at max staleness 1 (inert at 0 and in the other modes), of blocks whose
+    master an update holds whole: never cut into pieces, also where the host would want them; a plan file
+    keeps it; overrides are checked together; plan auto does not plan it yet."""
     import dataclasses
 
     from tiertrain.errors import ConfigError
+    from tiertrain.plan.fit import pieces_to_fit
+    from tiertrain.runtime.blocks import block_sizes, find_blocks
 
     lagged = _plan(Tier.DISK)
     assert Plan.from_json(lagged.to_json()) == lagged and '"fixed_lag": true' in lagged.to_json()
     assert "fixed_lag" not in dataclasses.replace(lagged, fixed_lag=False).to_json()
-    for change, says in (({"update": "overlap"}, ("this plan has update 'overlap' at max staleness 1: use update "
-                                                  "'lockfree' with max_staleness 1")),
-                         ({"max_staleness": 2}, "'lockfree' at max staleness 2"),
+    for inert in ({"update": "overlap"}, {"max_staleness": 0}):
+        dataclasses.replace(lagged, **inert).validate(TINY4["n_layer"])
+    for change, says in (({"max_staleness": 2}, "lets them lag 2: set max_staleness 1, or fixed_lag to false"),
                          ({"blocks": tuple(dataclasses.replace(b, piece=1 << 20) for b in lagged.blocks)},
                           "a block updated in pieces never holds: set piece to 0")):
         with pytest.raises(ConfigError, match=says):
             dataclasses.replace(lagged, **change).validate(TINY4["n_layer"])
+    wide = block_sizes(find_blocks(build(dict(TINY4, d_model=256, d_ffn=1024), device="meta")))
+    tight = Budgets(64 << 20, 32 << 20, 1 << 30)
+    free = dataclasses.replace(lagged, fixed_lag=False)
+    assert all(b.piece for b in pieces_to_fit(wide, free, 64 << 10, tight).blocks)  # the host wants pieces
+    assert pieces_to_fit(wide, lagged, 64 << 10, tight) == lagged  # the budget check then names what it needs
     model, opt = _fresh(TINY4)
     with pytest.raises(ConfigError, match="plan 'auto' does not plan a fixed lag"):
         tiertrain.setup(model, opt, Budgets(8 << 20, 64 << 20), plan="auto", update="lockfree", fixed_lag=True)
-    with pytest.raises(ConfigError, match="at max staleness 0: use update 'lockfree' with max_staleness 1"):
-        tiertrain.setup(model, opt, Budgets(8 << 20, 64 << 20), plan="stream", update="lockfree", max_staleness=0,
-                        fixed_lag=True)
+    path = tmp_path / "lagged.json"
+    path.write_text(dataclasses.replace(lagged, rest=BlockPlan(home=Tier.HOST),
+                                        blocks=tuple(BlockPlan(home=Tier.HOST, stream=True) for _ in lagged.blocks),
+                                        max_staleness=2, fixed_lag=False).to_json())
+    tm, _ = tiertrain.setup(model, opt, Budgets(8 << 20, 64 << 20), plan=str(path), max_staleness=1, fixed_lag=True,
+                            page_size=64 << 10)  # checked once both are in
+    try:
+        assert type(tm.runtime.mode).__name__ == "FixedLagMode"
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()
+
+
+def test_an_update_that_fails_before_publishing_raises_at_the_blocks_next_forward(tmp_path, monkeypatch):
+    """The block's next forward waits for the publish: one that raised raises there, naming its error, not
+    later (and the forward never runs on params a step older than it should)."""
+    from tiertrain.runtime.block_group import BlockGroup
+
+    publish, calls = BlockGroup.publish_and_take, []
+
+    def failing(self):
+        calls.append(self.index)
+        if calls.count(1) == 2:  # the second step's publish of block 1
+            raise RuntimeError("publish failed")
+        return publish(self)
+    monkeypatch.setattr(BlockGroup, "publish_and_take", failing)
+    model, opt = _fresh(TINY4)
+    tm, topt = tiertrain.setup(model, opt, Budgets(8 << 20, 64 << 20), plan=_plan(Tier.HOST), page_size=64 << 10)
+    forwards = []
+    tm.blocks[1].register_forward_pre_hook(lambda m, a: forwards.append(1))
+    try:
+        data = batches(3)
+        for b in data[:2]:
+            lm_loss(tm, b[:, :-1], b[:, 1:]).backward()
+            topt.step()
+            topt.zero_grad()
+        with pytest.raises(RuntimeError, match="publish failed"):
+            lm_loss(tm, data[2][:, :-1], data[2][:, 1:])
+        assert len(forwards) == 2  # block 1's third forward never ran
+        with pytest.raises(RuntimeError, match="publish failed"):  # and again at close, which still stops all
+            tm.runtime.close()
+        assert tm.runtime.mode.pool._shutdown
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()

@@ -322,12 +322,10 @@ def _chosen(plan: "str | Plan", found: list, memory: Budgets, opts: RunOptions) 
     """The plan asked for, with the run's overrides (update mode, staleness, compute dtype), checked."""
     n = len(found) - 1
     chosen = load_plan(plan, n, disk=memory.disk > 0, update=opts.update)
-    if opts.max_staleness is not None:
-        chosen = dataclasses.replace(chosen, max_staleness=opts.max_staleness).validate(n)
-    if opts.fixed_lag is not None:
-        chosen = dataclasses.replace(chosen, fixed_lag=opts.fixed_lag).validate(n)
-    if opts.compute_dtype is not None:
-        chosen = dataclasses.replace(chosen, compute_dtype=opts.compute_dtype).validate(n)
+    given = {"max_staleness": opts.max_staleness, "fixed_lag": opts.fixed_lag, "compute_dtype": opts.compute_dtype}
+    given = {k: v for k, v in given.items() if v is not None}
+    if given:  # together, then checked once: one override may make another's check pass
+        chosen = dataclasses.replace(chosen, **given).validate(n)
     if opts.reduce_dtype is not None:
         chosen = dataclasses.replace(chosen, reduce_dtype=opts.reduce_dtype)
     if opts.reduce_every is not None:

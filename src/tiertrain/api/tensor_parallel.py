@@ -141,6 +141,10 @@ def lag_in_group(plan: str | Plan, opts: RunOptions) -> RunOptions:
     update, lag = _update_and_lag(plan, opts)
     if not rules(update).loops or lag != 1 or opts.fixed_lag:
         return opts
+    if opts.fixed_lag is False:
+        raise ConfigError("fixed_lag=False lets each rank's lockfree loop lag on its own clock, and a tensor-parallel "
+                          "group's ranks must read each block at one age: leave fixed_lag out (the group runs at a "
+                          "fixed lag), or give max_staleness=0")
     if int(os.environ.get("RANK", "0")) == 0:
         print("tiertrain: lockfree updates run at a fixed lag of one step in a tensor-parallel group (every rank "
               "reads each block's params exactly one step old)", file=sys.stderr)

@@ -246,9 +246,11 @@ def pieces_to_fit(sizes: "Sizes | Sequence[int]", plan: Plan, page: int, budgets
     with its larger disk-homed blocks updated in pieces (``in_pieces``): the largest piece, halving
     from ``MAX_PIECE`` in whole pages, with which the plan fits every budget (the pieces' gradients
     wait on the device). A plan whose host fits, or that names its pieces already, is returned as it
-    is, and so is one no piece size makes fit (the budget check then says what it needs)."""
-    fits_host = tier_bytes(sizes, plan, page, grads=grads)[Tier.HOST] <= budgets[Tier.HOST]
-    if fits_host or not plan.uses_disk or any(b.piece for b in (*plan.blocks, plan.rest)):
+    is, and so is one no piece size makes fit (the budget check then says what it needs), and one at a
+    fixed lag, whose updates hold a block's master whole (``Plan.fixed_lag``)."""
+    if plan.fixed_lag or not plan.uses_disk or any(b.piece for b in (*plan.blocks, plan.rest)):
+        return plan
+    if tier_bytes(sizes, plan, page, grads=grads)[Tier.HOST] <= budgets[Tier.HOST]:
         return plan
     piece = max(page, MAX_PIECE // page * page)
     while True:

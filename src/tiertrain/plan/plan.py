@@ -102,7 +102,8 @@ class Plan:
     #                                                               states in host)
     max_staleness: int = field(default=DEFAULT_MAX_STALENESS, metadata=at_least(0))  # lockfree: steps params may lag
     fixed_lag: bool = False  # lockfree at max staleness 1: every forward reads params exactly one step old, on
-    #                          every rank alike (ZeRO-Offload's delayed parameter update; a tensor-parallel group's)
+    #                          every rank alike (ZeRO-Offload's delayed parameter update; a tensor-parallel group's,
+    #                          sharded blocks'); inert in the other modes and at max staleness 0
     compute_dtype: str = field(default="fp32", metadata=one_of(*COMPUTE_DTYPES))  # fp32 | bf16 | fp16: the dtype of
     #                                        device params (master stays fp32; fp16 brings dynamic loss scaling)
     parallel: ParallelLayout = ParallelLayout()  # processes the run spans, and how experts are divided over them
@@ -149,11 +150,11 @@ class Plan:
 
     def _check_fixed_lag(self) -> None:
         """A fixed lag holds one step's update in the master until the next update publishes it: a lockfree
-        loop's, at max staleness 1, of blocks whose master an update holds whole."""
-        if not rules(self.update).loops or self.max_staleness != 1:
-            raise ConfigError(f"fixed_lag runs lockfree updates exactly one step behind, but this plan has update "
-                              f"{self.update!r} at max staleness {self.max_staleness}: use update 'lockfree' with "
-                              "max_staleness 1, or set fixed_lag to false")
+        loop's at max staleness 1 (at 0 it is inert: every block waits for its own update; other modes
+        never lag), of blocks whose master an update holds whole."""
+        if rules(self.update).loops and self.max_staleness > 1:
+            raise ConfigError(f"fixed_lag runs lockfree updates exactly one step behind, but this plan lets them lag "
+                              f"{self.max_staleness}: set max_staleness 1, or fixed_lag to false")
         if any(b.piece for b in (*self.blocks, self.rest)):
             raise ConfigError("fixed_lag publishes a block's params from its whole master at its next update, which a "
                               "block updated in pieces never holds: set piece to 0, or fixed_lag to false")

@@ -580,14 +580,10 @@ class BlockGroup:
         return self._grads.lock
 
     # -- the update ----------------------------------------------------------------------------
-    def update(self, hypers: list[AdamWHyper], coef: torch.Tensor | None,
-               lagged: Callable[[], None] | None = None) -> None:
+    def update(self, hypers: list[AdamWHyper], coef: torch.Tensor | None) -> None:
         """Update the block where the calling thread runs: its states in, AdamW, its params published,
-        its states home (a block updated in pieces does all of it a piece at a time). ``lagged`` (a fixed
-        lag, ``plan.update_modes.fixed_lag``): the params the master holds from the update before are
-        published first, then the gradients taken and ``lagged`` called (the block's next forward may go
-        on); this update's stay in the master until the next one (or one without gradients) publishes them."""
-        if in_pieces(self._plan):  # (never at a fixed lag: ``Plan.validate``)
+        its states home (a block updated in pieces does all of it a piece at a time)."""
+        if in_pieces(self._plan):
             taken = self._grads.take()
             if taken is not None:
                 update_in_pieces(self, taken, hypers, coef)
@@ -595,10 +591,7 @@ class BlockGroup:
             return
         moves = self._ctx.moves
         moves.bring_in(self)
-        if lagged is None:
-            self._apply(hypers, coef)
-        else:
-            self._apply_lagged(hypers, coef, lagged)
+        self._apply(hypers, coef)
         moves.send_home(self)
 
     def _apply(self, hypers: list[AdamWHyper], coef: torch.Tensor | None) -> None:
@@ -612,14 +605,36 @@ class BlockGroup:
         if taken is not None:
             self._version = self._master_version = max(self._version, taken.step + 1)
 
-    def _apply_lagged(self, hypers: list[AdamWHyper], coef: torch.Tensor | None, lagged: Callable[[], None]) -> None:
-        """A fixed lag's update: the master's params (the update before's) published, then the gradients
-        taken (the next backward's go into a chunk of their own) and ``lagged`` told, then AdamW into the
-        master alone, which the params no longer read."""
+    # -- at a fixed lag (``runtime.modes.fixed_lag``): the params a step behind the master ------------
+    def publish_and_take(self) -> TakenGrads | None:
+        """The master's params (the update before's) into the compute copy, and the step's gradients taken
+        (the next backward's go into a chunk of their own): what the block's next forward waits for. The
+        master must be in memory (``update_lagged`` brings in one that is not)."""
+        if in_pieces(self._plan):
+            raise RuntimeError(f"{self.name} is updated in pieces, which a fixed lag refuses: a bug in tiertrain")
         self._publish()
         self._version = self._master_version
-        taken = self._grads.take()
-        lagged()
+        return self._grads.take()
+
+    def update_taken(self, taken: TakenGrads | None, hypers: list[AdamWHyper], coef: torch.Tensor | None) -> None:
+        """AdamW of ``taken`` into the master alone, which the params no longer read (its states in, and home)."""
+        moves = self._ctx.moves
+        moves.bring_in(self)
+        self._apply_taken(taken, hypers, coef)
+        moves.send_home(self)
+
+    def update_lagged(self, hypers: list[AdamWHyper], coef: torch.Tensor | None,
+                      published: Callable[[], None]) -> None:
+        """Both halves in the calling thread, for a master that lives on disk: its states in, the master's
+        params published, the gradients taken, ``published`` called, AdamW, its states home."""
+        moves = self._ctx.moves
+        moves.bring_in(self)
+        taken = self.publish_and_take()
+        published()
+        self._apply_taken(taken, hypers, coef)
+        moves.send_home(self)
+
+    def _apply_taken(self, taken: TakenGrads | None, hypers: list[AdamWHyper], coef: torch.Tensor | None) -> None:
         if taken is not None:
             adamw_block(self, taken.hypers or hypers, coef, taken)
             self._mem.release(taken.chunk)

@@ -266,20 +266,23 @@ class Runtime:
         self.clock.micro = 0
 
     def close(self) -> None:
-        """Every update landed and the workers and collectives stopped (once; again does nothing)."""
+        """Every update landed and the workers and collectives stopped (once; again does nothing). An update
+        that failed raises its error here too, after the workers and collectives are stopped."""
         if self.closed:
             return
         self.closed = True
-        if self.backward.running:  # a backward raised and no zero_grad followed: drop what it left in flight
-            self.zero_grad()
-        self.wait_updates()
-        self.mode.close()
-        self.comm.close()
-        if self.shards is not self.comm:  # hybrid sharding's groups
-            self.shards.close()
-        if self.experts is not None:
-            self.experts.a2a.close()
-            self.experts.replicas.close()
+        try:
+            if self.backward.running:  # a backward raised and no zero_grad followed: drop what it left in flight
+                self.zero_grad()
+            self.wait_updates()  # an update that failed raises here, once the rest is stopped below
+        finally:
+            self.mode.close()
+            self.comm.close()
+            if self.shards is not self.comm:  # hybrid sharding's groups
+                self.shards.close()
+            if self.experts is not None:
+                self.experts.a2a.close()
+                self.experts.replicas.close()
 
 
 def _ring(groups: list[BlockGroup]) -> list[DeviceSlot]:

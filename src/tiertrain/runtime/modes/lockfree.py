@@ -38,7 +38,8 @@ class LockfreeMode(UpdateMode):
         super().check(plan)
         if plan.max_staleness > 0 and plan.parallel.dp > 1 and any(b.shard for b in (*plan.blocks, plan.rest)):
             raise ConfigError(f"lockfree updates with max staleness {plan.max_staleness} over {plan.parallel.dp} "
-                              "ranks need replicated blocks: use max staleness 0 (--max-staleness 0), update "
+                              "ranks need replicated blocks: use max staleness 0 (--max-staleness 0), a fixed lag of one "
+                              "step (fixed_lag=True, or \"fixed_lag\": true in the plan), update "
                               "'overlap', or a replicated layout (a plan file whose blocks say \"shard\": false, as "
                               "`tiertrain plan --nproc N` writes where replicating is faster; in Python "
                               "tiertrain.plan.data_parallel(plan, N, shard=False))")

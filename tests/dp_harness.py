@@ -89,6 +89,16 @@ def ddp_losses(rank: int, accum: int, clip: float | None, lr_decay: float | None
                  ddp.no_sync, lr_decay=lr_decay)
 
 
+def delayed_ddp_losses(rank: int) -> list[float]:
+    """DDP whose replicas update a step late (``DelayedAdamW``): what lockfree at a fixed lag trains."""
+    from delayed_update import DelayedAdamW
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model, _ = _fresh()
+    ddp = DDP(model)
+    return _loop(ddp, DelayedAdamW(model), rank, 1, None, None)
+
+
 def per_micro_losses(rank: int, accum: int) -> list[float]:
     """Plain PyTorch where each micro-batch's gradients are all-reduced and averaged as its backward
     ends and the averages summed over the micro-batches: what FSDP2 and ZeRO-3 do with accumulation by

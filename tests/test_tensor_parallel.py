@@ -9,17 +9,14 @@ moves the loss by 1e-3 or more. (At this model's widths they came out equal bit 
 
 from __future__ import annotations
 
-import copy
 import functools
 
 import pytest
 import torch
-from conftest import at_one_thread
+from delayed_update import DelayedAdamW
 from dp_harness import run_ranks
-from pp_harness import TINY, Case, batches, fresh, loss_of, pipelined_losses, reference
+from pp_harness import TINY, Case, fresh, pipelined_losses, reference
 from tp_harness import TpCase, groups_left, refused, tp_losses
-
-from tiertrain.train.optimizer import make_adamw
 
 RTOL = 1e-5
 TP2 = [TpCase(2), TpCase(2, plan="disk", clip=0.05), TpCase(2, plan="stash", clip=0.05, tied=True),
@@ -38,6 +35,7 @@ LAGGED = [TpCase(2, update="lockfree"), TpCase(2, plan="disk", update="lockfree"
           TpCase(2, plan="resident", update="lockfree", sequence=True)]
 META = TpCase(2, plan="resident", meta=True)
 META_MOE = TpCase(2, plan="resident", meta=True, family="moe")  # its routers, whole, drawn by the group too
+DP2_LAGGED = TpCase(2, plan="disk", update="lockfree")  # sharded over the replicas, at a fixed lag
 DP2_TP2 = [TpCase(2, clip=0.05), TpCase(2, plan="disk"), TpCase(2, plan="disk", clip=0.05, sequence=True),
            TpCase(2, plan="disk", update="lockfree", staleness=0), TpCase(2, plan="disk", clip=0.05, family="moe", ep=2)]
 
@@ -72,7 +70,7 @@ PP_SAVED = Case("1f1b", 2, 1, plan="disk")  # pp = 2 x tp = 2, saved after its f
 def dp2_tp2(tmp_path_factory):
     """The 4-rank launch: dp = 2 x tp = 2, and pp = 2 x tp = 2 in the same processes."""
     disk, out = tmp_path_factory.mktemp("dp2tp2d"), tmp_path_factory.mktemp("dp2tp2run")
-    jobs = _jobs(DP2_TP2, disk) + [(("saved",), functools.partial(tp_losses, case=SAVED, disk=disk / "s", save_to=out))]
+    jobs = _jobs([*DP2_TP2, DP2_LAGGED], disk) + [(("saved",), functools.partial(tp_losses, case=SAVED, disk=disk / "s", save_to=out))]
     jobs += [(("pp", c), functools.partial(pipelined_losses, case=c, pp=2, disk=disk / f"pp{i}", tp=2))
              for i, c in enumerate(PP2_TP2)]
     whole = tmp_path_factory.mktemp("tp1run")  # tp = 1 over 4 replicas: a checkpoint the tp2 launch cuts again
@@ -154,40 +152,36 @@ def test_two_ranks_of_tensor_parallel_train_as_one_process(tp2, case):
     _check(tp2, case, 2, 1)
 
 
-@at_one_thread
-def _delayed(family: str) -> list[list[float]]:
-    """One process of plain PyTorch updating a step late (ZeRO-Offload's delayed parameter update): AdamW
-    steps a copy (the master), and after each backward the model takes the master's values from before that
-    step's update, so step s computes with the updates of steps before s - 1."""
+def _delayed(family: str, dp: int) -> list[list[list[float]]]:
+    """One process of plain PyTorch updating a step late (``DelayedAdamW``), the replicas' gradients averaged."""
     model, _ = fresh(family=family)
-    master = copy.deepcopy(model)
-    opt, _ = make_adamw(master, 1e-2, (0.9, 0.95), 1e-8, 0.1)
-    out = []
-    for b in batches(0):
-        loss = loss_of(model, b[:, :-1], b[:, 1:])
-        loss.backward()
-        with torch.no_grad():
-            for p, m in zip(model.parameters(), master.parameters()):
-                m.grad, p.grad = p.grad, None
-                p.copy_(m)
-        opt.step()
-        opt.zero_grad()
-        out.append([loss.item()])
-    return out
+    return reference(dp, 1, start=(model, DelayedAdamW(model)))
+
+
+def _check_lagged(results, case, world: int, dp: int) -> None:
+    """Each rank's losses are one process's updating a step late (within the tolerance above; a free loop's
+    lag, or none, moves them by 1e-3 or more), and the parameters every rank holds whole (norms) come out
+    the same on all of them, bit for bit."""
+    want = _delayed(case.family, dp)
+    for rank in range(world):
+        got = results[((case,), rank)]
+        mine = [x for step in want for x in step[got["replica"]]]
+        assert [x for step in got["losses"] for x in step] == pytest.approx(mine, rel=RTOL, abs=0), f"rank {rank}"
+    whole = [results[((case,), rank)]["whole"] for rank in range(world)]
+    assert whole[0] and all(w.keys() == whole[0].keys() for w in whole)
+    assert all(torch.equal(w[k], whole[0][k]) for w in whole[1:] for k in whole[0])
 
 
 @pytest.mark.parametrize("case", LAGGED, ids=str)
 def test_lockfree_at_a_lag_of_one_step_reads_one_age_on_every_rank_of_a_group(tp2, case):
-    """Lockfree's default lag in a group runs at a fixed lag: both ranks' losses are one process's updating a
-    step late (within the tolerance above; a free loop's lag, or none, moves them by 1e-3 or more), and the
-    parameters both hold whole (norms) come out the same on both, bit for bit."""
-    want = [x for step in _delayed(case.family) for x in step]
-    for rank in range(2):
-        got = [x for step in tp2[((case,), rank)]["losses"] for x in step]
-        assert got == pytest.approx(want, rel=RTOL, abs=0), f"rank {rank}"
-    whole = [tp2[((case,), rank)]["whole"] for rank in range(2)]
-    assert whole[0] and whole[0].keys() == whole[1].keys()
-    assert all(torch.equal(whole[0][k], whole[1][k]) for k in whole[0])
+    """Lockfree's default lag in a group runs at a fixed lag."""
+    _check_lagged(tp2, case, 2, 1)
+
+
+def test_lockfree_at_a_fixed_lag_over_sharded_replicas_of_a_group_reads_one_age_everywhere(dp2_tp2):
+    """dp = 2 x tp = 2, each block's shards sharded over the two replicas (a free loop's lag is refused there):
+    every rank publishes its shard before the block's next use waits for it, and trains a step late."""
+    _check_lagged(dp2_tp2, DP2_LAGGED, 4, 2)
 
 
 @pytest.mark.parametrize("case", DP2_TP2, ids=str)

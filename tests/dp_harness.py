@@ -99,6 +99,26 @@ def delayed_ddp_losses(rank: int) -> list[float]:
     return _loop(ddp, DelayedAdamW(model), rank, 1, None, None)
 
 
+def slow_publish_losses(rank: int, plan, disk: Path) -> tuple[list[float], int]:
+    """``tiered_losses`` of lockfree at ``plan``'s fixed lag with rank 0's publishes held back 20 ms each, so
+    the other rank runs ahead of them: its reads of a block must still wait for its own publish only."""
+    import time
+
+    from tiertrain.runtime.block_group import BlockGroup
+
+    publish = BlockGroup.publish_and_take
+
+    def slow(self):
+        time.sleep(0.02)
+        return publish(self)
+    if rank == 0:
+        BlockGroup.publish_and_take = slow
+    try:
+        return tiered_losses(rank, plan, "lockfree", 1, None, disk)
+    finally:
+        BlockGroup.publish_and_take = publish
+
+
 def per_micro_losses(rank: int, accum: int) -> list[float]:
     """Plain PyTorch where each micro-batch's gradients are all-reduced and averaged as its backward
     ends and the averages summed over the micro-batches: what FSDP2 and ZeRO-3 do with accumulation by

@@ -85,15 +85,16 @@ def test_bench_convergence_prints_sync_and_lockfree_loss_over_time(tmp_path, mon
 
     monkeypatch.chdir(tmp_path)
     lines: list[str] = []
-    got = bench_convergence(32, 2, 2, 32, 24, 2e-2, None, (2,), lines.append, page=64 << 10, points=4)
+    got = bench_convergence(32, 2, 2, 32, 24, 2e-2, None, (1, 2), lines.append, page=64 << 10, points=4)
     text = "\n".join(lines)
-    assert set(got) == {"equal_time_s", "sync", "lockfree2"}
-    for run in ("sync", "lockfree2"):
+    assert set(got) == {"equal_time_s", "sync", "lockfree1", "lockfree2", "fixed1"}
+    for run in ("sync", "lockfree1", "lockfree2", "fixed1"):
         assert got[run]["last_steps_loss"] < got[run]["first_loss"] - 0.5  # both learn
         # a timing figure: on a loaded machine a run may not have stepped by then (no step ended: its first loss)
         assert got[run]["loss_at_equal_time"] <= got[run]["first_loss"] and got[run]["step_s"] > 0
     assert got["sync"]["staleness"] == 0 and 1 <= got["lockfree2"]["staleness"] <= 2  # its passes coalesce
-    assert text.count("against sync") == 2 and "fastest run's second half" in text
+    assert got["fixed1"]["staleness"] == 1  # exactly one step behind
+    assert text.count("against sync") == 4 and "fastest run's second half" in text
     assert len([ln for ln in lines if ln.startswith("  ")]) == 4  # the curve's rows
     assert list(tmp_path.iterdir()) == []  # its runs and disk files are gone
     r = run_cli("bench", "convergence", "--max-staleness", "x")

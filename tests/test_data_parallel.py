@@ -8,7 +8,7 @@ import functools
 
 import pytest
 
-from dp_harness import (TINY4, agreed_auto_setup, delayed_ddp_losses, loaded_after_a_step, agreed_budgets, ddp_losses, failure_on_rank0, gather_events,
+from dp_harness import (TINY4, agreed_auto_setup, delayed_ddp_losses, slow_publish_losses, loaded_after_a_step, agreed_budgets, ddp_losses, failure_on_rank0, gather_events,
                         mismatched_collective, mismatched_setup, one_process_checkpoint, per_micro_losses, pool_peaks,
                         recheck_on_rank0, reduction_events, resumed_by_parts, run_ranks, run_ranks_one_dies,
                         saved_then_uninterrupted, sent_per_step, tiered_losses, unshared_save, disk_reads_by_thread,
@@ -69,6 +69,9 @@ def dp2(tmp_path_factory, one_process):
     jobs += [(("fixed lag", plan), functools.partial(
         tiered_losses, plan=dataclasses.replace(PLANS[plan], max_staleness=1, fixed_lag=True), update="lockfree",
         accum=1, clip=None, disk=tmp / f"lag-{plan}")) for plan in ("resident", "stream", "disk")]
+    jobs += [(("fixed lag slow", plan), functools.partial(
+        slow_publish_losses, plan=dataclasses.replace(PLANS[plan], max_staleness=1, fixed_lag=True),
+        disk=tmp / f"lag-slow-{plan}")) for plan in ("resident", "stream")]
     jobs += [(("ddp delayed",), delayed_ddp_losses)]
     jobs += [(("events", plan), functools.partial(reduction_events, plan=PLANS[plan])) for plan in ("resident", "stream")]
     jobs += [(("disk reads",), functools.partial(disk_reads_by_thread, plan=PLANS["disk"], disk=tmp / "disk-reads"))]
@@ -428,11 +431,14 @@ def test_gradients_reduced_in_bf16_send_half_the_gradient_bytes_and_train_as_fp3
 def test_lockfree_at_a_fixed_lag_over_sharded_blocks_is_ddp_updating_a_step_late_bit_for_bit(dp2, plan):
     """A fixed lag (``Plan.fixed_lag``) over sharded blocks, resident (their gathers started ahead), streamed
     and disk-homed: every rank's job of a step publishes its shard before the block's next use waits for it,
-    so every rank gathers alike, and the losses are DDP's with each update applied a step late, bit for bit."""
+    so every rank gathers alike, and the losses are DDP's with each update applied a step late, bit for bit;
+    also where one rank's publishes come late."""
     for rank in (0, 1):
         got, _ = dp2[(("fixed lag", plan), rank)]
         assert got == dp2[(("ddp delayed",), rank)], f"rank {rank}"
         assert got != dp2[(("ddp", 1, None), rank)]  # the lag shows
+        if plan != "disk":
+            assert dp2[(("fixed lag slow", plan), rank)][0] == got, f"rank {rank}, its publishes late"
 
 
 def test_lockfree_with_lag_over_sharded_blocks_is_refused_where_ranks_could_issue_different_collectives(monkeypatch):

@@ -15,6 +15,7 @@ from tiertrain.memory import Budgets, Tier
 from tiertrain.models import build
 from tiertrain.plan import BlockPlan, Plan
 from tiertrain.train.objective import lm_loss
+from tiertrain.train.optimizer import make_adamw
 
 STEPS = 6
 
@@ -169,6 +170,62 @@ def test_an_update_that_fails_before_publishing_raises_at_the_blocks_next_forwar
         with pytest.raises(RuntimeError, match="publish failed"):  # and again at close, which still stops all
             tm.runtime.close()
         assert tm.runtime.mode.pool._shutdown
+    finally:
+        tm.runtime.close()
+        tm.runtime.mem.close()
+
+
+class _Skipping(torch.nn.Module):
+    """Three blocks, the middle one left out of the forward while ``skip`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(256, 32)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(3))
+        self.head = torch.nn.Linear(32, 256)
+        self.skip = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for i, block in enumerate(self.blocks):
+            if not (self.skip and i == 1):
+                h = h + torch.tanh(block(h))
+        return self.head(h)
+
+
+def _skipping_losses(model: torch.nn.Module, opt, steps: int) -> list[float]:
+    losses = []
+    for step, b in enumerate(batches(steps)):
+        for m in model.modules():
+            if isinstance(m, _Skipping):
+                m.skip = step % 2 == 1
+        loss = torch.nn.functional.cross_entropy(model(b[:, :-1]).flatten(0, 1), b[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@at_one_thread
+def test_a_block_without_gradients_in_a_step_still_publishes_and_lags_one_step(tmp_path, stream):
+    """A block the forward skips every other step gets no gradient there: the step publishes what its master
+    holds anyway, so it reads params one step old, as plain PyTorch's delayed update copies every parameter
+    every step."""
+    torch.manual_seed(0)
+    plain = _Skipping()
+    want = _skipping_losses(plain, DelayedAdamW(plain), 6)
+    torch.manual_seed(0)
+    model = _Skipping()
+    opt, _ = make_adamw(model, 1e-2, (0.9, 0.95), 1e-8, 0.1)
+    blocks = tuple(BlockPlan(home=Tier.HOST, stream=stream) for _ in range(3))
+    plan = Plan(blocks, BlockPlan(home=Tier.HOST), window=3, prefetch=0, update="lockfree", max_staleness=1,
+                fixed_lag=True)
+    tm, topt = tiertrain.setup(model, opt, Budgets(8 << 20, 64 << 20), plan=plan, page_size=64 << 10,
+                               blocks="blocks")
+    try:
+        assert _skipping_losses(tm, topt, 6) == want
     finally:
         tm.runtime.close()
         tm.runtime.mem.close()

@@ -404,7 +404,9 @@ def test_a_tensor_parallel_layout_the_ranks_would_refuse_is_one_message_before_t
                        (["--model", "tiny", *cut[2:-4], "--nproc", "4", "--pp", "2", "--tp", "2"],
                         "a tied embedding in a pipeline cut over tensor-parallel ranks"),
                        ([*cut, "--precision", "fp16"], "use --precision bf16"),
-                       ([*cut, "--update", "lockfree"], "use --update sync or overlap"),
+                       ([*cut, "--update", "lockfree"], "no clipping (grad_clip: 0), or --update overlap"),
+                       ([*cut, "--update", "lockfree", "--grad-clip", "0", "--max-staleness", "2"],
+                        "give --max-staleness 1 (a fixed lag of one step) or 0"),
                        ([*cut[:6], "--sequence-parallel"], "--sequence-parallel slices the sequence over a "
                                                            "tensor-parallel group: give --tp T"),
                        (["--model", str(moe), *cut[2:4], "--nproc", "4", "--tp", "2", "--pp", "2", "--ep", "2"],

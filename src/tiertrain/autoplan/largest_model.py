@@ -104,7 +104,7 @@ def profile_for(cfg: ModelConfig, machine: Machine, run: RunShape) -> Profile:
     shards' states are split over."""
     profile = analytic_profile(cfg, run.batch, run.seq, run.precision, machine=machine)
     profile = run_profile(dataclasses.replace(profile, page=run.page), run.update, run.max_staleness,
-                          run.needs_all_grads)
+                          run.needs_all_grads, group=run.cluster is not None and run.cluster.tp > 1)
     if run.cluster is None:
         return profile
     c = run.cluster

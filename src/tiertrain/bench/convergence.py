@@ -5,11 +5,13 @@ shows what those steps learn. The same disk-homed plan trains the same model fro
 seed with ``sync`` and with ``lockfree`` at each max staleness, and the bench prints each run's
 loss curve over time, its loss over its last steps (per step), and its loss over the same
 stretch of wall time (speed included). A lockfree run that steps faster but learns less per
-step shows up here as no lower at equal time.
+step shows up here as no lower at equal time. At max staleness 1 it also runs lockfree at a fixed lag
+(``Plan.fixed_lag``: every step exactly one step behind, reproducible, as a tensor-parallel group runs it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 from dataclasses import dataclass
@@ -58,11 +60,12 @@ def _curve(label: str, out: Path) -> Curve:
                  max(r.get("staleness", 0) for r in rows))
 
 
-def _run(label: str, update: str, staleness: int, base: dict, work: Path) -> Curve:
+def _run(label: str, update: str, staleness: int, base: dict, work: Path, plan: Path | None = None) -> Curve:
     from tiertrain.train.loop import train
 
     out = work / label
-    cfg = TrainConfig(**base, update=update, max_staleness=staleness, out=str(out))
+    given = base if plan is None else {**base, "plan": str(plan)}
+    cfg = TrainConfig(**given, update=update, max_staleness=staleness, out=str(out))
     train(cfg, Reporter(cfg.steps, cfg.log_every, quiet=True))
     return _curve(label, out)
 
@@ -76,14 +79,17 @@ def bench_convergence(d: int, layers: int, batch: int, seq: int, steps: int, lr:
     disk = Path(disk_dir) if disk_dir else work / "disk"
     plan_file = work / "plan.json"
     plan_file.write_text(disk_home_plan(layers, "sync").to_json())
+    fixed_file = work / "fixed.json"
+    fixed_file.write_text(dataclasses.replace(disk_home_plan(layers, "lockfree"), fixed_lag=True).to_json())
     room = f"{disk_bench_room(param_count(cfg), layers, page) >> 20}MiB"
     base = dict(model=cfg, steps=steps, batch_size=batch, seq_len=seq, lr=lr, grad_clip=0.0, plan=str(plan_file),
                 device_memory=room, host_memory=room, disk=f"{disk}:{room}", page_size=f"{page >> 10}KiB",
                 log_every=10 ** 6, seed=0)
     out(f"model d_model {d}, {layers} layers; batch {batch} x {seq}, {steps} steps, lr {lr}, no clipping; "
         f"plan: master and moments on disk, blocks streamed; built-in corpus; loss smoothed over {SMOOTH} steps")
-    runs = [("sync", "sync", 0)] + [(f"lockfree{s}", "lockfree", s) for s in stalenesses]
-    curves = [_run(label, update, s, base, work) for label, update, s in runs]
+    runs = [("sync", "sync", 0, None)] + [(f"lockfree{s}", "lockfree", s, None) for s in stalenesses]
+    runs += [("fixed1", "lockfree", 1, fixed_file)] if 1 in stalenesses else []
+    curves = [_run(label, update, s, base, work, plan) for label, update, s, plan in runs]
     _print_curves(curves, points, out)
     fastest = min(c.seconds[-1] for c in curves)
     tail = len(curves[0].raw) // 4

@@ -231,10 +231,11 @@ def _micro_batches_as_accum(values: dict[str, Any], name: str) -> None:
 def _check_layout(cfg: Any, nproc: int) -> None:
     """What the ranks would each refuse, said once before torchrun starts them: an ``--ep`` or
     ``--shard-group`` that does not divide the data-parallel ranks (a tensor-parallel group's or a
-    pipeline's replicas), a plan file laid out for another number of ranks."""
+    pipeline's replicas), an update mode the loop's clipping or accumulation contradicts, a plan file laid
+    out for another number of ranks."""
     from pathlib import Path
 
-    from tiertrain.plan import ParallelLayout, Plan
+    from tiertrain.plan import ParallelLayout, Plan, check_update_mode
 
     if cfg.tp > 1:
         _check_tensor_layout(cfg, nproc)
@@ -242,8 +243,14 @@ def _check_layout(cfg: Any, nproc: int) -> None:
         _check_pipeline_layout(cfg, nproc)
     if cfg.ep > 1 or cfg.shard_group:  # one message where they do not divide the replicas
         ParallelLayout(dp=nproc // (cfg.tp * cfg.pp), ep=cfg.ep, shard_group=cfg.shard_group)
+    planned = None
     if cfg.plan and cfg.plan.endswith(".json") and os.path.isfile(cfg.plan):
-        dp = Plan.from_json(Path(cfg.plan).read_text(), f"plan {cfg.plan}").parallel.dp
+        planned = Plan.from_json(Path(cfg.plan).read_text(), f"plan {cfg.plan}")
+    update = cfg.update or (planned.update if planned is not None else None)
+    if update is not None:  # the loop's clipping and accumulation against it (fp16 is the one dtype refused)
+        check_update_mode(update, cfg.precision or "fp32", cfg.grad_accum, cfg.grad_clip > 0)
+    if planned is not None:
+        dp = planned.parallel.dp
         per = cfg.tp * cfg.pp  # a replica's ranks (a group, a pipeline of them): the plan's dp counts replicas
         ranks = nproc // per
         if dp not in (1, ranks):

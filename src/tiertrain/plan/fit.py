@@ -27,7 +27,7 @@ from tiertrain.plan.bytes import (F32_BYTES, MIN_PAGE, PIECE_BUFFERS, disk_state
                                   separate_param_home, sharded, state_homes, updated_away)
 from tiertrain.plan.plan import BlockPlan, Plan, Resolved, builtin_plan
 from tiertrain.plan.tiers import Tier
-from tiertrain.plan.update_modes import grad_copies, transient
+from tiertrain.plan.update_modes import fixed_lag, grad_copies, transient
 from tiertrain.precisions import BYTES
 from tiertrain.units import format_bytes
 
@@ -248,7 +248,7 @@ def pieces_to_fit(sizes: "Sizes | Sequence[int]", plan: Plan, page: int, budgets
     wait on the device). A plan whose host fits, or that names its pieces already, is returned as it
     is, and so is one no piece size makes fit (the budget check then says what it needs), and one at a
     fixed lag, whose updates hold a block's master whole (``Plan.fixed_lag``)."""
-    if plan.fixed_lag or not plan.uses_disk or any(b.piece for b in (*plan.blocks, plan.rest)):
+    if fixed_lag(plan) or not plan.uses_disk or any(b.piece for b in (*plan.blocks, plan.rest)):
         return plan
     if tier_bytes(sizes, plan, page, grads=grads)[Tier.HOST] <= budgets[Tier.HOST]:
         return plan

@@ -152,7 +152,9 @@ class Plan:
         """A fixed lag holds one step's update in the master until the next update publishes it: a lockfree
         loop's at max staleness 1 (at 0 it is inert: every block waits for its own update; other modes
         never lag), of blocks whose master an update holds whole."""
-        if rules(self.update).loops and self.max_staleness > 1:
+        if not rules(self.update).loops or self.max_staleness == 0:
+            return
+        if self.max_staleness > 1:
             raise ConfigError(f"fixed_lag runs lockfree updates exactly one step behind, but this plan lets them lag "
                               f"{self.max_staleness}: set max_staleness 1, or fixed_lag to false")
         if any(b.piece for b in (*self.blocks, self.rest)):

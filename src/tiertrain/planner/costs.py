@@ -232,6 +232,8 @@ def host_bytes(p: Profile, choices: tuple[Choice, ...], disk_home: tuple[bool, .
         # a compute copy apart from an fp32 master: ``plan.bytes.separate_param_home``
         if (c.stream or sharded) and p.compute_bytes == 4 and (p.fixed_lag or disk and p.master_moves):
             total += pages(own_numel(p.network, b) * p.compute_bytes, p.page)
+    if sharded and p.compute_bytes == 4 and (p.fixed_lag or rest_disk and p.master_moves):  # the rest's too
+        total += pages(own_numel(p.network, p.rest) * p.compute_bytes, p.page)
     disk_blocks = [b for b, d in zip(p.blocks, disk_home) if d] + ([p.rest] if rest_disk else [])
     if p.piece:  # a few pieces per worker, not whole blocks' states
         return total + _staging(p, disk_blocks)

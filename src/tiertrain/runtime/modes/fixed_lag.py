@@ -12,13 +12,17 @@ started once its gradients of step v are in and the update of step v - 1 has end
   forward waits for this alone.
 - AdamW into the master alone, on the update workers, while the device goes on.
 
-A master homed on disk is read in by its update, so there both halves run on the worker, one after the
-other. The device waits for an AdamW only where the block's update of the step before has not ended by
-the time its next gradients are in: about a step for each update.
+The device waits for an AdamW only where the block's update of the step before has not ended by the time
+its next gradients are in: about a step for each update. A master homed on disk is read in by its update,
+so there both halves run on the worker, one after the other, and the block's next forward waits until the
+workers reach it: they take the updates in backward's order, the embeddings' last, so the next forward's
+first blocks wait behind the others' disk traffic (reading the master alone ahead of its update, on the
+publisher, would lift that: not done yet).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from tiertrain.optim import AdamWHyper
@@ -32,6 +36,8 @@ class FixedLagMode(LockfreeMode):
     def __init__(self, ctx: ModeContext) -> None:
         super().__init__(ctx)
         self._published: dict[int, Future] = {}  # block index -> its update's publish (and gradients taken)
+        self._ahead: set[int] = set()  # blocks whose master an update moved past their params
+        self._final: set[int] = set()  # blocks whose gradients of this step are in
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix="tiertrain-publish")
 
     @classmethod
@@ -56,6 +62,22 @@ class FixedLagMode(LockfreeMode):
     def grads_final(self, g: UpdatableGroup) -> None:
         """The step's gradients are in: the block's update of the step before ends (its AdamW is what this
         one publishes), and this step's starts."""
+        self._start(g)
+        self._ahead.add(g.index)
+        self._final.add(g.index)
+
+    def step(self, later: Mapping[int, Callable[[], None]] | None = None) -> None:
+        """A block whose master is ahead of its params but that got no gradient this step (an expert no token
+        reached, a block the forward skipped) still publishes, as every block does once a step: its lag stays
+        one step. At the step, on every rank alike."""
+        for g in self.ctx.groups:
+            if g.index in self._ahead and g.index not in self._final:
+                self._start(g)  # it takes no gradients: a publish alone
+                self._ahead.discard(g.index)
+        self._final.clear()
+        super().step(later)
+
+    def _start(self, g: UpdatableGroup) -> None:
         g.finish_update()
         hypers = self.ctx.hypers()
         if master_home(g.plan) is Tier.DISK:

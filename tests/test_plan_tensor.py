@@ -352,3 +352,36 @@ def test_max_model_over_a_group_takes_a_lag_of_one_step_at_most(tmp_path, capsys
                  "lockfree", "--max-staleness", "2", "--grad-clip", "0", "--out", str(tmp_path / "p.json")) == 2
     err = capsys.readouterr().err
     assert "max staleness 2 lets each rank read params of another age" in err and err.count("error:") == 1, err
+
+
+@pytest.mark.parametrize("family,pp,gathers", [("llama", 1, 0), ("llama", 2, 1), ("gpt2", 2, 1), ("gpt2", 3, 2),
+                                               ("gpt", 2, 0)])
+def test_plan_pp_tp_counts_the_whole_sequence_a_stages_ends_gather_under_sequence_parallel(tmp_path, capsys,
+                                                                                           monkeypatch, family, pp,
+                                                                                           gathers):
+    """Under sequence parallel a later stage of a Llama or GPT-2 gathers its input whole (its mask and rotary
+    tables built for the whole sequence) and GPT-2's stages before the last gather their output: one all-gather
+    each way per end, its worst stage's (a middle GPT-2 stage has both); our GPT's stages gather nothing. The
+    planner charges them to the stage's first block, half a sum of the whole hidden states each."""
+    from pp_harness import config_of
+
+    from tiertrain.planner import tensor
+    from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
+
+    seen = []
+    charge = tensor.with_stage_gathers
+    monkeypatch.setattr(tensor, "with_stage_gathers", lambda p, n, tp, bps: seen.append(n) or charge(p, n, tp, bps))
+    model = tmp_path / "m.json"
+    model.write_text(json.dumps({**config_of(family, tied=False), **({"n_layer": 6} if family == "gpt2" else {})}))
+    assert _main("plan", "--model", str(model), "--machine", "h100-sxm-80gb", "--seq", "16", "--solver", "dp",
+                 "--nproc", str(2 * pp), "--pp", str(pp), "--tp", "2", "--sequence-parallel", "--grad-clip", "0",
+                 "--out", str(tmp_path / "p.json")) == 0, capsys.readouterr().err
+    assert seen == [gathers]
+    machine = MachineProfile(h2d_bps=1e10, d2h_bps=1e10, disk_read_bps=1e9, disk_write_bps=1e9, adam_params_per_s=1e9)
+    block = BlockProfile("blocks.0", 1e-3, 2e-3, 1000, 1 << 12, 1 << 10)
+    p = Profile((block, block), block, machine)
+    more = charge(p, gathers, 2, 1e9)
+    half = 0.5 * tensor.all_reduce_s(2 * block.hidden_bytes, 2, 1e9)
+    assert more.blocks[0].forward_s - block.forward_s == pytest.approx(gathers * half)
+    assert more.blocks[0].backward_s - block.backward_s == pytest.approx(gathers * half)
+    assert more.blocks[1] == block and (gathers or more == p)

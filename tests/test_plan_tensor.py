@@ -4,6 +4,7 @@ is pure."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import re
@@ -354,34 +355,44 @@ def test_max_model_over_a_group_takes_a_lag_of_one_step_at_most(tmp_path, capsys
     assert "max staleness 2 lets each rank read params of another age" in err and err.count("error:") == 1, err
 
 
-@pytest.mark.parametrize("family,pp,gathers", [("llama", 1, 0), ("llama", 2, 1), ("gpt2", 2, 1), ("gpt2", 3, 2),
-                                               ("gpt", 2, 0)])
-def test_plan_pp_tp_counts_the_whole_sequence_a_stages_ends_gather_under_sequence_parallel(tmp_path, capsys,
-                                                                                           monkeypatch, family, pp,
-                                                                                           gathers):
-    """Under sequence parallel a later stage of a Llama or GPT-2 gathers its input whole (its mask and rotary
-    tables built for the whole sequence) and GPT-2's stages before the last gather their output: one all-gather
-    each way per end, its worst stage's (a middle GPT-2 stage has both); our GPT's stages gather nothing. The
-    planner charges them to the stage's first block, half a sum of the whole hidden states each."""
+@pytest.mark.parametrize("family,ends", [("llama", (True, False)), ("gpt2", (True, True)), ("gpt", (False, False))])
+def test_plan_pp_tp_counts_the_whole_sequence_a_stages_ends_gather_under_sequence_parallel(tmp_path, monkeypatch,
+                                                                                           family, ends):
+    """Under sequence parallel a stage after the first of a Llama or GPT-2 gathers its input whole (its mask
+    and rotary tables built for the whole sequence), and GPT-2's stages before the last their output: an
+    all-gather each way per end; our GPT's stages gather nothing. The pipeline's planner charges each virtual
+    stage its own ends (the busiest rank's over its segments), and a stage's tier plan its worst stage's."""
     from pp_harness import config_of
 
+    from tiertrain.plan.pipeline import PipelineLayout
     from tiertrain.planner import tensor
+    from tiertrain.planner.network import Network
+    from tiertrain.planner.pipeline import for_stage, stage_times
     from tiertrain.planner.profile import BlockProfile, MachineProfile, Profile
 
     seen = []
-    charge = tensor.with_stage_gathers
-    monkeypatch.setattr(tensor, "with_stage_gathers", lambda p, n, tp, bps: seen.append(n) or charge(p, n, tp, bps))
+    mark = tensor.with_stage_ends
+    monkeypatch.setattr(tensor, "with_stage_ends", lambda p, *a: seen.append(a[:2]) or mark(p, *a))
     model = tmp_path / "m.json"
-    model.write_text(json.dumps({**config_of(family, tied=False), **({"n_layer": 6} if family == "gpt2" else {})}))
+    model.write_text(json.dumps(config_of(family, tied=False)))
     assert _main("plan", "--model", str(model), "--machine", "h100-sxm-80gb", "--seq", "16", "--solver", "dp",
-                 "--nproc", str(2 * pp), "--pp", str(pp), "--tp", "2", "--sequence-parallel", "--grad-clip", "0",
-                 "--out", str(tmp_path / "p.json")) == 0, capsys.readouterr().err
-    assert seen == [gathers]
+                 "--nproc", "4", "--pp", "2", "--tp", "2", "--sequence-parallel", "--grad-clip", "0",
+                 "--out", str(tmp_path / "p.json")) == 0
+    assert seen == [ends]
     machine = MachineProfile(h2d_bps=1e10, d2h_bps=1e10, disk_read_bps=1e9, disk_write_bps=1e9, adam_params_per_s=1e9)
-    block = BlockProfile("blocks.0", 1e-3, 2e-3, 1000, 1 << 12, 1 << 10)
-    p = Profile((block, block), block, machine)
-    more = charge(p, gathers, 2, 1e9)
-    half = 0.5 * tensor.all_reduce_s(2 * block.hidden_bytes, 2, 1e9)
-    assert more.blocks[0].forward_s - block.forward_s == pytest.approx(gathers * half)
-    assert more.blocks[0].backward_s - block.backward_s == pytest.approx(gathers * half)
-    assert more.blocks[1] == block and (gathers or more == p)
+    block = BlockProfile("blocks.0", 1.0, 2.0, 1000, 1 << 12, 1 << 10)
+    bare = Profile((block,) * 4, BlockProfile("rest", 0.0, 0.0, 0, 0, 0), machine)
+    g_in, g_out = 0.25 * ends[0], 0.125 * ends[1]
+    p = dataclasses.replace(bare, gather_in_s=g_in, gather_out_s=g_out)
+    # rank r runs virtual stages r, r + pp, ...: at pp 2 x 2 segments rank 0 has stages 0 (out) and 2 (in, out),
+    # rank 1 stages 1 (in, out) and 3 (in); at pp 2, stage 0 its output's gather, stage 1 its input's
+    for layout, worst_rank, worst_stage in ((PipelineLayout(2, "1f1b", 2), max(g_in, g_out), max(g_in, g_out)),
+                                            (PipelineLayout(2, "aiao", 4, 2), max(g_in + 2 * g_out, 2 * g_in + g_out),
+                                             g_in + g_out)):
+        more, _ = stage_times(p, layout, Network(), 1e9)
+        base, _ = stage_times(bare, layout, Network(), 1e9)
+        assert (more.compute_s - base.compute_s, more.backward_s - base.backward_s) == pytest.approx(
+            (2 * worst_rank, worst_rank)), layout
+        staged, plain = for_stage(p, layout, 2), for_stage(bare, layout, 2)
+        assert staged.blocks[0].forward_s - plain.blocks[0].forward_s == pytest.approx(worst_stage), layout
+        assert staged.blocks[1] == plain.blocks[1] and (staged.gather_in_s, staged.gather_out_s) == (0.0, 0.0)

@@ -391,6 +391,24 @@ def test_train_tp_trains_as_one_process_and_its_checkpoint_resumes_in_one(tmp_pa
     assert _losses(tmp_path / "in-one") == pytest.approx(_losses(cut)[2:], rel=1e-5, abs=0)
 
 
+def test_a_plan_files_lockfree_is_refused_with_clipping_before_torchrun_but_not_for_a_pipeline(tmp_path):
+    """A plan file saying lockfree, with train's default clipping: the ranks of a data-parallel run would each
+    refuse it, so it is one message before torchrun starts; a pipeline's stages update as --update says (sync
+    by default), so its run passes."""
+    import dataclasses
+
+    from tiertrain.cli.main import _check_layout
+    from tiertrain.errors import ConfigError
+    from tiertrain.plan import builtin_plan
+    from tiertrain.train.config import make_config
+
+    path = tmp_path / "lockfree.json"
+    path.write_text(dataclasses.replace(builtin_plan("stream", 2), update="lockfree").to_json())
+    with pytest.raises(ConfigError, match="lockfree updates take gradients as they come"):
+        _check_layout(make_config({}, {"model": "tiny", "plan": str(path)}), 2)
+    _check_layout(make_config({}, {"model": "tiny", "plan": str(path), "pp": 2}), 2)
+
+
 def test_a_tensor_parallel_layout_the_ranks_would_refuse_is_one_message_before_torchrun_starts(tmp_path, capsys):
     from tiertrain.cli.main import main
 

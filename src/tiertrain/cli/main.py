@@ -246,7 +246,8 @@ def _check_layout(cfg: Any, nproc: int) -> None:
     planned = None
     if cfg.plan and cfg.plan.endswith(".json") and os.path.isfile(cfg.plan):
         planned = Plan.from_json(Path(cfg.plan).read_text(), f"plan {cfg.plan}")
-    update = cfg.update or (planned.update if planned is not None else None)
+    # a pipeline's stages update as --update says (sync by default), the others as the plan file does
+    update = cfg.update or (planned.update if planned is not None and cfg.pp == 1 else None)
     if update is not None:  # the loop's clipping and accumulation against it (fp16 is the one dtype refused)
         check_update_mode(update, cfg.precision or "fp32", cfg.grad_accum, cfg.grad_clip > 0)
     if planned is not None:

@@ -531,7 +531,7 @@ def _cut_over_group(req: PlanRequest, profile: Profile, target: Machine, here: M
     ``held``: under expert parallel, the shards of its experts and of the rest of each block it holds."""
     from tiertrain.models import ModelConfig
     from tiertrain.parallel.tensor_plans import summed_in_a_block, whole_in_a_block
-    from tiertrain.planner.tensor import for_tensor, stage_gathers, sums_s, with_stage_gathers
+    from tiertrain.planner.tensor import for_tensor, sums_s, with_stage_ends
 
     link = _node_link(target, here, profile, req.tp)
     built, plan = _tensor_model(req.model, req.tp)
@@ -540,8 +540,7 @@ def _cut_over_group(req: PlanRequest, profile: Profile, target: Machine, here: M
     cut = for_tensor(profile, req.tp, link.all_reduce_bps, whole_in_a_block(built, plan), routed,
                      req.sequence_parallel, summed_in_a_block(built, plan))
     if req.sequence_parallel:  # a pipeline stage's ends: the whole sequence gathered there
-        gathers = stage_gathers(plan.length_before_blocks, plan.views_after_blocks, req.pp)
-        cut = with_stage_gathers(cut, gathers, req.tp, link.all_reduce_bps)
+        cut = with_stage_ends(cut, plan.length_before_blocks, plan.views_after_blocks, req.tp, link.all_reduce_bps)
     if held is not None:
         cut = with_experts(cut, held)
     compute = sum(b.forward_s + b.backward_s for b in cut.blocks)

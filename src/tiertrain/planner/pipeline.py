@@ -48,9 +48,9 @@ def stage_times(p: Profile, layout: PipelineLayout, dp_net: Network, pp_bps: flo
     runs = fold(len(p.blocks), layout.pp, layout.segments)
     compute, backward, params = [0.0] * layout.pp, [0.0] * layout.pp, [0] * layout.pp
     for v, run in enumerate(runs):
-        r = v % layout.pp
-        compute[r] += sum(p.blocks[i].forward_s + p.blocks[i].backward_s for i in run)
-        backward[r] += sum(p.blocks[i].backward_s for i in run)
+        r, ends = v % layout.pp, ends_s(p, v, len(runs))
+        compute[r] += sum(p.blocks[i].forward_s + p.blocks[i].backward_s for i in run) + 2 * ends
+        backward[r] += sum(p.blocks[i].backward_s for i in run) + ends
         params[r] += sum(p.blocks[i].params for i in run)
     compute[-1] += p.rest.forward_s + p.rest.backward_s
     backward[-1] += p.rest.backward_s
@@ -61,6 +61,13 @@ def stage_times(p: Profile, layout: PipelineLayout, dp_net: Network, pp_bps: flo
     pp_s = 2 * hidden / pp_bps if layout.pp > 1 else 0.0
     return StageTimes(compute[busiest], dp_s, pp_s, layout.pp, layout.micro_batches,
                       backward_s=backward[busiest]), params[busiest]
+
+
+def ends_s(p: Profile, v: int, stages: int) -> float:
+    """The seconds each way virtual stage ``v`` of ``stages`` spends gathering the whole sequence at its ends
+    under sequence parallel (``planner.tensor.with_stage_ends``): its input where it is not the first, its
+    output where it is not the last."""
+    return p.gather_in_s * (v > 0) + p.gather_out_s * (v < stages - 1)
 
 
 def step_s(t: StageTimes, layout: PipelineLayout) -> float:
@@ -104,10 +111,16 @@ def for_stage(p: Profile, layout: PipelineLayout, n_blocks: int) -> Profile:
     each activation at a micro-batch's rows (the profile's are the batch's; M micro-batches split it), as
     many micro-batches' saved activations held at once as the schedule keeps in flight on a stage (the first
     stage's eqs. 6-7 count over its segments), the pipeline's prefetch of the next micro-batch's offloaded
-    ones, and each micro-batch's stash moved (its copies' time M of one micro-batch's)."""
+    ones, each micro-batch's stash moved (its copies' time M of one micro-batch's), and its worst stage's
+    gathers at its ends under sequence parallel (``ends_s``) on its first block."""
     m = layout.micro_batches
     in_flight = math.ceil(stash_checkpoints(layout.schedule, layout.pp, layout.segments, m) / layout.segments)
-    return dataclasses.replace(p, blocks=tuple(_micro(b, m) for b in p.blocks[:n_blocks]), rest=_micro(p.rest, m),
+    stages = layout.pp * layout.segments
+    ends = max(ends_s(p, v, stages) for v in range(stages))  # the stage with the most, on its first block
+    blocks = [_micro(b, m) for b in p.blocks[:n_blocks]]
+    blocks[0] = dataclasses.replace(blocks[0], forward_s=blocks[0].forward_s + ends,
+                                    backward_s=blocks[0].backward_s + ends)
+    return dataclasses.replace(p, blocks=tuple(blocks), rest=_micro(p.rest, m), gather_in_s=0.0, gather_out_s=0.0,
                                micro_in_flight=max(1, min(m, in_flight)), stash_ahead=True, micro_batches=m)
 
 

@@ -114,6 +114,9 @@ class Profile:
     #                                  (a pipeline's prefetch, FOLD3D §4), beside the one computing
     micro_batches: int = field(default=1, metadata=at_least(1))  # a pipeline stage's: its blocks' times are the
     #                                  step's, their activations one micro-batch's (each micro-batch's stash moves)
+    gather_in_s: float = field(default=0.0, metadata=_TIME)  # sequence parallel: the seconds each way (forward,
+    #                                  backward) a pipeline stage after the first gathers its input whole a step
+    gather_out_s: float = field(default=0.0, metadata=_TIME)  # and a stage before the last its output (GPT-2)
 
     @property
     def step_flops(self) -> float:

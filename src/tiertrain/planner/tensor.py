@@ -50,25 +50,16 @@ def for_tensor(p: Profile, tp: int, bps: float, whole: int, routed: int = 1, seq
     return dataclasses.replace(p, blocks=tuple(_cut(b, tp, bps, whole, routed, sequence, summed) for b in p.blocks))
 
 
-def stage_gathers(before: bool, after: bool, pp: int) -> int:
-    """The all-gathers each way a stage's ends add under sequence parallel, at its worst stage: a later
-    stage of a model that builds what its blocks read from its input's length gathers its input
-    (``TensorPlan.length_before_blocks``: forward, and its slicing's backward), and a stage before the last
-    of one whose base views its output to the whole length gathers that too (``views_after_blocks``:
-    GPT-2); a middle stage does both, at pp = 2 each stage one of them."""
-    ends = int(before) + int(after)
-    return ends if pp > 2 else min(ends, 1) if pp == 2 else 0
-
-
-def with_stage_gathers(p: Profile, gathers: int, tp: int, bps: float) -> Profile:
-    """``p`` (a rank's cut profile, its hidden bytes a slice) with ``gathers`` all-gathers of a stage's
-    whole hidden states each way charged to its first block (half a sum of the whole each)."""
-    if not gathers:
-        return p
-    b = p.blocks[0]
-    more = gathers * 0.5 * all_reduce_s(b.hidden_bytes * tp, tp, bps)
-    first = dataclasses.replace(b, forward_s=b.forward_s + more, backward_s=b.backward_s + more)
-    return dataclasses.replace(p, blocks=(first, *p.blocks[1:]))
+def with_stage_ends(p: Profile, before: bool, after: bool, tp: int, bps: float) -> Profile:
+    """``p`` (a rank's cut profile under sequence parallel, its hidden bytes a slice) with the seconds a
+    pipeline stage's ends gather the whole sequence, each way: a stage after the first of a model that builds
+    what its blocks read from its input's length gathers its input (``TensorPlan.length_before_blocks``:
+    forward, and its slicing's backward), and a stage before the last of one whose base views its output to
+    the whole length its output too (``views_after_blocks``: GPT-2). An all-gather of the whole hidden states
+    each: half a sum. The pipeline's planner charges them to the stages that have those ends
+    (``planner.pipeline``)."""
+    one = 0.5 * all_reduce_s(max(b.hidden_bytes for b in p.blocks) * tp, tp, bps)
+    return dataclasses.replace(p, gather_in_s=one if before else 0.0, gather_out_s=one if after else 0.0)
 
 
 def sums_s(p: Profile, cut: Profile, tp: int) -> float:

@@ -41,7 +41,7 @@ from tiertrain.parallel.tensor_plans import (
 )
 from tiertrain.plan import BUILTIN_PLANS, DEFAULT_MAX_STALENESS, Plan, RunOptions
 from tiertrain.plan.plan import plan_file
-from tiertrain.plan.update_modes import check_group_reads_alike, rules
+from tiertrain.plan.update_modes import check_group_reads_alike, lags_one_step
 from tiertrain.runtime.rank_agreement import model_signature
 
 FIX = "start every rank with the same model, --tp and plan (torchrun gives each rank the same command line)"
@@ -139,7 +139,7 @@ def lag_in_group(plan: str | Plan, opts: RunOptions) -> RunOptions:
     """The options a tensor-parallel group's ranks run with: a lockfree loop at max staleness 1 runs at a
     fixed lag (``Plan.fixed_lag``), so that every rank of the group reads each block at one age."""
     update, lag = _update_and_lag(plan, opts)
-    if not rules(update).loops or lag != 1 or opts.fixed_lag:
+    if not lags_one_step(update, lag) or opts.fixed_lag:
         return opts
     if opts.fixed_lag is False:
         raise ConfigError("fixed_lag=False lets each rank's lockfree loop lag on its own clock, and a tensor-parallel "

@@ -659,13 +659,13 @@ def _largest_over_layouts(req: PlanRequest, target: Machine, sizes: Budgets, run
     over its ranks; the most parameters win, then the fastest step."""
     from tiertrain.autoplan.largest_model import Cluster, NothingFits, largest_model
     from tiertrain.measure.collectives import measure_network, network_for
-    from tiertrain.plan.update_modes import check_group_reads_alike, rules
+    from tiertrain.plan.update_modes import check_group_reads_alike, lags_apart
 
     if req.tp > 1:
         check_group_reads_alike(req.update, req.max_staleness)
     node = req.nproc_per_node or req.nproc
     tps = [req.tp] if req.tp > 1 else [t for t in range(1, node + 1) if node % t == 0]
-    if rules(req.update).loops and req.max_staleness > 1:  # a group's ranks must read alike: no tp there
+    if lags_apart(req.update, req.max_staleness):  # a group's ranks must read alike: no tp there
         tps = [1]
     found = []
     for tp in tps:

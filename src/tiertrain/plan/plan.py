@@ -21,7 +21,7 @@ from tiertrain import typed
 from tiertrain.errors import ConfigError
 from tiertrain.plan.parallel import ParallelLayout
 from tiertrain.plan.tiers import Tier
-from tiertrain.plan.update_modes import UPDATE_MODES, rules
+from tiertrain.plan.update_modes import UPDATE_MODES, lags_apart, lags_one_step, rules
 from tiertrain.precisions import PRECISIONS as COMPUTE_DTYPES
 from tiertrain.typed import at_least, one_of
 
@@ -152,12 +152,10 @@ class Plan:
         """A fixed lag holds one step's update in the master until the next update publishes it: a lockfree
         loop's at max staleness 1 (at 0 it is inert: every block waits for its own update; other modes
         never lag), of blocks whose master an update holds whole."""
-        if not rules(self.update).loops or self.max_staleness == 0:
-            return
-        if self.max_staleness > 1:
+        if lags_apart(self.update, self.max_staleness):
             raise ConfigError(f"fixed_lag runs lockfree updates exactly one step behind, but this plan lets them lag "
                               f"{self.max_staleness}: set max_staleness 1, or fixed_lag to false")
-        if any(b.piece for b in (*self.blocks, self.rest)):
+        if lags_one_step(self.update, self.max_staleness) and any(b.piece for b in (*self.blocks, self.rest)):
             raise ConfigError("fixed_lag publishes a block's params from its whole master at its next update, which a "
                               "block updated in pieces never holds: set piece to 0, or fixed_lag to false")
 

@@ -82,12 +82,24 @@ def disk_passes_per_step(update: str, max_staleness: int) -> float:
 LAG_FIX = "give --max-staleness 1 (a fixed lag of one step) or 0, or use --update sync or overlap"
 
 
+def lags_one_step(update: str, max_staleness: int) -> bool:
+    """Whether a run's updates lag exactly as far as a fixed lag holds them (``fixed_lag``): a loop's, at
+    max staleness 1."""
+    return rules(update).loops and max_staleness == 1
+
+
+def lags_apart(update: str, max_staleness: int) -> bool:
+    """Whether a run's updates may lag further than a fixed lag holds them: a free loop's, at max staleness
+    2 or more, whose ranks would read a block at ages of their own (``check_group_reads_alike``)."""
+    return rules(update).loops and max_staleness > 1
+
+
 def fixed_lag(plan: Plan) -> bool:
     """Whether a plan's lockfree loop runs exactly one step behind (``Plan.fixed_lag``): each update
     publishes the params of the update before it and keeps its own in the master, so every forward reads
     params one step old, on every rank alike. A streamed block's compute params then live apart from its
     fp32 master, and a resident block's slot is never its master (``plan.bytes``)."""
-    return plan.fixed_lag and rules(plan.update).loops and plan.max_staleness == 1
+    return plan.fixed_lag and lags_one_step(plan.update, plan.max_staleness)
 
 
 def check_group_reads_alike(update: str, max_staleness: int, fix: str = LAG_FIX) -> None:
@@ -97,7 +109,7 @@ def check_group_reads_alike(update: str, max_staleness: int, fix: str = LAG_FIX)
     one step older than the other, and the parameters every rank holds whole (norms, biases) would part.
     At staleness 1 the group runs at a fixed lag (``fixed_lag``): every rank reads the same version; at 0
     every block waits for its own update before it is used, on every rank alike."""
-    if rules(update).loops and max_staleness > 1:
+    if lags_apart(update, max_staleness):
         raise ConfigError(f"the {update} update mode with max staleness {max_staleness} lets each rank read params "
                           f"of another age, and a tensor-parallel group's ranks must read the same: {fix}")
 

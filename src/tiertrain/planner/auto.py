@@ -12,7 +12,7 @@ from tiertrain.plan import DEFAULT_MAX_STALENESS, BlockPlan, ParallelLayout, Pla
 from tiertrain.plan.fit import (MAX_PIECE, TRANSIENT_HINT, PlanDoesNotFit, Sizes, cut_in_pieces, grads_held, host_masters,
                                 peak_fits, resolve)
 from tiertrain.plan.fit import fits as plan_fits
-from tiertrain.plan.update_modes import disk_passes_per_step, grad_copies, rules, transient
+from tiertrain.plan.update_modes import disk_passes_per_step, grad_copies, lags_one_step, rules, transient
 from tiertrain.planner.costs import activation_bytes, stash_bytes
 from tiertrain.planner.profile import Profile
 from tiertrain.planner.simulator import Simulation, simulate
@@ -59,7 +59,7 @@ def run_profile(p: Profile, update: str, max_staleness: int, needs_all_grads: bo
     tensor-parallel group's ranks, which run a lockfree loop at max staleness 1 at a fixed lag,
     ``api.tensor_parallel.lag_in_group``) the compute copies a fixed lag keeps. ``plan auto`` and
     ``tiertrain plan`` both plan through this, so they choose the same plan for one run."""
-    lagged = group and rules(update).loops and max_staleness == 1
+    lagged = group and lags_one_step(update, max_staleness)
     return dataclasses.replace(p, grad_copies=grad_copies(update, max_staleness),
                                disk_passes=disk_passes_per_step(update, max_staleness),
                                transient_grads=transient(update, needs_all_grads), master_moves=rules(update).loops,

@@ -597,13 +597,9 @@ class BlockGroup:
     def _apply(self, hypers: list[AdamWHyper], coef: torch.Tensor | None) -> None:
         """Apply the gathered gradients to master and moments (which must be in memory), free the
         gradients, publish the new compute params, and note the step they now include."""
-        taken = self._grads.take()
-        if taken is not None:
-            adamw_block(self, taken.hypers or hypers, coef, taken)
-            self._mem.release(taken.chunk)  # gradients live from backward's flush to here
+        self._apply_taken(self._grads.take(), hypers, coef)
         self._publish()
-        if taken is not None:
-            self._version = self._master_version = max(self._version, taken.step + 1)
+        self._version = self._master_version
 
     # -- at a fixed lag (``runtime.modes.fixed_lag``): the params a step behind the master ------------
     def publish_and_take(self) -> TakenGrads | None:
@@ -635,6 +631,8 @@ class BlockGroup:
         moves.send_home(self)
 
     def _apply_taken(self, taken: TakenGrads | None, hypers: list[AdamWHyper], coef: torch.Tensor | None) -> None:
+        """AdamW of ``taken`` into master and moments (in memory), its chunk freed (gradients live from
+        backward's flush to here), and the step the master now includes noted."""
         if taken is not None:
             adamw_block(self, taken.hypers or hypers, coef, taken)
             self._mem.release(taken.chunk)
